@@ -1,0 +1,62 @@
+"""The ``ocache`` command line.
+
+Each concern's module registers its own subcommands through a ``register(subparsers)`` function
+(one concern per module; this file only collects them). A registered subcommand sets
+``func(args) -> int`` on its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from . import __version__
+
+#: Modules that contribute subcommands, in help order. A module missing a ``register`` is skipped.
+COMMAND_MODULES = [
+    "ocache.proxy",
+    "ocache.warm",
+    "ocache.engine_cli",
+    "ocache.models",
+    "ocache.doctor",
+    "ocache.maintenance",
+    "ocache.bench",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ocache",
+        description="A prefix/KV cache proxy for llama-server: clients change only their base URL.",
+    )
+    parser.add_argument("--version", action="version", version=f"ocache {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        register = getattr(mod, "register", None)
+        if register is not None:
+            register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 0
+    return int(func(args) or 0)

@@ -1,0 +1,36 @@
+"""Where ocache keeps things outside the repository.
+
+Everything expensive (the llama.cpp sdist, the llama-server build, generated models) and everything
+private (anchors, spilled sessions, the folder journal) lives under one cache root, never in the
+checkout: ``$OCACHE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ocache``, else ``~/.cache/ocache``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Return the cache root directory (created with mode 0700 if missing)."""
+    env = os.environ.get("OCACHE_CACHE_DIR")
+    if env:
+        root = Path(env).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ocache"
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return root
+
+
+def private_dir(*parts: str) -> Path:
+    """Return ``cache_root()/parts...``, created with mode 0700 (it may hold prompts or KV state)."""
+    path = cache_root().joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+def repo_root() -> Path:
+    """The source checkout this package was imported from (holds ``patches/``)."""
+    return Path(__file__).resolve().parent.parent

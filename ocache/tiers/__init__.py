@@ -1,0 +1,1 @@
+"""Cache tiers: resident (the server's slots), disk (prefix anchors) and session (spilled conversations)."""

@@ -1,0 +1,77 @@
+"""Shared test fixtures: the real (patched and stock) llama-server, generated models, fixtures.
+
+Integration tests run the real llama-server built from the pinned source (``ocache.engine``) on
+the small generated GGUF models (``ocache.models``), on free loopback ports, with ``-t 1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ocache import engine
+from ocache.server import LlamaServer
+
+SHARED = Path(os.environ.get("OCACHE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+FIXTURES = SHARED / "fixtures"
+CASES = SHARED / "cases"
+
+
+def load_fixture(name: str) -> dict:
+    """A captured client request body from ``shared/fixtures`` (skips the test if absent)."""
+    path = FIXTURES / name
+    if not path.exists():
+        pytest.skip(f"fixture {path} not found (shared/ is not beside the checkout)")
+    return json.loads(path.read_text())
+
+
+def load_headers(name: str) -> dict:
+    path = FIXTURES / "headers" / name.replace(".json", ".headers.json")
+    if not path.exists():
+        pytest.skip(f"fixture headers {path} not found")
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def engine_patched() -> engine.EngineBuild:
+    """The patched llama-server (built once, then cached by its inputs)."""
+    return engine.build(stock=False)
+
+
+@pytest.fixture(scope="session")
+def engine_stock() -> engine.EngineBuild:
+    """The unpatched llama-server of the same source, for comparisons."""
+    return engine.build(stock=True)
+
+
+@pytest.fixture(scope="session")
+def models_tiny() -> dict[str, Path]:
+    """{"dense": qwen3 GGUF, "hybrid": qwen35 GGUF} of the ``tiny`` preset."""
+    from ocache import models
+
+    return models.make("tiny")
+
+
+@pytest.fixture
+def start_server(tmp_path, engine_patched, models_tiny, request):
+    """Factory: ``start_server(model="dense"|"hybrid", stock=False, **LlamaServer fields)``.
+
+    Every server gets ``--slot-save-path`` in the test's tmp dir and a log file; all are stopped
+    (by PID) when the test ends. The log tail is printed when the test fails.
+    """
+    started: list[LlamaServer] = []
+
+    def _start(model: str = "dense", stock: bool = False, **kw) -> LlamaServer:
+        build = request.getfixturevalue("engine_stock") if stock else engine_patched
+        kw.setdefault("slot_save_path", tmp_path / "slots")
+        kw.setdefault("log_path", tmp_path / f"server{len(started)}.log")
+        srv = LlamaServer(binary=build.binary, model=models_tiny[model], **kw)
+        started.append(srv)
+        return srv.start()
+
+    yield _start
+    for srv in started:
+        srv.stop()
