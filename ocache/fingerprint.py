@@ -1,0 +1,628 @@
+"""Request fingerprints: what kind of request this is, its stable harness head, and the server identity.
+
+Pure functions over a parsed request body (no network I/O). The only file I/O is ``gguf_identity``,
+which reads a GGUF file's header once and is kept apart from everything else.
+
+Three parts (issue 5, seed 002 "How it works" steps 1-3):
+
+* ``classify(body)`` - *agent* turn (a tools array and a system message: opencode, pi), *guest* (no
+  tools, short or a known side-task prompt: opencode's title generator, Open WebUI's ``### Task:``
+  title/tags requests), or *other*.
+* ``harness_head(body)`` - the **stable harness head**: the tools array verbatim (canonical compact
+  JSON of the parsed array, key order and tool order kept, because the template renders them as
+  given) plus the first system message cut at the first *volatile marker* (``DEFAULT_MARKERS``;
+  configuration, not code). Everything after the marker changes per folder, day, model alias, MCP
+  or skills set and must never be part of a fingerprint (seed 002 step 2). A system prompt in which
+  no marker occurs is an unknown layout: ``None`` (fail open, the request is forwarded as is).
+* ``identity(...)`` - what makes a KV state reusable apart from the tokens: the GGUF file identity,
+  the server build, the chat template and the state-shaping launch flags. Seed 002's stated gap
+  was that its fingerprint covered neither the template nor the flags; this one covers both.
+
+``fingerprint(head, identity)`` combines both into 16 hex chars. All hashing is xxhash (xxh3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import xxhash
+
+Kind = Literal["agent", "guest", "other"]
+
+# --------------------------------------------------------------------------------------------------
+# Configuration: volatile markers and guest prompts (defaults; callers pass their own tuple)
+# --------------------------------------------------------------------------------------------------
+
+#: Volatile markers, matched at the start of a line of the system text; the head is cut before the
+#: earliest one. Sources (read from ``shared/fixtures``, opencode 1.18.33 and pi 0.73.1):
+DEFAULT_MARKERS: tuple[str, ...] = (
+    # opencode: "You are powered by the model named qwen. The exact model ID is local/qwen" - the
+    # line names the *client's* model alias, so two aliases of one GGUF would otherwise split the
+    # head; it sits right before the <env> block (fixtures/opencode_agent_turn1.json @ ~8.6k chars).
+    "You are powered by the model named",
+    # opencode: working directory, workspace root, git yes/no, platform, today's date.
+    "<env>",
+    # opencode: AGENTS.md blocks (global first), each "Instructions from: <abs path>".
+    "Instructions from:",
+    # opencode: MCP server instructions; mutates every turn (seed 002 step 2).
+    "<mcp_instructions>",
+    # opencode: the skills block ("Skills provide specialized instructions ..." / <available_skills>).
+    "Skills provide",
+    "<available_skills>",
+    # pi: "# Project Context" (AGENTS.md files with absolute paths), then the date and cwd lines
+    # at the very end (fixtures/pi_turn1.json).
+    "# Project Context",
+    "Current date:",
+    "Current working directory:",
+)
+
+#: Side-task prompts that mark a *guest* request however long it is (matched at the start of the
+#: first system or user text, after leading whitespace).
+DEFAULT_GUEST_MARKERS: tuple[str, ...] = (
+    "You are a title generator",  # opencode's title request (fixtures/opencode_title.json)
+    "### Task:",  # Open WebUI task prompts: title, tags, follow-ups, query generation
+)
+
+#: A request without tools whose message text is at most this many characters is a guest. The
+#: opencode title request is ~2.2k characters (fixtures/opencode_title.json).
+DEFAULT_GUEST_MAX_CHARS = 6000
+
+#: Request fields that change how the template renders the head, folded into ``Head.key``
+#: (oaicompat_chat_params_parse, tools/server/server-common.cpp:1224-1450 of the pinned source).
+HEAD_RENDER_FIELDS: tuple[str, ...] = (
+    "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
+    "reasoning_format",
+)
+
+
+def _dumps(obj: Any) -> str:
+    """Canonical compact JSON that keeps key order (the template renders keys in the given order)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _dumps_sorted(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), sort_keys=True, default=str)
+
+
+def _xxh64(text: str) -> str:
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Message text helpers
+# --------------------------------------------------------------------------------------------------
+
+def content_text(content: Any) -> str | None:
+    """The text of a message ``content``: a string, ``None`` (-> ""), or an array of parts.
+
+    Text parts are joined with ``"\\n"`` as llama-server does when it flattens typed content for a
+    string-only template (``concat_content_parts``, common/chat.cpp:511-530 of the pinned source).
+    Returns None if a part is not a text part (media) or the shape is unknown.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                return None
+            texts.append(part["text"])
+        return "\n".join(texts)
+    return None
+
+
+def _messages(body: Mapping) -> list | None:
+    msgs = body.get("messages") if isinstance(body, Mapping) else None
+    return msgs if isinstance(msgs, list) else None
+
+
+def _tools(body: Mapping) -> list:
+    tools = body.get("tools")
+    return tools if isinstance(tools, list) else []
+
+
+def find_marker(text: str, markers: Sequence[str]) -> tuple[int, str] | None:
+    """Earliest line-start occurrence of any marker in ``text``: ``(char offset, marker)`` or None.
+
+    A marker counts only at offset 0 or right after a ``"\\n"``, so prose that merely mentions
+    ``<env>`` mid-line does not cut the head.
+    """
+    best: tuple[int, str] | None = None
+    for marker in markers:
+        if not marker:
+            continue
+        start = 0
+        while True:
+            pos = text.find(marker, start)
+            if pos < 0:
+                break
+            if pos == 0 or text[pos - 1] == "\n":
+                if best is None or pos < best[0]:
+                    best = (pos, marker)
+                break
+            start = pos + 1
+    return best
+
+
+# --------------------------------------------------------------------------------------------------
+# Classification
+# --------------------------------------------------------------------------------------------------
+
+def classify(
+    body: Mapping,
+    markers: Sequence[str] = DEFAULT_MARKERS,
+    guest_max_chars: int = DEFAULT_GUEST_MAX_CHARS,
+    guest_markers: Sequence[str] = DEFAULT_GUEST_MARKERS,
+) -> Kind:
+    """Classify a chat request body.
+
+    * ``"agent"``: a non-empty ``tools`` array and a system message (an agent harness turn).
+    * ``"guest"``: no tools, and either the first system/user text starts with a guest marker
+      (opencode title generator, Open WebUI ``### Task:``), or the message text totals at most
+      ``guest_max_chars`` characters and its system text carries none of the harness ``markers``
+      (a short request with its own prompt: it must not displace an agent conversation).
+    * ``"other"``: everything else (no ``messages`` array, a long plain chat, tools without a
+      system message, a no-tools request that carries the harness system prompt).
+
+    Never raises on odd bodies; unknown shapes are ``"other"``.
+    """
+    msgs = _messages(body)
+    if not msgs:
+        return "other"
+    tools = _tools(body)
+    roles = [m.get("role") if isinstance(m, Mapping) else None for m in msgs]
+    has_system = any(r in ("system", "developer") for r in roles)
+    if tools:
+        return "agent" if has_system else "other"
+    texts = []
+    for m in msgs:
+        if not isinstance(m, Mapping):
+            return "other"
+        t = content_text(m.get("content"))
+        texts.append(t if t is not None else "")
+    first = next((t for t, r in zip(texts, roles) if r in ("system", "developer", "user")), "")
+    if any(first.lstrip().startswith(g) for g in guest_markers if g):
+        return "guest"
+    system_text = "\n".join(t for t, r in zip(texts, roles) if r in ("system", "developer"))
+    if find_marker(system_text, markers) is not None:
+        return "other"
+    if sum(len(t) for t in texts) <= guest_max_chars:
+        return "guest"
+    return "other"
+
+
+# --------------------------------------------------------------------------------------------------
+# Stable harness head
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Head:
+    """The stable harness head of an agent request.
+
+    ``tools_json``: canonical compact JSON of the parsed tools array (order kept; ``"[]"`` if none).
+    ``system_head``: the first system message's text (parts joined with ``"\\n"``) cut before
+    ``marker``; the whole text when ``marker`` is None (only with ``require_marker=False``).
+    ``cut``: offset of the cut in the system text (characters) = ``len(system_head)``.
+    ``knobs_json``: the render-affecting request fields (``HEAD_RENDER_FIELDS``) as sorted JSON.
+    ``key``: xxh3_64 hex of (tools_json, system_head, knobs_json).
+    """
+
+    tools_json: str
+    system_head: str
+    marker: str | None
+    key: str
+    knobs_json: str = "{}"
+
+    @property
+    def cut(self) -> int:
+        return len(self.system_head)
+
+
+def harness_head(
+    body: Mapping,
+    markers: Sequence[str] = DEFAULT_MARKERS,
+    require_marker: bool = True,
+) -> Head | None:
+    """The stable harness head of ``body``, or None for an unknown layout (fail open).
+
+    Only ``messages[0]`` counts as the harness system prompt (role ``system`` or ``developer``,
+    content a string or an array of text parts). Later system messages come after the first turn
+    boundary in every template (or make the template reject the request, cases C11), so they
+    never belong to the head. Returns None when: there is no ``messages`` array, ``messages[0]``
+    is not a system message or holds non-text parts, the tools array is not a list of objects, or
+    (with ``require_marker``, the default) no volatile marker starts a line of the system text -
+    such a prompt may carry per-session text ocache does not know about, and a head that differs
+    per session would only waste warm-ups.
+    """
+    msgs = _messages(body)
+    if not msgs or not isinstance(msgs[0], Mapping) or msgs[0].get("role") not in ("system", "developer"):
+        return None
+    text = content_text(msgs[0].get("content"))
+    if text is None:
+        return None
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        return None
+    found = find_marker(text, markers)
+    if found is None:
+        if require_marker:
+            return None
+        system_head, marker = text, None
+    else:
+        system_head, marker = text[: found[0]], found[1]
+    tools_json = _dumps(tools)
+    knobs = {k: body[k] for k in HEAD_RENDER_FIELDS if k in body and body[k] is not None}
+    if knobs.get("tool_choice") == "auto":  # the server's default (server-common.cpp:1234)
+        del knobs["tool_choice"]
+    knobs_json = _dumps_sorted(knobs)
+    key = _xxh64(_dumps([tools_json, system_head, knobs_json]))
+    return Head(tools_json=tools_json, system_head=system_head, marker=marker, key=key, knobs_json=knobs_json)
+
+
+def cut_body(body: Mapping, head: Head) -> dict:
+    """A copy of ``body`` whose first system message is cut to ``head.system_head``.
+
+    Rendering it with the server's template and comparing with the full render shows where the
+    head ends in the prompt text (``ocache.tokens``). A string content becomes the cut string; an
+    array of text parts keeps the parts before the cut and shortens the one that holds it (parts
+    are joined with ``"\\n"``, see ``content_text``). Raises ValueError if ``body`` does not have
+    the head's layout.
+    """
+    msgs = _messages(body)
+    if not msgs or not isinstance(msgs[0], Mapping):
+        raise ValueError("body has no system message to cut")
+    content = msgs[0].get("content")
+    text = content_text(content)
+    if text is None or not text.startswith(head.system_head):
+        raise ValueError("body's system text does not start with the head")
+    n = head.cut
+    if isinstance(content, list):
+        parts, pos = [], 0
+        for part in content:
+            t = part["text"]
+            if pos + len(t) <= n:
+                parts.append(dict(part))
+            elif pos < n:
+                parts.append({**part, "text": t[: n - pos]})
+            pos += len(t) + 1  # the "\n" joining parts
+            if pos > n:
+                break
+        new_content: Any = parts
+    else:
+        new_content = text[:n]
+    out = dict(body)
+    out["messages"] = [{**msgs[0], "content": new_content}, *msgs[1:]]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Identity: GGUF file, server build, chat template, state-shaping flags
+# --------------------------------------------------------------------------------------------------
+
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # ggml/include/gguf.h:53-67
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_DEFAULT_ALIGNMENT = 32  # ggml/include/gguf.h:46
+
+
+class GGUFError(ValueError):
+    """The file is not a readable GGUF (bad magic, truncated header, unknown value type)."""
+
+
+@dataclass(frozen=True)
+class GGUFIdentity:
+    """Identity of a GGUF file without reading its tensor data.
+
+    ``size`` (bytes) and ``mtime_ns`` from ``os.stat``; ``header_xxh3_128``: xxh3_128 hex of the bytes
+    from offset 0 up to the end of the tensor-info section (magic, version, all metadata key/values
+    including the tokenizer and the embedded chat template, every tensor's name/shape/type/offset);
+    ``header_bytes``: that length; ``version``, ``n_tensors``, ``n_kv`` from the header. The path and
+    the model alias are deliberately not part of it: the same file under another name is the same
+    model, another file under the same name is not.
+    """
+
+    size: int
+    mtime_ns: int
+    header_xxh3_128: str
+    header_bytes: int
+    version: int
+    n_tensors: int
+    n_kv: int
+
+    def as_dict(self) -> dict:
+        return {"size": self.size, "mtime_ns": self.mtime_ns, "header_xxh3_128": self.header_xxh3_128,
+                "header_bytes": self.header_bytes, "version": self.version, "n_tensors": self.n_tensors,
+                "n_kv": self.n_kv}
+
+
+class _Reader:
+    def __init__(self, f, hasher):
+        self.f, self.h, self.pos = f, hasher, 0
+
+    def read(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if len(b) != n:
+            raise GGUFError(f"truncated GGUF header at byte {self.pos}")
+        self.h.update(b)
+        self.pos += n
+        return b
+
+    def u32(self) -> int:
+        return struct.unpack("<I", self.read(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.read(8))[0]
+
+    def string(self) -> bytes:
+        n = self.u64()
+        if n > 1 << 30:
+            raise GGUFError(f"implausible string length {n} at byte {self.pos}")
+        return self.read(n)
+
+    def value(self, vtype: int):
+        if vtype in _GGUF_SCALAR:
+            return self.read(_GGUF_SCALAR[vtype])
+        if vtype == _GGUF_STRING:
+            return self.string()
+        if vtype == _GGUF_ARRAY:
+            itype, n = self.u32(), self.u64()
+            if itype in _GGUF_SCALAR:
+                self.read(_GGUF_SCALAR[itype] * n)
+            else:
+                for _ in range(n):
+                    self.value(itype)
+            return None
+        raise GGUFError(f"unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+_gguf_cache: dict[tuple[str, int, int], GGUFIdentity] = {}
+
+
+def gguf_identity(path: str | os.PathLike) -> GGUFIdentity:
+    """Read ``path``'s GGUF header (file I/O; the only I/O in this module) -> GGUFIdentity.
+
+    Walks the layout of ggml/include/gguf.h (magic ``GGUF``, u32 version, u64 n_tensors, u64 n_kv,
+    key/value pairs, tensor infos) and hashes exactly those bytes with xxh3_128; the tensor data is
+    never read. Results are memoised per (path, size, mtime_ns). Raises OSError if the file cannot
+    be read and GGUFError if it is not a GGUF.
+    """
+    p = Path(path)
+    st = p.stat()
+    memo = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if memo in _gguf_cache:
+        return _gguf_cache[memo]
+    h = xxhash.xxh3_128()
+    with open(p, "rb") as f:
+        r = _Reader(f, h)
+        if r.read(4) != b"GGUF":
+            raise GGUFError(f"{p}: not a GGUF file (bad magic)")
+        version = r.u32()
+        n_tensors, n_kv = r.u64(), r.u64()
+        for _ in range(n_kv):
+            r.string()
+            r.value(r.u32())
+        for _ in range(n_tensors):
+            r.string()
+            n_dims = r.u32()
+            r.read(8 * n_dims + 4 + 8)  # dims, ggml type, data offset
+    ident = GGUFIdentity(size=st.st_size, mtime_ns=st.st_mtime_ns, header_xxh3_128=h.hexdigest(),
+                         header_bytes=r.pos, version=version, n_tensors=n_tensors, n_kv=n_kv)
+    if len(_gguf_cache) > 64:
+        _gguf_cache.clear()
+    _gguf_cache[memo] = ident
+    return ident
+
+
+# Launch flags that shape the KV / recurrent state a slot holds or where context checkpoints land.
+# (field, option spellings, kind, default in the pinned source, env var) - common/arg.cpp and
+# common/common.h of src-832db069; env vars apply first and the command line overrides them
+# (common/arg.cpp:771-880).
+_FLAG_SPECS: tuple[tuple[str, tuple[str, ...], str, Any, str | None], ...] = (
+    ("ctx_size", ("-c", "--ctx-size"), "int", 0, "LLAMA_ARG_CTX_SIZE"),  # common.h:452, 0 = n_ctx_train
+    ("n_parallel", ("-np", "--parallel"), "int", -1, "LLAMA_ARG_N_PARALLEL"),  # arg.cpp:1403 (auto)
+    ("kv_unified", ("-kvu", "--kv-unified"), "true", False, "LLAMA_ARG_KV_UNIFIED"),  # common.h:575
+    ("kv_unified", ("-no-kvu", "--no-kv-unified"), "false", False, None),
+    ("kv_unified_per_slot", ("--kv-unified-per-slot",), "int", 0, "LLAMA_ARG_KV_UNIFIED_PER_SLOT"),  # common.h:632
+    ("n_batch", ("-b", "--batch-size"), "int", 2048, "LLAMA_ARG_BATCH"),  # common.h:453
+    ("n_ubatch", ("-ub", "--ubatch-size"), "int", 512, "LLAMA_ARG_UBATCH"),  # common.h:454
+    ("cache_type_k", ("-ctk", "--cache-type-k"), "str", "f16", "LLAMA_ARG_CACHE_TYPE_K"),  # common.h:343
+    # -ctv's env var really is LLAMA_ARG_DEFRAG_THOLD in the pinned source (arg.cpp:2450-2461)
+    ("cache_type_v", ("-ctv", "--cache-type-v"), "str", "f16", "LLAMA_ARG_DEFRAG_THOLD"),  # common.h:344
+    ("flash_attn", ("-fa", "--flash-attn"), "fa", "auto", "LLAMA_ARG_FLASH_ATTN"),  # common.h:501
+    ("swa_full", ("--swa-full",), "true", False, "LLAMA_ARG_SWA_FULL"),  # common.h:574
+    ("ctx_checkpoints", ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), "int", 32,
+     "LLAMA_ARG_CTX_CHECKPOINTS"),  # common.h:631
+    ("checkpoint_min_step", ("-cms", "--checkpoint-min-step"), "int", 8192,
+     "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),  # common.h:633
+    ("kv_offload", ("-kvo", "--kv-offload"), "true", True, "LLAMA_ARG_KV_OFFLOAD"),  # common.h:580
+    ("kv_offload", ("-nkvo", "--no-kv-offload"), "false", True, None),
+    ("rope_scaling", ("--rope-scaling",), "str", None, "LLAMA_ARG_ROPE_SCALING_TYPE"),
+    ("rope_scale", ("--rope-scale",), "str", None, "LLAMA_ARG_ROPE_SCALE"),
+    ("rope_freq_base", ("--rope-freq-base",), "str", None, "LLAMA_ARG_ROPE_FREQ_BASE"),
+    ("rope_freq_scale", ("--rope-freq-scale",), "str", None, "LLAMA_ARG_ROPE_FREQ_SCALE"),
+    ("yarn_orig_ctx", ("--yarn-orig-ctx",), "str", None, "LLAMA_ARG_YARN_ORIG_CTX"),
+    ("yarn_ext_factor", ("--yarn-ext-factor",), "str", None, "LLAMA_ARG_YARN_EXT_FACTOR"),
+    ("yarn_attn_factor", ("--yarn-attn-factor",), "str", None, "LLAMA_ARG_YARN_ATTN_FACTOR"),
+    ("yarn_beta_slow", ("--yarn-beta-slow",), "str", None, "LLAMA_ARG_YARN_BETA_SLOW"),
+    ("yarn_beta_fast", ("--yarn-beta-fast",), "str", None, "LLAMA_ARG_YARN_BETA_FAST"),
+    # adapters change every layer's output, hence the KV
+    ("lora", ("--lora", "--lora-scaled"), "list", (), None),
+    ("control_vector", ("--control-vector", "--control-vector-scaled"), "list", (), None),
+    ("override_kv", ("--override-kv",), "list", (), None),
+    ("model_draft", ("-md", "--model-draft", "--spec-draft-model"), "str", None, None),
+)
+
+_FLAG_BY_OPT = {opt: spec for spec in _FLAG_SPECS for opt in spec[1]}
+
+
+def _flash_attn(value: str) -> str:
+    v = value.strip().lower()
+    if v in ("on", "enabled", "true", "1", "yes"):
+        return "on"
+    if v in ("off", "disabled", "false", "0", "no"):
+        return "off"
+    if v == "auto":
+        return "auto"
+    raise ValueError(f"unknown value for --flash-attn: {value!r}")
+
+
+def _env_bool(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "on", "yes", "enabled")
+
+
+def parse_server_flags(argv: Sequence[str], env: Mapping[str, str] | None = None) -> dict:
+    """The state-shaping flags of a llama-server command line, with the pinned source's defaults.
+
+    ``argv`` may include the binary as ``argv[0]``; options this function does not know are
+    skipped. Handles ``--opt value`` and ``--opt=value``. ``env`` (optional) supplies ``LLAMA_ARG_*``
+    values, which the command line overrides. Returns a dict with exactly these keys:
+    ``ctx_size`` (total tokens, 0 = the model's n_ctx_train), ``n_parallel`` (-1 = auto, which the
+    server turns into 4 slots with a unified KV, tools/server/server.cpp:156-161), ``kv_unified``
+    (bool; True when n_parallel is auto and not set explicitly), ``kv_unified_per_slot``,
+    ``n_batch``, ``n_ubatch`` (tokens), ``cache_type_k``/``cache_type_v`` (ggml type names),
+    ``flash_attn`` ("on"/"off"/"auto"), ``swa_full``, ``ctx_checkpoints``, ``checkpoint_min_step``
+    (tokens), ``kv_offload``, RoPE/YaRN overrides (strings or None), ``lora``/``control_vector``/
+    ``override_kv`` (lists) and ``model_draft``. The per-slot context is not derivable from argv
+    alone (it depends on n_ctx_train and padding): take it from ``/props``
+    ``default_generation_settings.n_ctx`` (see ``state_flags``).
+
+    Raises ValueError on a missing or malformed value of a known option.
+    """
+    out: dict[str, Any] = {}
+    for name, _opts, kind, default, _env in _FLAG_SPECS:
+        out.setdefault(name, list(default) if kind == "list" else default)
+    explicit_kvu = False
+    if env:
+        for name, _opts, kind, _default, env_name in _FLAG_SPECS:
+            if env_name and env_name in env:
+                raw = env[env_name]
+                if kind == "int":
+                    out[name] = int(raw)
+                elif kind in ("true", "false"):
+                    out[name] = _env_bool(raw)
+                    explicit_kvu |= name == "kv_unified"
+                elif kind == "fa":
+                    out[name] = _flash_attn(raw)
+                else:
+                    out[name] = raw
+    args = list(argv)
+    if args and not args[0].startswith("-"):
+        args = args[1:]
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        opt, eq, inline = arg.partition("=")
+        spec = _FLAG_BY_OPT.get(opt if eq else arg)
+        if spec is None:
+            i += 1
+            continue
+        name, _opts, kind, _default, _env = spec
+        if kind in ("true", "false"):
+            out[name] = kind == "true"
+            explicit_kvu |= name == "kv_unified"
+            i += 1
+            continue
+        if eq:
+            raw = inline
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ValueError(f"llama-server option {arg} needs a value")
+            raw = args[i + 1]
+            i += 2
+        if kind == "int":
+            try:
+                out[name] = int(raw)
+            except ValueError:
+                raise ValueError(f"llama-server option {opt if eq else arg}: not an integer: {raw!r}") from None
+        elif kind == "fa":
+            out[name] = _flash_attn(raw)
+        elif kind == "list":
+            out[name] = [*out[name], raw]
+        else:
+            out[name] = raw
+    if out["n_parallel"] < 0 and not explicit_kvu:
+        out["kv_unified"] = True  # server.cpp:156-161
+    return out
+
+
+def state_flags(argv: Sequence[str] | None = None, props: Mapping | None = None,
+                config: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> dict:
+    """The flags part of the identity, from the sources that actually know them.
+
+    * ``argv``: the launch command line (when ocache launched the server), via ``parse_server_flags``;
+    * ``config``: values from ocache's configuration for an external server (override argv; /props
+      does not expose launch flags, notes/llama-server-api.md §5);
+    * ``props``: ``/props`` -> ``n_ctx_slot`` = ``default_generation_settings.n_ctx`` (per-slot
+      context, server-context.cpp:4008-4016) and ``total_slots`` (the resolved ``-np``).
+    """
+    flags = parse_server_flags(argv or [], env=env)
+    if config:
+        flags.update(config)
+    if props:
+        dgs = props.get("default_generation_settings") or {}
+        if isinstance(dgs, Mapping) and "n_ctx" in dgs:
+            flags["n_ctx_slot"] = dgs["n_ctx"]
+        if "total_slots" in props:
+            flags["total_slots"] = props["total_slots"]
+    return flags
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a KV state depends on besides its tokens. ``key``: xxh3_64 hex of ``fields`` (sorted JSON).
+
+    ``fields``:
+    * ``gguf``: ``GGUFIdentity.as_dict()`` (``gguf_identity``: os.stat + header hash) or None when
+      the model file is not local (then the build and template still pin most of it);
+    * ``build_info``: ``/props.build_info`` = ``llama_build_info()`` ("b<N>-<commit>", also
+      ``system_fingerprint`` in every response; common/build-info.cpp.in);
+    * ``chat_template_xxh3_64``: hash of ``/props.chat_template`` (the template the server renders
+      with; ``/props.chat_template_tool_use`` folded in when present);
+    * ``flags``: the state-shaping launch flags (``state_flags`` / ``parse_server_flags``).
+    """
+
+    key: str
+    fields: dict = field(default_factory=dict)
+
+
+def identity(
+    gguf: GGUFIdentity | Mapping | str | os.PathLike | None,
+    build_info: str,
+    chat_template: str,
+    flags: Mapping[str, Any],
+    chat_template_tool_use: str | None = None,
+) -> Identity:
+    """Build the Identity. ``gguf`` is a GGUFIdentity (or its dict) - pure - or a path, in which
+    case ``gguf_identity(path)`` reads the header (I/O; raises OSError/GGUFError). Flag values must
+    be JSON-serialisable (others are stringified)."""
+    if isinstance(gguf, (str, os.PathLike)):
+        gguf = gguf_identity(gguf)
+    if isinstance(gguf, GGUFIdentity):
+        gguf_fields: dict | None = gguf.as_dict()
+    elif gguf is None:
+        gguf_fields = None
+    else:
+        gguf_fields = dict(gguf)
+    tmpl = chat_template if chat_template_tool_use is None else chat_template + "\x00" + chat_template_tool_use
+    fields = {
+        "gguf": gguf_fields,
+        "build_info": build_info,
+        "chat_template_xxh3_64": xxhash.xxh3_64_hexdigest(tmpl.encode("utf-8")),
+        "flags": dict(flags),
+    }
+    return Identity(key=_xxh64(_dumps_sorted(fields)), fields=fields)
+
+
+def fingerprint(head: Head, ident: Identity) -> str:
+    """16 hex chars (xxh3_64) naming the prefix state of ``head`` under ``ident``."""
+    return _xxh64(head.key + "/" + ident.key)
