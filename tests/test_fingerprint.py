@@ -1,0 +1,386 @@
+"""Unit tests for ocache.fingerprint (no server): classification, stable harness head, identity.
+
+Inputs are the real opencode/pi request bodies in shared/fixtures (skipped when absent), edited
+where a test needs a variant the captures do not contain.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import struct
+
+import pytest
+
+from ocache import fingerprint as fp
+from conftest import load_fixture
+
+OPENCODE_AGENT = [
+    "opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json",
+    "opencode_nongit_noagents_agent_turn1.json", "opencode_run2_agent_turn1.json",
+    "opencode_run3_proj2_agent_turn1.json", "opencode_run3_proj2_agent_turn1_after_tool.json",
+    "opencode_run4_continue_turn2.json", "opencode_run4_continue_turn2_after_tool.json",
+]
+PI = ["pi_turn1.json", "pi_turn1_after_tool.json", "pi_run2_turn1.json", "pi_run2_turn1_after_tool.json"]
+TITLES = ["opencode_title.json", "opencode_run2_title.json", "opencode_run3_proj2_title.json",
+          "opencode_opts_title.json", "opencode_nosmallmodel_title.json"]
+
+
+def _ident(**over):
+    flags = fp.parse_server_flags(["llama-server", "-np", "2", "-c", "8192", "-fa", "off", "-ub", "512"])
+    args = dict(gguf={"size": 1000, "mtime_ns": 1, "header_xxh3_128": "ab" * 16}, build_info="b1-0c1e570",
+                chat_template="{{ messages }}", flags=flags)
+    args.update(over)
+    return fp.identity(**args)
+
+
+def _system(body: dict) -> str:
+    return body["messages"][0]["content"]
+
+
+def _with_system(body: dict, text: str) -> dict:
+    out = copy.deepcopy(body)
+    out["messages"][0]["content"] = text
+    return out
+
+
+# --- classification -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", OPENCODE_AGENT + PI)
+def test_agent_fixtures_are_agent_turns(name):
+    assert fp.classify(load_fixture(name)) == "agent"
+
+
+@pytest.mark.parametrize("name", TITLES)
+def test_title_requests_are_guests(name):
+    assert fp.classify(load_fixture(name)) == "guest"
+
+
+def test_open_webui_task_request_is_guest_even_when_long():
+    history = "USER: " + "explain the parser " * 2000
+    body = {"messages": [{"role": "user", "content": "### Task:\nGenerate 1-3 broad tags.\n<chat_history>\n"
+                          + history + "\n</chat_history>"}]}
+    assert len(body["messages"][0]["content"]) > fp.DEFAULT_GUEST_MAX_CHARS
+    assert fp.classify(body) == "guest"
+
+
+def test_long_plain_chat_is_other_and_short_one_is_guest():
+    short = {"messages": [{"role": "user", "content": "hi"}]}
+    long = {"messages": [{"role": "user", "content": "x" * (fp.DEFAULT_GUEST_MAX_CHARS + 1)}]}
+    assert fp.classify(short) == "guest"
+    assert fp.classify(long) == "other"
+    assert fp.classify(long, guest_max_chars=10 ** 6) == "guest"
+
+
+def test_tools_without_system_and_odd_bodies_are_other():
+    agent = load_fixture("opencode_agent_turn1.json")
+    no_system = copy.deepcopy(agent)
+    no_system["messages"] = no_system["messages"][1:]
+    assert fp.classify(no_system) == "other"
+    assert fp.classify({}) == "other"
+    assert fp.classify({"prompt": "hello"}) == "other"
+    assert fp.classify({"messages": "not a list"}) == "other"
+
+
+def test_short_request_with_the_harness_system_prompt_is_not_a_guest():
+    agent = load_fixture("opencode_agent_turn1.json")
+    body = {"messages": agent["messages"][:1] + [{"role": "user", "content": "summarize"}]}
+    limit = 2 * len(_system(agent))  # short enough to be a guest by length alone
+    assert fp.classify({"messages": [{"role": "system", "content": "be brief"}, body["messages"][1]]},
+                       guest_max_chars=limit) == "guest"
+    assert fp.classify(body, guest_max_chars=limit) == "other"
+
+
+# --- stable harness head ----------------------------------------------------------------------
+
+def test_head_is_tools_plus_system_cut_before_the_first_marker():
+    body = load_fixture("opencode_agent_turn1.json")
+    head = fp.harness_head(body)
+    assert head is not None
+    assert head.tools_json == json.dumps(body["tools"], ensure_ascii=False, separators=(",", ":"))
+    assert json.loads(head.tools_json) == body["tools"]
+    text = _system(body)
+    assert text.startswith(head.system_head)
+    assert text[head.cut:].startswith(head.marker)
+    # the cut is before every volatile part of opencode's system prompt
+    for volatile in ("<env>", "Working directory", "Today's date", "Instructions from:", "<available_skills>",
+                     "The exact model ID"):
+        assert volatile in text and volatile not in head.system_head
+    assert len(head.system_head) > 8000  # the fixed base prompt (~8.5 KB) stays in the head
+    assert len(head.key) == 16
+
+
+def test_changed_date_and_cwd_in_env_keep_head_and_fingerprint():
+    body = load_fixture("opencode_agent_turn1.json")
+    text = _system(body)
+    assert "Today's date: Sun Nov 29 2026" in text and "/home/user/proj" in text
+    other = _with_system(body, text.replace("Today's date: Sun Nov 29 2026", "Today's date: Mon Nov 30 2026")
+                         .replace("/home/user/proj", "/srv/elsewhere/x"))
+    h1, h2 = fp.harness_head(body), fp.harness_head(other)
+    assert h1 == h2
+    ident = _ident()
+    assert fp.fingerprint(h1, ident) == fp.fingerprint(h2, ident)
+
+
+def test_model_alias_mcp_and_skills_changes_keep_the_head():
+    body = load_fixture("opencode_agent_turn1.json")
+    text = _system(body)
+    variant = (text.replace("model named qwen. The exact model ID is local/qwen",
+                            "model named qwen-fast. The exact model ID is local/qwen-fast")
+               .replace("<available_skills>", "<available_skills>\n  <skill><name>new</name></skill>")
+               + "\n<mcp_instructions>\nserver foo: turn 7\n</mcp_instructions>")
+    assert fp.harness_head(_with_system(body, variant)) == fp.harness_head(body)
+
+
+def test_sessions_in_two_folders_share_the_head():
+    run2 = fp.harness_head(load_fixture("opencode_run2_agent_turn1.json"))
+    proj2 = fp.harness_head(load_fixture("opencode_run3_proj2_agent_turn1.json"))
+    nongit = fp.harness_head(load_fixture("opencode_nongit_noagents_agent_turn1.json"))
+    follow = fp.harness_head(load_fixture("opencode_run3_proj2_agent_turn1_after_tool.json"))
+    assert run2 is not None and run2 == proj2 == nongit == follow
+    assert _system(load_fixture("opencode_run2_agent_turn1.json")) != _system(
+        load_fixture("opencode_run3_proj2_agent_turn1.json"))
+
+
+@pytest.mark.parametrize("edit", ["description", "order", "added", "removed"])
+def test_changed_tool_changes_head_and_fingerprint(edit):
+    body = load_fixture("opencode_agent_turn1.json")
+    other = copy.deepcopy(body)
+    tools = other["tools"]
+    if edit == "description":
+        tools[0]["function"]["description"] += " (v2)"
+    elif edit == "order":
+        tools[0], tools[1] = tools[1], tools[0]
+    elif edit == "added":
+        tools.append({"type": "function", "function": {"name": "mcp_x", "description": "d",
+                                                        "parameters": {"type": "object", "properties": {}}}})
+    else:
+        tools.pop()
+    h1, h2 = fp.harness_head(body), fp.harness_head(other)
+    assert h1.system_head == h2.system_head
+    assert h1.key != h2.key
+    ident = _ident()
+    assert fp.fingerprint(h1, ident) != fp.fingerprint(h2, ident)
+
+
+def test_tool_json_key_order_is_kept():
+    body = load_fixture("pi_turn1.json")
+    other = copy.deepcopy(body)
+    fn = other["tools"][0]["function"]
+    other["tools"][0]["function"] = dict(reversed(list(fn.items())))  # same dict, other key order
+    assert other["tools"] == body["tools"]
+    assert fp.harness_head(body).key != fp.harness_head(other).key  # the template renders key order
+
+
+def test_render_knobs_are_part_of_the_head_key():
+    body = load_fixture("pi_turn1.json")
+    thinking = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    auto = {**body, "tool_choice": "auto"}
+    assert fp.harness_head(thinking).key != fp.harness_head(body).key
+    assert fp.harness_head(auto).key == fp.harness_head(body).key  # "auto" is the server default
+
+
+def test_unknown_system_layout_yields_no_head_and_leaves_the_request_alone():
+    body = load_fixture("opencode_agent_turn1.json")
+    text = _system(body)
+    unknown = _with_system(body, text[: fp.harness_head(body).cut] + "Some other harness tail, no markers.")
+    before = copy.deepcopy(unknown)
+    assert fp.harness_head(unknown) is None
+    assert unknown == before  # nothing mutated: the proxy forwards it as it came
+    assert fp.classify(unknown) == "agent"  # still routed as an agent turn, just without a head
+    head = fp.harness_head(unknown, require_marker=False)
+    assert head is not None and head.marker is None and head.system_head == _system(unknown)
+
+
+@pytest.mark.parametrize("messages", [
+    [],
+    [{"role": "user", "content": "hi"}, {"role": "system", "content": "<env>\n</env>"}],
+    [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    [{"role": "system", "content": 42}],
+])
+def test_layouts_without_a_leading_text_system_message_yield_no_head(messages):
+    assert fp.harness_head({"messages": messages, "tools": []}) is None
+
+
+def test_malformed_tools_yield_no_head():
+    body = load_fixture("opencode_agent_turn1.json")
+    assert fp.harness_head({**body, "tools": "bash"}) is None
+    assert fp.harness_head({**body, "tools": [1, 2]}) is None
+
+
+def test_markers_are_configuration():
+    body = load_fixture("opencode_agent_turn1.json")
+    default = fp.harness_head(body)
+    env_only = fp.harness_head(body, markers=("<env>",))
+    assert env_only.marker == "<env>" and env_only.cut > default.cut
+    assert env_only.key != default.key
+    assert fp.harness_head(body, markers=("no such marker",)) is None
+
+
+def test_marker_must_start_a_line():
+    body = {"messages": [{"role": "system", "content": "Base prompt mentions <env> inline.\n<env>\nx\n</env>"}]}
+    head = fp.harness_head(body)
+    assert head.system_head == "Base prompt mentions <env> inline.\n"
+
+
+def test_pi_head_cuts_project_context_date_and_cwd():
+    body = load_fixture("pi_turn1.json")
+    text = _system(body)
+    head = fp.harness_head(body)
+    assert head.marker == "# Project Context"
+    for volatile in ("/home/user/piproj", "Current date:", "Current working directory:"):
+        assert volatile not in head.system_head
+    # another day and folder, same head
+    moved = text.replace("2026-11-29", "2027-01-02").replace("/home/user/piproj", "/tmp/other")
+    assert fp.harness_head(_with_system(body, moved)) == head
+    # without AGENTS.md there is no project context block: the date line is the cut
+    bare = text[: head.cut] + "Current date: 2026-11-29\nCurrent working directory: /x"
+    assert fp.harness_head(_with_system(body, bare)).system_head == head.system_head
+    assert fp.harness_head(load_fixture("pi_run2_turn1_after_tool.json")) == head
+
+
+def test_system_content_as_text_parts_equals_the_string_form():
+    body = load_fixture("pi_turn1.json")
+    text = _system(body)
+    cut = fp.harness_head(body).cut
+    nl = text.index("\n", 100)
+    parts = _with_system(body, [{"type": "text", "text": text[:nl]}, {"type": "text", "text": text[nl + 1:]}])
+    # parts are joined with "\n" (common/chat.cpp concat_content_parts)
+    assert fp.harness_head(parts) == fp.harness_head(body)
+    cut_parts = fp.cut_body(parts, fp.harness_head(parts))
+    assert fp.content_text(cut_parts["messages"][0]["content"]) == text[:cut]
+
+
+def test_multiple_system_messages_use_the_first_only():
+    body = load_fixture("opencode_agent_turn1.json")
+    two = copy.deepcopy(body)
+    two["messages"].insert(1, {"role": "system", "content": "second system message"})
+    assert fp.harness_head(two) == fp.harness_head(body)
+
+
+def test_cut_body_cuts_only_the_system_message():
+    body = load_fixture("opencode_agent_turn1_after_tool.json")
+    head = fp.harness_head(body)
+    cut = fp.cut_body(body, head)
+    assert cut["messages"][0]["content"] == head.system_head
+    assert cut["messages"][1:] == body["messages"][1:] and cut["tools"] == body["tools"]
+    assert body["messages"][0]["content"] != head.system_head  # the original is untouched
+    with pytest.raises(ValueError):
+        fp.cut_body(_with_system(body, "unrelated"), head)
+
+
+# --- identity ------------------------------------------------------------------------------------
+
+def test_changed_template_build_gguf_or_flag_changes_the_fingerprint():
+    head = fp.harness_head(load_fixture("opencode_agent_turn1.json"))
+    base = fp.fingerprint(head, _ident())
+    assert base == fp.fingerprint(head, _ident())  # deterministic
+    assert len(base) == 16 and int(base, 16) >= 0
+    assert fp.fingerprint(head, _ident(chat_template="{{ messages }} ")) != base
+    assert fp.fingerprint(head, _ident(chat_template_tool_use="x")) != base
+    assert fp.fingerprint(head, _ident(build_info="b2-deadbee")) != base
+    assert fp.fingerprint(head, _ident(gguf={"size": 1000, "mtime_ns": 2, "header_xxh3_128": "ab" * 16})) != base
+    assert fp.fingerprint(head, _ident(gguf=None)) != base
+
+
+@pytest.mark.parametrize("extra", [
+    ["-c", "16384"], ["-np", "4"], ["-ctk", "q8_0"], ["-ctv", "q4_0"], ["-fa", "on"], ["-ub", "128"],
+    ["-b", "1024"], ["--swa-full"], ["--ctx-checkpoints", "8"], ["-cms", "4096"], ["-kvu"],
+    ["--rope-freq-base", "20000"], ["--lora", "a.gguf"],
+])
+def test_each_state_shaping_flag_changes_the_identity(extra):
+    head = fp.harness_head(load_fixture("opencode_agent_turn1.json"))
+    argv = ["llama-server", "-np", "2", "-c", "8192", "-fa", "off", "-ub", "512"]
+    a = fp.parse_server_flags(argv)
+    b = fp.parse_server_flags(argv + extra)
+    assert a != b
+    assert fp.fingerprint(head, _ident(flags=a)) != fp.fingerprint(head, _ident(flags=b))
+
+
+def test_flags_that_do_not_shape_state_do_not_change_it():
+    argv = ["llama-server", "-np", "2", "-c", "8192"]
+    assert fp.parse_server_flags(argv) == fp.parse_server_flags(
+        argv + ["--port", "8080", "-t", "1", "--metrics", "--slot-save-path", "/tmp/x", "--host", "127.0.0.1"])
+
+
+def test_parse_server_flags_defaults_aliases_and_env():
+    d = fp.parse_server_flags(["llama-server", "-m", "m.gguf"])
+    assert d["n_parallel"] == -1 and d["kv_unified"] is True  # server.cpp:156-161 auto slots
+    assert (d["n_batch"], d["n_ubatch"], d["ctx_checkpoints"], d["checkpoint_min_step"]) == (2048, 512, 32, 8192)
+    assert (d["cache_type_k"], d["cache_type_v"], d["flash_attn"], d["swa_full"]) == ("f16", "f16", "auto", False)
+    a = fp.parse_server_flags(["--parallel=3", "--ctx-size", "100", "--swa-checkpoints", "4",
+                               "--checkpoint-min-step=0", "--flash-attn", "enabled", "--no-kv-unified"])
+    assert (a["n_parallel"], a["ctx_size"], a["ctx_checkpoints"], a["checkpoint_min_step"]) == (3, 100, 4, 0)
+    assert a["flash_attn"] == "on" and a["kv_unified"] is False
+    e = fp.parse_server_flags(["-np", "2"], env={"LLAMA_ARG_CTX_CHECKPOINTS": "5", "LLAMA_ARG_N_PARALLEL": "7"})
+    assert e["ctx_checkpoints"] == 5 and e["n_parallel"] == 2  # the command line overrides env
+    with pytest.raises(ValueError):
+        fp.parse_server_flags(["-np"])
+    with pytest.raises(ValueError):
+        fp.parse_server_flags(["-c", "lots"])
+    with pytest.raises(ValueError):
+        fp.parse_server_flags(["-fa", "maybe"])
+
+
+def test_state_flags_take_per_slot_context_from_props():
+    props = {"default_generation_settings": {"n_ctx": 4096}, "total_slots": 2}
+    flags = fp.state_flags(["-np", "2", "-c", "8192"], props=props, config={"cache_type_k": "q8_0"})
+    assert flags["n_ctx_slot"] == 4096 and flags["total_slots"] == 2 and flags["cache_type_k"] == "q8_0"
+
+
+# --- GGUF identity -------------------------------------------------------------------------------
+
+def _gguf_str(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _write_gguf(path, name="tiny", template="{{ x }}", data=b"\x00" * 64):
+    kv = [
+        _gguf_str("general.name") + struct.pack("<I", 8) + _gguf_str(name),
+        _gguf_str("tokenizer.chat_template") + struct.pack("<I", 8) + _gguf_str(template),
+        _gguf_str("general.alignment") + struct.pack("<I", 4) + struct.pack("<I", 32),
+        _gguf_str("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 3) + b"".join(map(_gguf_str, "abc")),
+        _gguf_str("x.scores") + struct.pack("<IIQ", 9, 6, 3) + struct.pack("<3f", 0.1, 0.2, 0.3),
+    ]
+    tensor = _gguf_str("w") + struct.pack("<I", 2) + struct.pack("<QQ", 4, 4) + struct.pack("<I", 0) + struct.pack("<Q", 0)
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, len(kv)) + b"".join(kv) + tensor
+    pad = (-len(header)) % 32
+    path.write_bytes(header + b"\x00" * pad + data)
+    return len(header)
+
+
+def test_gguf_identity_hashes_the_header_not_the_path(tmp_path):
+    a = tmp_path / "a.gguf"
+    n = _write_gguf(a)
+    ia = fp.gguf_identity(a)
+    assert ia.header_bytes == n and ia.n_kv == 5 and ia.n_tensors == 1 and ia.version == 3
+    assert ia.size == a.stat().st_size
+    b = tmp_path / "renamed-alias.gguf"
+    b.write_bytes(a.read_bytes())
+    os.utime(b, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns))
+    assert fp.gguf_identity(b) == ia  # another path or alias, same file: same identity
+    c = tmp_path / "c.gguf"
+    _write_gguf(c, template="{{ y }}")  # same size, other metadata
+    os.utime(c, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns))
+    ic = fp.gguf_identity(c)
+    assert ic.size == ia.size and ic.header_xxh3_128 != ia.header_xxh3_128
+    os.utime(b, ns=(1, 10 ** 18))  # touched: mtime differs
+    assert fp.gguf_identity(b) != ia
+    assert fp.identity(str(a), "b1", "t", {}).key == fp.identity(ia, "b1", "t", {}).key
+
+
+def test_gguf_identity_rejects_non_gguf_files(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + b"\x00" * 100)
+    with pytest.raises(fp.GGUFError):
+        fp.gguf_identity(bad)
+    short = tmp_path / "short.gguf"
+    full = tmp_path / "full.gguf"
+    _write_gguf(full)
+    short.write_bytes(full.read_bytes()[:40])
+    with pytest.raises(fp.GGUFError):
+        fp.gguf_identity(short)
+    with pytest.raises(OSError):
+        fp.gguf_identity(tmp_path / "missing.gguf")
