@@ -1,0 +1,259 @@
+"""ocache configuration: one validated ``Config``, read once at start.
+
+Precedence (later wins): built-in defaults < ``ocache.yaml`` < environment ``OCACHE_<KEY>`` <
+command-line flags. The YAML file is the one given with ``--config`` (or ``$OCACHE_CONFIG``), else
+``./ocache.yaml`` if it exists. The schema is the ``Config`` dataclass below: each field's
+``doc`` metadata documents it (``ocache serve --help-config`` prints the table).
+
+Environment values are strings and are converted by the field's type: booleans accept
+``1/0/true/false/yes/no/on/off``; lists are comma-separated (``OCACHE_ALLOWED_HOSTS=a.lan,b.lan``);
+``OCACHE_TIERS`` and ``OCACHE_LAUNCH`` take YAML (``OCACHE_LAUNCH='[-m, /m.gguf]'``).
+Environment variables that are not config keys (``OCACHE_CACHE_DIR`` is one; ``OCACHE_SHARED``
+used by the tests is not) are ignored, because other ocache tools share the prefix. Unknown keys in
+the YAML file and bad values anywhere raise ``ConfigError`` naming the key and the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or a value is invalid; the message names the key and its source."""
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc, **kw})
+    return field(default=default, metadata={"doc": doc, **kw})
+
+
+@dataclass
+class Config:
+    """The ocache configuration schema (YAML keys = field names; env = ``OCACHE_`` + upper name)."""
+
+    host: str = _f("127.0.0.1", "address to listen on; loopback by default, anything else is an "
+                   "explicit choice (the proxy has no client authentication)")
+    port: int = _f(8081, "TCP port to listen on (1-65535)", min=1, max=65535)
+    upstream: str = _f("http://127.0.0.1:8080", "base URL of llama-server (http://host:port); with "
+                       "`launch`, the launched server's URL replaces it")
+    upstream_api_key: str | None = _f(None, "API key ocache itself uses for its probes of a server "
+                                      "started with --api-key (/metrics, /props, /slots); clients' "
+                                      "own Authorization headers are always forwarded as they are")
+    admin_token: str | None = _f(None, "bearer token for POST /v1/cache/clear; unset = the admin "
+                                 "routes answer 404")
+    allowed_hosts: list[str] = _f([], "extra Host header names accepted (DNS-rebinding guard); "
+                                  "localhost, 127.0.0.1, ::1 and the bound host are always "
+                                  "accepted; '*' accepts any")
+    cache_dir: str | None = _f(None, "root for ocache's private files (anchors, spills); default "
+                               "$XDG_CACHE_HOME/ocache")
+    log_level: str = _f("info", "logging level: debug, info, warning or error", choices=LOG_LEVELS)
+    max_body_mb: float = _f(512.0, "largest request body accepted, in MiB (a 130k-token prompt "
+                            "is a few MB)", min=0.001)
+    retry_after_s: int = _f(2, "Retry-After seconds in the 503 answered while the upstream is down",
+                            min=0)
+    probe_interval_s: float = _f(2.0, "seconds between upstream identity probes while it is up "
+                                 "(restart detection); while it is down, probes run every 0.25 s",
+                                 min=0.05)
+    drain_timeout_s: float = _f(60.0, "on SIGTERM, seconds to wait for in-flight requests", min=0)
+    no_cache: bool = _f(False, "forward everything untouched (the NullLayer), e.g. to compare")
+    record_dir: str | None = _f(None, "if set, write each completion request (body, headers, "
+                                "timings) as JSON to this folder, for replay")
+    launch: list[str] = _f([], "llama-server arguments: ocache starts the (patched) server as a "
+                           "child with them and restarts it if it dies (`serve --launch -- ARGS`)")
+    launch_binary: str | None = _f(None, "llama-server binary for `launch`; default: the patched "
+                                   "engine build (`ocache engine path`)")
+    n_parallel: int | None = _f(None, "llama-server -np (slots); read from `launch` if given there",
+                                min=1)
+    disk_budget_gb: float = _f(50.0, "disk tier: most GB of anchors kept", min=0)
+    disk_ttl_days: float = _f(7.0, "disk tier: anchors unused this many days are evicted", min=0)
+    disk_min_tokens: int = _f(4096, "disk tier: shortest prefix (tokens) worth an anchor", min=0)
+    spill_budget_gb: float = _f(40.0, "session tier: most GB of spilled conversations", min=0)
+    spill_min_tokens: int = _f(16384, "session tier: shortest conversation (tokens) worth a spill",
+                               min=0)
+    volatile_markers: list[str] | None = _f(None, "strings that start the volatile part of a system "
+                                            "prompt (e.g. '<env>'); unset = the fingerprint "
+                                            "module's defaults")
+    tiers: dict = _f({}, "free-form per-tier settings passed to the cache layer as is")
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def bind_names(self) -> set[str]:
+        """Host names the DNS-rebinding guard accepts (lower case, no port)."""
+        names = {"localhost", "127.0.0.1", "::1", "[::1]", self.host.lower()}
+        names.update(h.lower() for h in self.allowed_hosts)
+        return names
+
+    def to_dict(self, redact: bool = True) -> dict:
+        d = dataclasses.asdict(self)
+        if redact:
+            for k in ("admin_token", "upstream_api_key"):
+                if d.get(k):
+                    d[k] = "***"
+        return d
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def describe() -> str:
+    """The schema as a text table: key, type, default, doc."""
+    hints = typing.get_type_hints(Config)
+    rows = []
+    for name, f in FIELDS.items():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append(f"{name:18} {_type_name(hints[name]):14} default={default!r}\n"
+                    f"{'':18} {f.metadata['doc']}")
+    return "\n".join(rows)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(type without Optional, optional?)"""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _coerce(name: str, value: Any, source: str, from_env: bool = False) -> Any:
+    """Convert and check one value for field ``name``; raise ConfigError naming ``source``."""
+    tp, optional = _base_type(typing.get_type_hints(Config)[name])
+    meta = FIELDS[name].metadata
+    where = f"{source}: {name}"
+    if value is None or (from_env and value == "" and optional):
+        if optional:
+            return None
+        raise ConfigError(f"{where}: a value is required ({_type_name(tp)})")
+    origin = typing.get_origin(tp) or tp
+    try:
+        if origin is bool:
+            if isinstance(value, str):
+                low = value.strip().lower()
+                if low in ("1", "true", "yes", "on"):
+                    value = True
+                elif low in ("0", "false", "no", "off"):
+                    value = False
+                else:
+                    raise ConfigError(f"{where}: expected a boolean, got {value!r}")
+            elif not isinstance(value, bool):
+                raise ConfigError(f"{where}: expected a boolean, got {value!r}")
+        elif origin is int:
+            if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+                raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            value = int(value)
+        elif origin is float:
+            if isinstance(value, bool):
+                raise ConfigError(f"{where}: expected a number, got {value!r}")
+            value = float(value)
+        elif origin is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ConfigError(f"{where}: expected a string, got {value!r}")
+            value = str(value)
+        elif origin is list:
+            if isinstance(value, str):
+                if from_env and name in ("launch",):
+                    value = yaml.safe_load(value) if value.strip().startswith("[") else value.split()
+                else:
+                    value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+                raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+            value = [str(v) for v in value]
+        elif origin is dict:
+            if isinstance(value, str):
+                value = yaml.safe_load(value) or {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{where}: invalid value {value!r} ({exc})") from None
+    if "min" in meta and value < meta["min"]:
+        raise ConfigError(f"{where}: {value!r} is below the minimum {meta['min']}")
+    if "max" in meta and value > meta["max"]:
+        raise ConfigError(f"{where}: {value!r} is above the maximum {meta['max']}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(meta['choices'])}")
+    if name == "upstream":
+        _check_url(value, where)
+    return value
+
+
+def _check_url(value: str, where: str) -> None:
+    from yarl import URL
+
+    try:
+        url = URL(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {value!r} is not a URL ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ConfigError(f"{where}: {value!r} must be an http(s)://host:port URL")
+    if url.path not in ("", "/") or url.query_string:
+        raise ConfigError(f"{where}: {value!r} must be a base URL without a path or query")
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    """The YAML file as a mapping (empty file = {}); ConfigError if unreadable or not a mapping."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the config file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of config keys")
+    return data
+
+
+def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+         overrides: Mapping[str, Any] | None = None) -> Config:
+    """Build the effective Config: defaults < YAML (``path`` / ``$OCACHE_CONFIG`` /
+    ``./ocache.yaml``) < env ``OCACHE_*`` < ``overrides`` (CLI flags; None values are skipped).
+
+    Raises ConfigError for unknown YAML or override keys and for bad values.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    if path is None:
+        path = env.get("OCACHE_CONFIG") or None
+        if path is None and Path("ocache.yaml").is_file():
+            path = "ocache.yaml"
+    if path is not None:
+        data = read_yaml(path)
+        unknown = sorted(set(map(str, data)) - set(FIELDS))
+        if unknown:
+            raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known keys: "
+                              f"{', '.join(FIELDS)}")
+        for k, v in data.items():
+            values[k] = _coerce(k, v, str(path))
+    for name in FIELDS:
+        key = "OCACHE_" + name.upper()
+        if key in env:
+            values[name] = _coerce(name, env[key], f"env {key}", from_env=True)
+    for k, v in (overrides or {}).items():
+        if k not in FIELDS:
+            raise ConfigError(f"unknown config key {k!r}")
+        if v is None:
+            continue
+        values[k] = _coerce(k, v, "command line")
+    return Config(**values)

@@ -1,0 +1,141 @@
+"""What the proxy asks of the cache layer: the request it parsed, the plan it gets back, the
+observation it reports after the response.
+
+The proxy (``ocache/proxy.py``) is thin: it parses a request, asks ``CacheLayer.plan`` what to
+change (only ``body_updates`` to the JSON body, e.g. ``{"id_slot": 1}``), forwards, relays the
+response as it arrives, and hands an ``Observation`` to ``CacheLayer.observe`` off the client's
+path. Everything the cache does (slots, anchors, spill) lives behind this protocol; ``NullLayer``
+is the empty cache (forward as is).
+
+Contract (the proxy's side):
+
+* ``plan`` is called only for completion routes (``COMPLETION_ROUTES``) whose body parsed as a JSON
+  object. Any exception from it is logged with the request id and the request is forwarded
+  untouched (fail-open); ``release`` of a plan that failed is never called because there is none.
+* ``release`` (if set) is called exactly once when the response is over: success, upstream error,
+  client disconnect or proxy error. It runs before ``observe``.
+* ``observe`` runs in a background task after the response was relayed; it must not raise (an
+  exception is logged and counted, nothing else).
+* ``on_upstream_restart`` is called when ``Upstream`` sees a new llama-server process (a new
+  epoch): slots are empty, every resident assumption is void.
+* ``drain`` is called on a planned stop, after in-flight requests finished and before the
+  upstream child (if launched) is stopped.
+
+Plan header conventions the proxy understands (all optional, set by the layer in ``Plan.headers``
+and sent to the client as is): ``X-OCache-Tier`` (which tier provided the prefix: ``resident``,
+``disk``, ``spill`` or ``none``) becomes the ``tier`` label of the proxy's per-tier counters;
+``X-OCache-Slot`` is informational (the slot used is read from ``body_updates["id_slot"]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping, Protocol, runtime_checkable
+
+#: POST routes that run a completion on llama-server (OpenAI chat/text and the native route).
+COMPLETION_ROUTES = frozenset({
+    "/v1/chat/completions",
+    "/chat/completions",
+    "/v1/completions",
+    "/completions",
+    "/completion",
+})
+
+
+@dataclass
+class ParsedRequest:
+    """A client request as the cache layer sees it.
+
+    ``body`` is the parsed JSON object (None when the body is not a JSON object: such a request is
+    forwarded byte for byte and never planned). ``session_hint`` is the client's
+    ``x-session-affinity`` or ``x-session-id`` header (opencode sends both), if any.
+    """
+
+    request_id: str
+    method: str
+    path: str
+    body: dict | None
+    headers: Mapping[str, str]
+    session_hint: str | None
+    stream: bool
+
+
+@dataclass
+class Plan:
+    """What the cache layer wants done to one request.
+
+    ``body_updates``: top-level fields to set in the forwarded JSON body (e.g. ``{"id_slot": 1}``);
+    an empty dict forwards the client's bytes unchanged. ``headers``: ``X-OCache-*`` response
+    headers describing what the layer did. ``context``: opaque, handed back in ``observe``.
+    ``release``: awaited once when the response is over (e.g. frees a per-slot lock).
+    """
+
+    body_updates: dict = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    context: Any = None
+    release: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass
+class Observation:
+    """What happened upstream for one completion.
+
+    ``timings``: llama-server's ``timings`` object (``prompt_n``, ``cache_n``, ``prompt_ms``,
+    ``predicted_n``, ... in tokens and milliseconds; top-level in a non-streamed response, on the
+    last SSE chunk that carries it in a stream; notes/llama-server-api.md §2.4). ``ttft_s``: seconds
+    from request receipt to the first response byte relayed to the client. ``total_s``: seconds
+    from receipt to the end of the response. ``completed``: the whole response was relayed (False
+    when the client disconnected or the upstream failed mid-response). ``content``: the assistant
+    text of a non-streamed response (None for streams).
+    """
+
+    status: int
+    completed: bool
+    timings: dict | None = None
+    usage: dict | None = None
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    content: str | None = None
+
+
+@runtime_checkable
+class CacheLayer(Protocol):
+    """The cache behind the proxy (see the module docstring for the call contract)."""
+
+    async def plan(self, req: ParsedRequest) -> Plan: ...
+
+    async def observe(self, req: ParsedRequest, plan: Plan, obs: Observation) -> None: ...
+
+    async def on_upstream_restart(self) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    async def clear(self, tier: str) -> dict: ...
+
+
+class NullLayer:
+    """The empty cache: every request is forwarded as is, nothing is kept."""
+
+    def __init__(self, upstream: Any = None, config: Any = None) -> None:
+        self.upstream = upstream
+        self.config = config
+
+    async def plan(self, req: ParsedRequest) -> Plan:
+        return Plan()
+
+    async def observe(self, req: ParsedRequest, plan: Plan, obs: Observation) -> None:
+        return None
+
+    async def on_upstream_restart(self) -> None:
+        return None
+
+    async def drain(self) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {"layer": "null"}
+
+    async def clear(self, tier: str) -> dict:
+        return {"tier": tier, "cleared": 0}

@@ -1,0 +1,184 @@
+"""Counters of the proxy: JSON for ``GET /v1/cache/stats`` and Prometheus text for
+``GET /v1/cache/metrics`` (prometheus_client, with its own CollectorRegistry so that several
+proxies in one process, e.g. tests, do not collide).
+
+Metric families (all prefixed ``ocache_``):
+
+| name | type | labels | meaning |
+|---|---|---|---|
+| requests_total | counter | route, status | requests answered (route = a known path or ``other``) |
+| completions_total | counter | route, tier | completions relayed (tier = the plan's X-OCache-Tier or ``none``) |
+| prompt_tokens_total | counter | route, tier, kind | kind=``cached`` (timings.cache_n) or ``processed`` (prompt_n) |
+| predicted_tokens_total | counter | route | timings.predicted_n |
+| ttft_seconds | histogram | route | wall time from request receipt to first byte relayed |
+| client_disconnects_total | counter | route | client went away before the response ended |
+| upstream_unavailable_total | counter | | requests answered 503 because llama-server was down |
+| upstream_restarts_total | counter | | new upstream processes detected (epoch changes) |
+| layer_errors_total | counter | stage | cache-layer exceptions (plan: request forwarded untouched) |
+| layer_stat | gauge | key | numeric leaves of ``layer.stats()`` (flattened with dots) |
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as _Counter
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from .layer import COMPLETION_ROUTES
+
+#: Paths that keep their own label; everything else is counted as ``other`` (bounded cardinality).
+KNOWN_ROUTES = COMPLETION_ROUTES | {
+    "/health", "/v1/health", "/props", "/slots", "/metrics", "/models", "/v1/models",
+    "/tokenize", "/detokenize", "/apply-template", "/v1/messages", "/v1/cache/stats",
+    "/v1/cache/metrics", "/v1/cache/clear",
+}
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def route_label(path: str) -> str:
+    if path in KNOWN_ROUTES:
+        return path
+    if path.startswith("/slots/"):
+        return "/slots/{id}"
+    return "other"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, bool):
+            out[key] = float(v)
+        elif isinstance(v, (int, float)):
+            out[key] = float(v)
+        elif isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+    return out
+
+
+class _LayerCollector:
+    def __init__(self, source: Callable[[], dict]):
+        self.source = source
+
+    def collect(self):
+        g = GaugeMetricFamily("ocache_layer_stat", "numeric values of the cache layer's stats()",
+                              labels=["key"])
+        try:
+            flat = _flatten(self.source() or {})
+        except Exception:  # the layer's stats must never break the metrics page
+            flat = {}
+        for k, v in sorted(flat.items()):
+            g.add_metric([k], v)
+        yield g
+
+
+class Stats:
+    """All counters of one proxy. ``layer_stats`` is a callable returning the layer's stats()."""
+
+    def __init__(self, layer_stats: Callable[[], dict] | None = None) -> None:
+        self.started = time.time()
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("ocache_requests_total", "requests answered", ["route", "status"],
+                                registry=r)
+        self.completions = Counter("ocache_completions_total", "completions relayed",
+                                   ["route", "tier"], registry=r)
+        self.prompt_tokens = Counter("ocache_prompt_tokens_total",
+                                     "prompt tokens: cached (cache_n) or processed (prompt_n)",
+                                     ["route", "tier", "kind"], registry=r)
+        self.predicted_tokens = Counter("ocache_predicted_tokens_total", "tokens generated",
+                                        ["route"], registry=r)
+        self.ttft = Histogram("ocache_ttft_seconds", "request receipt to first byte relayed",
+                              ["route"], registry=r,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60,
+                                       120, 300))
+        self.disconnects = Counter("ocache_client_disconnects_total",
+                                   "client disconnected before the response ended", ["route"],
+                                   registry=r)
+        self.unavailable = Counter("ocache_upstream_unavailable_total",
+                                   "answered 503 because the upstream was down", registry=r)
+        self.restarts = Counter("ocache_upstream_restarts_total",
+                                "new upstream processes detected", registry=r)
+        self.layer_errors = Counter("ocache_layer_errors_total", "cache-layer exceptions",
+                                    ["stage"], registry=r)
+        if layer_stats is not None:
+            r.register(_LayerCollector(layer_stats))
+        # plain mirrors for the JSON view
+        self._requests: _Counter = _Counter()
+        self._completions: _Counter = _Counter()
+        self._tokens: _Counter = _Counter()
+        self._misc: _Counter = _Counter()
+        self.last_completions: list[dict] = []
+
+    # --- recording ----------------------------------------------------------------------------
+    def request(self, path: str, status: int) -> None:
+        route = route_label(path)
+        self.requests.labels(route, str(status)).inc()
+        self._requests[(route, status)] += 1
+
+    def completion(self, path: str, tier: str, timings: dict | None, ttft_s: float | None,
+                   record: dict) -> None:
+        route = route_label(path)
+        self.completions.labels(route, tier).inc()
+        self._completions[(route, tier)] += 1
+        if ttft_s is not None:
+            self.ttft.labels(route).observe(ttft_s)
+        if timings:
+            cache_n = int(timings.get("cache_n") or 0)
+            prompt_n = int(timings.get("prompt_n") or 0)
+            predicted_n = int(timings.get("predicted_n") or 0)
+            self.prompt_tokens.labels(route, tier, "cached").inc(cache_n)
+            self.prompt_tokens.labels(route, tier, "processed").inc(prompt_n)
+            self.predicted_tokens.labels(route).inc(predicted_n)
+            self._tokens["cache_n"] += cache_n
+            self._tokens["prompt_n"] += prompt_n
+            self._tokens["predicted_n"] += predicted_n
+            self._tokens[f"tier.{tier}.cache_n"] += cache_n
+        self.last_completions.append(record)
+        del self.last_completions[:-20]
+
+    def disconnect(self, path: str) -> None:
+        self.disconnects.labels(route_label(path)).inc()
+        self._misc["client_disconnects"] += 1
+
+    def upstream_unavailable(self) -> None:
+        self.unavailable.inc()
+        self._misc["upstream_unavailable"] += 1
+
+    def upstream_restart(self) -> None:
+        self.restarts.inc()
+        self._misc["upstream_restarts"] += 1
+
+    def layer_error(self, stage: str) -> None:
+        self.layer_errors.labels(stage).inc()
+        self._misc[f"layer_errors.{stage}"] += 1
+
+    # --- views --------------------------------------------------------------------------------
+    def prometheus(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def to_dict(self) -> dict:
+        requests: dict[str, dict[str, int]] = {}
+        for (route, status), n in sorted(self._requests.items()):
+            requests.setdefault(route, {})[str(status)] = n
+        completions: dict[str, dict[str, int]] = {}
+        for (route, tier), n in sorted(self._completions.items()):
+            completions.setdefault(route, {})[tier] = n
+        layer_errors = {k.split(".", 1)[1]: v for k, v in self._misc.items()
+                        if k.startswith("layer_errors.")}
+        return {
+            "uptime_s": round(time.time() - self.started, 3),
+            "requests": requests,
+            "completions": completions,
+            "tokens": dict(self._tokens),
+            "client_disconnects": self._misc["client_disconnects"],
+            "upstream_unavailable": self._misc["upstream_unavailable"],
+            "upstream_restarts": self._misc["upstream_restarts"],
+            "layer_errors": layer_errors,
+            "fail_open": layer_errors.get("plan", 0),
+            "last_completions": list(self.last_completions),
+        }

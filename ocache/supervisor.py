@@ -1,0 +1,149 @@
+"""``ocache serve --launch -- <llama-server args>``: run llama-server as a child of the proxy.
+
+The supervisor starts the server with the given arguments (on a free loopback port unless the
+arguments name ``--host``/``--port``), restarts it when it dies (with a backoff of 0.5 s doubling to
+10 s, reset after 30 s of uptime), reports its PID to ``Upstream`` (a new PID is a new epoch), and
+stops it on shutdown (SIGTERM to its process group, SIGKILL after ``stop_timeout`` seconds).
+
+The binary is ``Config.launch_binary`` if set, else the first argument if it is an executable file
+(``--launch -- /path/llama-server -m ...``), else the patched engine build (``ocache.engine.find``).
+``--metrics`` is added when absent so that restart detection can read the boot id
+(shared/notes/llama-server-api.md §5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from .server import free_port
+
+log = logging.getLogger("ocache.supervisor")
+
+
+class LaunchError(RuntimeError):
+    """The server cannot be launched (no binary, bad arguments); the message says why."""
+
+
+def _flag_value(args: list[str], *names: str) -> str | None:
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def resolve_binary(args: list[str], binary: str | None) -> tuple[str, list[str]]:
+    """(binary path, remaining args). Raises LaunchError when no llama-server can be found."""
+    if binary:
+        return binary, list(args)
+    if args and not args[0].startswith("-") and os.path.isfile(args[0]) and os.access(args[0], os.X_OK):
+        return args[0], list(args[1:])
+    from . import engine
+
+    build = engine.find(stock=False)
+    if build is None:
+        raise LaunchError("no llama-server binary: build it with `ocache engine build`, or pass "
+                          "its path as the first argument after `--launch --`")
+    return str(build.binary), list(args)
+
+
+class Supervisor:
+    """One supervised llama-server child. ``url`` is where it listens."""
+
+    def __init__(self, args: list[str], binary: str | None = None, log_path: Path | None = None,
+                 stop_timeout: float = 20.0) -> None:
+        self.binary, self.args = resolve_binary(args, binary)
+        host = _flag_value(self.args, "--host") or "127.0.0.1"
+        port = _flag_value(self.args, "--port")
+        if _flag_value(self.args, "--host") is None:
+            self.args += ["--host", host]
+        if port is None:
+            port = str(free_port(host))
+            self.args += ["--port", port]
+        if "--metrics" not in self.args:
+            self.args.append("--metrics")
+        self.url = f"http://{host}:{port}"
+        self.log_path = log_path
+        self.stop_timeout = stop_timeout
+        self.proc: asyncio.subprocess.Process | None = None
+        self.starts = 0
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        self.on_start = None  # callable() run after each (re)start, e.g. Upstream.poke
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
+
+    async def _spawn(self) -> None:
+        out = open(self.log_path, "ab") if self.log_path else asyncio.subprocess.DEVNULL
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                self.binary, *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            raise LaunchError(f"cannot start {self.binary}: {exc}") from None
+        finally:
+            if out is not asyncio.subprocess.DEVNULL:
+                out.close()
+        self.starts += 1
+        log.info("launched llama-server pid %d at %s: %s %s", self.proc.pid, self.url, self.binary,
+                 " ".join(self.args))
+        if self.on_start:
+            self.on_start()
+
+    async def start(self) -> None:
+        """Start the child and the watcher that restarts it. Raises LaunchError."""
+        await self._spawn()
+        self._task = asyncio.create_task(self._watch(), name="ocache-supervisor")
+
+    async def _watch(self) -> None:
+        backoff = 0.5
+        while not self._stopping:
+            started = time.monotonic()
+            rc = await self.proc.wait()
+            if self._stopping:
+                return
+            up_s = time.monotonic() - started
+            if up_s > 30:
+                backoff = 0.5
+            log.warning("llama-server pid %d exited with %s after %.1f s; restarting in %.1f s",
+                        self.proc.pid, rc, up_s, backoff)
+            await asyncio.sleep(backoff)  # restart backoff, not synchronisation
+            backoff = min(backoff * 2, 10.0)
+            if self._stopping:
+                return
+            try:
+                await self._spawn()
+            except LaunchError:
+                log.exception("restart failed")
+
+    async def stop(self) -> None:
+        """Stop the child: SIGTERM to its process group, SIGKILL after ``stop_timeout``."""
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        p = self.proc
+        if p is None or p.returncode is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            await asyncio.wait_for(p.wait(), self.stop_timeout)
+        except asyncio.TimeoutError:
+            log.warning("llama-server pid %d ignored SIGTERM; killing", p.pid)
+            os.killpg(p.pid, signal.SIGKILL)
+            await p.wait()
+        log.info("llama-server pid %d stopped (%s)", p.pid, p.returncode)

@@ -1,0 +1,276 @@
+"""The upstream llama-server as the proxy knows it: its URL, one shared HTTP client session, whether
+it is reachable, and which *process* it is (the epoch).
+
+Restart detection uses what the server itself reports, never timing guesses
+(shared/notes/llama-server-api.md §5):
+
+* ``/metrics`` response header ``Process-Start-Time-Unix`` (server-context.cpp, handle_metrics):
+  despite its name it is ``ggml_time_us()`` at init (CLOCK_MONOTONIC µs), an opaque boot id that
+  changes on every restart; needs ``--metrics``;
+* ``/props.build_info`` (a different binary is a different process);
+* ``id_task`` in ``GET /slots``: task ids restart from 0 in a new process, so a smaller maximum than
+  seen before means a restart (used only when the boot id is unavailable: ``/slots`` wakes a
+  sleeping server);
+* the PID, when ocache launched the server itself (``supervisor.py``).
+
+If none of these is available and the server was seen unreachable in between, the reappearance is
+treated as a restart (the conservative choice: resident assumptions are dropped).
+
+Epochs count from 1 (the first process seen); ``epoch == 0`` means the upstream has never been
+reachable. Each change after the first calls the registered restart callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Awaitable, Callable
+
+import aiohttp
+
+log = logging.getLogger("ocache.upstream")
+
+#: How often the monitor probes while the upstream is unreachable (seconds).
+DOWN_PROBE_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class BootId:
+    """What identifies one upstream process; None = not available from this server."""
+
+    start_time: str | None = None     # /metrics header Process-Start-Time-Unix
+    build_info: str | None = None     # /props build_info
+    pid: int | None = None            # launched child's PID
+
+
+class Upstream:
+    """One llama-server behind the proxy.
+
+    ``session`` is the shared aiohttp ClientSession (created by ``start()``; the cache layer uses it
+    for its own calls; the proxy forwards through it with ``auto_decompress=False``). ``props`` is the
+    last ``/props`` JSON (None before the first successful probe). ``state`` is ``"down"``
+    (connection refused / unreachable), ``"loading"`` (``/health`` answers 503 while the model
+    loads) or ``"ready"``.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, probe_interval_s: float = 2.0,
+                 pid_source: Callable[[], int | None] | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.probe_interval_s = probe_interval_s
+        self.pid_source = pid_source
+        self.session: aiohttp.ClientSession | None = None
+        self.state = "down"
+        self.epoch = 0
+        self.restarts = 0
+        self.boot: BootId | None = None
+        self.max_task: int | None = None
+        self.props: dict | None = None
+        self.last_error: str | None = None
+        self.last_probe: float | None = None
+        self.epoch_started: float | None = None
+        self._seen_down = False
+        self._callbacks: list[Callable[[], Awaitable[None]]] = []
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._monitor: asyncio.Task | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def start(self, monitor: bool = True) -> None:
+        """Create the client session, probe once, start the background monitor."""
+        if self.session is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0, ttl_dns_cache=300)
+            self.session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
+            )
+        await self.probe()
+        if monitor and self._monitor is None:
+            self._monitor = asyncio.create_task(self._run_monitor(), name="ocache-upstream-monitor")
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            try:
+                await self._monitor
+            except asyncio.CancelledError:
+                pass
+            self._monitor = None
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    def on_restart(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Register ``async callback()`` run when a new upstream process is detected."""
+        self._callbacks.append(callback)
+
+    @property
+    def up(self) -> bool:
+        return self.state != "down"
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def notify_unreachable(self, error: str) -> None:
+        """The proxy could not connect: mark down and let the monitor probe at the fast rate."""
+        if self.state != "down":
+            log.warning("upstream %s unreachable: %s", self.base_url, error)
+        self.state = "down"
+        self._seen_down = True
+        self.last_error = error
+        self._wake.set()
+
+    def poke(self) -> None:
+        """Probe soon (e.g. the supervisor just started a new child)."""
+        self._wake.set()
+
+    # --- probing --------------------------------------------------------------------------------
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    async def probe(self) -> str:
+        """Check reachability and identity once; returns the state. Runs restart callbacks when the
+        process changed. Never raises for upstream problems (they set ``state``/``last_error``)."""
+        assert self.session is not None, "start() first"
+        async with self._lock:
+            self.last_probe = time.time()
+            try:
+                async with self.session.get(self.url("/health"),
+                                            timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    await r.read()
+                    health = r.status
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+                if self.state != "down":
+                    log.warning("upstream %s unreachable: %s", self.base_url, exc or type(exc).__name__)
+                self.state = "down"
+                self._seen_down = True
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                return self.state
+            if health != 200:
+                # 503 "Loading model": the process is there but not ready; identity comes later.
+                if self.state == "down":
+                    log.info("upstream %s is up, loading (health %d)", self.base_url, health)
+                self.state = "loading"
+                return self.state
+            boot, max_task = await self._identity()
+            was = self.state
+            self.state = "ready"
+            self.last_error = None
+            if was != "ready":
+                log.info("upstream %s ready (%s)", self.base_url, boot)
+            await self._check_epoch(boot, max_task)
+            return self.state
+
+    async def _identity(self) -> tuple[BootId, int | None]:
+        start_time = build_info = None
+        max_task = None
+        timeout = aiohttp.ClientTimeout(total=5)
+        try:
+            async with self.session.get(self.url("/metrics"), headers=self._auth(),
+                                        timeout=timeout) as r:
+                await r.read()
+                if r.status == 200:
+                    start_time = r.headers.get("Process-Start-Time-Unix")
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            pass
+        try:
+            async with self.session.get(self.url("/props"), headers=self._auth(),
+                                        timeout=timeout) as r:
+                if r.status == 200:
+                    self.props = await r.json(content_type=None)
+                    build_info = self.props.get("build_info")
+                else:
+                    await r.read()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            pass
+        if start_time is None:
+            try:
+                async with self.session.get(self.url("/slots"), headers=self._auth(),
+                                            timeout=timeout) as r:
+                    if r.status == 200:
+                        slots = await r.json(content_type=None)
+                        ids = [s.get("id_task") for s in slots if isinstance(s, dict)]
+                        ids = [i for i in ids if isinstance(i, int)]
+                        max_task = max(ids) if ids else -1
+                    else:
+                        await r.read()
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+                pass
+        pid = self.pid_source() if self.pid_source else None
+        return BootId(start_time, build_info, pid), max_task
+
+    async def _check_epoch(self, boot: BootId, max_task: int | None) -> None:
+        prev, prev_task = self.boot, self.max_task
+        self.boot = boot
+        if max_task is not None:
+            self.max_task = max_task if prev_task is None else max(max_task, prev_task)
+        seen_down, self._seen_down = self._seen_down, False
+        if prev is None:
+            self.epoch = 1
+            self.epoch_started = time.time()
+            return
+        reason = _restart_reason(prev, boot, prev_task, max_task, seen_down)
+        if reason is None:
+            return
+        self.epoch += 1
+        self.restarts += 1
+        self.epoch_started = time.time()
+        self.max_task = max_task
+        log.warning("upstream %s restarted (%s): epoch %d", self.base_url, reason, self.epoch)
+        for cb in list(self._callbacks):
+            try:
+                await cb()
+            except Exception:
+                log.exception("upstream restart callback failed")
+
+    async def _run_monitor(self) -> None:
+        while True:
+            interval = self.probe_interval_s if self.state == "ready" else DOWN_PROBE_INTERVAL_S
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.probe()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("upstream probe failed")
+
+    def to_dict(self) -> dict:
+        return {
+            "url": self.base_url,
+            "state": self.state,
+            "epoch": self.epoch,
+            "restarts": self.restarts,
+            "boot": asdict(self.boot) if self.boot else None,
+            "build_info": (self.props or {}).get("build_info"),
+            "total_slots": (self.props or {}).get("total_slots"),
+            "last_error": self.last_error,
+            "epoch_started": self.epoch_started,
+        }
+
+
+def _restart_reason(prev: BootId, new: BootId, prev_task: int | None, new_task: int | None,
+                    seen_down: bool) -> str | None:
+    """Why ``new`` is a different process than ``prev`` (None: the same process)."""
+    if prev.pid is not None and new.pid is not None and prev.pid != new.pid:
+        return f"pid {prev.pid} -> {new.pid}"
+    if prev.start_time is not None and new.start_time is not None:
+        if prev.start_time != new.start_time:
+            return f"start time {prev.start_time} -> {new.start_time}"
+        strong = True
+    else:
+        strong = prev.pid is not None and new.pid is not None
+    if prev.build_info and new.build_info and prev.build_info != new.build_info:
+        return f"build {prev.build_info} -> {new.build_info}"
+    if strong:
+        return None
+    if prev_task is not None and new_task is not None and new_task < prev_task:
+        return f"task ids went back ({prev_task} -> {new_task})"
+    if seen_down:
+        return "was unreachable and no boot id is available"
+    return None
