@@ -1,0 +1,457 @@
+"""Generate the small random-weight GGUF models ocache is tested and benchmarked on.
+
+Two models per preset, both loadable by the pinned llama-server:
+
+* ``dense``: arch ``qwen3`` (every layer full attention, GQA, Q/K RMS norms).
+* ``hybrid``: arch ``qwen35``, the shape of the Qwen3.5 family: gated-delta-net (linear attention,
+  recurrent state) layers with a full-attention layer every 4th layer
+  (``{arch}.full_attention_interval``; ``src/models/qwen35.cpp`` ``load_arch_hparams``).
+
+Both carry the real Qwen tokenizer (every ``tokenizer.*`` field of ``models/ggml-vocab-qwen35.gguf``
+in the pinned sdist, 151,936 tokens) and ocache's own tool-capable chat template
+(``ocache/data/chat_template.jinja``, embedded as ``tokenizer.chat_template``), so real client
+requests render and tokenize to realistic lengths.
+
+Weights are random (a fixed seed per tensor, so a given spec gives byte-identical files). Each
+matrix is drawn with stdev ``1/sqrt(fan_in)``: with one small stdev everywhere the residual stream
+is dominated by the current token's embedding and greedy decoding just repeats the last token,
+so output would not depend on the context and a broken cache would look like a working one
+(``shared/notes/measured-baseline.md``, "Model generation facts"). The token embedding is tied to
+the output (no ``output.weight``) and kept small (stdev ``EMBD_STD``) so the layers' outputs, which
+depend on the whole prompt, dominate the logits.
+
+Tensor shapes follow the loaders: ``src/models/qwen3.cpp`` and ``src/models/qwen35.cpp``
+(``load_arch_tensors``). Traps (same notes): a delta-net layer without ``attn_qkv``/``attn_gate``
+segfaults at load (the loader marks them optional), ``ssm.inner_size`` must equal
+``ssm.state_size * ssm.time_step_rank`` (``head_v_dim = d_inner / num_v_heads`` in the graph vs
+``ssm_d_state`` in the loader) and ``ssm_conv1d`` must be F32 (F16 aborts in ``ggml_ssm_conv``).
+Matrices are F16, vectors and ``ssm_conv1d`` F32.
+
+Files go to ``cache_root()/models/<key16>/<preset>-<kind>.gguf`` (never into the checkout), where
+``key16`` hashes the spec, ``GENERATOR_VERSION``, the vocab file's sha256, the template's bytes
+and the numpy version (its random streams are only promised stable within a version). Generation
+writes a temporary file and renames it, under a file lock, so concurrent test sessions neither
+collide nor see half-written files; a second call finds the file and returns at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .paths import cache_root
+
+#: Bump when the generator's output changes for the same spec (it is part of every model key).
+GENERATOR_VERSION = 1
+
+#: Stdev of the (tied) token embedding; small, see the module docstring.
+EMBD_STD = 0.02
+
+KINDS = ("dense", "hybrid")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Hyper-parameters of one generated model (sizes in elements; ``n_ctx_train`` in tokens).
+
+    ``n_head``/``n_head_kv``/``head_dim`` describe the full-attention layers. For ``qwen35`` the
+    ``ssm_*`` fields describe the gated-delta-net layers: ``ssm_state`` is the key/value head
+    width, ``ssm_groups`` the number of key heads, ``ssm_v_heads`` the number of value heads
+    (``ssm.time_step_rank``); the inner size is ``ssm_state * ssm_v_heads``. ``rope_dims`` is the
+    rotated part of a head (qwen3 requires the whole head), ``rope_sections`` the IMROPE sections
+    (t, h, w, e) of qwen35, summing to ``rope_dims / 2``.
+    """
+
+    arch: str
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rope_dims: int
+    rope_freq_base: float
+    n_ctx_train: int = 131072
+    rms_eps: float = 1e-6
+    full_attention_interval: int = 4
+    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)
+    ssm_conv: int = 4
+    ssm_state: int = 0
+    ssm_groups: int = 0
+    ssm_v_heads: int = 0
+    seed: int = 1234
+
+    @property
+    def ssm_inner(self) -> int:
+        return self.ssm_state * self.ssm_v_heads
+
+    def validate(self) -> None:
+        """Raise ValueError for a spec the pinned loader would reject or crash on."""
+        if self.arch not in ("qwen3", "qwen35"):
+            raise ValueError(f"unsupported arch {self.arch!r} (qwen3 or qwen35)")
+        if self.n_head % self.n_head_kv:
+            raise ValueError("n_head must be a multiple of n_head_kv")
+        if self.arch == "qwen3" and self.rope_dims != self.head_dim:
+            raise ValueError("qwen3 rotates the whole head: rope_dims must equal head_dim")
+        if self.arch == "qwen35":
+            if self.n_layer % self.full_attention_interval:
+                raise ValueError("n_layer must be a multiple of full_attention_interval")
+            if min(self.ssm_state, self.ssm_groups, self.ssm_v_heads) <= 0:
+                raise ValueError("qwen35 needs ssm_state, ssm_groups and ssm_v_heads")
+            if self.ssm_v_heads % self.ssm_groups:
+                raise ValueError("ssm_v_heads must be a multiple of ssm_groups")
+            if sum(self.rope_sections) * 2 != self.rope_dims or self.rope_dims > self.head_dim:
+                raise ValueError("rope_sections must sum to rope_dims/2 <= head_dim/2")
+
+    def is_recurrent(self, il: int) -> bool:
+        """Whether layer ``il`` is a gated-delta-net layer (qwen35.cpp: (il+1) % interval != 0)."""
+        return self.arch == "qwen35" and (il + 1) % self.full_attention_interval != 0
+
+
+#: The presets. ``tiny``: fast tests (loads in well under a second, prefills thousands of tokens a
+#: second on one thread). ``bench``: a 16k-token prefill takes tens of seconds on 2 cores, so
+#: cache effects are visible (shapes of shared/notes/measured-baseline.md: n_embd 1024, 8 layers,
+#: 2 KV heads of 128, hybrid = 6 delta-net + 2 attention layers).
+PRESETS: dict[str, dict[str, ModelSpec]] = {
+    "tiny": {
+        "dense": ModelSpec(arch="qwen3", n_embd=64, n_layer=2, n_ff=192, n_head=4, n_head_kv=2,
+                           head_dim=32, rope_dims=32, rope_freq_base=1e6),
+        "hybrid": ModelSpec(arch="qwen35", n_embd=64, n_layer=4, n_ff=192, n_head=4, n_head_kv=2,
+                            head_dim=32, rope_dims=16, rope_sections=(3, 3, 2, 0),
+                            rope_freq_base=1e7, ssm_state=16, ssm_groups=2, ssm_v_heads=4),
+    },
+    "bench": {
+        "dense": ModelSpec(arch="qwen3", n_embd=1024, n_layer=8, n_ff=3072, n_head=8,
+                           n_head_kv=2, head_dim=128, rope_dims=128, rope_freq_base=1e6),
+        "hybrid": ModelSpec(arch="qwen35", n_embd=1024, n_layer=8, n_ff=3072, n_head=8,
+                            n_head_kv=2, head_dim=128, rope_dims=64, rope_sections=(11, 11, 10, 0),
+                            rope_freq_base=1e7, ssm_state=128, ssm_groups=8, ssm_v_heads=8),
+    },
+}
+
+
+class ModelError(RuntimeError):
+    """A model could not be generated (bad preset, missing vocab, write failure)."""
+
+
+def _log(msg: str) -> None:
+    print(f"[ocache models] {msg}", file=sys.stderr, flush=True)
+
+
+def template_path() -> Path:
+    """The shipped chat template (``--chat-template-file`` accepts it; also embedded in the models)."""
+    return Path(__file__).resolve().parent / "data" / "chat_template.jinja"
+
+
+def models_dir() -> Path:
+    path = cache_root() / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _import_gguf():
+    """The ``gguf`` package of the pinned llama.cpp source (it knows the ``qwen35`` arch)."""
+    from . import engine
+
+    gdir = str(engine.gguf_py_dir())
+    if gdir not in sys.path:
+        sys.path.insert(0, gdir)
+    import gguf  # noqa: PLC0415  (path set just above)
+
+    if not hasattr(gguf.MODEL_ARCH, "QWEN35"):
+        raise ModelError(f"the gguf package imported from {gguf.__file__} does not know qwen35; "
+                         f"expected the pinned one in {gdir}")
+    return gguf
+
+
+def _vocab_path() -> Path:
+    from . import engine
+
+    path = engine.vocab_gguf()
+    if not path.exists():
+        raise ModelError(f"tokenizer vocabulary {path} not found in the pinned source")
+    return path
+
+
+def model_key(spec: ModelSpec, vocab_sha256: str, template_bytes: bytes) -> str:
+    """16 hex digits identifying the file this generator writes for ``spec``."""
+    h = hashlib.sha256()
+    h.update(json.dumps({
+        "spec": asdict(spec), "generator": GENERATOR_VERSION, "vocab": vocab_sha256,
+        "template": hashlib.sha256(template_bytes).hexdigest(), "numpy": np.__version__,
+        "embd_std": EMBD_STD,
+    }, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def _rng(spec: ModelSpec, name: str) -> np.random.Generator:
+    """One independent stream per tensor (seeded by spec.seed and the tensor name)."""
+    digest = hashlib.sha256(f"{spec.seed}:{name}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+def _matrix(spec: ModelSpec, name: str, n_out: int, n_in: int, std: float | None = None,
+            dtype=np.float16) -> np.ndarray:
+    """A weight of ggml shape {n_in, n_out} (numpy (n_out, n_in)), stdev 1/sqrt(n_in) by default."""
+    std = (1.0 / np.sqrt(n_in)) if std is None else std
+    x = _rng(spec, name).standard_normal((n_out, n_in), dtype=np.float32)
+    x *= np.float32(std)
+    return x.astype(dtype)
+
+
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
+def _tensors(spec: ModelSpec, n_vocab: int):
+    """Yield (name, array) for every tensor the loader of ``spec.arch`` reads, in file order."""
+    E = spec.n_embd
+    yield "token_embd.weight", _matrix(spec, "token_embd", n_vocab, E, std=EMBD_STD)
+    yield "output_norm.weight", _ones(E)
+    q_out = spec.n_head * spec.head_dim
+    kv_out = spec.n_head_kv * spec.head_dim
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        yield p + "attn_norm.weight", _ones(E)
+        if spec.arch == "qwen3":
+            yield p + "attn_q.weight", _matrix(spec, p + "attn_q", q_out, E)
+            yield p + "attn_k.weight", _matrix(spec, p + "attn_k", kv_out, E)
+            yield p + "attn_v.weight", _matrix(spec, p + "attn_v", kv_out, E)
+            yield p + "attn_output.weight", _matrix(spec, p + "attn_output", E, q_out)
+            yield p + "attn_q_norm.weight", _ones(spec.head_dim)
+            yield p + "attn_k_norm.weight", _ones(spec.head_dim)
+            yield p + "ffn_norm.weight", _ones(E)
+        elif not spec.is_recurrent(il):
+            # qwen35 full attention: Q projects to query + output gate (2 * n_head * head_dim)
+            yield p + "post_attention_norm.weight", _ones(E)
+            yield p + "attn_q.weight", _matrix(spec, p + "attn_q", 2 * q_out, E)
+            yield p + "attn_k.weight", _matrix(spec, p + "attn_k", kv_out, E)
+            yield p + "attn_v.weight", _matrix(spec, p + "attn_v", kv_out, E)
+            yield p + "attn_output.weight", _matrix(spec, p + "attn_output", E, q_out)
+            yield p + "attn_q_norm.weight", _ones(spec.head_dim)
+            yield p + "attn_k_norm.weight", _ones(spec.head_dim)
+        else:
+            # gated delta net (qwen35.cpp load_block_trunk / build_layer_attn_linear)
+            key_dim = spec.ssm_state * spec.ssm_groups
+            value_dim = spec.ssm_state * spec.ssm_v_heads
+            conv_dim = 2 * key_dim + value_dim
+            H = spec.ssm_v_heads
+            yield p + "post_attention_norm.weight", _ones(E)
+            yield p + "attn_qkv.weight", _matrix(spec, p + "attn_qkv", conv_dim, E)
+            yield p + "attn_gate.weight", _matrix(spec, p + "attn_gate", value_dim, E)
+            yield p + "ssm_conv1d.weight", _matrix(spec, p + "ssm_conv1d", conv_dim, spec.ssm_conv,
+                                                   dtype=np.float32)
+            # per-head decay: gate = softplus(alpha + dt_bias) * ssm_a, ssm_a = -A < 0; A log-uniform
+            # in [1e-3, 1e-1] gives memories from ~10 to ~1000 tokens, so early context matters
+            r = _rng(spec, p + "ssm_a")
+            yield p + "ssm_a", (-np.exp(r.uniform(np.log(1e-3), np.log(1e-1), H))).astype(np.float32)
+            yield p + "ssm_dt.bias", np.zeros(H, dtype=np.float32)
+            yield p + "ssm_beta.weight", _matrix(spec, p + "ssm_beta", H, E)
+            yield p + "ssm_alpha.weight", _matrix(spec, p + "ssm_alpha", H, E)
+            yield p + "ssm_norm.weight", _ones(spec.ssm_state)
+            yield p + "ssm_out.weight", _matrix(spec, p + "ssm_out", E, value_dim)
+        yield p + "ffn_gate.weight", _matrix(spec, p + "ffn_gate", spec.n_ff, E)
+        yield p + "ffn_up.weight", _matrix(spec, p + "ffn_up", spec.n_ff, E)
+        yield p + "ffn_down.weight", _matrix(spec, p + "ffn_down", E, spec.n_ff)
+
+
+def _tokenizer_fields(vocab: Path, vocab_sha256: str) -> list[tuple[str, int, int | None, object]]:
+    """Every ``tokenizer.*`` KV field of the vocab file as (key, type, array sub-type, value).
+
+    ``GGUFReader`` takes ~10-20 s on this 300k-string file, so the fields are extracted once and
+    kept as JSON beside the models (``tokenizer-<sha16>.json``, written atomically).
+    """
+    cache = models_dir() / f"tokenizer-{vocab_sha256[:16]}.json"
+    if cache.exists():
+        return [tuple(f) for f in json.loads(cache.read_text(encoding="utf-8"))]
+    gguf = _import_gguf()
+    reader = gguf.GGUFReader(vocab)
+    fields = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer.") or key == "tokenizer.chat_template":
+            continue
+        vtype = int(field.types[0])
+        sub = int(field.types[-1]) if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        val = field.contents()
+        fields.append((key, vtype, sub, val))
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(fields, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, cache)
+    return fields
+
+
+def _copy_tokenizer(gguf, writer, vocab: Path, vocab_sha256: str) -> int:
+    """Copy every ``tokenizer.*`` KV field of the vocab file; return the vocabulary size."""
+    n_vocab = 0
+    keys = set()
+    for key, vtype, sub, val in _tokenizer_fields(vocab, vocab_sha256):
+        keys.add(key)
+        writer.add_key_value(key, val, gguf.GGUFValueType(vtype),
+                             sub_type=None if sub is None else gguf.GGUFValueType(sub))
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(val)
+    if not n_vocab:
+        raise ModelError(f"{vocab} has no tokenizer.ggml.tokens")
+    if "tokenizer.ggml.add_bos_token" not in keys:
+        # Qwen adds no BOS; llama-vocab.cpp defaults to false for this pre-tokenizer, say it anyway
+        writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    return n_vocab
+
+
+def _write(spec: ModelSpec, dest: Path, name: str, vocab: Path, vocab_sha256: str,
+           template: str) -> None:
+    gguf = _import_gguf()
+    import logging
+
+    logging.getLogger("gguf").setLevel(logging.WARNING)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(str(tmp), spec.arch)
+    try:
+        writer.add_name(name)
+        writer.add_context_length(spec.n_ctx_train)
+        writer.add_embedding_length(spec.n_embd)
+        writer.add_block_count(spec.n_layer)
+        writer.add_feed_forward_length(spec.n_ff)
+        writer.add_head_count(spec.n_head)
+        writer.add_head_count_kv(spec.n_head_kv)
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
+        writer.add_rope_dimension_count(spec.rope_dims)
+        writer.add_rope_freq_base(spec.rope_freq_base)
+        writer.add_layer_norm_rms_eps(spec.rms_eps)
+        if spec.arch == "qwen35":
+            writer.add_full_attention_interval(spec.full_attention_interval)
+            writer.add_rope_dimension_sections(list(spec.rope_sections))
+            writer.add_ssm_conv_kernel(spec.ssm_conv)
+            writer.add_ssm_inner_size(spec.ssm_inner)
+            writer.add_ssm_state_size(spec.ssm_state)
+            writer.add_ssm_time_step_rank(spec.ssm_v_heads)
+            writer.add_ssm_group_count(spec.ssm_groups)
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+        n_vocab = _copy_tokenizer(gguf, writer, vocab, vocab_sha256)
+        writer.add_chat_template(template)
+        for tname, arr in _tensors(spec, n_vocab):
+            writer.add_tensor(tname, arr)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
+        os.replace(tmp, dest)
+    except BaseException:
+        writer.close()
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def make_one(preset: str, kind: str) -> Path:
+    """Generate (or find) one model; return its path. Raises ModelError for an unknown preset/kind."""
+    try:
+        spec = PRESETS[preset][kind]
+    except KeyError:
+        raise ModelError(f"unknown model {preset}/{kind}; presets {sorted(PRESETS)}, "
+                         f"kinds {list(KINDS)}") from None
+    spec.validate()
+    vocab = _vocab_path()
+    template = template_path().read_bytes()
+    vocab_sha = _vocab_sha256(vocab)
+    key = model_key(spec, vocab_sha, template)
+    folder = models_dir() / key
+    dest = folder / f"{preset}-{kind}-{spec.arch}.gguf"
+    if dest.exists():
+        return dest
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder / ".lock"):
+        if dest.exists():  # another process finished it while we waited
+            return dest
+        t0 = time.monotonic()
+        _write(spec, dest, f"ocache-{preset}-{kind}", vocab, vocab_sha, template.decode("utf-8"))
+        meta = {"preset": preset, "kind": kind, "key": key, "spec": asdict(spec),
+                "generator": GENERATOR_VERSION, "vocab": str(vocab), "numpy": np.__version__,
+                "bytes": dest.stat().st_size, "sha256": _sha256_file(dest),
+                "seconds": round(time.monotonic() - t0, 2)}
+        (folder / "model.json").write_text(json.dumps(meta, indent=1))
+        _log(f"generated {dest} ({meta['bytes'] / 1e6:.1f} MB) in {meta['seconds']} s")
+    return dest
+
+
+_VOCAB_SHA: dict[tuple[str, int, int], str] = {}
+
+
+def _vocab_sha256(vocab: Path) -> str:
+    """sha256 of the vocab file, memoised by (path, size, mtime) within this process."""
+    st = vocab.stat()
+    k = (str(vocab), st.st_size, st.st_mtime_ns)
+    if k not in _VOCAB_SHA:
+        _VOCAB_SHA[k] = _sha256_file(vocab)
+    return _VOCAB_SHA[k]
+
+
+def make(preset: str = "tiny") -> dict[str, Path]:
+    """Return ``{"dense": Path, "hybrid": Path}`` for ``preset`` ("tiny" or "bench").
+
+    Generates the files on first use (tiny: about a second each; bench: several seconds and
+    ~0.5 GB each), then returns at once. Raises ModelError for an unknown preset.
+    """
+    if preset not in PRESETS:
+        raise ModelError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return {kind: make_one(preset, kind) for kind in KINDS}
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+def _cmd_make(args) -> int:
+    presets = sorted(PRESETS) if args.preset == "all" else [args.preset]
+    for preset in presets:
+        for kind, path in make(preset).items():
+            print(f"{preset}\t{kind}\t{path}")
+    print(f"template\t{template_path()}")
+    return 0
+
+
+def _cmd_path(args) -> int:
+    if args.template:
+        print(template_path())
+        return 0
+    print(models_dir())
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``ocache models make [--preset tiny|bench|all]`` and ``ocache models path``."""
+    p = subparsers.add_parser("models", help="generate the small test/benchmark GGUF models")
+    sub = p.add_subparsers(dest="models_command", metavar="ACTION")
+    pm = sub.add_parser("make", help="generate (or find cached) models and print their paths")
+    pm.add_argument("--preset", choices=[*sorted(PRESETS), "all"], default="tiny")
+    pm.set_defaults(func=_cmd_make)
+    pp = sub.add_parser("path", help="print the models cache folder (or --template's path)")
+    pp.add_argument("--template", action="store_true", help="print the chat template's path")
+    pp.set_defaults(func=_cmd_path)
+    p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
