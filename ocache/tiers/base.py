@@ -1,0 +1,68 @@
+"""The tier interface: what every cache tier (resident, disk, session) offers the planner.
+
+A tier answers one question before a request (``lookup``: how many leading tokens of this prompt
+can I put into a slot, and at what cost), does one thing when chosen (``bring``: make it
+resident), and gets three callbacks around the request's life: ``admit`` after it (decide what to
+keep), ``before_evict`` before a slot's conversation is replaced (the session tier spills it
+there), ``evict`` when the store needs bytes. The shape follows
+``shared/notes/architecture.md`` ("Tier interface") and the lead's interface note.
+
+The resident tier (``ocache.tiers.resident``) is the server's slots themselves: its ``bring`` is a
+no-op and its ``lookup`` is the routing decision. The disk and session tiers plug into the same
+planner (``ocache.cache.plan_request``) through this protocol without changes to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class Offer:
+    """One tier's answer to "how much of this prompt can you provide?".
+
+    ``tier``: the tier's name (``resident``, ``disk``, ``session``). ``tokens_usable``: how many
+    leading tokens of the request's prompt the server will reuse after ``bring`` (a *usable*
+    prefix: for hybrid models already rounded down to a context checkpoint, so it is directly
+    comparable with the server's ``cache_n``). ``cost_s``: estimated seconds ``bring`` takes
+    (0 for resident). ``ref``: opaque to the planner, handed back to the same tier's ``bring``.
+    ``slot``: the slot the offer is tied to (resident: the slot holding the prefix), or None when
+    the tier can bring it into any slot (disk, session).
+    """
+
+    tier: str
+    tokens_usable: int
+    cost_s: float = 0.0
+    ref: Any = None
+    slot: int | None = None
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A cache tier. ``ctx`` in ``lookup`` is the planner's per-request context (a
+    ``ocache.cache.RequestContext``: kind, session key, fingerprint); ``obs`` in ``admit`` is the
+    proxy's ``Observation``."""
+
+    name: str
+
+    async def lookup(self, view: Any, ctx: Any) -> Offer | None:
+        """The best this tier can offer for ``view`` (a ``TokenView``), or None."""
+        ...
+
+    async def bring(self, offer: Offer, slot: int) -> None:
+        """Make ``offer`` resident in ``slot`` (the caller holds the slot's lock). Raises on failure;
+        the slot must then be treated as cold (a failed restore erases it, notes §1.3)."""
+        ...
+
+    async def admit(self, view: Any, slot: int, obs: Any) -> None:
+        """After a request served from ``slot``: decide what to keep (called off the client's path)."""
+        ...
+
+    async def before_evict(self, slot: int) -> None:
+        """``slot``'s conversation is about to be replaced by another one (the caller holds the lock)."""
+        ...
+
+    async def evict(self, bytes_needed: int) -> int:
+        """Free at least ``bytes_needed`` bytes if possible; returns bytes freed."""
+        ...

@@ -1,0 +1,165 @@
+"""The resident tier: the server's own slots. Routing = choosing which slot a request lands on.
+
+llama-server matches a prompt only against the slot it is given (notes §2.2-2.3), so the cheapest
+cache there is is sending a request to the slot that already holds most of it. For every slot the
+tier predicts the *usable* prefix (``ocache.slots.predict_reuse``: the common prefix, on a hybrid
+model rounded down to a context checkpoint unless the request strictly extends the slot) and ranks
+the slots by what the request gains minus what it destroys:
+
+* a continuation of the slot's own conversation (same session key, or — without session keys —
+  a prompt that contains everything the slot was sent) destroys nothing;
+* an empty slot, a slot of unknown content, or a guest's slot destroys nothing worth keeping;
+* a warmed harness head (the shared *origin*) is destroyed only when the request does not start
+  with that head (an agent of the same harness consumes it, a guest would throw it away);
+* another live conversation (agent/other) is *protected*: it is chosen only when every slot is
+  protected (``-np 1``, or more conversations than slots), and then the ``before_evict`` hooks of
+  every tier run first (the session tier spills it there).
+
+Ties go to the least recently used slot. Guests (opencode's title request, Open WebUI's title/tags
+requests) therefore land on a side slot when ``-np >= 2`` and never overwrite an agent conversation
+(seed 000 "Guests": "With --parallel N a guest takes an idle side slot first").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..slots import Reuse, ServerParams, SlotState, predict_reuse
+from .base import Offer
+
+#: Tie order of slot roles (higher first) when two slots offer the same score.
+ROLE_RANK = {"own": 5, "empty": 4, "unknown": 3, "guest": 3, "origin": 2, "other": 0}
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What the planner knows about a request besides its tokens.
+
+    ``kind``: ``agent`` | ``guest`` | ``other`` (``ocache.fingerprint.classify``). ``session``: the
+    client's session key (opencode ``x-session-affinity``) or None. ``head_key``/``head_len``: the
+    harness fingerprint and the head length in tokens, if the request has a known head. ``task``:
+    the request's id in the checkpoint model. ``user_starts``: token positions of user-message
+    starts *as the server will see them* (empty on raw routes without ``message_delimiters``).
+    """
+
+    kind: str = "other"
+    session: str | None = None
+    head_key: str | None = None
+    head_len: int = 0
+    task: int = -1
+    user_starts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    """One slot as a candidate. ``reuse``: the predicted reuse there; ``role``: see ``ROLE_RANK``;
+    ``loss``: tokens of cached value the request would destroy; ``protected``: another live
+    conversation; ``score``: ``reuse.cache_n - loss``."""
+
+    slot: int
+    reuse: Reuse
+    role: str
+    loss: int
+    protected: bool
+    busy: bool
+    last_used: float
+
+    @property
+    def score(self) -> int:
+        return self.reuse.cache_n - self.loss
+
+    def key(self) -> tuple:
+        return (not self.protected, self.score, ROLE_RANK.get(self.role, 0), not self.busy, -self.last_used)
+
+
+def _ram_swap(s: SlotState, lcp: int, n_prompt: int, params: ServerParams) -> bool:
+    """Whether the server may swap a RAM-cache entry into this pinned slot (notes §2.2 step 4:
+    ``--cache-ram`` on, slot non-empty, ``f_keep = LCP/len(slot) < 0.5`` or ``f_sim <= sps``)."""
+    if not params.cache_ram:
+        return False
+    size = s.n_total if s.n_total is not None else len(s.tokens)
+    if size <= 0:
+        return False
+    f_sim = lcp / max(n_prompt, 1)
+    if params.slot_prompt_similarity and f_sim <= params.slot_prompt_similarity:
+        return True
+    return lcp / size < 0.5
+
+
+def classify_slot(s: SlotState, reuse: Reuse, ctx: RequestContext, params: ServerParams) -> SlotChoice:
+    """Role, loss and protection of one slot for one request (see the module docstring)."""
+    held = len(s.tokens)
+    size = s.n_total if s.n_total is not None else held
+    empty = held == 0 and not size and not s.foreign
+    if empty:
+        role, loss, protected = "empty", 0, False
+    elif s.foreign or held == 0:
+        role, loss, protected = "unknown", 0, False
+    else:
+        if ctx.session is not None and s.owner is not None:
+            same = ctx.session == s.owner
+        else:
+            same = reuse.lcp >= held - params.n_ubatch and s.kind == ctx.kind
+        if same and not s.origin:
+            role, loss, protected = "own", 0, False
+        elif s.origin:
+            consumes = (ctx.kind == "agent" and ctx.head_key is not None and ctx.head_key == s.head_key
+                        and reuse.cache_n >= s.head_len - params.n_ubatch)
+            role, loss, protected = "origin", (0 if consumes else s.head_len), False
+        elif s.kind == "guest":
+            role, loss, protected = "guest", 0, False
+        else:
+            role, loss, protected = "other", max(size, held), True
+    return SlotChoice(s.id, reuse, role, loss, protected, s.busy, s.last_used)
+
+
+def rank_slots(tokens: Sequence[int], slots: Sequence[SlotState], ctx: RequestContext,
+               params: ServerParams) -> list[SlotChoice]:
+    """Every slot as a candidate for ``tokens``, best first (pure)."""
+    out = []
+    for s in slots:
+        reuse = predict_reuse(s.tokens, s.n_total, s.checkpoints, tokens, params,
+                              user_starts=ctx.user_starts, task=ctx.task, ram_swap=False)
+        if _ram_swap(s, reuse.lcp, len(tokens), params):
+            reuse = predict_reuse(s.tokens, s.n_total, s.checkpoints, tokens, params,
+                                  user_starts=ctx.user_starts, task=ctx.task, ram_swap=True)
+        out.append(classify_slot(s, reuse, ctx, params))
+    out.sort(key=SlotChoice.key, reverse=True)
+    return out
+
+
+class ResidentTier:
+    """The resident tier as a ``Tier``: its offers are the slots themselves; ``bring`` is a no-op.
+
+    The planner (``ocache.cache.plan_request``) calls ``rank_slots`` directly because a resident
+    offer is tied to its slot; ``lookup`` exists so tools that only speak the Tier protocol (stats,
+    ``ocache warm``) can ask "is this prompt resident anywhere?".
+    """
+
+    name = "resident"
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    async def lookup(self, view: Any, ctx: Any) -> Offer | None:
+        if not len(self.table):
+            return None
+        ranked = rank_slots(view.tokens, self.table.snapshot(), ctx or RequestContext(), self.table.params)
+        best = max(ranked, key=lambda c: c.reuse.cache_n)
+        if best.reuse.cache_n <= 0:
+            return None
+        return Offer("resident", best.reuse.cache_n, 0.0, ref=best, slot=best.slot)
+
+    async def bring(self, offer: Offer, slot: int) -> None:
+        if offer.slot is not None and offer.slot != slot:
+            raise ValueError(f"resident offer for slot {offer.slot} cannot be brought into slot {slot}")
+
+    async def admit(self, view: Any, slot: int, obs: Any) -> None:
+        return None
+
+    async def before_evict(self, slot: int) -> None:
+        return None
+
+    async def evict(self, bytes_needed: int) -> int:
+        return 0
