@@ -1,0 +1,477 @@
+"""The llama.cpp patches (``patches/``) against the real llama-server, compared with the stock build.
+
+Each test runs the same requests on the patched and the unpatched build of the pinned source, on the
+``tiny`` generated models, and asserts what each does:
+
+* 0001 (checkpoint sidecar): ``action=save`` writes the slot's context checkpoints to
+  ``<file>.ckpt``, ``action=restore`` rebuilds them, so a restored hybrid slot resumes a prompt that
+  diverges inside the saved tokens (stock: full prefill, ``shared/notes/llama-server-api.md`` §3.2).
+  Bad sidecars are dropped, the restore is still served.
+* 0002 (restore pre-check): a restore of a missing or foreign file leaves the slot as it was.
+
+The sidecar layout is parsed here from ``patches/README.md``'s description (header, entries,
+XXH3-64 checksums), so these tests also pin the on-disk format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import struct
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from ocache.server import LlamaServer
+
+from conftest import FIXTURES
+
+pytestmark = [pytest.mark.server]
+
+#: Server flags: several checkpoints on a few-thousand-token prompt (notes §3.1: near-end checkpoints
+#: at N-4-ubatch and N-4 per turn; min-step only thins a full list).
+SRV = dict(ctx_size=8192, ubatch=128, batch=512, ctx_checkpoints=32, checkpoint_min_step=256)
+UBATCH = SRV["ubatch"]
+N_PROMPT = 3000
+TURNS = (1000, 1700, 2400, N_PROMPT)  # the conversation grows; each turn adds checkpoints near its end
+GREEDY = {"temperature": 0, "top_k": 1, "seed": 1}
+
+SIDECAR_HEADER = struct.Struct("<4sIIQQII")  # magic, version, n_tokens, tokens_hash, state_hash, n_entries, flags
+SIDECAR_ENTRY = struct.Struct("<qiiQQQ")  # n_tokens, pos_min, pos_max, len_tgt, len_dft, len_spec
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP helpers
+
+
+def call(srv: LlamaServer, path: str, body: dict | None = None, method: str | None = None) -> tuple[int, dict]:
+    """Request ``path`` on ``srv``; return (HTTP status, decoded JSON body)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(srv.url + path, data=data, method=method or ("POST" if data else "GET"),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def ok(srv: LlamaServer, path: str, body: dict | None = None) -> dict:
+    status, res = call(srv, path, body)
+    assert status == 200, f"{path}: {status} {res}\n{srv.log_tail()}"
+    return res
+
+
+def complete(srv: LlamaServer, tokens: list[int], n_predict: int = 0, cache_prompt: bool = True) -> dict:
+    """Greedy ``/completion`` on raw token ids in slot 0; the response carries ``tokens`` and ``timings``."""
+    return ok(srv, "/completion", {"prompt": tokens, "n_predict": n_predict, "cache_prompt": cache_prompt,
+                                   "id_slot": 0, "return_tokens": True, **GREEDY})
+
+
+def save(srv: LlamaServer, name: str) -> dict:
+    return ok(srv, "/slots/0?action=save", {"filename": name})
+
+
+def restore(srv: LlamaServer, name: str) -> tuple[int, dict]:
+    return call(srv, "/slots/0?action=restore", {"filename": name})
+
+
+def healthy(srv: LlamaServer) -> bool:
+    return call(srv, "/health")[0] == 200 and srv.proc is not None and srv.proc.poll() is None
+
+
+def log_size(srv: LlamaServer) -> int:
+    return Path(srv.log_path).stat().st_size
+
+
+def log_since(srv: LlamaServer, offset: int) -> str:
+    """What the server logged after byte ``offset`` of its log file."""
+    with open(srv.log_path, "rb") as fh:
+        fh.seek(offset)
+        return fh.read().decode(errors="replace")
+
+
+def slot_tokens(srv: LlamaServer) -> int:
+    """Tokens slot 0 holds now (``/slots`` ``n_prompt_tokens``; absent for a never-used slot, notes §1.2)."""
+    return ok(srv, "/slots")[0].get("n_prompt_tokens", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts from real client text
+
+
+def fixture_text() -> str:
+    """System prompt, tool schemas and messages of captured opencode requests (real agent text)."""
+    parts = []
+    for name in ("opencode_agent_turn1.json", "opencode_run4_continue_turn2.json", "pi_turn1.json"):
+        path = FIXTURES / name
+        if not path.exists():
+            pytest.skip(f"fixture {path} not found")
+        body = json.loads(path.read_text())
+        for m in body.get("messages", []):
+            parts.append(m["content"] if isinstance(m.get("content"), str) else json.dumps(m.get("content")))
+        parts.append(json.dumps(body.get("tools", []), indent=1))
+    return "\n\n".join(parts)
+
+
+def tokenize(srv: LlamaServer, text: str) -> list[int]:
+    return ok(srv, "/tokenize", {"content": text, "add_special": False})["tokens"]
+
+
+@pytest.fixture(scope="module")
+def corpus(engine_stock, models_tiny, tmp_path_factory) -> list[int]:
+    """At least N_PROMPT + 1000 token ids of fixture text (tokenized by the stock server)."""
+    srv = LlamaServer(binary=engine_stock.binary, model=models_tiny["dense"],
+                      log_path=tmp_path_factory.mktemp("tok") / "server.log").start()
+    try:
+        toks = tokenize(srv, fixture_text())
+    finally:
+        srv.stop()
+    assert len(toks) >= N_PROMPT + 1000, len(toks)
+    return toks
+
+
+def diverging(corpus: list[int], at: int, n_new: int = 100) -> list[int]:
+    """``corpus[:at]`` followed by ``n_new`` tokens from elsewhere that differ at position ``at``."""
+    tail = corpus[N_PROMPT + 200:N_PROMPT + 200 + n_new]
+    assert tail[0] != corpus[at]
+    return corpus[:at] + tail
+
+
+def build_conversation(srv: LlamaServer, corpus: list[int]) -> list[int]:
+    """Grow slot 0 through TURNS (each turn strictly extends the last); return the final prompt.
+
+    ``n_predict: 0`` leaves exactly the prompt in the slot (notes §2.5).
+    """
+    for n in TURNS:
+        res = complete(srv, corpus[:n])
+        assert res["tokens_cached"] == n
+    return corpus[:N_PROMPT]
+
+
+# ---------------------------------------------------------------------------------------------
+# the sidecar format (patches/README.md)
+
+
+@dataclasses.dataclass
+class Sidecar:
+    n_tokens: int
+    tokens_hash: int
+    state_hash: int
+    entries: list[dict]
+
+
+def parse_sidecar(data: bytes) -> Sidecar:
+    """Parse and fully check a ``.ckpt`` file (raises AssertionError on any mismatch)."""
+    hdr = SIDECAR_HEADER.unpack_from(data, 0)
+    magic, version, n_tokens, tokens_hash, state_hash, n_entries, flags = hdr
+    assert (magic, version, flags) == (b"OCKP", 1, 0)
+    off = SIDECAR_HEADER.size
+    (header_hash,) = struct.unpack_from("<Q", data, off)
+    assert header_hash == xxhash.xxh3_64_intdigest(data[:off])
+    off += 8
+    entries = []
+    for _ in range(n_entries):
+        start = off
+        n, pmin, pmax, lt, ld, ls = SIDECAR_ENTRY.unpack_from(data, off)
+        off += SIDECAR_ENTRY.size
+        blob_off = off
+        off += lt + ld + ls
+        (entry_hash,) = struct.unpack_from("<Q", data, off)
+        assert entry_hash == xxhash.xxh3_64_intdigest(data[start:off])
+        off += 8
+        entries.append(dict(n_tokens=n, pos_min=pmin, pos_max=pmax, len_tgt=lt, len_dft=ld, len_spec=ls,
+                            start=start, blob_off=blob_off))
+    assert off == len(data)
+    return Sidecar(n_tokens, tokens_hash, state_hash, entries)
+
+
+def slot_file_tokens(path: Path) -> list[int]:
+    """Token ids of a slot file (notes §1.4: 12-byte header, then -1, 1, n_tokens, tokens, n_media)."""
+    data = path.read_bytes()
+    magic, version, n_words = struct.unpack_from("<III", data, 0)
+    words = struct.unpack_from(f"<{n_words}i", data, 12)
+    assert (magic, version, words[0], words[1]) == (0x67677371, 3, -1, 1)
+    return list(words[3:3 + words[2]])
+
+
+def resume_point(sc: Sidecar, lcp: int) -> int:
+    """Where a hybrid slot resumes for a prompt sharing ``lcp`` tokens inside it (notes §3.2)."""
+    return max((e["n_tokens"] for e in sc.entries if e["n_tokens"] <= lcp), default=0)
+
+
+def variant_hybrid(tmp: Path) -> Path:
+    """The tiny hybrid with other random weights (same shapes): a model whose states load but differ."""
+    from ocache import models
+
+    spec = dataclasses.replace(models.PRESETS["tiny"]["hybrid"], seed=4321)
+    dest = tmp / "tiny-hybrid-seed4321.gguf"
+    models._write(spec, dest, "ocache-tiny-hybrid-variant", models._vocab_path(),
+                  models.template_path().read_text())
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+
+def test_restore_resumes_extension_identical_and_divergent(start_server, corpus, tmp_path):
+    """save → restart → restore → next turn / identical resend / prompt diverging ~100 tokens early."""
+    results = {}
+    for stock in (True, False):
+        srv = start_server(model="hybrid", stock=stock, **SRV)
+        prompt = build_conversation(srv, corpus)
+        saved = save(srv, "conv.bin")
+        assert saved["n_saved"] == N_PROMPT
+        r = {"saved": saved}
+
+        def restored():
+            srv.restart()
+            status, res = restore(srv, "conv.bin")
+            assert status == 200, res
+            assert res["n_restored"] == N_PROMPT
+            return res
+
+        r["restore"] = restored()
+        r["extend"] = complete(srv, prompt + corpus[N_PROMPT:N_PROMPT + 64], n_predict=4)["timings"]
+        restored()
+        r["identical"] = complete(srv, prompt, n_predict=4)["timings"]
+        restored()
+        r["diverge"] = complete(srv, diverging(corpus, N_PROMPT - 100), n_predict=4)["timings"]
+        assert healthy(srv)
+        results[stock] = r
+        srv.stop()
+
+    stock, patched = results[True], results[False]
+    sc = parse_sidecar((tmp_path / "slots" / "conv.bin.ckpt").read_bytes())
+
+    # what was saved: every checkpoint of the grown conversation, reported and logged
+    assert "n_checkpoints" not in stock["saved"]
+    assert patched["saved"]["n_checkpoints"] == len(sc.entries) >= 2 * len(TURNS) - 1
+    assert patched["restore"]["n_checkpoints"] == len(sc.entries)
+    assert "saved %d tokens and %d context checkpoints" % (N_PROMPT, len(sc.entries)) in \
+        (tmp_path / "server1.log").read_text()
+
+    # a strict extension reuses the restored tokens on both builds (notes/measured-baseline.md)
+    for r in (stock, patched):
+        assert r["extend"]["cache_n"] >= N_PROMPT - UBATCH
+    # an identical resend: stock re-prefills everything, patched resumes at the newest checkpoint < N
+    assert stock["identical"]["cache_n"] == 0
+    assert patched["identical"]["cache_n"] == resume_point(sc, N_PROMPT - 1) >= N_PROMPT - UBATCH
+    # diverging 100 tokens before the end: stock full prefill, patched at the newest checkpoint ≤ 2900
+    assert stock["diverge"]["cache_n"] == 0
+    expect = resume_point(sc, N_PROMPT - 100)
+    assert expect > 0
+    assert patched["diverge"]["cache_n"] == expect
+    assert patched["diverge"]["prompt_n"] == N_PROMPT - expect
+
+
+def test_sidecar_layout(start_server, corpus, tmp_path):
+    """The .ckpt file matches the documented layout and belongs to the slot file's tokens."""
+    srv = start_server(model="hybrid", **SRV)
+    build_conversation(srv, corpus)
+    saved = save(srv, "conv.bin")
+    slots = tmp_path / "slots"
+    sc = parse_sidecar((slots / "conv.bin.ckpt").read_bytes())
+    toks = slot_file_tokens(slots / "conv.bin")
+    assert sc.n_tokens == len(toks) == N_PROMPT
+    assert sc.tokens_hash == xxhash.xxh3_64_intdigest(struct.pack(f"<{len(toks)}i", *toks))
+    assert len(sc.entries) == saved["n_checkpoints"]
+    ns = [e["n_tokens"] for e in sc.entries]
+    assert ns == sorted(set(ns)) and 0 < ns[0] and ns[-1] <= N_PROMPT
+    for e in sc.entries:
+        assert e["pos_max"] == e["n_tokens"] - 1 and 0 <= e["pos_min"] <= e["pos_max"]
+        assert e["len_tgt"] == sc.entries[0]["len_tgt"] > 0  # hybrid: fixed-size recurrent state
+        assert e["len_dft"] == e["len_spec"] == 0  # no draft model
+    assert not list(slots.glob("*.tmp"))
+
+
+def test_greedy_output_after_restore_equals_cold_prefill(start_server, corpus):
+    """Restore + resume from a checkpoint gives the same greedy tokens as a cold prefill."""
+    prompt = diverging(corpus, N_PROMPT - 100)
+    out = {}
+    for stock in (True, False):
+        srv = start_server(model="hybrid", stock=stock, **SRV)
+        build_conversation(srv, corpus)
+        save(srv, "conv.bin")
+        srv.restart()
+        assert restore(srv, "conv.bin")[0] == 200
+        resumed = complete(srv, prompt, n_predict=16)
+        srv.restart()
+        cold = complete(srv, prompt, n_predict=16, cache_prompt=False)
+        assert cold["timings"]["cache_n"] == 0
+        out[stock] = (resumed, cold)
+        srv.stop()
+
+    (s_res, s_cold), (p_res, p_cold) = out[True], out[False]
+    assert s_res["timings"]["cache_n"] == 0  # stock: the "resumed" run was a full prefill
+    assert p_res["timings"]["cache_n"] > N_PROMPT // 2  # patched: really resumed from a checkpoint
+    assert len(p_cold["tokens"]) == 16
+    assert p_res["tokens"] == p_cold["tokens"] == s_cold["tokens"] == s_res["tokens"]
+    assert p_res["content"] == p_cold["content"]
+
+
+def _save_good(srv, corpus, slots: Path) -> tuple[dict, bytes]:
+    build_conversation(srv, corpus)
+    saved = save(srv, "good.bin")
+    assert saved["n_checkpoints"] > 0
+    return saved, (slots / "good.bin.ckpt").read_bytes()
+
+
+def test_bad_sidecars_are_dropped_and_restore_still_served(start_server, corpus, engine_patched, tmp_path):
+    """Flipped byte, truncation, another token list, another model, lying positions: each dropped."""
+    slots = tmp_path / "slots"
+    srv = start_server(model="hybrid", **SRV)
+    saved, good = _save_good(srv, corpus, slots)
+    sc = parse_sidecar(good)
+
+    # a sidecar of another token list (same length: caught by the token hash, not the count)
+    other = corpus[:N_PROMPT - 200] + corpus[N_PROMPT + 300:N_PROMPT + 500]
+    complete(srv, other)
+    save(srv, "other.bin")
+    other_ckpt = (slots / "other.bin.ckpt").read_bytes()
+    srv.stop()
+
+    # a sidecar of the same tokens written by another model of the same shapes
+    variant = LlamaServer(binary=engine_patched.binary, model=variant_hybrid(tmp_path), slot_save_path=slots,
+                          log_path=tmp_path / "variant.log", **SRV)
+    try:
+        variant.start()
+        build_conversation(variant, corpus)
+        assert save(variant, "variant.bin")["n_checkpoints"] > 0
+    finally:
+        variant.stop()
+    variant_ckpt = (slots / "variant.bin.ckpt").read_bytes()
+    assert parse_sidecar(variant_ckpt).tokens_hash == sc.tokens_hash  # only the state tells them apart
+
+    # checksums intact, but entry 0 claims a position its state does not have (forged with xxhash)
+    e0, e1 = sc.entries[0], sc.entries[1]
+    lie = e0["n_tokens"] + (e1["n_tokens"] - e0["n_tokens"]) // 2
+    forged = bytearray(good)
+    SIDECAR_ENTRY.pack_into(forged, e0["start"], lie, lie - 1, lie - 1, e0["len_tgt"], 0, 0)
+    end0 = e0["blob_off"] + e0["len_tgt"]
+    struct.pack_into("<Q", forged, end0, xxhash.xxh3_64_intdigest(bytes(forged[e0["start"]:end0])))
+    parse_sidecar(bytes(forged))  # well-formed
+
+    flipped_blob = bytearray(good)
+    flipped_blob[e1["blob_off"] + e1["len_tgt"] // 2] ^= 0x10
+    flipped_header = bytearray(good)
+    flipped_header[12] ^= 0x01  # inside tokens_hash
+
+    cases = {
+        "flipped_blob": (bytes(flipped_blob), "checksum mismatch"),
+        "flipped_header": (bytes(flipped_header), "header checksum mismatch"),
+        "truncated": (good[:len(good) // 2], "truncated"),
+        "other_tokens": (other_ckpt, "another token list"),
+        "other_model": (variant_ckpt, "another memory state"),
+        "lying_positions": (bytes(forged), "claims"),
+    }
+    for name, (data, _) in cases.items():
+        shutil.copy(slots / "good.bin", slots / f"{name}.bin")
+        (slots / f"{name}.bin.ckpt").write_bytes(data)
+
+    for stock in (True, False):
+        srv = start_server(model="hybrid", stock=stock, **SRV)
+        for name, (_, why) in cases.items():
+            mark = log_size(srv)
+            status, res = restore(srv, f"{name}.bin")
+            assert status == 200, (name, res)
+            assert res["n_restored"] == N_PROMPT, name
+            if stock:
+                assert "n_checkpoints" not in res
+            else:
+                assert res["n_checkpoints"] == 0, name
+                logged = log_since(srv, mark)
+                assert "dropping checkpoint sidecar" in logged and why in logged, (name, logged)
+            # the slot is usable: a divergent prompt is a full prefill (no checkpoint), the server stays up
+            t = complete(srv, diverging(corpus, N_PROMPT - 100), n_predict=2)["timings"]
+            assert t["cache_n"] == 0, name
+            assert healthy(srv), name
+        # the good sidecar still restores on the patched build
+        status, res = restore(srv, "good.bin")
+        assert status == 200
+        assert res.get("n_checkpoints", 0) == (0 if stock else saved["n_checkpoints"])
+        srv.stop()
+
+
+def test_missing_sidecar_and_stale_sidecar_removed(start_server, corpus, tmp_path):
+    """Old slot files (no .ckpt) restore as before; a save with no checkpoints removes an old .ckpt."""
+    slots = tmp_path / "slots"
+    srv = start_server(model="hybrid", **SRV)
+    _save_good(srv, corpus, slots)
+    shutil.copy(slots / "good.bin", slots / "plain.bin")
+
+    status, res = restore(srv, "plain.bin")
+    assert status == 200 and res["n_restored"] == N_PROMPT and res["n_checkpoints"] == 0
+    # the slot now holds the tokens but no checkpoints: saving it over good.bin must not leave
+    # good.bin.ckpt (written for the earlier save) attached to the new file
+    assert (slots / "good.bin.ckpt").exists()
+    res = save(srv, "good.bin")
+    assert res["n_checkpoints"] == 0
+    assert not (slots / "good.bin.ckpt").exists()
+    assert healthy(srv)
+
+
+def test_failed_restore_keeps_or_cleans_the_slot(start_server, corpus, tmp_path):
+    """A missing/foreign file: patched keeps the slot's content, stock erases it; the server stays up.
+
+    A file whose header passes but whose state does not load (the dense model's slot file) leaves the
+    slot clean (no tokens) on both builds.
+    """
+    slots = tmp_path / "slots"
+    dense = start_server(model="dense", **SRV)
+    complete(dense, corpus[:1000])
+    save(dense, "dense.bin")
+    dense.stop()
+    (slots / "junk.bin").write_bytes(b"not a slot file at all")
+
+    kept = {}
+    for stock in (True, False):
+        srv = start_server(model="hybrid", stock=stock, **SRV)
+        prompt = corpus[:1500]
+        complete(srv, prompt)
+        assert slot_tokens(srv) == 1500
+        for name in ("missing.bin", "junk.bin"):
+            status, res = restore(srv, name)
+            assert status == 400 and "Unable to restore slot" in res["error"]["message"], res
+            assert healthy(srv)
+        kept[stock] = slot_tokens(srv)
+        # the slot is consistent: the same prompt plus a turn is served (reusing what it still holds)
+        t = complete(srv, prompt + corpus[1500:1550], n_predict=2)["timings"]
+        assert t["cache_n"] == (0 if stock else 1500)
+
+        status, res = restore(srv, "dense.bin")  # header and tokens fine, memory layout foreign
+        assert status == 400, res
+        assert healthy(srv)
+        assert slot_tokens(srv) == 0  # clean, not half-written
+        t = complete(srv, prompt, n_predict=2)["timings"]
+        assert t["cache_n"] == 0 and t["prompt_n"] == 1500
+        srv.stop()
+
+    assert kept == {True: 0, False: 1500}
+
+
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_restored_tokens_are_what_the_next_request_matches(start_server, corpus, model):
+    """Restore into a slot that served another prompt, then send the restored prompt + a new turn.
+
+    ``cache_n`` must count the restored tokens, not the previous task's (an upstream report of a
+    dense-model restore matched against the previous task's tokens).
+    """
+    a = corpus[:2000]
+    b = corpus[N_PROMPT:N_PROMPT + 900]  # another prompt, no common prefix with a
+    assert a[0] != b[0]
+    for stock in (True, False):
+        srv = start_server(model=model, stock=stock, **SRV)
+        complete(srv, a)
+        save(srv, "a.bin")
+        complete(srv, b)  # the slot now serves b
+        assert restore(srv, "a.bin")[0] == 200
+        t = complete(srv, a + corpus[2000:2100], n_predict=2)["timings"]
+        assert t["cache_n"] >= len(a) - UBATCH, (stock, t)
+        assert t["cache_n"] + t["prompt_n"] == 2100
+        srv.stop()
