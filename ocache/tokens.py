@@ -1,0 +1,491 @@
+"""The token view: exactly the token ids llama-server will prefill for a request.
+
+The cache layer reasons in tokens, not JSON. For chat routes the prompt is rendered by the
+server's own template (``POST /apply-template``, which runs the same ``oaicompat_chat_params_parse``
+as the chat route: tools/server/server-context.cpp:5041-5051, server-common.cpp:1224-1450) and
+tokenized as the completion handler does (``POST /tokenize`` with ``add_special: true,
+parse_special: true``: the handler calls ``tokenize_input_prompts(..., add_special=true,
+parse_special=true)``, server-context.cpp:4280; ``/tokenize`` runs the same ``tokenize_mixed``,
+server-common.cpp:867-901). For ``/completion``-style routes the ``prompt`` is tokenized directly
+(string or mixed string/token array) or taken as is (token array).
+
+Costs are kept off the hot path by two bounded LRU caches:
+
+* body -> rendered text, keyed by xxh3_128 of the render-relevant fields (``RENDER_FIELDS``);
+* rendered text -> tokens, keyed by xxh3_128 of the text, plus an index of the text's prefixes
+  that end right before a special *boundary* token (``<|im_start|>`` for ChatML). llama.cpp splits
+  the text on special tokens before BPE (``tokenizer_st_partition`` in src/llama-vocab.cpp), so
+  ``tokens(A + B) == tokens(A) + tokens(B, add_special=False)`` whenever ``B`` starts with a special
+  token. A growing conversation therefore only tokenizes the part after the longest cached prefix
+  (the new turns), not the 7k-token harness head every time. ``tests/test_tokens.py`` checks the
+  equality against a full ``/tokenize``. The scheme is switched off by itself when a probe shows
+  the vocab breaks the rule (a boundary that is not one special token, or an appended EOS).
+
+``head_end`` is where the stable harness head (``ocache.fingerprint.Head``) ends in tokens: the
+request is rendered a second time with its system message cut at the volatile marker, the two
+texts are compared, and the common part is backed off to a *hard boundary* (right after a newline
+that is followed by a non-space character: no pre-tokenizer rule of the Qwen/Llama-3 BPE family
+joins a newline with a following non-space character, so no token can straddle it). The head's
+tokens are then checked to be a prefix of the request's tokens; if not, ``head_end`` is None. The
+result is cached per head key, so the second render happens once per harness head.
+
+Run ``python -m ocache.tokens bench --url http://127.0.0.1:PORT`` for the cost per 10k tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import xxhash
+
+from .fingerprint import Head, cut_body
+
+#: Body fields that oaicompat_chat_params_parse reads to render the prompt (server-common.cpp:1224-1450).
+#: Only these are sent to /apply-template and hashed for the render cache.
+RENDER_FIELDS: tuple[str, ...] = (
+    "messages", "tools", "tool_choice", "json_schema", "grammar", "response_format",
+    "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "reasoning_format",
+    "chat_template_kwargs", "reasoning_effort",
+)
+
+CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
+PROMPT_ROUTES = frozenset({"/v1/completions", "/completions", "/completion"})
+
+
+class TokenViewError(RuntimeError):
+    """The upstream could not render or tokenize the request (``status`` = its HTTP status, or 0
+    when it was unreachable). The proxy forwards the request untouched (fail open)."""
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class TokenView:
+    """What llama-server will prefill for one request.
+
+    ``tokens``: the token ids (rendered by the server's template, tokenized with add_special=True,
+    parse_special=True). ``head_end``: ``tokens[:head_end]`` is the stable harness head (tools +
+    system head + template glue), None without a head. ``user_starts``: token index of every
+    ``<|im_start|>user`` (each user or tool-result turn). ``text``: the rendered prompt ("" for a
+    token-id prompt).
+    """
+
+    tokens: list[int]
+    head_end: int | None
+    user_starts: list[int]
+    text: str
+    stats: dict = field(default_factory=dict)  # how the view was built: render_hit, tokenized, ...
+
+
+def _xxh128(data: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def find_seq(tokens: Sequence[int], seq: Sequence[int]) -> list[int]:
+    """Start index of every occurrence of ``seq`` in ``tokens`` (non-overlapping scan)."""
+    if not seq:
+        return []
+    first, n, out = seq[0], len(seq), []
+    i = 0
+    seq = list(seq)
+    while True:
+        try:
+            i = tokens.index(first, i)
+        except ValueError:
+            return out
+        if list(tokens[i:i + n]) == seq:
+            out.append(i)
+            i += n
+        else:
+            i += 1
+
+
+def hard_boundary(text: str, limit: int) -> int:
+    """The largest ``b <= limit`` where ``text[b-1] == "\\n"`` and ``text[b]`` is not whitespace, or 0.
+
+    No token of a Qwen2/Llama-3-style BPE pre-tokenizer spans such a position, so the tokens of
+    ``text[:b]`` are a prefix of the tokens of any text that continues it.
+    """
+    b = min(limit, len(text) - 1)
+    while b > 0:
+        nl = text.rfind("\n", 0, b)
+        if nl < 0:
+            return 0
+        if not text[nl + 1].isspace():
+            return nl + 1
+        b = nl
+    return 0
+
+
+@dataclass
+class _Rec:
+    tokens: list[int]
+    prefixes: list[bytes]
+
+
+class TokenCache:
+    """Bounded LRU: text hash -> tokens, plus boundary-prefix hash -> (record, token count).
+
+    ``max_tokens`` bounds the token ids held (sum over records), ``max_entries`` the records.
+    """
+
+    def __init__(self, max_entries: int = 256, max_tokens: int = 4_000_000):
+        self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        self.records: OrderedDict[bytes, _Rec] = OrderedDict()
+        self.prefix_index: dict[bytes, tuple[bytes, int]] = {}
+        self.n_tokens = 0
+
+    def get(self, key: bytes) -> list[int] | None:
+        rec = self.records.get(key)
+        if rec is None:
+            return None
+        self.records.move_to_end(key)
+        return rec.tokens
+
+    def prefix(self, pkey: bytes) -> list[int] | None:
+        hit = self.prefix_index.get(pkey)
+        if hit is None:
+            return None
+        rec = self.records.get(hit[0])
+        if rec is None:
+            return None
+        self.records.move_to_end(hit[0])
+        return rec.tokens[: hit[1]]
+
+    def put(self, key: bytes, tokens: list[int], prefixes: list[tuple[bytes, int]]) -> None:
+        if key in self.records:
+            self.records.move_to_end(key)
+            return
+        self.records[key] = _Rec(tokens, [p for p, _ in prefixes])
+        self.n_tokens += len(tokens)
+        for pkey, n in prefixes:
+            self.prefix_index[pkey] = (key, n)
+        while self.records and (len(self.records) > self.max_entries or self.n_tokens > self.max_tokens):
+            old_key, old = self.records.popitem(last=False)
+            self.n_tokens -= len(old.tokens)
+            for pkey in old.prefixes:
+                if self.prefix_index.get(pkey, (None,))[0] == old_key:
+                    del self.prefix_index[pkey]
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.prefix_index.clear()
+        self.n_tokens = 0
+
+
+class TokenViewer:
+    """Builds TokenViews through the upstream's ``/apply-template`` and ``/tokenize``.
+
+    ``upstream``: an ``ocache.upstream.Upstream`` (its shared ``session``, ``base_url``, ``api_key``
+    and ``epoch`` are used; a new epoch clears every cache, since a restarted server may have
+    another template or vocab) or a base URL string (a private aiohttp session is created; call
+    ``close()``). ``boundary``: the special token that starts a turn (ChatML ``<|im_start|>``);
+    ``user_delimiter``: the text that starts a user turn. Cache sizes: ``max_renders`` bodies,
+    ``max_texts`` rendered texts / ``max_tokens`` token ids.
+    """
+
+    def __init__(self, upstream: Any, *, api_key: str | None = None, boundary: str = "<|im_start|>",
+                 user_delimiter: str = "<|im_start|>user", max_renders: int = 256, max_texts: int = 256,
+                 max_tokens: int = 4_000_000, timeout_s: float = 120.0):
+        if isinstance(upstream, str):
+            self._upstream = None
+            self.base_url = upstream.rstrip("/")
+            self.api_key = api_key
+        else:
+            self._upstream = upstream
+            self.base_url = upstream.base_url
+            self.api_key = api_key if api_key is not None else getattr(upstream, "api_key", None)
+        self._own_session: aiohttp.ClientSession | None = None
+        self.boundary = boundary
+        self.user_delimiter = user_delimiter
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.renders: OrderedDict[bytes, str] = OrderedDict()
+        self.max_renders = max_renders
+        self.texts = TokenCache(max_texts, max_tokens)
+        self.heads: dict[str, tuple[str, list[int]]] = {}  # head.key -> (head prefix text, its tokens)
+        self._probe: dict | None = None
+        self._epoch = getattr(upstream, "epoch", None)
+        self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
+                         "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0}
+
+    # --- HTTP -----------------------------------------------------------------------------------
+    def _session(self) -> aiohttp.ClientSession:
+        if self._upstream is not None and getattr(self._upstream, "session", None) is not None:
+            return self._upstream.session
+        if self._own_session is None or self._own_session.closed:
+            self._own_session = aiohttp.ClientSession()
+        return self._own_session
+
+    async def close(self) -> None:
+        if self._own_session is not None:
+            await self._own_session.close()
+            self._own_session = None
+
+    async def _post(self, path: str, payload: dict) -> dict:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            async with self._session().post(self.base_url + path, json=payload, headers=headers,
+                                            timeout=self.timeout) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise TokenViewError(f"{path}: HTTP {resp.status}: {raw[:500].decode('utf-8', 'replace')}",
+                                         resp.status)
+                return json.loads(raw)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise TokenViewError(f"{path}: upstream unreachable: {exc or type(exc).__name__}") from exc
+
+    async def _tokenize_remote(self, content: Any, add_special: bool) -> list[int]:
+        self.counters["tokenize_calls"] += 1
+        if isinstance(content, str):
+            self.counters["tokenized_chars"] += len(content)
+        data = await self._post("/tokenize", {"content": content, "add_special": add_special,
+                                              "parse_special": True})
+        return list(data["tokens"])
+
+    def _check_epoch(self) -> None:
+        epoch = getattr(self._upstream, "epoch", None)
+        if epoch != self._epoch:
+            self.clear()
+            self._epoch = epoch
+
+    def clear(self) -> None:
+        """Drop every cache (called on a new upstream epoch; also by hand)."""
+        self.renders.clear()
+        self.texts.clear()
+        self.heads.clear()
+        self._probe = None
+
+    async def probe(self) -> dict:
+        """Token ids of the boundary and the user delimiter, and whether incremental tokenization
+        is sound for this vocab: the boundary must be one special token (one id with
+        parse_special, several without) and add_special must add nothing after the text."""
+        if self._probe is None:
+            b_sp, b_raw, u_sp, a_sp, a_raw = await asyncio.gather(
+                self._post("/tokenize", {"content": self.boundary, "add_special": False, "parse_special": True}),
+                self._post("/tokenize", {"content": self.boundary, "add_special": False, "parse_special": False}),
+                self._post("/tokenize", {"content": self.user_delimiter, "add_special": False,
+                                         "parse_special": True}),
+                self._post("/tokenize", {"content": "a b", "add_special": True, "parse_special": True}),
+                self._post("/tokenize", {"content": "a b", "add_special": False, "parse_special": True}),
+            )
+            bid, braw, uid = b_sp["tokens"], b_raw["tokens"], u_sp["tokens"]
+            with_sp, without = a_sp["tokens"], a_raw["tokens"]
+            n_bos = len(with_sp) - len(without)
+            ok = (len(bid) == 1 and len(braw) > 1 and n_bos >= 0 and with_sp[n_bos:] == without)
+            self._probe = {"boundary_id": bid[0] if len(bid) == 1 else None, "user_ids": list(uid),
+                           "n_bos": n_bos, "incremental": ok}
+        return self._probe
+
+    # --- render + tokenize ----------------------------------------------------------------------
+    async def render(self, body: Mapping) -> str:
+        """The prompt text the chat route renders for ``body`` (``/apply-template``), cached."""
+        self._check_epoch()
+        payload = {k: body[k] for k in RENDER_FIELDS if k in body}
+        key = _xxh128(_dumps(payload).encode("utf-8"))
+        text = self.renders.get(key)
+        if text is not None:
+            self.renders.move_to_end(key)
+            self.counters["render_hits"] += 1
+            return text
+        self.counters["renders"] += 1
+        data = await self._post("/apply-template", payload)
+        text = data.get("prompt")
+        if not isinstance(text, str):
+            raise TokenViewError("/apply-template returned no prompt string")
+        self.renders[key] = text
+        while len(self.renders) > self.max_renders:
+            self.renders.popitem(last=False)
+        return text
+
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` exactly as the server prefills a prompt string (add_special=True,
+        parse_special=True), reusing the tokens of the longest cached prefix that ends before a
+        boundary token. Returns a fresh list."""
+        self._check_epoch()
+        raw = text.encode("utf-8")
+        key = _xxh128(raw)
+        hit = self.texts.get(key)
+        if hit is not None:
+            self.counters["text_hits"] += 1
+            return list(hit)
+        probe = await self.probe()
+        if not probe["incremental"]:
+            tokens = await self._tokenize_remote(text, True)
+            self.texts.put(key, tokens, [])
+            return list(tokens)
+        bnd = self.boundary.encode("utf-8")
+        positions, pos = [], raw.find(bnd, 1)
+        while pos >= 0:
+            positions.append(pos)
+            pos = raw.find(bnd, pos + 1)
+        # hash of raw[:p] for every boundary p, in one streaming pass
+        h, last, pkeys = xxhash.xxh3_128(), 0, []
+        for p in positions:
+            h.update(raw[last:p])
+            pkeys.append(h.digest())
+            last = p
+        tokens = None
+        for p, pkey in zip(reversed(positions), reversed(pkeys)):
+            head = self.texts.prefix(pkey)
+            if head is not None:
+                self.counters["prefix_hits"] += 1
+                tail = await self._tokenize_remote(raw[p:].decode("utf-8"), False)
+                tokens = head + tail
+                break
+        if tokens is None:
+            tokens = await self._tokenize_remote(text, True)
+        # token count at each boundary: the k-th boundary id <-> the k-th boundary text occurrence
+        bid = probe["boundary_id"]
+        idx = [i for i, t in enumerate(tokens) if t == bid]
+        starts_at_0 = raw.startswith(bnd)
+        if starts_at_0:
+            idx = idx[1:]
+        prefixes = list(zip(pkeys, idx)) if len(idx) == len(positions) else []
+        self.texts.put(key, tokens, prefixes)
+        return list(tokens)
+
+    async def _prompt_tokens(self, prompt: Any) -> tuple[list[int], str]:
+        """Tokens of a ``/completion``-style ``prompt`` (tokenize_input_subprompt,
+        server-common.cpp:981-1013): a string, a token array, a mixed array, or {"prompt_string"}."""
+        if isinstance(prompt, Mapping) and "prompt_string" in prompt:
+            if "multimodal_data" in prompt:
+                raise TokenViewError("multimodal prompts are not viewed")
+            prompt = prompt["prompt_string"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, Mapping)):
+            return await self._prompt_tokens(prompt[0])
+        if isinstance(prompt, str):
+            return await self.tokenize(prompt), prompt
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return list(prompt), ""
+            if all(isinstance(t, (int, str)) and not isinstance(t, bool) for t in prompt):
+                if any(isinstance(t, int) for t in prompt):  # one mixed prompt (tokenize_mixed)
+                    return await self._tokenize_remote(prompt, True), ""
+            raise TokenViewError("a prompt array of several prompts runs several tasks; not viewed")
+        raise TokenViewError("prompt must be a string, a token array or a mixed array")
+
+    async def head_end(self, body: Mapping, text: str, tokens: list[int], head: Head) -> int | None:
+        """Token index where ``head`` ends in ``tokens`` (see the module docstring), or None."""
+        cached = self.heads.get(head.key)
+        if cached is None or not text.startswith(cached[0]):
+            self.counters["head_renders"] += 1
+            cut_text = await self.render(cut_body(body, head))
+            n = 0
+            limit = min(len(text), len(cut_text))
+            while n < limit and text[n] == cut_text[n]:  # common prefix (chars)
+                n += 1
+            b = hard_boundary(text, n)
+            if b == 0:
+                return None
+            prefix = text[:b]
+            head_tokens = await self._tokenize_remote(prefix, True)
+            cached = (prefix, head_tokens)
+            self.heads[head.key] = cached
+        head_tokens = cached[1]
+        if tokens[: len(head_tokens)] != head_tokens:
+            self.counters["head_mismatch"] += 1
+            return None
+        return len(head_tokens)
+
+    async def view(self, path: str, body: Mapping, head: Head | None = None) -> TokenView:
+        """The TokenView of a completion request. Raises TokenViewError (render/tokenize failed or
+        an unsupported prompt shape) and ValueError (a route that is not a completion route)."""
+        self._check_epoch()
+        t0 = time.perf_counter()
+        c0 = dict(self.counters)
+        if path in CHAT_ROUTES:
+            text = await self.render(body)
+            tokens = await self.tokenize(text)
+        elif path in PROMPT_ROUTES:
+            if "prompt" not in body:
+                raise TokenViewError("no prompt in a completion request")
+            tokens, text = await self._prompt_tokens(body["prompt"])
+            head = None
+        else:
+            raise ValueError(f"not a completion route: {path}")
+        probe = await self.probe()
+        head_end = await self.head_end(body, text, tokens, head) if head is not None else None
+        stats = {k: self.counters[k] - c0[k] for k in self.counters}
+        stats["seconds"] = time.perf_counter() - t0
+        return TokenView(tokens=tokens, head_end=head_end, user_starts=find_seq(tokens, probe["user_ids"]),
+                         text=text, stats=stats)
+
+
+# --- benchmark: cost per 10k tokens (a script, not a test) ---------------------------------------
+
+async def bench(url: str, bodies: Sequence[dict], repeat: int = 3) -> dict:
+    """Time ``view`` over ``bodies`` (chat requests, in conversation order) against a running
+    llama-server: cold (fresh viewer each round), warm (same viewer, identical bodies: cache hits)
+    and incremental (a fresh viewer that saw every earlier body: each turn tokenizes only its new
+    part). Returns seconds per 10k tokens for each, the best of ``repeat`` rounds."""
+    from .fingerprint import harness_head
+
+    total = 0
+    cold, warm, incr = [], [], []
+    for _ in range(repeat):
+        v = TokenViewer(url)
+        try:
+            await v.probe()
+            n, t_cold, t_warm, t_incr = 0, 0.0, 0.0, 0.0
+            for b in bodies:
+                fresh = TokenViewer(url)
+                await fresh.probe()
+                t = time.perf_counter()
+                view = await fresh.view("/v1/chat/completions", b, harness_head(b))
+                t_cold += time.perf_counter() - t
+                await fresh.close()
+                n += len(view.tokens)
+                t = time.perf_counter()
+                await v.view("/v1/chat/completions", b, harness_head(b))  # incremental over earlier turns
+                t_incr += time.perf_counter() - t
+                t = time.perf_counter()
+                await v.view("/v1/chat/completions", b, harness_head(b))  # identical again: all cached
+                t_warm += time.perf_counter() - t
+            total = n
+            cold.append(t_cold / n * 1e4)
+            incr.append(t_incr / n * 1e4)
+            warm.append(t_warm / n * 1e4)
+        finally:
+            await v.close()
+    return {"tokens": total, "cold_s_per_10k": min(cold), "incremental_s_per_10k": min(incr),
+            "cached_s_per_10k": min(warm)}
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ocache.tokens", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bench", help="cost of render + tokenize per 10k tokens, cold and cached")
+    b.add_argument("--url", required=True, help="llama-server base URL")
+    b.add_argument("--repeat", type=int, default=3)
+    b.add_argument("bodies", nargs="*", help="chat request JSON files in conversation order "
+                   "(default: the opencode session fixtures in shared/fixtures)")
+    args = ap.parse_args(argv)
+    paths = args.bodies
+    if not paths:
+        from pathlib import Path
+        fx = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+        paths = [str(fx / n) for n in ("opencode_run4_continue_turn2.json",
+                                       "opencode_run4_continue_turn2_after_tool.json")]
+    bodies = [json.loads(open(p).read()) for p in paths]
+    res = asyncio.run(bench(args.url, bodies, args.repeat))
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
