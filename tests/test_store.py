@@ -357,3 +357,16 @@ def test_kill9_during_a_write_leaves_nothing_trusted(tmp_path, stage):
         assert oc_files(s2) == sorted(f.name for f in survivor.files.values())
         assert not list(s2.records_dir.glob(".*tmp*"))
     s2.verify(survivor.key)
+
+
+def test_kind_budgets_share_one_store(tmp_path):
+    """Anchors ("a") and spills ("s") share one store; each kind stays within its own budget and
+    filling one kind never evicts the other."""
+    s = make_store(tmp_path, budget_bytes=100_000, kind_budgets={"a": 40_000, "s": 60_000})
+    spills = [put(s, list(range(900_000 + 1000 * i, 900_000 + 1000 * i + 50)), state_bytes=15_000,
+                  kind="s", ckpt=False, seed=100 + i) for i in range(3)]
+    assert s.kind_bytes("s") <= 60_000 and len(s.entries("s")) == 3
+    for i in range(6):
+        put(s, list(range(1000 * i, 1000 * i + 50)), state_bytes=15_000, kind="a", ckpt=False, seed=i)
+        assert s.kind_bytes("a") <= 40_000 and s.used_bytes() <= 100_000
+    assert {e.key for e in s.entries("s")} == {e.key for e in spills}

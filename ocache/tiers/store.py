@@ -287,26 +287,30 @@ class Store:
 
     ``identity``: the identity key of the running server (weights, build, template, flags); entries of
     another identity are swept by :meth:`open`. None (offline maintenance) sweeps nothing.
-    ``budget_bytes``: upper bound on the sum of entry bytes plus reservations. ``ttl_s``: entries unused
+    ``budget_bytes``: upper bound on the sum of entry bytes plus reservations; ``kind_budgets``: an
+    optional tighter bound per kind (``{"a": disk tier bytes, "s": session tier bytes}``: one store,
+    two admission policies, each within its own budget). ``ttl_s``: entries unused
     this long are removed by :meth:`gc`. ``free_floor_bytes``: free space the data file system keeps.
     ``lock``: take an exclusive ``flock`` on ``meta_dir/lock`` (raises LockedError if held elsewhere).
     ``clock``: Unix time source (tests pass a fake one).
     """
 
     def __init__(self, meta_dir: Path, data_dir: Path, identity: str | None, *,
-                 budget_bytes: int = 50 * 10**9, ttl_s: float = 7 * DAY_S,
+                 budget_bytes: int = 50 * 10**9, kind_budgets: dict[str, int] | None = None,
+                 ttl_s: float = 7 * DAY_S,
                  free_floor_bytes: int = 0, lock: bool = True,
                  clock: Callable[[], float] = time.time) -> None:
         self.meta_dir = Path(meta_dir)
         self.data_dir = Path(data_dir)
         self.identity = identity
         self.budget_bytes = int(budget_bytes)
+        self.kind_budgets = {k: int(v) for k, v in (kind_budgets or {}).items()}
         self.ttl_s = float(ttl_s)
         self.free_floor_bytes = int(free_floor_bytes)
         self.clock = clock
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
-        self._reserved: dict[str, int] = {}
+        self._reserved: dict[str, tuple[str | None, int]] = {}  # key -> (kind, bytes)
         self._lock_fd: int | None = None
         self._want_lock = lock
         self.report = OpenReport()
@@ -473,7 +477,13 @@ class Store:
     def used_bytes(self) -> int:
         """Bytes of all entries plus in-flight reservations."""
         with self._lock:
-            return sum(e.bytes for e in self._entries.values()) + sum(self._reserved.values())
+            return sum(e.bytes for e in self._entries.values()) + sum(n for _, n in self._reserved.values())
+
+    def kind_bytes(self, kind: str) -> int:
+        """Bytes of entries of ``kind`` plus its reservations."""
+        with self._lock:
+            return (sum(e.bytes for e in self._entries.values() if e.kind == kind)
+                    + sum(n for k, n in self._reserved.values() if k == kind))
 
     def tokens(self, key: str) -> list[int]:
         """The entry's token ids, loaded from its record. Raises IntegrityError (and deletes the
@@ -560,15 +570,13 @@ class Store:
         return e
 
     # ------------------------------------------------------------------ write path
-    def reserve(self, key: str, nbytes: int) -> None:
+    def reserve(self, key: str, nbytes: int, kind: str | None = None) -> None:
         """Reserve ``nbytes`` for an entry about to be written (under its temp names), evicting by
         value until budget and free-space floor allow it. Raises BudgetError (nothing evicted when
         the entry alone exceeds the budget)."""
         with self._lock:
-            if nbytes > self.budget_bytes:
-                raise BudgetError(f"{nbytes} bytes exceed the budget of {self.budget_bytes}")
-            self._make_room(nbytes, exclude={key})
-            self._reserved[key] = nbytes
+            self._make_room(nbytes, kind, exclude={key})
+            self._reserved[key] = (kind, nbytes)
 
     def release(self, key: str) -> None:
         with self._lock:
@@ -577,26 +585,33 @@ class Store:
     def _free_bytes(self) -> int:
         return shutil.disk_usage(self.data_dir).free
 
-    def _make_room(self, nbytes: int, exclude: Iterable[str] = ()) -> None:
+    def _make_room(self, nbytes: int, kind: str | None = None, exclude: Iterable[str] = ()) -> None:
+        """Evict by ascending value until ``nbytes`` more fit the total budget, ``kind``'s budget and
+        the free-space floor. Raises BudgetError, before evicting anything, when they cannot."""
         excl = set(exclude)
         now = self.clock()
         victims = sorted((e for e in self._entries.values() if e.key not in excl),
                          key=lambda e: e.value(now))
+        kb = self.kind_budgets.get(kind) if kind is not None else None
         # feasibility first: never evict anything for an entry that cannot fit anyway
         evictable = sum(v.bytes for v in victims)
         if self.used_bytes() - evictable + nbytes > self.budget_bytes:
             raise BudgetError(f"{nbytes} bytes cannot fit the budget of {self.budget_bytes}")
+        if kb is not None and self.kind_bytes(kind) - sum(v.bytes for v in victims if v.kind == kind) + nbytes > kb:
+            raise BudgetError(f"{nbytes} bytes cannot fit the {kind!r} budget of {kb}")
         if self.free_floor_bytes and self._free_bytes() + evictable - nbytes < self.free_floor_bytes:
             raise BudgetError(f"{nbytes} bytes would break the free-space floor of {self.free_floor_bytes}")
         while True:
-            over_budget = self.used_bytes() + nbytes - self.budget_bytes
-            under_floor = self.free_floor_bytes - (self._free_bytes() - nbytes) if self.free_floor_bytes else 0
-            if over_budget <= 0 and under_floor <= 0:
+            over_kind = kb is not None and self.kind_bytes(kind) + nbytes > kb
+            over_budget = self.used_bytes() + nbytes > self.budget_bytes
+            under_floor = bool(self.free_floor_bytes) and self._free_bytes() - nbytes < self.free_floor_bytes
+            if not (over_kind or over_budget or under_floor):
                 return
-            if not victims:
-                raise BudgetError(f"cannot make room for {nbytes} bytes (over budget by {over_budget}, "
-                                  f"under the free-space floor by {max(0, under_floor)})")
-            v = victims.pop(0)
+            pool = [v for v in victims if v.kind == kind] if over_kind and not (over_budget or under_floor) else victims
+            if not pool:
+                raise BudgetError(f"cannot make room for {nbytes} bytes")
+            v = pool[0]
+            victims.remove(v)
             self.counters["evicted"] += 1
             self.counters["evicted_bytes"] += v.bytes
             self._delete_locked(v.key, "evicted")
@@ -635,7 +650,7 @@ class Store:
             with self._lock:
                 self._reserved.pop(key, None)
                 old = self._entries.get(key)
-                self._make_room(nbytes - (old.bytes if old else 0), exclude={key})
+                self._make_room(nbytes - (old.bytes if old else 0), kind, exclude={key})
                 if old is not None:
                     stale = {f.name for f in old.files.values()} - {f.name for f in files.values()}
                     for name in stale:
@@ -720,6 +735,8 @@ class Store:
             ev0 = self.counters["evicted"]
             with contextlib.suppress(BudgetError):
                 self._make_room(0)
+                for k in self.kind_budgets:
+                    self._make_room(0, k)
             self._write_index()
             return {"expired": len(expired), "evicted": self.counters["evicted"] - ev0,
                     "bytes": before - self.used_bytes()}
@@ -760,3 +777,33 @@ def data_dir_of(meta_dir: Path) -> Path | None:
         return Path(json.loads((Path(meta_dir) / "store.json").read_text())["data_dir"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+_SHARED: dict[Path, Store] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_store(meta_dir: Path, data_dir: Path, identity: str, *, kind: str, kind_budget_bytes: int,
+                 ttl_s: float = 7 * DAY_S, free_floor_bytes: int = 0) -> Store:
+    """The one Store of this process for ``meta_dir`` (the disk and session tiers share it; the
+    store's flock allows one opener per process). Each tier registers its kind's budget; the total
+    budget is the sum of the kinds'. Opened (and swept) on first use. Raises StoreError when the
+    same meta_dir is asked for with another data_dir or identity."""
+    meta_dir = Path(meta_dir).resolve()
+    with _SHARED_LOCK:
+        s = _SHARED.get(meta_dir)
+        if s is None:
+            s = Store(meta_dir, data_dir, identity, budget_bytes=0, ttl_s=ttl_s,
+                      free_floor_bytes=free_floor_bytes)
+            _SHARED[meta_dir] = s
+            s.kind_budgets[kind] = int(kind_budget_bytes)
+            s.budget_bytes = sum(s.kind_budgets.values())
+            s.open()
+            return s
+        if Path(data_dir).resolve() != s.data_dir.resolve() or identity != s.identity:
+            raise StoreError(f"store {meta_dir} is already open for {s.data_dir} / {s.identity}")
+        with s._lock:
+            s.kind_budgets[kind] = int(kind_budget_bytes)
+            s.budget_bytes = sum(s.kind_budgets.values())
+            s.free_floor_bytes = max(s.free_floor_bytes, int(free_floor_bytes))
+        return s

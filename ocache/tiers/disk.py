@@ -1,0 +1,472 @@
+"""The disk tier: prefix *anchors* on local disk that survive restarts (issue 6, seed 000 §13.7).
+
+An anchor is a slot file the (patched) server wrote with ``POST /slots/{id}?action=save`` (plus the
+``<file>.ckpt`` checkpoint sidecar the patch writes) holding *exactly* a prefix of a prompt, and
+ocache's record of it (``ocache.tiers.store``). A later request whose tokens start with an anchor's
+tokens can restore it into a slot and prefill only the rest.
+
+Admission (which prefixes become anchors) is decided *before* the prefill, from the token view:
+
+* **head**: the stable harness head (``view.head_end`` tokens: tools + system head + template glue)
+  of every fingerprint — every new session in any folder parts after it;
+* **session start**: a session's first long request (one user turn) gets an anchor just below where
+  its user message starts — the next session in the same folder parts there (seed 000 §13.7);
+* **repeat**: a grid line (multiples of ``grid`` tokens) that was prefilled cold before and is about
+  to be prefilled cold again (lines counted by prefix hash after each response, from ``cache_n``).
+
+Prompts shorter than ``min_tokens`` (default 4,096) get nothing. An anchor is written by splitting
+the coming prefill at its line: ``/completion`` of exactly ``tokens[:L]`` with ``n_predict: 0`` in the
+chosen slot (notes §2.5: the slot then holds exactly those tokens), ``action=save`` to a temporary
+name, then the real request continues from there (it strictly extends the anchor, which is what a
+hybrid model needs, notes §3.2). The prefill work is the same as without the split; the request is
+delayed by the save itself (measured: ``stats()["save_s"]``); hashing and the commit run afterwards in
+the background. That is :meth:`DiskTier.prepare`, which the cache layer calls after ``bring`` and
+before forwarding, holding the slot's lock.
+
+Lookup/restore (``lookup``/``bring``): the longest anchor whose tokens are a prefix of the request,
+offered when it beats ``ctx.resident_usable`` and its read (verify + restore, at the measured bytes/s)
+costs less than the prefill it saves (at the measured prefill tokens/s). Before any byte reaches the
+engine the store verifies identity, every file's size and xxh3 and the token ids in the slot file's
+header against the request's; a failure deletes the entry and ``bring`` raises (the request then goes
+cold). The restore is confirmed by the next response's ``cache_n`` (≥ anchor tokens − one ubatch) in
+``admit``; an unconfirmed restore is a counted miss (``stats()["unconfirmed"]``).
+
+Anchors are self-contained (one slot file each, no chain), so "deleting every anchor that depends on
+a failed file" is deleting that entry's files (the ``.bin`` and its ``.ckpt``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from .base import Offer
+from .store import BudgetError, IntegrityError, Store, entry_key, prefix_hash, shared_store
+
+log = logging.getLogger(__name__)
+
+KIND = "a"
+
+
+class DiskTierError(RuntimeError):
+    """``bring`` failed (verification or the server's restore); the request must go cold.
+
+    ``reason``: ``missing``/``size``/``hash``/``identity``/``tokens``/``header``/``record`` (a file
+    check, entry deleted), ``restore`` (the server refused it: the slot was erased, notes §1.3, and
+    the entry deleted) or ``gone`` (the entry was evicted since ``lookup``)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"disk tier: {reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+
+
+class SlotOps(Protocol):
+    """What the disk tier needs from ``ocache.slots`` (the only module that talks to slots).
+
+    Each returns the server's JSON answer (notes §1.3: save → ``n_saved``, ``n_written``,
+    ``timings.save_ms``; restore → ``n_restored``, ``n_read``, ``timings.restore_ms``; warm → the
+    ``/completion`` answer with ``timings``) and raises on an HTTP error.
+    """
+
+    async def save(self, slot: int, filename: str) -> dict: ...
+    async def restore(self, slot: int, filename: str) -> dict: ...
+    async def warm(self, slot: int, tokens: list[int]) -> dict: ...
+
+
+@dataclass
+class DiskConfig:
+    """Disk tier settings. Token counts in tokens, rates as noted."""
+
+    min_tokens: int = 4096          # shortest prefix worth an anchor
+    grid: int = 1024                # grid for counting repeated cold prefills (tokens)
+    ubatch: int = 512               # server -ub: tolerance when confirming a restore by cache_n
+    admit_after: int = 2            # a grid line prefilled cold this many times gets an anchor
+    max_anchors_per_request: int = 2
+    head: bool = True
+    session_start: bool = True
+    repeat: bool = True
+    prefill_tok_s: float = 2000.0   # initial guess until measured (tokens/s)
+    restore_bytes_s: float = 5e8    # initial guess until measured (bytes/s, server restore)
+    verify_bytes_s: float = 2e9     # initial guess until measured (bytes/s, xxh3 of the files)
+    line_memory: int = 200_000      # how many grid-line counters are remembered (LRU)
+
+
+class Rate:
+    """An exponentially weighted mean of a rate (units/s) with an initial guess."""
+
+    def __init__(self, guess: float, alpha: float = 0.3) -> None:
+        self.value = guess
+        self.n = 0
+        self.alpha = alpha
+
+    def add(self, units: float, seconds: float) -> None:
+        if units <= 0 or seconds <= 0:
+            return
+        r = units / seconds
+        self.value = r if self.n == 0 else (1 - self.alpha) * self.value + self.alpha * r
+        self.n += 1
+
+
+@dataclass
+class AnchorRef:
+    """``Offer.ref`` of the disk tier: which entry, and the request tokens it must match."""
+
+    key: str
+    n_tokens: int
+    bytes: int
+    expect: list[int] = field(repr=False, default_factory=list)
+
+
+@dataclass
+class _Pending:
+    key: str
+    n_tokens: int
+    t: float
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+class DiskTier:
+    """The anchor tier over a :class:`Store` (see the module docstring).
+
+    ``slots``: a :class:`SlotOps`. ``fingerprint_of(view, ctx)``: optional, returns the harness
+    fingerprint recorded with an anchor (defaults to ``ctx.fingerprint``).
+    """
+
+    name = "disk"
+
+    def __init__(self, store: Store, slots: SlotOps, config: DiskConfig | None = None) -> None:
+        self.store = store
+        self.slots = slots
+        self.cfg = config or DiskConfig()
+        self.prefill = Rate(self.cfg.prefill_tok_s)
+        self.restore_rate = Rate(self.cfg.restore_bytes_s)
+        self.verify_rate = Rate(self.cfg.verify_bytes_s)
+        self.bytes_per_token: float | None = None
+        self.fixed_bytes: float = 0.0
+        self._lines: OrderedDict[str, int] = OrderedDict()
+        self._pending: dict[int, _Pending] = {}
+        self._bg: set[asyncio.Task] = set()
+        self.counters: dict[str, int] = {
+            "lookups": 0, "offers": 0, "restores": 0, "hits": 0, "unconfirmed": 0,
+            "verify_failed": 0, "restore_failed": 0, "anchors_written": 0, "save_failed": 0,
+            "skipped_budget": 0, "skipped_short": 0,
+        }
+        self.save_s: list[float] = []       # seconds each save delayed its request (the save call)
+        self.restore_s: list[float] = []    # seconds of each verify + restore
+
+    # ------------------------------------------------------------------ admission
+    def plan_anchors(self, view: Any, cached_n: int, ctx: Any = None) -> list[tuple[int, str]]:
+        """Which prefix lengths the coming prefill should be split at to write anchors.
+
+        ``view``: a TokenView (``tokens``, ``head_end``, ``user_starts``); ``cached_n``: tokens the
+        chosen slot will reuse (what the prefill does not pass cold). Returns ``[(length, reason)]``
+        ascending, each with ``cached_n < length < len(tokens)`` and ``length >= min_tokens``, not
+        already stored, at most ``max_anchors_per_request``. Pure apart from reading the store index.
+        """
+        toks: Sequence[int] = view.tokens
+        n = len(toks)
+        if n < self.cfg.min_tokens:
+            self.counters["skipped_short"] += 1
+            return []
+        want: dict[int, str] = {}
+        head_end = _get(view, "head_end")
+        if self.cfg.head and head_end:
+            want.setdefault(int(head_end), "head")
+        users = list(_get(view, "user_starts") or [])
+        if self.cfg.session_start and len(users) == 1:
+            want.setdefault(int(users[0]), "session")
+        if self.cfg.repeat:
+            g = self.cfg.grid
+            for line in range((n - 1) // g * g, cached_n, -g):
+                if self._lines.get(prefix_hash(toks[:line]), 0) >= self.cfg.admit_after - 1:
+                    want.setdefault(line, "repeat")
+                    break
+        out = []
+        for length, reason in sorted(want.items()):
+            if not (cached_n < length < n and length >= self.cfg.min_tokens):
+                continue
+            if self.store.identity is None or self.store.get(entry_key(self.store.identity, KIND, toks[:length])):
+                continue
+            out.append((length, reason))
+        return out[-self.cfg.max_anchors_per_request:]
+
+    async def prepare(self, view: Any, slot: int, cached_n: int, ctx: Any = None) -> list[int]:
+        """Write the anchors :meth:`plan_anchors` chose, by splitting the coming prefill in ``slot``.
+
+        The caller holds the slot's lock and forwards the request right after; the slot then holds
+        exactly the last anchor's tokens, which the request strictly extends. Failures are logged
+        and counted, never raised (the request proceeds; at worst the slot's reuse is what the last
+        successful warm left, always a prefix of the request). Returns the lengths saved.
+        """
+        done = []
+        for length, reason in self.plan_anchors(view, cached_n, ctx):
+            prefix = list(view.tokens[:length])
+            try:
+                await self.slots.warm(slot, prefix)
+            except Exception as exc:  # noqa: BLE001 - fail open, the request proceeds
+                log.warning("disk: warm of a %d-token %s anchor in slot %d failed: %s", length, reason, slot, exc)
+                self.counters["save_failed"] += 1
+                break
+            if await self.save_slot(slot, prefix, fingerprint=_get(ctx, "fingerprint"), reason=reason):
+                done.append(length)
+        return done
+
+    async def save_slot(self, slot: int, tokens: list[int], *, fingerprint: str | None = None,
+                        reason: str = "") -> bool:
+        """Save ``slot`` (which must hold exactly ``tokens``) as an anchor: reserve room, ``action=save``
+        to a temp name, then hash + commit in the background. Returns True if the save call succeeded
+        (the commit may still fail; counted). Never raises."""
+        key = entry_key(self.store.identity or "", KIND, tokens)
+        if self.store.get(key):
+            return True
+        est = int(self.fixed_bytes + (self.bytes_per_token or 0) * len(tokens))
+        try:
+            await asyncio.to_thread(self.store.reserve, key, est, KIND)
+        except BudgetError as exc:
+            log.info("disk: no room for a %d-token anchor: %s", len(tokens), exc)
+            self.counters["skipped_budget"] += 1
+            return False
+        tmp = self.store.temp_name(KIND, key)
+        t0 = time.monotonic()
+        try:
+            resp = await self.slots.save(slot, tmp)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("disk: save of slot %d failed: %s", slot, exc)
+            self.counters["save_failed"] += 1
+            self.store.release(key)
+            self.store.discard_temp(tmp)
+            return False
+        self.save_s.append(time.monotonic() - t0)
+        if int(_get(resp, "n_saved", -1)) != len(tokens):
+            log.warning("disk: slot %d saved %s tokens, expected %d; discarded", slot, _get(resp, "n_saved"), len(tokens))
+            self.counters["save_failed"] += 1
+            self.store.release(key)
+            self.store.discard_temp(tmp)
+            return False
+        task = asyncio.create_task(self._commit(tokens, tmp, fingerprint, reason, int(_get(resp, "n_written", 0))))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        return True
+
+    async def _commit(self, tokens: list[int], tmp: str, fingerprint: str | None, reason: str,
+                      n_written: int) -> None:
+        t0 = time.monotonic()
+        try:
+            e = await asyncio.to_thread(self.store.commit, KIND, tokens, tmp, fingerprint=fingerprint,
+                                        meta={"reason": reason})
+        except Exception as exc:  # noqa: BLE001
+            log.warning("disk: commit of a %d-token anchor failed: %s", len(tokens), exc)
+            self.counters["save_failed"] += 1
+            return
+        self.verify_rate.add(e.bytes, time.monotonic() - t0)
+        self.counters["anchors_written"] += 1
+        self._learn_size(len(tokens), e.bytes)
+        log.info("disk: anchor %s (%s, %d tokens, %d bytes)", e.key[:12], reason, e.n_tokens, e.bytes)
+
+    def _learn_size(self, n_tokens: int, nbytes: int) -> None:
+        """Keep an upper-bound estimate of bytes per token for reservations."""
+        per = nbytes / max(1, n_tokens)
+        self.bytes_per_token = max(per, self.bytes_per_token or 0.0)
+
+    async def flush(self) -> None:
+        """Wait for background commits (tests, drain)."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    # ------------------------------------------------------------------ lookup / bring
+    def read_cost_s(self, nbytes: int) -> float:
+        """Seconds to verify and restore ``nbytes`` at the measured rates."""
+        return nbytes / self.verify_rate.value + nbytes / self.restore_rate.value
+
+    async def lookup(self, view: Any, ctx: Any = None) -> Offer | None:
+        """The longest anchor that is a prefix of ``view.tokens`` and pays for its read, or None.
+
+        ``ctx.resident_usable`` (tokens a resident slot already offers, default 0) must be beaten.
+        ``tokens_usable``: the anchor's length when the request extends it, one less when the request
+        is identical (the server re-evaluates the last token, notes §2.3).
+        """
+        self.counters["lookups"] += 1
+        toks = view.tokens
+        resident = int(_get(ctx, "resident_usable", 0) or 0)
+        cands = await asyncio.to_thread(self.store.find_prefixes, toks, KIND)
+        for e in cands:
+            usable = e.n_tokens if e.n_tokens < len(toks) else e.n_tokens - 1
+            if usable <= resident:
+                return None
+            cost = self.read_cost_s(e.bytes)
+            saved = (usable - resident) / self.prefill.value
+            if cost >= saved:
+                continue
+            self.counters["offers"] += 1
+            return Offer(tier=self.name, tokens_usable=usable, cost_s=cost,
+                         ref=AnchorRef(e.key, e.n_tokens, e.bytes, list(toks[:e.n_tokens])))
+        return None
+
+    async def bring(self, offer: Offer, slot: int) -> None:
+        """Verify the anchor, then restore it into ``slot``. Raises DiskTierError (entry deleted;
+        after a server-side failure the slot is empty, notes §1.3)."""
+        ref: AnchorRef = offer.ref
+        t0 = time.monotonic()
+        try:
+            e = await asyncio.to_thread(self.store.verify, ref.key, ref.expect)
+        except KeyError as exc:
+            raise DiskTierError("gone", ref.key) from exc
+        except IntegrityError as exc:
+            self.counters["verify_failed"] += 1
+            raise DiskTierError(exc.reason, str(exc)) from exc
+        t1 = time.monotonic()
+        self.verify_rate.add(e.bytes, t1 - t0)
+        try:
+            resp = await self.slots.restore(slot, e.bin_name)
+        except Exception as exc:  # noqa: BLE001
+            self.counters["restore_failed"] += 1
+            await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")
+            raise DiskTierError("restore", str(exc)) from exc
+        if int(_get(resp, "n_restored", -1)) != e.n_tokens:
+            self.counters["restore_failed"] += 1
+            await asyncio.to_thread(self.store.delete, e.key, "restored token count differs")
+            raise DiskTierError("restore", f"n_restored={_get(resp, 'n_restored')} != {e.n_tokens}")
+        restore_ms = float(_get(_get(resp, "timings", {}), "restore_ms", 0.0) or 0.0)
+        self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes),
+                              restore_ms / 1000.0 if restore_ms else time.monotonic() - t1)
+        self.restore_s.append(time.monotonic() - t0)
+        self.counters["restores"] += 1
+        self._pending[slot] = _Pending(e.key, e.n_tokens, time.monotonic())
+        await asyncio.to_thread(self.store.touch, e.key, False)
+
+    # ------------------------------------------------------------------ after the request
+    async def admit(self, view: Any, slot: int, obs: Any) -> None:
+        """Learn from a finished request: prefill rate, restore confirmation, cold grid lines."""
+        timings = _get(obs, "timings") or {}
+        cache_n = _get(timings, "cache_n")
+        prompt_n = int(_get(timings, "prompt_n", 0) or 0)
+        prompt_ms = float(_get(timings, "prompt_ms", 0.0) or 0.0)
+        if prompt_n >= 64 and prompt_ms > 0:
+            self.prefill.add(prompt_n, prompt_ms / 1000.0)
+        p = self._pending.pop(slot, None)
+        if p is not None:
+            if cache_n is not None and int(cache_n) >= p.n_tokens - self.cfg.ubatch:
+                self.counters["hits"] += 1
+                await asyncio.to_thread(self.store.touch, p.key, True)
+            else:
+                self.counters["unconfirmed"] += 1
+                log.warning("disk: restore of %d tokens into slot %d not confirmed (cache_n=%s)",
+                            p.n_tokens, slot, cache_n)
+        if cache_n is None or view is None:
+            return
+        toks = view.tokens
+        g = self.cfg.grid
+        start = (int(cache_n) // g + 1) * g
+        for line in range(start, len(toks), g):
+            h = prefix_hash(toks[:line])
+            self._lines[h] = self._lines.get(h, 0) + 1
+            self._lines.move_to_end(h)
+        while len(self._lines) > self.cfg.line_memory:
+            self._lines.popitem(last=False)
+
+    def forget_slot(self, slot: int) -> None:
+        """The slot's content was replaced before a response confirmed a restore (e.g. an upstream
+        restart): count the pending restore as unconfirmed."""
+        if self._pending.pop(slot, None) is not None:
+            self.counters["unconfirmed"] += 1
+
+    async def before_evict(self, slot: int) -> None:
+        return None
+
+    async def evict(self, bytes_needed: int) -> int:
+        return await asyncio.to_thread(self.store.evict, bytes_needed)
+
+    async def on_upstream_restart(self) -> None:
+        for slot in list(self._pending):
+            self.forget_slot(slot)
+
+    async def clear(self) -> dict:
+        await self.flush()
+        return {"deleted": await asyncio.to_thread(self.store.clear, KIND)}
+
+    def stats(self) -> dict:
+        def pct(xs: list[float], q: float) -> float | None:
+            if not xs:
+                return None
+            s = sorted(xs)
+            return s[min(len(s) - 1, int(q * len(s)))]
+
+        return {
+            **self.counters,
+            "store": self.store.stats(),
+            "prefill_tok_s": round(self.prefill.value, 1),
+            "restore_bytes_s": round(self.restore_rate.value),
+            "verify_bytes_s": round(self.verify_rate.value),
+            "save_s_p50": pct(self.save_s, 0.5), "save_s_max": max(self.save_s, default=None),
+            "restore_s_p50": pct(self.restore_s, 0.5),
+        }
+
+
+# ---------------------------------------------------------------------- factory
+
+def _slot_save_path(config: Any) -> Path | None:
+    tiers = _get(config, "tiers") or {}
+    disk = tiers.get("disk", {}) if isinstance(tiers, dict) else {}
+    if disk.get("slot_save_path"):
+        return Path(disk["slot_save_path"])
+    launch = list(_get(config, "launch") or [])
+    for i, a in enumerate(launch):
+        if a == "--slot-save-path" and i + 1 < len(launch):
+            return Path(launch[i + 1])
+        if a.startswith("--slot-save-path="):
+            return Path(a.split("=", 1)[1])
+    return None
+
+
+def store_meta_dir(config: Any = None) -> Path:
+    """ocache's own 0700 directory for the store's records and index."""
+    from ..paths import cache_root
+
+    root = Path(_get(config, "cache_dir")) if _get(config, "cache_dir") else cache_root()
+    return root / "store"
+
+
+def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | None = None) -> DiskTier | None:
+    """Build the disk tier from an ``ocache.config.Config``, or None when it cannot work.
+
+    The slot-save-path is ``config.tiers["disk"]["slot_save_path"]`` or the ``--slot-save-path`` of
+    ``config.launch``; without one the server cannot save slots (notes §1.1) and the tier is off.
+    ``identity``: an ``ocache.fingerprint.Identity`` (its ``key``) or a key string. Other settings:
+    ``disk_budget_gb``, ``disk_ttl_days``, ``disk_min_tokens`` and ``tiers["disk"]`` keys ``grid``,
+    ``free_floor_gb``, ``admit_after``. Opens the store (sweeping other identities' files).
+    """
+    data_dir = _slot_save_path(config)
+    if data_dir is None:
+        log.warning("disk tier off: no --slot-save-path known (set tiers.disk.slot_save_path)")
+        return None
+    key = identity if isinstance(identity, str) else getattr(identity, "key", None)
+    if not key:
+        log.warning("disk tier off: no server identity")
+        return None
+    tiers = _get(config, "tiers") or {}
+    dcfg = tiers.get("disk", {}) if isinstance(tiers, dict) else {}
+    store = shared_store(store_meta_dir(config), data_dir, key, kind=KIND,
+                         kind_budget_bytes=int(float(_get(config, "disk_budget_gb", 50.0)) * 1e9),
+                         ttl_s=float(_get(config, "disk_ttl_days", 7.0)) * 86400.0,
+                         free_floor_bytes=int(float(dcfg.get("free_floor_gb", 0)) * 1e9))
+    with contextlib.suppress(Exception):
+        store.gc()
+    cfg = DiskConfig(min_tokens=int(_get(config, "disk_min_tokens", 4096)),
+                     grid=int(dcfg.get("grid", 1024)),
+                     admit_after=int(dcfg.get("admit_after", 2)))
+    if ubatch:
+        cfg.ubatch = int(ubatch)
+    return DiskTier(store, slots, cfg)
