@@ -1,0 +1,348 @@
+"""Install and run the real coding-agent clients (opencode, pi) against an OpenAI-compatible URL.
+
+Used by the end-to-end tests and the benchmarks to produce real client traffic through ocache.
+
+* Installs come from the npm registry through ``npm`` itself, pinned to the versions the fixtures
+  in ``shared/fixtures`` were captured with (opencode 1.18.33 as npm ``opencode-ai``, which ships
+  its Linux binary in the optional dependency ``opencode-linux-x64``; the pi coding agent 0.73.1 as
+  ``@mariozechner/pi-coding-agent``), into ``cache_root()/clients/<name>-<version>/``, outside the
+  checkout. A completed install is marked by a stamp file; a second call returns at once. Installs
+  are built in a temporary sibling folder and renamed into place, under a file lock, so a crash or
+  a concurrent test never leaves a half-installed client behind.
+* Runs are isolated: a temp ``HOME`` and XDG dirs, a minimal environment (no host API keys or
+  client config leak in), auto-update and model-catalogue fetches off; the provider config is
+  written into the project folder (opencode) or the temp home (pi). How each client is pointed at a
+  server is from ``shared/fixtures/README.md`` ("Pointing the clients at a server").
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .paths import cache_root
+
+
+@dataclass(frozen=True)
+class NpmClient:
+    """A client published on npm: ``package@version`` providing the executable ``bin``."""
+
+    name: str       # short name: the install folder is ``<name>-<version>``
+    package: str    # npm package name
+    version: str    # exact pinned version
+    bin: str        # executable name under node_modules/.bin
+
+    @property
+    def spec(self) -> str:
+        return f"{self.package}@{self.version}"
+
+
+OPENCODE = NpmClient("opencode", "opencode-ai", "1.18.33", "opencode")
+PI = NpmClient("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi")
+
+#: npm error codes that mean "the registry could not be reached" (DNS, TCP, TLS transport, or the
+#: registry answering 5xx), as opposed to a bad package spec (ETARGET, E404) or a local failure.
+_UNREACHABLE_CODES = frozenset({
+    "ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ECONNRESET", "ETIMEDOUT", "ESOCKETTIMEDOUT",
+    "ENETUNREACH", "EHOSTUNREACH", "ENETDOWN", "EPROTO", "ECONNABORTED", "ENOTCACHED",
+    "UNABLE_TO_GET_ISSUER_CERT_LOCALLY", "SELF_SIGNED_CERT_IN_CHAIN", "CERT_HAS_EXPIRED",
+    "E500", "E502", "E503", "E504",
+})
+
+_STAMP = ".ocache-installed.json"
+
+
+class ClientInstallError(RuntimeError):
+    """``npm install`` failed for a reason other than an unreachable registry (message: npm's tail)."""
+
+
+class RegistryUnreachable(ClientInstallError):
+    """npm could not reach the registry (``code`` is npm's error code, e.g. ``ENOTFOUND``)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def npm_error_code(output: str) -> str | None:
+    """The error code npm printed (``npm error code ENOTFOUND`` → ``"ENOTFOUND"``), or None.
+
+    npm ≥ 10 prints ``npm error code X``; older npm prints ``npm ERR! code X``. A transport failure
+    without a code line still prints ``npm error network ...`` lines: reported as ``"network"``.
+    """
+    m = re.search(r"^npm (?:error|ERR!) code (\S+)", output, re.MULTILINE)
+    if m:
+        return m.group(1)
+    m = re.search(r"^npm (?:error|ERR!) errno (E[A-Z_]+)", output, re.MULTILINE)
+    if m:
+        return m.group(1)
+    if re.search(r"^npm (?:error|ERR!) network ", output, re.MULTILINE):
+        return "network"
+    return None
+
+
+def is_unreachable(code: str | None) -> bool:
+    return code is not None and (code in _UNREACHABLE_CODES or code == "network")
+
+
+def clients_dir() -> Path:
+    """``cache_root()/clients`` (created if missing)."""
+    d = cache_root() / "clients"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def install_dir(client: NpmClient) -> Path:
+    """Where ``client`` is (or will be) installed: ``cache_root()/clients/<name>-<version>``."""
+    return clients_dir() / f"{client.name}-{client.version}"
+
+
+def binary_path(client: NpmClient, root: Path | None = None) -> Path:
+    return (root or install_dir(client)) / "node_modules" / ".bin" / client.bin
+
+
+def installed(client: NpmClient) -> Path | None:
+    """The client's executable if a completed install of the pinned version exists, else None."""
+    root = install_dir(client)
+    stamp = root / _STAMP
+    binary = binary_path(client, root)
+    if not (stamp.is_file() and binary.exists()):
+        return None
+    try:
+        meta = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return None
+    return binary if meta.get("spec") == client.spec else None
+
+
+@contextmanager
+def _locked(name: str) -> Iterator[None]:
+    with open(clients_dir() / f".{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def install(client: NpmClient, npm: str = "npm", timeout: float = 900.0,
+            extra_args: Sequence[str] = ()) -> Path:
+    """Install ``client`` from the npm registry (once) and return the path of its executable.
+
+    Runs ``npm install --prefix <tmp> <package>@<version> --no-audit --no-fund`` in a temporary
+    sibling of ``install_dir(client)``, checks the package's own ``package.json`` version and the
+    executable, writes the stamp and renames the folder into place. Later calls find the stamp and
+    return at once (no npm call). ``extra_args`` go to npm (e.g. ``["--registry", url]``).
+
+    Raises RegistryUnreachable when npm reports a transport error (see ``_UNREACHABLE_CODES``),
+    ClientInstallError for any other failure (missing ``npm``, unknown version, timeout after
+    ``timeout`` seconds, missing executable).
+    """
+    found = installed(client)
+    if found:
+        return found
+    if shutil.which(npm) is None:
+        raise ClientInstallError(f"{npm!r} not found on PATH: cannot install {client.spec}")
+    final = install_dir(client)
+    with _locked(final.name):
+        found = installed(client)  # another process may have finished while we waited
+        if found:
+            return found
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        cmd = [npm, "install", "--prefix", str(tmp), client.spec, "--no-audit", "--no-fund",
+               "--no-save", *extra_args]
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=timeout, cwd=tmp)
+        except subprocess.TimeoutExpired as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ClientInstallError(f"npm install {client.spec} did not finish in {timeout} s") from exc
+        seconds = time.monotonic() - t0
+        if proc.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            out = (proc.stdout or "") + (proc.stderr or "")
+            code = npm_error_code(out)
+            tail = "\n".join(out.strip().splitlines()[-15:])
+            msg = f"npm install {client.spec} failed (exit {proc.returncode}, code {code}):\n{tail}"
+            if is_unreachable(code):
+                raise RegistryUnreachable(code or "network", msg)
+            raise ClientInstallError(msg)
+        pkg_json = tmp / "node_modules" / client.package / "package.json"
+        try:
+            version = json.loads(pkg_json.read_text()).get("version")
+        except (OSError, ValueError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ClientInstallError(f"npm installed no readable {pkg_json}") from exc
+        if version != client.version or not binary_path(client, tmp).exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ClientInstallError(
+                f"npm install {client.spec}: got version {version!r}, executable "
+                f"{binary_path(client, tmp)} exists={binary_path(client, tmp).exists()}")
+        (tmp / _STAMP).write_text(json.dumps({
+            "spec": client.spec, "install_s": round(seconds, 2), "npm": npm,
+            "installed_at": time.time()}))
+        if final.exists():  # a broken or older install without a valid stamp
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    return binary_path(client, final)
+
+
+def install_seconds(client: NpmClient) -> float | None:
+    """How long the cached install took (seconds, from its stamp), None if not installed."""
+    try:
+        return json.loads((install_dir(client) / _STAMP).read_text()).get("install_s")
+    except (OSError, ValueError):
+        return None
+
+
+# --- isolated runs ---------------------------------------------------------------------------
+
+#: Host variables passed through to client runs; everything else (API keys, proxies, config
+#: locations) is dropped so the host's own client setup cannot leak into a test.
+_PASS_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "TERM")
+
+
+def isolated_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a client run with ``home`` as HOME and XDG base dirs under it.
+
+    Sets opencode's ``OPENCODE_DISABLE_AUTOUPDATE``/``OPENCODE_DISABLE_MODELS_FETCH`` and pi's
+    ``PI_OFFLINE``/``PI_SKIP_VERSION_CHECK``/``PI_TELEMETRY=0`` so neither calls home.
+    """
+    home = Path(home)
+    env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    env.update({
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_STATE_HOME": str(home / ".local" / "state"),
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "PI_OFFLINE": "1",
+        "PI_SKIP_VERSION_CHECK": "1",
+        "PI_TELEMETRY": "0",
+        "NO_COLOR": "1",
+    })
+    for sub in (".config", ".local/share", ".cache", ".local/state"):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def write_opencode_config(project: Path, base_url: str, *, model: str = "qwen",
+                          context_tokens: int = 16384, output_tokens: int = 64,
+                          api_key: str | None = None) -> Path:
+    """Write ``project/opencode.json`` pointing opencode at ``base_url`` (e.g. ``http://h:p/v1``).
+
+    A provider ``local`` on the built-in ``@ai-sdk/openai-compatible`` package with one model,
+    used for both the agent and the title (``small_model``). ``output_tokens`` becomes the request's
+    ``max_tokens`` (opencode sends the model's ``limit.output``; the captured fixtures show 32000
+    without a limit, 8192 with ``limit.output`` 8192). Returns the file written.
+    """
+    options: dict = {"baseURL": base_url}
+    if api_key:
+        options["apiKey"] = api_key
+    cfg = {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"local": {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "Local llama-server",
+            "options": options,
+            "models": {model: {"name": model, "tool_call": True,
+                               "limit": {"context": context_tokens, "output": output_tokens}}},
+        }},
+        "model": f"local/{model}",
+        "small_model": f"local/{model}",
+        "autoupdate": False,
+        "share": "disabled",
+    }
+    path = Path(project) / "opencode.json"
+    path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def write_pi_models(home: Path, base_url: str, *, model: str = "qwen",
+                    context_tokens: int = 16384, output_tokens: int = 64,
+                    api_key: str = "sk-local") -> Path:
+    """Write ``home/.pi/agent/models.json``: provider ``local`` (``openai-completions`` API) at
+    ``base_url`` with one model; ``output_tokens`` becomes ``max_completion_tokens`` (pi's
+    ``maxTokens``, docs/models.md of the pi package). pi requires an apiKey. Returns the file."""
+    path = Path(home) / ".pi" / "agent" / "models.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"providers": {"local": {
+        "baseUrl": base_url, "api": "openai-completions", "apiKey": api_key,
+        "models": [{"id": model, "contextWindow": context_tokens, "maxTokens": output_tokens}],
+    }}}, indent=2))
+    return path
+
+
+@dataclass
+class ClientRun:
+    """The outcome of one client invocation (``seconds`` is wall time)."""
+
+    argv: list[str]
+    cwd: Path
+    returncode: int | None   # None: killed after the timeout
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+    def describe(self, tail: int = 30) -> str:
+        err = "\n".join(self.stderr.splitlines()[-tail:])
+        out = "\n".join(self.stdout.splitlines()[-tail:])
+        return (f"{' '.join(self.argv)} in {self.cwd}: rc={self.returncode} after "
+                f"{self.seconds:.1f} s\n--- stdout tail\n{out}\n--- stderr tail\n{err}")
+
+
+def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> ClientRun:
+    """Run ``argv`` in its own process group; on timeout kill the group (returncode None)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        rc: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        rc = None
+    return ClientRun(argv, Path(cwd), rc, out or "", err or "", time.monotonic() - t0)
+
+
+def run_opencode(binary: Path, project: Path, prompt: str, env: dict[str, str],
+                 timeout: float = 300.0, args: Sequence[str] = ("--print-logs",)) -> ClientRun:
+    """``opencode run <args> <prompt>`` in ``project`` (which holds its ``opencode.json``).
+
+    One run sends a title request and the agent turn (in parallel), then one more agent turn per
+    tool call the model makes (``shared/fixtures/README.md``). ``--print-logs`` puts opencode's log
+    on stderr (shown by ``ClientRun.describe``).
+    """
+    return _run([str(binary), "run", *args, prompt], Path(project), env, timeout)
+
+
+def run_pi(binary: Path, project: Path, prompt: str, env: dict[str, str], model: str = "local/qwen",
+           timeout: float = 300.0) -> ClientRun:
+    """``pi --model <model> -p <prompt>`` in ``project`` (one agent turn, no title request)."""
+    return _run([str(binary), "--model", model, "-p", prompt], Path(project), env, timeout)
