@@ -67,8 +67,9 @@ class Config:
                                  min=0.05)
     drain_timeout_s: float = _f(60.0, "on SIGTERM, seconds to wait for in-flight requests", min=0)
     no_cache: bool = _f(False, "forward everything untouched (the NullLayer), e.g. to compare")
-    record_dir: str | None = _f(None, "if set, write each completion request (body, headers, "
-                                "timings) as JSON to this folder, for replay")
+    record_dir: str | None = _f(None, "if set, record each completion request (body, plan, "
+                                "timings) as JSON lines in this folder, for replay (ocache/record.py)")
+    record_redact: bool = _f(False, "with record_dir: drop all text, keep structure and counts")
     launch: list[str] = _f([], "llama-server arguments: ocache starts the (patched) server as a "
                            "child with them and restarts it if it dies (`serve --launch -- ARGS`)")
     launch_binary: str | None = _f(None, "llama-server binary for `launch`; default: the patched "

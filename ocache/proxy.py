@@ -60,7 +60,6 @@ import secrets
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import aiohttp
@@ -235,7 +234,7 @@ class Proxy:
         self._monitor = monitor
         self._allowed = config.bind_names
         self._allow_any = "*" in config.allowed_hosts
-        self._record_dir = Path(config.record_dir) if config.record_dir else None
+        self.recorder = None
 
     # --- lifecycle ------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -252,8 +251,10 @@ class Proxy:
         await self.close()
 
     async def start(self) -> None:
-        if self._record_dir is not None:
-            self._record_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.record_dir:
+            from .record import Recorder
+
+            self.recorder = Recorder(self.config.record_dir, redact=self.config.record_redact)
         await self.upstream.start(monitor=self._monitor)
         self.layer = self._layer_factory(self.upstream, self.config)
         self.upstream.on_restart(self._on_upstream_restart)
@@ -263,6 +264,8 @@ class Proxy:
     async def close(self) -> None:
         await self.wait_background()
         await self.upstream.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
     async def _on_upstream_restart(self) -> None:
         self.stats.upstream_restart()
@@ -582,23 +585,8 @@ class Proxy:
             except Exception:
                 self.stats.layer_error("observe")
                 log.exception("[%s] cache layer observe() failed", preq.request_id)
-        if self._record_dir is not None and preq.body is not None:
-            try:
-                await asyncio.to_thread(self._write_record, preq, obs)
-            except OSError:
-                log.exception("[%s] cannot write the record", preq.request_id)
-
-    def _write_record(self, preq: ParsedRequest, obs: Observation) -> None:
-        headers = {k: ("***" if k.lower() in ("authorization", "x-api-key") else v)
-                   for k, v in preq.headers.items()}
-        rec = {"request_id": preq.request_id, "time": time.time(), "method": preq.method,
-               "path": preq.path, "headers": headers, "body": preq.body, "status": obs.status,
-               "completed": obs.completed, "timings": obs.timings, "usage": obs.usage,
-               "ttft_s": obs.ttft_s, "total_s": obs.total_s, "epoch": self.upstream.epoch}
-        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{preq.request_id}.json"
-        tmp = self._record_dir / (name + ".tmp")
-        tmp.write_text(json.dumps(rec, ensure_ascii=False))
-        os.replace(tmp, self._record_dir / name)
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.record, preq, plan, obs)
 
     # --- ocache's own routes --------------------------------------------------------------------
     async def _admin(self, request: web.Request, rid: str, path: str) -> web.Response:
@@ -693,6 +681,7 @@ def build_config(args: argparse.Namespace) -> Config:
         "host": args.host, "port": args.port, "upstream": args.upstream,
         "admin_token": args.admin_token, "record_dir": args.record,
         "no_cache": True if args.no_cache else None,
+        "record_redact": True if args.redact else None,
     }
     if args.launch:
         overrides["launch"] = list(args.launch_args)
@@ -742,7 +731,9 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, help="listen port (default 8081)")
     p.add_argument("--upstream", metavar="URL", help="llama-server URL (default http://127.0.0.1:8080)")
     p.add_argument("--admin-token", help="token for POST /v1/cache/clear")
-    p.add_argument("--record", metavar="DIR", help="write each completion request as JSON to DIR")
+    p.add_argument("--record", metavar="DIR", help="record each completion request (JSON lines, ocache/record.py) in DIR")
+    p.add_argument("--redact", action="store_true",
+                   help="with --record: keep structure and counts, drop all text (ocache/record.py)")
     p.add_argument("--no-cache", action="store_true", help="forward everything untouched (NullLayer)")
     p.add_argument("--launch", action="store_true",
                    help="start llama-server as a child with the arguments after `--`")

@@ -1,0 +1,104 @@
+"""Config precedence (YAML < env < CLI) and validation errors (ocache/config.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ocache import config as cfg
+from ocache import proxy
+
+
+def test_defaults_bind_loopback():
+    c = cfg.load(path=None, env={})
+    assert c.host == "127.0.0.1"
+    assert c.upstream == "http://127.0.0.1:8080"
+    assert c.admin_token is None
+    assert c.disk_budget_gb == 50 and c.disk_ttl_days == 7 and c.disk_min_tokens == 4096
+    assert c.spill_budget_gb == 40 and c.spill_min_tokens == 16384
+
+
+def test_precedence_yaml_env_cli(tmp_path):
+    f = tmp_path / "ocache.yaml"
+    f.write_text("port: 9000\nupstream: http://127.0.0.1:9999\nadmin_token: fromyaml\n"
+                 "allowed_hosts: [box.lan]\ntiers: {disk: {x: 1}}\n")
+    c = cfg.load(f, env={})
+    assert (c.port, c.upstream, c.admin_token, c.allowed_hosts) == (
+        9000, "http://127.0.0.1:9999", "fromyaml", ["box.lan"])
+    assert c.tiers == {"disk": {"x": 1}}
+    env = {"OCACHE_PORT": "9100", "OCACHE_ADMIN_TOKEN": "fromenv",
+           "OCACHE_ALLOWED_HOSTS": "a.lan, b.lan", "OCACHE_NO_CACHE": "yes",
+           "OCACHE_SHARED": "/not/a/config/key"}
+    c = cfg.load(f, env=env)
+    assert (c.port, c.admin_token, c.allowed_hosts, c.no_cache) == (
+        9100, "fromenv", ["a.lan", "b.lan"], True)
+    assert c.upstream == "http://127.0.0.1:9999"  # from YAML, untouched by env
+    c = cfg.load(f, env=env, overrides={"port": 9200, "admin_token": None})
+    assert c.port == 9200 and c.admin_token == "fromenv"  # None override = flag not given
+
+
+def test_config_file_from_env(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("port: 9300\n")
+    assert cfg.load(env={"OCACHE_CONFIG": str(f)}).port == 9300
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("prot: 9000\n", "unknown key(s) prot"),
+    ("port: 0\n", "below the minimum"),
+    ("port: high\n", "port"),
+    ("port: 1.5\n", "expected an integer"),
+    ("log_level: loud\n", "not one of"),
+    ("upstream: localhost:8080\n", "http(s)://host:port"),
+    ("upstream: http://127.0.0.1:8080/v1\n", "without a path"),
+    ("allowed_hosts: {a: 1}\n", "list of strings"),
+    ("no_cache: maybe\n", "boolean"),
+    ("- a\n- b\n", "top level must be a mapping"),
+    ("port: [\n", "not valid YAML"),
+])
+def test_bad_yaml_values(tmp_path, text, needle):
+    f = tmp_path / "ocache.yaml"
+    f.write_text(text)
+    with pytest.raises(cfg.ConfigError) as err:
+        cfg.load(f, env={})
+    assert needle in str(err.value)
+    assert str(f) in str(err.value) or "YAML" in str(err.value) or "mapping" in str(err.value)
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(cfg.ConfigError, match="env OCACHE_PORT"):
+        cfg.load(path=None, env={"OCACHE_PORT": "eighty"})
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(cfg.ConfigError, match="cannot read"):
+        cfg.load(tmp_path / "nope.yaml", env={})
+
+
+def test_launch_args_from_cli_and_env():
+    c = cfg.load(path=None, env={"OCACHE_LAUNCH": "[-m, /m.gguf, -np, '2']"})
+    assert c.launch == ["-m", "/m.gguf", "-np", "2"]
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    proxy.register(sub)
+    args = parser.parse_args(["serve", "--port", "9400", "--launch", "--", "-m", "x.gguf",
+                              "--port", "9"])
+    c = proxy.build_config(args)
+    assert c.port == 9400 and c.launch == ["-m", "x.gguf", "--port", "9"]
+    args = parser.parse_args(["serve", "--", "-m", "x.gguf"])
+    with pytest.raises(cfg.ConfigError, match="without --launch"):
+        proxy.build_config(args)
+
+
+def test_describe_documents_every_key():
+    text = cfg.describe()
+    for name in cfg.FIELDS:
+        assert name in text
+    assert all(f.metadata.get("doc") for f in cfg.FIELDS.values())
+
+
+def test_bind_names_and_redaction():
+    c = cfg.Config(host="0.0.0.0", allowed_hosts=["Box.LAN"], admin_token="s3cret")
+    assert {"localhost", "127.0.0.1", "[::1]", "box.lan", "0.0.0.0"} <= c.bind_names
+    assert c.to_dict()["admin_token"] == "***"
