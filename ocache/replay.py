@@ -1,0 +1,694 @@
+"""Replay recorded agent request streams against a server, then measure them against the oracle.
+
+A **scenario** (``scenarios/*.yaml``) is a small list of steps over real request bodies: the
+client captures in ``shared/fixtures`` (used by path, never copied) or a stream recorded by
+``ocache serve --record`` (:mod:`ocache.record`). :func:`replay` sends them to a target URL in
+order, keeping the gaps between them (scaled), running ``parallel`` groups concurrently (the
+title request opencode sends beside its agent turn), restarting the llama-server process where a
+step says ``restart: true`` (the harness owns that process, :class:`ocache.server.LlamaServer`),
+and growing sessions turn by turn from the model's own answers.
+
+Scenario file::
+
+    name: growth                 # defaults to the file stem
+    description: one opencode session, several turns
+    max_tokens: 16               # generation cap per request (tokens); replaces the client's
+    gap_s: 0.5                   # default pause before each step (seconds, x --time-scale)
+    n_parallel: 1                # optional: -np for the tuned configurations (b, c)
+    steps:
+      - send: opencode_agent_turn1.json   # a fixture (relative to the fixtures folder) or a path
+        session: main                     # remember body + answer under this name
+        gap_s: 0                          # optional per-step pause
+        edit: [...]                       # optional body edits, see below
+      - turn: main                        # session main's last body + the model's answer +
+        user: "go on"                     #   a tool result for each tool call it made, else a
+        tool_result: "ok"                 #   user message; repeated `repeat` times
+        repeat: 4
+      - restart: true                     # stop + start the llama-server process(es)
+      - parallel:                         # concurrent steps; each may have `delay_s`
+          - {send: opencode_title.json}
+          - {send: opencode_agent_turn1.json, session: main, delay_s: 0.05}
+
+Edits (``edit:`` on ``send`` and ``turn``), applied to message texts in order:
+``{replace: REGEX, with: TEXT}`` (every match in every message string) and
+``{insert: TEXT, message: I, at: F}`` (into message ``I``'s text at fraction ``F`` of its length,
+moved forward to the next line start, so a block lands in the middle of a prompt).
+
+Every replayed body is made deterministic: ``temperature: 0`` (greedy), ``seed: 0``, and the
+client's ``max_tokens``/``max_completion_tokens``/``n_predict`` replaced by the scenario's
+``max_tokens``. Streaming stays as the client asked.
+
+:func:`measure` then takes the replayed requests and, directly on the llama-server: renders and
+tokenizes each prompt with the server's own template and tokenizer (``/apply-template`` +
+``/tokenize``, or ``ocache.tokens.TokenViewer`` when present), runs each distinct request once
+more **cold** (``cache_prompt: false``: a fresh prefill, notes/llama-server-api.md §2.1, §2.3) to
+get the reference greedy output, its generated token ids (``return_tokens`` + ``verbose``) and a
+cold TTFT, and computes the oracle (:mod:`ocache.oracle`) over the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable
+
+import aiohttp
+import yaml
+
+from .oracle import Oracle, OracleResult
+
+log = logging.getLogger("ocache.replay")
+
+#: Request headers replayed from a fixture's ``headers/*.headers.json`` or a recording.
+REPLAY_HEADERS = ("user-agent", "x-session-affinity", "x-session-id")
+
+GEN_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
+
+
+class ScenarioError(ValueError):
+    """A scenario file is malformed or names a fixture that does not exist (message says which)."""
+
+
+class ReplayError(RuntimeError):
+    """A replayed request failed in a way that makes the run meaningless (message says which)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# scenarios
+
+
+@dataclass
+class Step:
+    """One scenario step (see the module docstring). ``kind`` is send | turn | restart | parallel."""
+
+    kind: str
+    source: str | None = None           # send: fixture name or path
+    body: dict | None = None            # send: the loaded body
+    headers: dict = field(default_factory=dict)
+    path: str = "/v1/chat/completions"
+    session: str | None = None          # send: store as; turn: grow this one
+    user: str = "Thanks. Now continue with the next step and keep it short."
+    tool_result: str = "ok"
+    edits: list = field(default_factory=list)
+    gap_s: float | None = None
+    delay_s: float = 0.0                # parallel children: offset from the group start
+    children: list["Step"] = field(default_factory=list)
+    label: str | None = None
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str = ""
+    max_tokens: int = 16
+    gap_s: float = 0.5
+    n_parallel: int | None = None
+    steps: list[Step] = field(default_factory=list)
+    source: str | None = None
+
+    def n_requests(self) -> int:
+        def count(s: Step) -> int:
+            if s.kind == "parallel":
+                return sum(count(c) for c in s.children)
+            return 1 if s.kind in ("send", "turn") else 0
+        return sum(count(s) for s in self.steps)
+
+
+def _fixture_headers(path: Path) -> dict:
+    hp = path.parent / "headers" / path.name.replace(".json", ".headers.json")
+    if not hp.exists():
+        return {}
+    raw = json.loads(hp.read_text())
+    if isinstance(raw, dict) and isinstance(raw.get("headers"), (dict, list)):
+        raw = raw["headers"]
+    if isinstance(raw, list):  # [[name, value], ...]
+        raw = {k: v for k, v in raw}
+    return {k.lower(): v for k, v in raw.items() if k.lower() in REPLAY_HEADERS}
+
+
+def _check_edits(edits: Any, where: str) -> list:
+    if edits is None:
+        return []
+    if isinstance(edits, dict):
+        edits = [edits]
+    if not isinstance(edits, list):
+        raise ScenarioError(f"{where}: edit must be a list of edits")
+    for e in edits:
+        if not isinstance(e, dict) or not ({"replace", "insert"} & set(e)):
+            raise ScenarioError(f"{where}: unknown edit {e!r} (use replace/with or insert/message/at)")
+        if "replace" in e:
+            if "with" not in e:
+                raise ScenarioError(f"{where}: replace needs `with`")
+            try:
+                re.compile(e["replace"])
+            except re.error as exc:
+                raise ScenarioError(f"{where}: bad regex {e['replace']!r}: {exc}") from None
+        if "insert" in e and not (0.0 <= float(e.get("at", 0.5)) <= 1.0):
+            raise ScenarioError(f"{where}: insert `at` must be a fraction in [0, 1]")
+    return edits
+
+
+def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{where}: a step must be a mapping, got {raw!r}")
+    known = {"send", "turn", "restart", "parallel", "session", "user", "tool_result", "edit",
+             "gap_s", "delay_s", "repeat", "label", "path", "headers"}
+    unknown = set(raw) - known
+    if unknown:
+        raise ScenarioError(f"{where}: unknown keys {sorted(unknown)}")
+    kinds = [k for k in ("send", "turn", "restart", "parallel") if k in raw]
+    if len(kinds) != 1:
+        raise ScenarioError(f"{where}: a step needs exactly one of send/turn/restart/parallel")
+    kind = kinds[0]
+    common = dict(gap_s=raw.get("gap_s"), delay_s=float(raw.get("delay_s", 0.0)),
+                  label=raw.get("label"))
+    if kind == "send":
+        src = raw["send"]
+        p = Path(src).expanduser()
+        if not p.is_absolute():
+            p = fixtures / p
+        if not p.exists():
+            raise ScenarioError(f"{where}: request file {p} not found")
+        try:
+            body = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ScenarioError(f"{where}: {p} is not JSON: {exc}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("messages", []), list):
+            raise ScenarioError(f"{where}: {p} is not a chat completion body")
+        headers = _fixture_headers(p) | {k.lower(): v for k, v in (raw.get("headers") or {}).items()}
+        return Step("send", source=str(src), body=body, headers=headers,
+                    path=raw.get("path", "/v1/chat/completions"), session=raw.get("session"),
+                    edits=_check_edits(raw.get("edit"), where), **common)
+    if kind == "turn":
+        return Step("turn", session=str(raw["turn"]),
+                    user=str(raw.get("user", Step.user)),
+                    tool_result=str(raw.get("tool_result", Step.tool_result)),
+                    edits=_check_edits(raw.get("edit"), where), **common)
+    if kind == "restart":
+        if raw["restart"] is not True:
+            raise ScenarioError(f"{where}: restart must be `true`")
+        return Step("restart", **common)
+    children = raw["parallel"]
+    if not isinstance(children, list) or not children:
+        raise ScenarioError(f"{where}: parallel needs a non-empty list of steps")
+    kids = [_parse_step(c, fixtures, f"{where}.parallel[{i}]") for i, c in enumerate(children)]
+    if any(k.kind not in ("send", "turn") for k in kids):
+        raise ScenarioError(f"{where}: parallel steps must be send or turn")
+    return Step("parallel", children=kids, **common)
+
+
+def load_scenario(path: str | Path, fixtures: str | Path) -> Scenario:
+    """Parse and check a scenario YAML file; fixture bodies are loaded from ``fixtures``.
+
+    Raises ScenarioError naming the file and step for any problem (unknown keys, missing fixture,
+    a ``turn`` on a session no earlier step created, bad regex).
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ScenarioError(f"{path}: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("steps"), list):
+        raise ScenarioError(f"{path}: a scenario is a mapping with a `steps` list")
+    unknown = set(raw) - {"name", "description", "max_tokens", "gap_s", "n_parallel", "steps"}
+    if unknown:
+        raise ScenarioError(f"{path}: unknown keys {sorted(unknown)}")
+    steps: list[Step] = []
+    for i, s in enumerate(raw["steps"]):
+        step = _parse_step(s, Path(fixtures), f"{path.name} step {i}")
+        repeat = int(s.get("repeat", 1)) if isinstance(s, dict) else 1
+        if repeat < 1:
+            raise ScenarioError(f"{path.name} step {i}: repeat must be >= 1")
+        steps.extend(copy.deepcopy(step) for _ in range(repeat))
+    sessions: set[str] = set()
+
+    def check(step: Step, where: str) -> None:
+        if step.kind == "turn" and step.session not in sessions:
+            raise ScenarioError(f"{path.name} {where}: turn on unknown session {step.session!r}")
+        if step.kind == "send" and step.session:
+            sessions.add(step.session)
+        for c in step.children:
+            check(c, where)
+
+    for i, st in enumerate(steps):
+        check(st, f"step {i}")
+    sc = Scenario(name=str(raw.get("name") or path.stem), description=str(raw.get("description", "")),
+                  max_tokens=int(raw.get("max_tokens", 16)), gap_s=float(raw.get("gap_s", 0.5)),
+                  n_parallel=raw.get("n_parallel"), steps=steps, source=str(path))
+    if sc.max_tokens < 1:
+        raise ScenarioError(f"{path}: max_tokens must be >= 1")
+    return sc
+
+
+def scenario_from_recording(path: str | Path, max_tokens: int = 16,
+                            max_gap_s: float = 30.0) -> Scenario:
+    """A scenario that replays a recording (:mod:`ocache.record`) in order, with its gaps.
+
+    The gap before each request is the recorded time between the previous request's end and this
+    one's receipt (capped at ``max_gap_s``); requests that overlapped in the recording are sent
+    when their recorded start comes. Raises ``record.RecordError`` for a redacted recording.
+    """
+    from .record import read_stream
+
+    entries = read_stream(path)
+    steps: list[Step] = []
+    prev_end = None
+    for e in entries:
+        t = float(e.get("t") or 0.0)
+        gap = 0.0 if prev_end is None else min(max(t - prev_end, 0.0), max_gap_s)
+        total = float((e.get("obs") or {}).get("total_s") or 0.0)
+        prev_end = t + total if prev_end is None else max(prev_end, t + total)
+        steps.append(Step("send", source=f"{Path(path).name}#{e.get('seq')}", body=e["body"],
+                          headers={k: v for k, v in (e.get("headers") or {}).items()
+                                   if k in REPLAY_HEADERS},
+                          path=e.get("path") or "/v1/chat/completions", gap_s=gap))
+    return Scenario(name=f"recording:{Path(path).stem}", description=f"recorded stream {path}",
+                    max_tokens=max_tokens, gap_s=0.0, steps=steps, source=str(path))
+
+
+# --------------------------------------------------------------------------------------------------
+# bodies
+
+
+def prepare_body(body: dict, max_tokens: int) -> dict:
+    """A deterministic copy of a client body: greedy (``temperature: 0``, ``seed: 0``) and the
+    generation limit set to ``max_tokens`` tokens (the client's own limit keys are removed)."""
+    out = copy.deepcopy(body)
+    for k in GEN_LIMIT_KEYS:
+        out.pop(k, None)
+    out["max_tokens"] = int(max_tokens)
+    out["temperature"] = 0.0
+    out["seed"] = 0
+    return out
+
+
+def _edit_text(text: str, edit: dict, index: int, msg_index: int) -> str:
+    if "replace" in edit:
+        return re.sub(edit["replace"], edit["with"], text)
+    if "insert" in edit and int(edit.get("message", 0)) == msg_index:
+        pos = int(len(text) * float(edit.get("at", 0.5)))
+        nl = text.find("\n", pos)
+        pos = nl + 1 if nl >= 0 else len(text)
+        return text[:pos] + str(edit["insert"]) + text[pos:]
+    return text
+
+
+def apply_edits(body: dict, edits: Iterable[dict]) -> dict:
+    """A copy of ``body`` with the edits applied to its messages' text (string content and the
+    ``text`` of content parts). Raises ScenarioError if an insert names a missing message."""
+    out = copy.deepcopy(body)
+    msgs = out.get("messages") or []
+    for n, edit in enumerate(edits):
+        if "insert" in edit and not (0 <= int(edit.get("message", 0)) < len(msgs)):
+            raise ScenarioError(f"edit {n}: message {edit.get('message')} out of range "
+                                f"({len(msgs)} messages)")
+        for i, m in enumerate(msgs):
+            c = m.get("content")
+            if isinstance(c, str):
+                m["content"] = _edit_text(c, edit, n, i)
+            elif isinstance(c, list):
+                for part in c:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        part["text"] = _edit_text(part["text"], edit, n, i)
+    return out
+
+
+@dataclass
+class Answer:
+    """The assistant message a response carried (parsed by llama-server's chat parser)."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)   # [{"id", "name", "arguments"}]
+
+    def key(self) -> tuple:
+        """What exactness compares: text, reasoning and tool calls (names + arguments; the ids are
+        random per response, so they are left out)."""
+        return (self.content, self.reasoning,
+                tuple((t.get("name") or "", t.get("arguments") or "") for t in self.tool_calls))
+
+    def message(self) -> dict:
+        """The assistant message a client sends back in its next request (opencode's shape)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": t["id"], "type": "function",
+                                  "function": {"name": t["name"], "arguments": t["arguments"]}}
+                                 for t in self.tool_calls]
+        return msg
+
+
+def next_turn(body: dict, answer: Answer, user: str, tool_result: str, turn_no: int) -> dict:
+    """The next request of a session: ``body``'s messages + the answer + one tool result per tool
+    call it made (``tool_result`` text) or, without tool calls, a user message (``user`` with the
+    turn number appended so every turn differs)."""
+    out = copy.deepcopy(body)
+    msgs = list(out.get("messages") or [])
+    msgs.append(answer.message())
+    if answer.tool_calls:
+        for t in answer.tool_calls:
+            msgs.append({"role": "tool", "tool_call_id": t["id"], "content": tool_result})
+    else:
+        msgs.append({"role": "user", "content": f"{user} (turn {turn_no})"})
+    out["messages"] = msgs
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# HTTP
+
+
+@dataclass
+class Response:
+    """One replayed response. Times in seconds (client side, from just before the POST)."""
+
+    status: int
+    answer: Answer
+    timings: dict | None
+    usage: dict | None
+    ttft_s: float | None
+    total_s: float
+    headers: dict
+    error: str | None = None
+    tokens: list[int] | None = None      # generated ids (cold runs: return_tokens + verbose)
+
+
+def _merge_tool_deltas(calls: list[dict], deltas: list) -> None:
+    for d in deltas or []:
+        idx = d.get("index", len(calls))
+        while len(calls) <= idx:
+            calls.append({"id": "", "name": "", "arguments": ""})
+        c = calls[idx]
+        if d.get("id"):
+            c["id"] = d["id"]
+        fn = d.get("function") or {}
+        if fn.get("name"):
+            c["name"] += fn["name"]
+        if fn.get("arguments"):
+            c["arguments"] += fn["arguments"]
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict,
+               headers: dict | None = None) -> Response:
+    """POST a completion body; read an SSE stream or a JSON answer. TTFT = time to the first event
+    that carries generated text, reasoning or a tool call (the initial role-only chunk and empty
+    "begin" events do not count); for a stream with no text, the time of the final event. Errors
+    (connection, non-200) are returned in ``error``, never raised."""
+    t0 = time.monotonic()
+    answer = Answer()
+    timings = usage = None
+    ttft = None
+    tokens = None
+    try:
+        async with session.post(url, json=body, headers=headers or {}) as resp:
+            rheaders = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-ocache")}
+            if resp.status != 200:
+                text = await resp.text()
+                return Response(resp.status, answer, None, None, None, time.monotonic() - t0,
+                                rheaders, error=f"HTTP {resp.status}: {text[:300]}")
+            if body.get("stream"):
+                buf = b""
+                async for chunk in resp.content.iter_any():
+                    buf += chunk
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        line = line.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            continue
+                        ev = json.loads(data)
+                        if "error" in ev:
+                            return Response(500, answer, timings, usage, ttft,
+                                            time.monotonic() - t0, rheaders,
+                                            error=f"stream error: {ev['error']}")
+                        for ch in ev.get("choices") or []:
+                            delta = ch.get("delta") or {}
+                            got = False
+                            if delta.get("content"):
+                                answer.content += delta["content"]
+                                got = True
+                            if delta.get("reasoning_content"):
+                                answer.reasoning += delta["reasoning_content"]
+                                got = True
+                            if delta.get("tool_calls"):
+                                _merge_tool_deltas(answer.tool_calls, delta["tool_calls"])
+                                got = True
+                            if got and ttft is None:
+                                ttft = time.monotonic() - t0
+                        if ev.get("timings"):
+                            timings = ev["timings"]
+                        if ev.get("usage"):
+                            usage = ev["usage"]
+            else:
+                data = await resp.json(content_type=None)
+                msg = ((data.get("choices") or [{}])[0].get("message") or {})
+                answer.content = msg.get("content") or ""
+                answer.reasoning = msg.get("reasoning_content") or ""
+                for t in msg.get("tool_calls") or []:
+                    fn = t.get("function") or {}
+                    answer.tool_calls.append({"id": t.get("id", ""), "name": fn.get("name", ""),
+                                              "arguments": fn.get("arguments", "")})
+                timings, usage = data.get("timings"), data.get("usage")
+                verbose = data.get("__verbose") or {}
+                if isinstance(verbose.get("tokens"), list):
+                    tokens = [int(x) for x in verbose["tokens"]]
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError) as exc:
+        return Response(0, answer, timings, usage, ttft, time.monotonic() - t0, {},
+                        error=f"{type(exc).__name__}: {exc}")
+    total = time.monotonic() - t0
+    if ttft is None and body.get("stream"):
+        ttft = total
+    return Response(200, answer, timings, usage, ttft, total, rheaders, tokens=tokens)
+
+
+# --------------------------------------------------------------------------------------------------
+# replay
+
+
+@dataclass
+class Sent:
+    """One request as it was replayed: the exact body sent, its step, and the response."""
+
+    index: int
+    label: str
+    session: str | None
+    path: str
+    body: dict
+    headers: dict
+    t_sent: float                 # seconds since the replay started
+    response: Response
+    restart_before: bool = False  # a restart step ran since the previous request
+
+
+@dataclass
+class Target:
+    """Where requests go (``url``: llama-server or a proxy in front of it) and the hooks the
+    harness needs: ``restart`` (stop + start the llama-server process(es); awaited) and
+    ``upstream_url`` (the llama-server itself, for tokenizing and cold runs)."""
+
+    url: str
+    upstream_url: str
+    restart: Callable[[], Awaitable[None]] | None = None
+
+
+async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
+                 timeout_s: float = 1800.0) -> list[Sent]:
+    """Send the scenario's requests to ``target.url``; return them in the order they were sent.
+
+    Gaps are ``gap_s * time_scale`` seconds of plain waiting (a scenario's pacing, not
+    synchronisation). A failed request is kept (``response.error``); a ``turn`` on a session whose
+    last request failed raises ReplayError (there is no answer to grow from).
+    """
+    sessions: dict[str, dict] = {}
+    turn_counts: dict[str, int] = {}
+    sent: list[Sent] = []
+    t_start = time.monotonic()
+    restarted = False
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_read=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+
+        async def run_one(step: Step) -> None:
+            nonlocal restarted
+            if step.kind == "send":
+                body = prepare_body(step.body or {}, scenario.max_tokens)
+                headers = dict(step.headers)
+                label = step.label or Path(step.source or "request").stem
+            else:
+                st = sessions.get(step.session or "")
+                if st is None or st["answer"] is None:
+                    raise ReplayError(f"{scenario.name}: turn on session {step.session!r} "
+                                      "whose last request failed or never ran")
+                turn_counts[step.session] = turn_counts.get(step.session, 1) + 1
+                body = next_turn(st["body"], st["answer"], step.user, step.tool_result,
+                                 turn_counts[step.session])
+                headers = dict(st["headers"])
+                label = step.label or f"{step.session} turn {turn_counts[step.session]}"
+            if step.edits:
+                body = apply_edits(body, step.edits)
+            path = step.path if step.kind == "send" else sessions[step.session]["path"]
+            rec = Sent(index=len(sent), label=label, session=step.session, path=path, body=body,
+                       headers=headers, t_sent=time.monotonic() - t_start,
+                       response=None, restart_before=restarted)  # type: ignore[arg-type]
+            restarted = False
+            sent.append(rec)
+            rec.response = await post(http, target.url + path, body, headers)
+            if rec.response.error:
+                log.warning("%s #%d %s: %s", scenario.name, rec.index, label, rec.response.error)
+            if step.session:
+                sessions[step.session] = {
+                    "body": body, "headers": headers, "path": path,
+                    "answer": None if rec.response.error else rec.response.answer}
+
+        for step in scenario.steps:
+            gap = scenario.gap_s if step.gap_s is None else step.gap_s
+            if gap > 0 and time_scale > 0 and sent:
+                await asyncio.sleep(gap * time_scale)
+            if step.kind == "restart":
+                if target.restart is None:
+                    raise ReplayError(f"{scenario.name}: the target cannot be restarted")
+                await target.restart()
+                restarted = True
+            elif step.kind == "parallel":
+                async def delayed(child: Step) -> None:
+                    if child.delay_s > 0:
+                        await asyncio.sleep(child.delay_s * max(time_scale, 0.0))
+                    await run_one(child)
+                await asyncio.gather(*(delayed(c) for c in step.children))
+            else:
+                await run_one(step)
+    return sent
+
+
+# --------------------------------------------------------------------------------------------------
+# measurement
+
+
+async def prompt_tokens(http: aiohttp.ClientSession, base_url: str, path: str, body: dict,
+                        viewer: Any = None) -> list[int]:
+    """The token ids llama-server prefills for ``body``: its own chat template (``/apply-template``)
+    then ``/tokenize`` with ``add_special`` and ``parse_special`` (notes §2.1); for ``/completion``
+    routes the ``prompt`` field (a string or token ids). Uses ``viewer.view(path, body, None)`` when
+    a ``TokenViewer`` is given. Raises ReplayError on an HTTP error."""
+    if viewer is not None:
+        view = await viewer.view(path, body, None)
+        return list(view.tokens)
+    if "messages" in body:
+        async with http.post(base_url + "/apply-template", json=body) as r:
+            if r.status != 200:
+                raise ReplayError(f"/apply-template: HTTP {r.status} {(await r.text())[:200]}")
+            text = (await r.json())["prompt"]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise ReplayError(f"cannot tokenize a body without messages or a string prompt ({path})")
+        text = prompt
+    async with http.post(base_url + "/tokenize",
+                         json={"content": text, "add_special": True, "parse_special": True}) as r:
+        if r.status != 200:
+            raise ReplayError(f"/tokenize: HTTP {r.status} {(await r.text())[:200]}")
+        return [int(t) if not isinstance(t, dict) else int(t["id"]) for t in (await r.json())["tokens"]]
+
+
+def cold_body(body: dict) -> dict:
+    """``body`` as a cold reference run: no prompt cache (``cache_prompt: false`` = fresh prefill),
+    not streamed, with the generated token ids returned (``return_tokens`` + ``verbose``)."""
+    out = copy.deepcopy(body)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out.pop("id_slot", None)
+    out["cache_prompt"] = False
+    out["return_tokens"] = True
+    out["verbose"] = True
+    return out
+
+
+def body_key(path: str, body: dict) -> str:
+    return hashlib.sha256((path + "\0" + json.dumps(body, sort_keys=True)).encode()).hexdigest()
+
+
+@dataclass
+class Row:
+    """One request, measured. Token counts in tokens, times in seconds."""
+
+    index: int
+    label: str
+    n_tokens: int                 # prompt tokens (server template + tokenizer)
+    prompt_n: int | None          # observed prefill (timings.prompt_n)
+    cache_n: int | None           # observed reuse (timings.cache_n)
+    oracle: OracleResult
+    ttft_s: float | None
+    cold_ttft_s: float | None
+    exact: bool | None            # greedy output == cold run (None: could not compare)
+    restart_before: bool
+    ocache: dict                  # X-OCache-* response headers
+    error: str | None = None
+    note: str | None = None
+
+    @property
+    def ttft_ratio(self) -> float | None:
+        if self.ttft_s is None or not self.cold_ttft_s:
+            return None
+        return self.ttft_s / self.cold_ttft_s
+
+
+def cold_ttft(resp: Response) -> float | None:
+    """Client TTFT of a non-streamed cold run: total time minus the decode time of every token
+    after the first (``timings.predicted_per_token_ms``)."""
+    t = resp.timings or {}
+    n = int(t.get("predicted_n") or 0)
+    per = float(t.get("predicted_per_token_ms") or 0.0) / 1000.0
+    return max(resp.total_s - max(n - 1, 0) * per, 0.0)
+
+
+async def measure(sent: list[Sent], upstream_url: str, grid: int | None,
+                  cold_cache: dict[str, Response] | None = None, viewer: Any = None,
+                  timeout_s: float = 1800.0) -> list[Row]:
+    """Tokenize each replayed request on ``upstream_url``, run it cold there once per distinct
+    body (``cold_cache``: body key -> cold Response, shared across calls on the same server), and
+    judge the stream with the oracle (``grid``: the hybrid checkpoint grid = the server's ubatch,
+    None for dense). The oracle's answer tokens for a request are the cold run's generated ids:
+    when a replay is exact they are the ids the replay generated too."""
+    cold_cache = {} if cold_cache is None else cold_cache
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_read=timeout_s)
+    oracle = Oracle(grid)
+    rows: list[Row] = []
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        for s in sent:
+            r = s.response
+            tokens = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
+            key = body_key(s.path, s.body)
+            cold = cold_cache.get(key)
+            if cold is None:
+                cold = await post(http, upstream_url + s.path, cold_body(s.body))
+                cold_cache[key] = cold
+            verdict = oracle.min_prefill(tokens)
+            note = None
+            usage_n = (r.usage or {}).get("prompt_tokens")
+            if usage_n is not None and int(usage_n) != len(tokens):
+                note = f"tokenized {len(tokens)} != server prompt_tokens {usage_n}"
+            exact = None
+            if not r.error and not cold.error:
+                exact = r.answer.key() == cold.answer.key()
+            t = r.timings or {}
+            rows.append(Row(index=s.index, label=s.label, n_tokens=len(tokens),
+                            prompt_n=t.get("prompt_n"), cache_n=t.get("cache_n"), oracle=verdict,
+                            ttft_s=r.ttft_s, cold_ttft_s=None if cold.error else cold_ttft(cold),
+                            exact=exact, restart_before=s.restart_before, ocache=r.headers,
+                            error=r.error or (f"cold run: {cold.error}" if cold.error else None),
+                            note=note))
+            oracle.add(tokens)
+            if cold.tokens:
+                oracle.add(tokens + cold.tokens)
+    return rows
