@@ -24,6 +24,7 @@ Three parts (issue 5, seed 002 "How it works" steps 1-3):
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -345,16 +346,20 @@ class GGUFIdentity:
 
 
 class _Reader:
-    def __init__(self, f, hasher):
-        self.f, self.h, self.pos = f, hasher, 0
+    """Walks the GGUF header in a memory map; only offsets are computed, nothing is copied."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise GGUFError(f"truncated GGUF header at byte {self.pos}")
+        self.pos += n
 
     def read(self, n: int) -> bytes:
-        b = self.f.read(n)
-        if len(b) != n:
-            raise GGUFError(f"truncated GGUF header at byte {self.pos}")
-        self.h.update(b)
-        self.pos += n
-        return b
+        start = self.pos
+        self.skip(n)
+        return bytes(self.buf[start:self.pos])
 
     def u32(self) -> int:
         return struct.unpack("<I", self.read(4))[0]
@@ -362,26 +367,32 @@ class _Reader:
     def u64(self) -> int:
         return struct.unpack("<Q", self.read(8))[0]
 
-    def string(self) -> bytes:
-        n = self.u64()
-        if n > 1 << 30:
-            raise GGUFError(f"implausible string length {n} at byte {self.pos}")
-        return self.read(n)
+    def string(self) -> None:
+        self.skip(self.u64())
 
-    def value(self, vtype: int):
+    def value(self, vtype: int) -> None:
         if vtype in _GGUF_SCALAR:
-            return self.read(_GGUF_SCALAR[vtype])
-        if vtype == _GGUF_STRING:
-            return self.string()
-        if vtype == _GGUF_ARRAY:
+            self.skip(_GGUF_SCALAR[vtype])
+        elif vtype == _GGUF_STRING:
+            self.string()
+        elif vtype == _GGUF_ARRAY:
             itype, n = self.u32(), self.u64()
             if itype in _GGUF_SCALAR:
-                self.read(_GGUF_SCALAR[itype] * n)
+                self.skip(_GGUF_SCALAR[itype] * n)
+            elif itype == _GGUF_STRING:
+                buf, pos, unpack = self.buf, self.pos, struct.unpack_from
+                for _ in range(n):
+                    if pos + 8 > len(buf):
+                        raise GGUFError(f"truncated GGUF header at byte {pos}")
+                    pos += 8 + unpack("<Q", buf, pos)[0]
+                self.pos = pos
+                if pos > len(buf):
+                    raise GGUFError(f"truncated GGUF header at byte {pos}")
             else:
                 for _ in range(n):
                     self.value(itype)
-            return None
-        raise GGUFError(f"unknown GGUF value type {vtype} at byte {self.pos}")
+        else:
+            raise GGUFError(f"unknown GGUF value type {vtype} at byte {self.pos}")
 
 
 _gguf_cache: dict[tuple[str, int, int], GGUFIdentity] = {}
@@ -400,21 +411,24 @@ def gguf_identity(path: str | os.PathLike) -> GGUFIdentity:
     memo = (str(p.resolve()), st.st_size, st.st_mtime_ns)
     if memo in _gguf_cache:
         return _gguf_cache[memo]
-    h = xxhash.xxh3_128()
     with open(p, "rb") as f:
-        r = _Reader(f, h)
-        if r.read(4) != b"GGUF":
-            raise GGUFError(f"{p}: not a GGUF file (bad magic)")
-        version = r.u32()
-        n_tensors, n_kv = r.u64(), r.u64()
-        for _ in range(n_kv):
-            r.string()
-            r.value(r.u32())
-        for _ in range(n_tensors):
-            r.string()
-            n_dims = r.u32()
-            r.read(8 * n_dims + 4 + 8)  # dims, ggml type, data offset
-    ident = GGUFIdentity(size=st.st_size, mtime_ns=st.st_mtime_ns, header_xxh3_128=h.hexdigest(),
+        if st.st_size < 24:
+            raise GGUFError(f"{p}: not a GGUF file (only {st.st_size} bytes)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            r = _Reader(mm)
+            if r.read(4) != b"GGUF":
+                raise GGUFError(f"{p}: not a GGUF file (bad magic)")
+            version = r.u32()
+            n_tensors, n_kv = r.u64(), r.u64()
+            for _ in range(n_kv):
+                r.string()
+                r.value(r.u32())
+            for _ in range(n_tensors):
+                r.string()
+                n_dims = r.u32()
+                r.skip(8 * n_dims + 4 + 8)  # dims, ggml type, data offset
+            digest = xxhash.xxh3_128_hexdigest(mm[: r.pos])
+    ident = GGUFIdentity(size=st.st_size, mtime_ns=st.st_mtime_ns, header_xxh3_128=digest,
                          header_bytes=r.pos, version=version, n_tensors=n_tensors, n_kv=n_kv)
     if len(_gguf_cache) > 64:
         _gguf_cache.clear()

@@ -384,3 +384,13 @@ def test_gguf_identity_rejects_non_gguf_files(tmp_path):
         fp.gguf_identity(short)
     with pytest.raises(OSError):
         fp.gguf_identity(tmp_path / "missing.gguf")
+
+
+def test_gguf_identity_of_the_generated_models(models_tiny):
+    dense, hybrid = fp.gguf_identity(models_tiny["dense"]), fp.gguf_identity(models_tiny["hybrid"])
+    for path, ident in ((models_tiny["dense"], dense), (models_tiny["hybrid"], hybrid)):
+        assert ident.version == 3 and ident.n_tensors > 0 and ident.n_kv > 0
+        assert 0 < ident.header_bytes < ident.size == os.path.getsize(path)
+        # the header holds the 151,936-token vocab; the tensor data (the rest) is not read
+        assert ident.header_bytes > 1_000_000
+    assert dense.header_xxh3_128 != hybrid.header_xxh3_128
