@@ -317,3 +317,210 @@ async def test_upstream_down_then_up():
             assert proxy.upstream.epoch == 1 and proxy.upstream.restarts == 0
         finally:
             await runner.cleanup()
+
+
+# --------------------------------------------------------------------------------------------------
+# the real llama-server (tiny dense model)
+VOLATILE_KEYS = frozenset({"id", "created", "timings"})
+
+
+def normalise(obj):
+    """Drop what differs between two identical greedy requests: ids (response and tool-call ids),
+    ``created`` timestamps and ``timings`` (cache_n differs on a repeat). Key order is kept."""
+    if isinstance(obj, dict):
+        return {k: normalise(v) for k, v in obj.items() if k not in VOLATILE_KEYS}
+    if isinstance(obj, list):
+        return [normalise(v) for v in obj]
+    return obj
+
+
+def sse_events(raw: bytes) -> list:
+    """The ``data:`` payloads of an SSE body, JSON-decoded when possible (``[DONE]`` kept)."""
+    out = []
+    for block in raw.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if line.startswith(b"data: "):
+                payload = line[6:]
+                try:
+                    out.append(json.loads(payload))
+                except ValueError:
+                    out.append(payload.decode())
+    return out
+
+
+def agent_body(stream: bool, include_usage: bool | None = None, max_tokens: int = 12) -> dict:
+    """A real opencode agent turn (10 tools), greedy, short answer."""
+    body = copy.deepcopy(load_fixture("opencode_agent_turn1.json"))
+    body.update(max_tokens=max_tokens, temperature=0, top_k=1, seed=1, stream=stream)
+    body.pop("stream_options", None)
+    if include_usage is not None:
+        body["stream_options"] = {"include_usage": include_usage}
+    return body
+
+
+async def both(c: aiohttp.ClientSession, direct: str, base: str, method: str, path: str, **kw):
+    """The same request directly and through the proxy: [(status, headers, raw body)] x 2."""
+    out = []
+    for url in (direct, base):
+        async with c.request(method, url + path, **kw) as r:
+            out.append((r.status, r.headers.copy(), await r.read()))
+    return out
+
+
+@pytest.fixture
+async def real(start_server):
+    """(server, proxy base URL, proxy, client session) around one tiny dense llama-server."""
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=1)
+    async with run_proxy(srv.url, probe_interval_s=0.2) as (base, proxy), client() as c:
+        yield srv, base, proxy, c
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stream, include_usage", [(False, None), (True, None), (True, True),
+                                                   (True, False)])
+async def test_chat_with_tools_identical_to_direct(real, stream, include_usage):
+    srv, base, proxy, c = real
+    body = agent_body(stream, include_usage)
+    (ds, dh, draw), (ps, ph, praw) = await both(c, srv.url, base, "POST", "/v1/chat/completions",
+                                                json=body)
+    assert ds == ps == 200
+    assert ph["Content-Type"] == dh["Content-Type"]
+    if not stream:
+        assert normalise(json.loads(praw)) == normalise(json.loads(draw))
+        assert json.loads(praw)["timings"]["prompt_n"] > 0
+    else:
+        assert ph["Content-Type"].startswith("text/event-stream")
+        assert "Content-Length" not in ph and ph["X-Accel-Buffering"] == "no"
+        d_events, p_events = sse_events(draw), sse_events(praw)
+        assert p_events[-1] == "[DONE]"
+        assert [normalise(e) for e in p_events] == [normalise(e) for e in d_events]
+        has_usage = any(isinstance(e, dict) and e.get("usage") for e in p_events)
+        assert has_usage == bool(include_usage)  # C15: nothing the client did not ask for
+    await proxy.wait_background()
+    rec = proxy.stats.last_completions[-1]
+    assert rec["status"] == 200 and rec["completed"]
+    assert rec["prompt_n"] is not None and rec["prompt_n"] + rec["cache_n"] > 1000
+    assert rec["ttft_s"] is not None and rec["ttft_s"] <= rec["total_s"]
+
+
+@pytest.mark.server
+async def test_two_system_messages_c11(real):
+    """C11: whatever llama-server answers (accept or reject), the client gets it unchanged."""
+    srv, base, proxy, c = real
+    body = {"messages": [{"role": "system", "content": "You are A."},
+                         {"role": "system", "content": "You are B."},
+                         {"role": "user", "content": "hello"}],
+            "max_tokens": 4, "temperature": 0}
+    (ds, _, draw), (ps, _, praw) = await both(c, srv.url, base, "POST", "/v1/chat/completions",
+                                              json=body)
+    assert ps == ds
+    assert normalise(json.loads(praw)) == normalise(json.loads(draw))
+
+
+@pytest.mark.server
+async def test_unparseable_body_forwarded_byte_for_byte(real):
+    srv, base, proxy, c = real
+    for raw in (b'{"messages": [', b"\xff\xfe not utf8", b"[1, 2, 3]"):
+        (ds, _, draw), (ps, _, praw) = await both(
+            c, srv.url, base, "POST", "/v1/chat/completions", data=raw,
+            headers={"Content-Type": "application/json"})
+        assert ps == ds and ds >= 400
+        assert praw == draw
+
+
+@pytest.mark.server
+async def test_fail_open_real_server(start_server):
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=1)
+    layer = RaisingLayer("plan")
+    async with run_proxy(srv.url, layer) as (base, proxy), client() as c:
+        body = agent_body(stream=False)
+        (ds, _, draw), (ps, ph, praw) = await both(c, srv.url, base, "POST",
+                                                   "/v1/chat/completions", json=body)
+        assert ps == ds == 200 and ph["X-OCache-Fail-Open"] == "plan"
+        assert normalise(json.loads(praw)) == normalise(json.loads(draw))
+        await proxy.wait_background()
+        assert proxy.stats.to_dict()["fail_open"] == 1
+        assert layer.observed and layer.observed[0].timings["prompt_n"] >= 0
+
+
+@pytest.mark.server
+async def test_api_key_passes_through(start_server):
+    srv = await asyncio.to_thread(start_server, "dense", api_key="sekret")
+    async with run_proxy(srv.url, upstream_api_key="sekret") as (base, proxy), client() as c:
+        ok = {"Authorization": "Bearer sekret"}
+        (ds, _, _), (ps, _, praw) = await both(c, srv.url, base, "GET", "/v1/models", headers=ok)
+        assert ds == ps == 200 and json.loads(praw)["data"]
+        (ds, _, draw), (ps, _, praw) = await both(c, srv.url, base, "GET", "/v1/models")
+        assert ds == ps == 401 and praw == draw
+        (ds, _, _), (ps, _, _) = await both(c, srv.url, base, "POST", "/v1/chat/completions",
+                                            headers={"X-Api-Key": "sekret"},
+                                            json={"messages": [{"role": "user", "content": "x"}],
+                                                  "max_tokens": 2})
+        assert ds == ps == 200
+        assert proxy.upstream.boot.start_time is not None  # probes used the configured key
+
+
+async def _slots(c: aiohttp.ClientSession, url: str) -> list:
+    async with c.get(url + "/slots") as r:
+        return await r.json()
+
+
+@pytest.mark.server
+async def test_client_disconnect_frees_slot(real):
+    srv, base, proxy, c = real
+    body = {"messages": [{"role": "user", "content": "count to a million"}], "stream": True,
+            "max_tokens": 100000, "ignore_eos": True, "temperature": 0}
+    resp = await c.post(base + "/v1/chat/completions", json=body)
+    assert resp.status == 200
+    n = 0
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            n += 1
+            if n == 5:
+                break
+    assert (await _slots(c, srv.url))[0]["is_processing"]
+    resp.close()
+    t0 = time.monotonic()
+    await poll(lambda: _idle(c, srv.url), timeout=1.0, what="slot idle after client disconnect")
+    assert time.monotonic() - t0 <= 1.0
+    await poll(lambda: proxy.stats.to_dict()["client_disconnects"] == 1, what="disconnect counted")
+
+
+async def _idle(c, url):
+    return not (await _slots(c, url))[0]["is_processing"]
+
+
+@pytest.mark.server
+async def test_upstream_down_up_and_restart(start_server):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    restarts = []
+
+    class L(NullLayer):
+        async def on_upstream_restart(self):
+            restarts.append(proxy.upstream.epoch)
+
+    async with run_proxy(url, L(), probe_interval_s=0.2, retry_after_s=3) as (base, proxy), \
+            client() as c:
+        async with c.post(base + "/v1/chat/completions", json={"messages": []}) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "3"
+            assert (await r.json())["error"]["upstream"] == url
+        assert proxy.upstream.epoch == 0
+        srv = await asyncio.to_thread(start_server, "dense", port=port)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with c.post(base + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+        assert proxy.upstream.epoch == 1 and proxy.upstream.restarts == 0
+        first_boot = proxy.upstream.boot
+        await asyncio.to_thread(srv.restart)
+
+        async def restarted():
+            async with c.get(base + "/v1/cache/stats") as r:
+                s = await r.json()
+            return s["upstream"]["epoch"] == 2 and s["upstream_restarts"] == 1
+
+        await poll(restarted, timeout=10, what="restart detected")
+        assert restarts == [2]
+        assert proxy.upstream.boot.start_time != first_boot.start_time
+        async with c.post(base + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
