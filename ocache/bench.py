@@ -1,0 +1,576 @@
+"""``ocache bench``: replay real agent sessions against stock llama-server, tuned llama-server and
+ocache, side by side in one run, and measure each against the prefill oracle.
+
+Three configurations, same model, same source build (``ocache.engine``), one at a time on the
+machine (never two heavy processes at once), each scenario on freshly started processes:
+
+* **a** - the stock build with stock defaults: only model, address, context size, threads and
+  ``--jinja`` are given (so ``-np`` auto = 4 slots with a unified KV cache, ``--cache-ram 8192``,
+  ``--ctx-checkpoints 32``, ``-cms 8192``; notes/llama-server-api.md §2.2, §3, §4);
+* **b** - the stock build with the seed plugin's recommended flags (seed 002, "Recommended
+  llama-server flags"): ``--ctx-checkpoints 32``, ``--checkpoint-min-step`` 4096 (below the ~7k-token
+  opencode prompt, as the seed advises), ``--cache-ram`` scaled to the model's state size, ``-np``
+  (2, or the scenario's ``n_parallel``);
+* **c** - ``ocache serve`` with its defaults in front of (b)'s flags on the patched build, plus what
+  ocache needs from the server (``--slot-save-path``, ``--metrics``). When ``ocache serve`` cannot
+  run its cache layer, (c) is the proxy with ``--no-cache`` (NullLayer) and the report says so.
+
+Per scenario and configuration: total observed ``prompt_n``, the oracle's total, prefill
+efficiency (oracle / observed), client TTFT per request as a ratio to a cold run of the same
+request, and exactness (greedy output == the cold run's). Output into ``--out`` (default
+``./out``): ``bench-<preset>.md`` (tables), ``prefill-<preset>-<model>.png`` (per-request prefilled
+tokens for a, b, c and the oracle), ``bench-<preset>.json`` (every measured request) and the
+servers' logs under ``logs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .paths import repo_root
+from .replay import Row, Scenario, Target, load_scenario, measure, replay, scenario_from_recording
+from .server import LlamaServer, ServerError, free_port
+
+log = logging.getLogger("ocache.bench")
+
+CONFIGS = ("a", "b", "c")
+CONFIG_TITLES = {
+    "a": "stock llama-server, stock defaults",
+    "b": "stock llama-server, seed-recommended flags",
+    "c": "ocache serve (defaults) in front of (b) on the patched build",
+}
+#: Efficiency goal for (c) (issue 8).
+GOAL = 0.95
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Bench sizes. ``threads``: llama-server ``-t``/``-tb``; ``ctx_per_slot`` tokens;
+    ``cache_ram_mib``: (b)/(c) ``--cache-ram``: the seed's 6000 MiB held ~290k tokens of a 27B
+    model's state (21 KiB/token); these hold a similar number of tokens of our models' state;
+    ``time_scale`` multiplies the scenario gaps."""
+
+    models: tuple[str, ...]
+    threads: int
+    ctx_per_slot: int
+    cache_ram_mib: int
+    checkpoint_min_step: int = 4096
+    n_parallel: int = 2
+    time_scale: float = 1.0
+
+
+PRESETS = {
+    # smoke test: the tiny hybrid model prefills a 7k-token opencode turn in well under a second
+    "tiny": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=256,
+                   time_scale=0.2),
+    # the README's main command: the bench-sized hybrid (6 delta-net + 2 attention layers), -t 2
+    # on an otherwise idle machine (notes/measured-baseline.md "Threads on a 2-core machine")
+    "bench": Preset(models=("hybrid",), threads=2, ctx_per_slot=12288, cache_ram_mib=1024),
+}
+
+
+def default_fixtures() -> Path:
+    shared = os.environ.get("OCACHE_SHARED")
+    return (Path(shared) if shared else repo_root().parent / "shared") / "fixtures"
+
+
+class StockDefaultsServer(LlamaServer):
+    """llama-server with stock defaults: nothing but model, address, total context, threads and
+    ``--jinja`` on the command line (every cache-related flag left to the build's defaults)."""
+
+    def command(self) -> list[str]:
+        return [str(self.binary), "-m", str(self.model), "--host", self.host, "--port",
+                str(self.port), "-c", str(self.ctx_size), "-t", str(self.threads), "-tb",
+                str(self.threads), "--jinja", *self.args]
+
+
+@dataclass
+class ConfigRun:
+    """One configuration on one scenario."""
+
+    config: str
+    rows: list[Row]
+    wall_s: float
+    layer: str | None = None          # (c): the cache layer ocache served with
+    ocache_stats: dict | None = None  # (c): GET /v1/cache/stats after the scenario
+    error: str | None = None
+
+    def total(self, attr: str) -> int:
+        return sum(int(getattr(r, attr) or 0) for r in self.rows)
+
+    @property
+    def oracle_total(self) -> int:
+        return sum(r.oracle.prefill for r in self.rows)
+
+    @property
+    def efficiency(self) -> float | None:
+        obs = self.total("prompt_n")
+        return self.oracle_total / obs if obs else None
+
+    @property
+    def ttft_ratio(self) -> float | None:
+        vals = [r.ttft_ratio for r in self.rows if r.ttft_ratio is not None]
+        return statistics.median(vals) if vals else None
+
+    @property
+    def exact(self) -> tuple[int, int]:
+        judged = [r.exact for r in self.rows if r.exact is not None]
+        return sum(judged), len(judged)
+
+
+class OCacheProcess:
+    """``ocache serve`` as a child process in front of ``upstream_url`` (fresh cache dir)."""
+
+    def __init__(self, upstream_url: str, cache_dir: Path, log_path: Path,
+                 no_cache: bool = False) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cache_dir = cache_dir
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "ocache", "serve", "--upstream", upstream_url,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        if no_cache:
+            cmd.append("--no-cache")
+        self.cmd = cmd
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> "OCacheProcess":
+        """Start and wait until ``GET /v1/cache/stats`` answers 200; raises ServerError."""
+        self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        env = {**os.environ, "OCACHE_CACHE_DIR": str(self.cache_dir)}
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(self.cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, cwd=str(repo_root()),
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"ocache serve exited with {self.proc.returncode}\n"
+                                  f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/cache/stats", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.1)  # polling a child's readiness
+        raise ServerError(f"ocache serve not ready after {timeout} s\n{self.log_tail()}")
+
+    def stats(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.url + "/v1/cache/stats", timeout=10) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def layer_name(stats: dict | None) -> str | None:
+    """The cache layer ocache reported in /v1/cache/stats (``NullLayer`` for ``{"layer": "null"}``)."""
+    if not stats:
+        return None
+    layer = stats.get("layer")
+    if isinstance(layer, dict):
+        name = layer.get("layer") or layer.get("name") or layer.get("class")
+        if name == "null":
+            return "NullLayer"
+        return str(name) if name else "OCacheLayer"
+    return str(layer) if layer else None
+
+
+class Bench:
+    """Runs the scenarios over the configurations; see the module docstring."""
+
+    def __init__(self, preset: str, scenarios: list[Scenario], out: Path,
+                 configs: tuple[str, ...] = CONFIGS, models: tuple[str, ...] | None = None,
+                 time_scale: float | None = None) -> None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        self.preset_name = preset
+        self.preset = PRESETS[preset]
+        self.scenarios = scenarios
+        self.out = out
+        self.configs = configs
+        self.models = models or self.preset.models
+        self.time_scale = self.preset.time_scale if time_scale is None else time_scale
+        self.results: dict[str, dict[str, dict[str, ConfigRun]]] = {}  # model -> scenario -> cfg
+        self.notes: list[str] = []
+        self._cold: dict[tuple[str, str], dict] = {}  # (config, model) -> body key -> Response
+
+    # --- processes ----------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        from . import engine, models
+
+        self.builds = {"stock": engine.build(stock=True)}
+        if "c" in self.configs:
+            self.builds["patched"] = engine.build()
+        self.model_paths = models.make(self.preset_name)
+        self.logs = self.out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def _server(self, config: str, model: str, scenario: Scenario, work: Path) -> LlamaServer:
+        p = self.preset
+        np_ = scenario.n_parallel or p.n_parallel
+        logf = self.logs / f"{model}-{scenario.name}-{config}-llama.log"
+        logf.unlink(missing_ok=True)
+        if config == "a":
+            return StockDefaultsServer(binary=self.builds["stock"].binary,
+                                       model=self.model_paths[model],
+                                       ctx_size=p.ctx_per_slot * p.n_parallel, threads=p.threads,
+                                       log_path=logf)
+        cms = min(p.checkpoint_min_step, p.ctx_per_slot // 2)
+        kw: dict[str, Any] = dict(model=self.model_paths[model], n_parallel=np_,
+                                  ctx_size=p.ctx_per_slot * np_, threads=p.threads,
+                                  ctx_checkpoints=32, checkpoint_min_step=cms,
+                                  cache_ram=p.cache_ram_mib, log_path=logf)
+        if config == "b":
+            return LlamaServer(binary=self.builds["stock"].binary, metrics=False, **kw)
+        return LlamaServer(binary=self.builds["patched"].binary, metrics=True,
+                           slot_save_path=work / "slots", **kw)
+
+    async def run_one(self, config: str, model: str, scenario: Scenario) -> ConfigRun:
+        """Start fresh processes for ``config``, replay ``scenario``, measure, stop them."""
+        work = self.out / "work" / f"{model}-{scenario.name}-{config}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True, exist_ok=True, mode=0o700)
+        srv = self._server(config, model, scenario, work)
+        proxy: OCacheProcess | None = None
+        t0 = time.monotonic()
+        layer = None
+        stats = None
+        try:
+            await asyncio.to_thread(srv.start, 300.0)
+            url = srv.url
+            if config == "c":
+                proxy, layer = await asyncio.to_thread(self._start_proxy, srv, work, model, scenario)
+                url = proxy.url
+
+            async def restart() -> None:
+                await asyncio.to_thread(srv.restart, 300.0)
+
+            target = Target(url=url, upstream_url=srv.url, restart=restart)
+            sent = await replay(scenario, target, time_scale=self.time_scale)
+            if proxy is not None:
+                stats = await asyncio.to_thread(proxy.stats)
+                layer = layer_name(stats) or layer
+            grid = srv.ubatch if model == "hybrid" else None
+            cold = self._cold.setdefault((config, model), {})
+            rows = await measure(sent, srv.url, grid, cold_cache=cold)
+            return ConfigRun(config, rows, time.monotonic() - t0, layer, stats)
+        except Exception as exc:  # one failed configuration must not lose the others' results
+            log.exception("%s/%s/%s failed", model, scenario.name, config)
+            return ConfigRun(config, [], time.monotonic() - t0, layer, stats,
+                             error=f"{type(exc).__name__}: {exc}")
+        finally:
+            if proxy is not None:
+                await asyncio.to_thread(proxy.stop)
+            await asyncio.to_thread(srv.stop)
+
+    def _start_proxy(self, srv: LlamaServer, work: Path, model: str,
+                     scenario: Scenario) -> tuple[OCacheProcess, str | None]:
+        logf = self.logs / f"{model}-{scenario.name}-c-ocache.log"
+        logf.unlink(missing_ok=True)
+        proxy = OCacheProcess(srv.url, work / "ocache-cache", logf)
+        try:
+            proxy.start()
+        except ServerError as exc:
+            note = (f"(c) `ocache serve` failed to start with its cache layer; fell back to "
+                    f"`--no-cache` (NullLayer): {str(exc).splitlines()[0]}")
+            if note not in self.notes:
+                self.notes.append(note)
+            proxy = OCacheProcess(srv.url, work / "ocache-cache", logf, no_cache=True)
+            proxy.start()
+            return proxy, "NullLayer (fallback)"
+        return proxy, layer_name(proxy.stats())
+
+    async def run(self) -> None:
+        self._prepare()
+        for model in self.models:
+            for sc in self.scenarios:
+                per = self.results.setdefault(model, {}).setdefault(sc.name, {})
+                for cfg in self.configs:
+                    log.info("%s / %s / (%s) %s", model, sc.name, cfg, CONFIG_TITLES[cfg])
+                    run = await self.run_one(cfg, model, sc)
+                    per[cfg] = run
+                    eff = run.efficiency
+                    log.info("  -> prompt_n %d, oracle %d, efficiency %s, %.1f s%s",
+                             run.total("prompt_n"), run.oracle_total,
+                             f"{eff:.3f}" if eff is not None else "-", run.wall_s,
+                             f", ERROR {run.error}" if run.error else "")
+
+    # --- reports ------------------------------------------------------------------------------
+    def summary_table(self) -> str:
+        lines = ["| model | scenario | config | requests | prompt_n | oracle | efficiency "
+                 "| TTFT / cold (median) | exact | notes |",
+                 "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        for model, per in self.results.items():
+            for sc, runs in per.items():
+                for cfg, run in runs.items():
+                    k, n = run.exact
+                    eff = run.efficiency
+                    ratio = run.ttft_ratio
+                    notes = []
+                    if run.error:
+                        notes.append(f"error: {run.error[:80]}")
+                    if cfg == "c" and run.layer:
+                        notes.append(f"layer {run.layer}")
+                    errs = sum(1 for r in run.rows if r.error)
+                    if errs:
+                        notes.append(f"{errs} request errors")
+                    lines.append(
+                        f"| {model} | {sc} | {cfg} | {len(run.rows)} | {run.total('prompt_n')} "
+                        f"| {run.oracle_total} | {'-' if eff is None else f'{eff:.3f}'} "
+                        f"| {'-' if ratio is None else f'{ratio:.2f}'} | {k}/{n} "
+                        f"| {'; '.join(notes)} |")
+        return "\n".join(lines)
+
+    def detail_tables(self) -> str:
+        out = []
+        for model, per in self.results.items():
+            for sc, runs in per.items():
+                out.append(f"\n### {model} / {sc}\n")
+                out.append("| # | request | tokens | oracle prefill | "
+                           + " | ".join(f"{c} prompt_n (cache_n)" for c in runs)
+                           + " | " + " | ".join(f"{c} TTFT/cold" for c in runs)
+                           + " | exact " + "/".join(runs) + " |")
+                out.append("|---:|---|---:|---:|" + "---:|" * (2 * len(runs)) + "---|")
+                base = runs.get("c") or next(iter(runs.values()))
+                for i, r in enumerate(base.rows):
+                    cells, ttfts, ex = [], [], []
+                    for cfg, run in runs.items():
+                        rr = run.rows[i] if i < len(run.rows) else None
+                        if rr is None:
+                            cells.append("-"), ttfts.append("-"), ex.append("-")
+                            continue
+                        cells.append(f"{rr.prompt_n} ({rr.cache_n})")
+                        ttfts.append("-" if rr.ttft_ratio is None else f"{rr.ttft_ratio:.2f}")
+                        ex.append({True: "y", False: "**n**", None: "?"}[rr.exact])
+                    label = ("↻ " if r.restart_before else "") + r.label
+                    out.append(f"| {i} | {label} | {r.n_tokens} | {r.oracle.prefill} | "
+                               + " | ".join(cells) + " | " + " | ".join(ttfts)
+                               + " | " + "/".join(ex) + " |")
+        return "\n".join(out)
+
+    def shortfalls(self) -> str:
+        """Where (c) fell short of the goal: each request whose prefill exceeded the oracle's,
+        with the token position where reuse stopped and ocache's own headers about it."""
+        out = []
+        for model, per in self.results.items():
+            for sc, runs in per.items():
+                run = runs.get("c")
+                if run is None:
+                    continue
+                eff = run.efficiency
+                k, n = run.exact
+                if run.error:
+                    out.append(f"- **{model}/{sc}**: (c) failed: {run.error}")
+                    continue
+                if (eff is not None and eff >= GOAL) and k == n:
+                    continue
+                out.append(f"- **{model}/{sc}**: efficiency "
+                           f"{'-' if eff is None else f'{eff:.3f}'}, exact {k}/{n}")
+                for r in run.rows:
+                    short = (r.prompt_n or 0) - r.oracle.prefill
+                    if short > 0 or r.exact is False:
+                        hdrs = ", ".join(f"{h}={v}" for h, v in sorted(r.ocache.items()))
+                        out.append(
+                            f"  - #{r.index} {r.label}: {r.n_tokens} tokens; reuse stopped at "
+                            f"token {r.cache_n} (cache_n), the oracle reuses {r.oracle.reuse} "
+                            f"(LCP {r.oracle.lcp} with earlier sequence {r.oracle.source}); "
+                            f"{short} tokens over the oracle"
+                            + ("" if r.exact is not False else "; **output differs from cold**")
+                            + (f"; ocache: {hdrs}" if hdrs else "")
+                            + (f"; {r.note}" if r.note else ""))
+        return "\n".join(out) if out else "(none: (c) met the goal on every scenario)"
+
+    def markdown(self, wall_s: float, command: str) -> str:
+        p = self.preset
+        parts = [
+            f"# ocache bench ({self.preset_name})\n",
+            f"Command: `{command}` — {wall_s / 60:.1f} min wall on this machine.\n",
+            "Configurations: " + "; ".join(f"**{c}** {CONFIG_TITLES[c]}" for c in self.configs)
+            + ".\n",
+            f"Servers: `-t {p.threads}`, {p.ctx_per_slot} tokens per slot; (b)/(c): `-np "
+            f"{p.n_parallel}` (or the scenario's), `--ctx-checkpoints 32 --checkpoint-min-step "
+            f"{min(p.checkpoint_min_step, p.ctx_per_slot // 2)} --cache-ram {p.cache_ram_mib}`; "
+            "(c) adds `--slot-save-path --metrics`. Greedy (`temperature 0`), generation capped "
+            "per scenario.\n",
+            "Efficiency = oracle prefill / observed `prompt_n` (summed per scenario). TTFT / cold "
+            "= client TTFT divided by that of a cold run (`cache_prompt: false`) of the same "
+            "request on the same server; exact = greedy output equals that cold run's.\n",
+        ]
+        if self.notes:
+            parts.append("Notes:\n" + "\n".join(f"- {n}" for n in self.notes) + "\n")
+        parts.append("## Summary\n\n" + self.summary_table() + "\n")
+        if "c" in self.configs:
+            parts.append(f"## Where (c) is below {GOAL} efficiency or not exact\n\n"
+                         + self.shortfalls() + "\n")
+        parts.append("## Per request\n" + self.detail_tables() + "\n")
+        return "\n".join(parts)
+
+    def plot(self) -> list[Path]:
+        """One PNG per model: per-request prefilled tokens (log scale) for each configuration and
+        the oracle, one panel per scenario."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        paths = []
+        styles = {"a": ("tab:red", "o"), "b": ("tab:orange", "s"), "c": ("tab:blue", "^")}
+        for model, per in self.results.items():
+            n = len(per)
+            cols = 2 if n > 1 else 1
+            rows = (n + cols - 1) // cols
+            fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.2 * rows), squeeze=False)
+            for ax, (sc, runs) in zip(axes.flat, per.items()):
+                for cfg, run in runs.items():
+                    xs = [r.index for r in run.rows]
+                    ys = [max(int(r.prompt_n or 0), 1) for r in run.rows]
+                    color, marker = styles.get(cfg, ("gray", "x"))
+                    ax.plot(xs, ys, marker=marker, color=color, label=f"({cfg}) prompt_n",
+                            linewidth=1.2, markersize=5)
+                base = runs.get("c") or next(iter(runs.values()))
+                if base.rows:
+                    ax.plot([r.index for r in base.rows],
+                            [max(r.oracle.prefill, 1) for r in base.rows], "k--", marker=".",
+                            label="oracle", linewidth=1.0)
+                    for r in base.rows:
+                        if r.restart_before:
+                            ax.axvline(r.index - 0.5, color="gray", linestyle=":", linewidth=1)
+                ax.set_yscale("log")
+                ax.set_title(sc, fontsize=10)
+                ax.set_xlabel("request")
+                ax.set_ylabel("prefilled tokens")
+                ax.grid(True, which="both", alpha=0.3)
+            for ax in list(axes.flat)[n:]:
+                ax.axis("off")
+            handles, labels = axes.flat[0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="upper center", ncol=4, fontsize=9)
+            fig.suptitle(f"per-request prefill, {model} model ({self.preset_name} preset)",
+                         y=0.995, fontsize=11)
+            fig.tight_layout(rect=(0, 0, 1, 0.96))
+            path = self.out / f"prefill-{self.preset_name}-{model}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            paths.append(path)
+        return paths
+
+    def to_json(self) -> dict:
+        def row(r: Row) -> dict:
+            d = asdict(r)
+            d["ttft_ratio"] = r.ttft_ratio
+            return d
+        return {model: {sc: {cfg: {"rows": [row(r) for r in run.rows], "wall_s": run.wall_s,
+                                   "layer": run.layer, "ocache_stats": run.ocache_stats,
+                                   "error": run.error, "efficiency": run.efficiency}
+                             for cfg, run in runs.items()}
+                        for sc, runs in per.items()}
+                for model, per in self.results.items()}
+
+    def write(self, wall_s: float, command: str) -> tuple[Path, list[Path]]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        md = self.out / f"bench-{self.preset_name}.md"
+        md.write_text(self.markdown(wall_s, command))
+        (self.out / f"bench-{self.preset_name}.json").write_text(
+            json.dumps(self.to_json(), indent=1, default=str))
+        return md, self.plot()
+
+
+def load_scenarios(directory: Path, fixtures: Path, names: list[str] | None = None) -> list[Scenario]:
+    """Every ``*.yaml`` in ``directory`` (sorted), or only ``names`` (file stems)."""
+    files = sorted(directory.glob("*.yaml"))
+    if names:
+        wanted = set(names)
+        files = [f for f in files if f.stem in wanted]
+        missing = wanted - {f.stem for f in files}
+        if missing:
+            raise SystemExit(f"ocache bench: no scenario {sorted(missing)} in {directory}")
+    if not files:
+        raise SystemExit(f"ocache bench: no scenario files in {directory}")
+    return [load_scenario(f, fixtures) for f in files]
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    fixtures = Path(args.fixtures) if args.fixtures else default_fixtures()
+    if args.recording:
+        scenarios = [scenario_from_recording(r) for r in args.recording]
+    else:
+        if not fixtures.is_dir():
+            print(f"ocache bench: fixtures folder {fixtures} not found (set OCACHE_SHARED or "
+                  "--fixtures)", file=sys.stderr)
+            return 2
+        scenarios = load_scenarios(Path(args.scenarios), fixtures, args.scenario)
+    configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    bad = set(configs) - set(CONFIGS)
+    if bad:
+        print(f"ocache bench: unknown configurations {sorted(bad)} (a, b, c)", file=sys.stderr)
+        return 2
+    models = tuple(m.strip() for m in args.models.split(",")) if args.models else None
+    out = Path(args.out)
+    bench = Bench(args.preset, scenarios, out, configs=configs, models=models,
+                  time_scale=args.time_scale)
+    t0 = time.monotonic()
+    asyncio.run(bench.run())
+    wall = time.monotonic() - t0
+    command = "ocache bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
+    md, pngs = bench.write(wall, command.strip())
+    print(bench.summary_table())
+    if "c" in configs:
+        print(f"\nWhere (c) is below {GOAL} efficiency or not exact:\n{bench.shortfalls()}")
+    print(f"\nwrote {md}" + "".join(f", {p}" for p in pngs) + f" ({wall / 60:.1f} min)")
+    failed = any(run.error for per in bench.results.values() for runs in per.values()
+                 for run in runs.values())
+    return 1 if failed else 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="replay agent sessions: stock vs tuned llama-server vs ocache, vs the oracle",
+        description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="bench",
+                   help="model sizes and server threads (tiny: a ~1-2 minute smoke run)")
+    p.add_argument("--scenarios", default=str(repo_root() / "scenarios"), metavar="DIR",
+                   help="folder of scenario YAML files (default: the shipped scenarios/)")
+    p.add_argument("--scenario", action="append", metavar="NAME",
+                   help="run only this scenario (file stem); repeatable")
+    p.add_argument("--recording", action="append", metavar="PATH",
+                   help="replay a stream recorded by `ocache serve --record` instead of scenarios")
+    p.add_argument("--fixtures", metavar="DIR", help="client request captures (default "
+                   "$OCACHE_SHARED/fixtures or ../shared/fixtures)")
+    p.add_argument("--configs", default="a,b,c", help="configurations to run (default a,b,c)")
+    p.add_argument("--models", help="comma-separated: hybrid,dense (default: the preset's)")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="multiply scenario gaps (default: the preset's; 0 = no gaps)")
+    p.add_argument("--out", default="out", metavar="DIR", help="output folder (default ./out)")
+    p.set_defaults(func=_cmd)
