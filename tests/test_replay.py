@@ -1,0 +1,204 @@
+"""The replay harness: scenario parsing, body building, recordings as input, and a real replay of a
+small scenario against the tiny llama-server (measured against the oracle and a cold run)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from ocache.layer import Observation, ParsedRequest, Plan
+from ocache.record import Recorder
+from ocache.replay import (Answer, ScenarioError, Target, apply_edits, load_scenario, measure,
+                           next_turn, prepare_body, replay, scenario_from_recording)
+from conftest import FIXTURES, load_fixture
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str, name: str = "sc.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def need_fixtures():
+    if not FIXTURES.is_dir():
+        pytest.skip(f"fixtures folder {FIXTURES} not found")
+
+
+# --- no server -----------------------------------------------------------------------------------
+
+
+def test_shipped_scenarios_load():
+    need_fixtures()
+    names = {p.stem for p in (REPO / "scenarios").glob("*.yaml")}
+    assert {"growth", "title_interleave", "restart_mid_session", "aba_one_slot", "date_change",
+            "mid_prompt_insertion", "new_session_same_folder",
+            "new_session_other_folder"} <= names
+    for p in (REPO / "scenarios").glob("*.yaml"):
+        sc = load_scenario(p, FIXTURES)
+        assert sc.n_requests() >= 3, p
+
+
+@pytest.mark.parametrize("text, match", [
+    ("steps: [{send: nope.json}]", "not found"),
+    ("steps: [{turn: ghost}]", "unknown session"),
+    ("steps: [{send: opencode_title.json, bogus: 1}]", "unknown keys"),
+    ("steps: [{send: opencode_title.json, turn: x}]", "exactly one"),
+    ("steps: [{restart: 1}]", "restart must be"),
+    ("steps: [{send: opencode_title.json, edit: [{replace: '(', with: x}]}]", "bad regex"),
+    ("nosteps: 1", "steps"),
+    ("steps: [{parallel: [{restart: true}]}]", "send or turn"),
+])
+def test_bad_scenarios_are_clear_errors(tmp_path, text, match):
+    need_fixtures()
+    with pytest.raises(ScenarioError, match=match):
+        load_scenario(write(tmp_path, text), FIXTURES)
+
+
+def test_prepare_body_is_greedy_and_capped():
+    body = load_fixture("pi_turn1.json")
+    out = prepare_body(body, 7)
+    assert out["max_tokens"] == 7 and "max_completion_tokens" not in out
+    assert out["temperature"] == 0.0
+    assert out["messages"] == body["messages"] and "max_completion_tokens" in body
+
+
+def test_next_turn_appends_answer_and_user_or_tool_results():
+    body = load_fixture("opencode_agent_turn1.json")
+    plain = next_turn(body, Answer(content="hi"), "go on", "ok", 2)
+    assert plain["messages"][:2] == body["messages"]
+    assert plain["messages"][2] == {"role": "assistant", "content": "hi"}
+    assert plain["messages"][3] == {"role": "user", "content": "go on (turn 2)"}
+    calls = Answer(content="", reasoning="think", tool_calls=[
+        {"id": "c1", "name": "bash", "arguments": '{"command":"ls"}'}])
+    tool = next_turn(body, calls, "go on", "a.py\n", 2)
+    assert tool["messages"][2]["tool_calls"][0]["function"]["name"] == "bash"
+    assert tool["messages"][2]["reasoning_content"] == "think"
+    assert tool["messages"][3] == {"role": "tool", "tool_call_id": "c1", "content": "a.py\n"}
+    assert len(tool["messages"]) == 4
+
+
+def test_edits_replace_and_insert_mid_prompt():
+    body = load_fixture("opencode_agent_turn1.json")
+    sysmsg = body["messages"][0]["content"]
+    out = apply_edits(body, [{"replace": "Today's date: [^\\n]*", "with": "Today's date: X"}])
+    assert "Today's date: X" in out["messages"][0]["content"]
+    assert out["messages"][0]["content"] != sysmsg
+    ins = apply_edits(body, [{"insert": "BLOCK\n", "message": 0, "at": 0.5}])
+    c = ins["messages"][0]["content"]
+    pos = c.index("BLOCK\n")
+    assert 0.45 * len(sysmsg) < pos < 0.6 * len(sysmsg) and c[pos - 1] == "\n"
+    assert c.replace("BLOCK\n", "", 1) == sysmsg
+    with pytest.raises(ScenarioError, match="out of range"):
+        apply_edits(body, [{"insert": "x", "message": 9}])
+
+
+def test_recording_becomes_a_scenario_with_gaps(tmp_path):
+    rec = Recorder(tmp_path / "rec")
+    body = load_fixture("opencode_title.json")
+    for i in range(3):
+        req = ParsedRequest(request_id=f"r{i}", method="POST", path="/v1/chat/completions",
+                            body=body, headers={"x-session-affinity": "ses_1"},
+                            session_hint="ses_1", stream=True)
+        rec.record(req, Plan(), Observation(status=200, completed=True, total_s=0.5),
+                   t_received=rec._t0 + 2.0 * i)
+    rec.close()
+    sc = scenario_from_recording(tmp_path / "rec")
+    assert [s.kind for s in sc.steps] == ["send"] * 3
+    assert [s.gap_s for s in sc.steps] == pytest.approx([0.0, 1.5, 1.5])
+    assert sc.steps[1].headers == {"x-session-affinity": "ses_1"}
+    assert sc.steps[0].body == body
+
+
+# --- against the real tiny llama-server -----------------------------------------------------------
+
+
+@pytest.mark.server
+def test_replay_tiny_scenario_against_real_server(tmp_path, start_server):
+    need_fixtures()
+    sc = load_scenario(write(tmp_path, """
+name: smoke
+max_tokens: 4
+gap_s: 0
+steps:
+  - parallel:
+      - send: opencode_title.json
+      - send: opencode_agent_turn1.json
+        session: main
+  - turn: main
+  - restart: true
+  - turn: main
+"""), FIXTURES)
+    srv = start_server(model="hybrid", n_parallel=2, ctx_size=2 * 12288)
+
+    async def restart():
+        await asyncio.to_thread(srv.restart)
+
+    async def go():
+        sent = await replay(sc, Target(srv.url, srv.url, restart), time_scale=0)
+        rows = await measure(sent, srv.url, grid=srv.ubatch)
+        return sent, rows
+
+    sent, rows = asyncio.run(go())
+    assert len(sent) == 4 and all(s.response.error is None for s in sent), \
+        [s.response.error for s in sent]
+    assert {sent[0].label, sent[1].label} == {"opencode_title", "opencode_agent_turn1"}
+    assert sent[3].restart_before and not sent[2].restart_before
+    # the turn grew from the model's own answer
+    agent = next(s for s in sent[:2] if s.session == "main")
+    assert sent[2].body["messages"][:2] == agent.body["messages"]
+    assert sent[2].body["messages"][2]["role"] == "assistant"
+    for r in rows:
+        assert r.error is None and r.note is None, (r.error, r.note)   # tokens match the server's
+        assert r.prompt_n is not None and r.prompt_n >= 1
+        # a real server can never beat the oracle
+        assert r.prompt_n >= r.oracle.prefill, r
+        assert r.cache_n + r.prompt_n == r.n_tokens
+        assert r.ttft_ratio is not None
+    # first requests ran cold on a fresh server, so the oracle charges them in full
+    assert all(r.oracle.reuse == 0 for r in rows[:2])
+    # the growth turn extends the agent turn: the oracle reuses at least its prompt
+    assert rows[2].oracle.reuse >= agent.response.usage["prompt_tokens"]
+    # a cold request on a fresh server is trivially exact
+    assert rows[0].exact is True and rows[1].exact is True
+    # after the restart a plain llama-server has nothing: full prefill
+    assert rows[3].cache_n == 0
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_bench_tiny_writes_table_and_plot(tmp_path, engine_stock, engine_patched, models_tiny):
+    need_fixtures()
+    from ocache.bench import Bench
+
+    sc = load_scenario(write(tmp_path, """
+name: smoke
+max_tokens: 4
+gap_s: 0
+steps:
+  - send: opencode_agent_turn1.json
+    session: main
+  - turn: main
+  - restart: true
+  - turn: main
+"""), FIXTURES)
+    bench = Bench("tiny", [sc], tmp_path / "out")
+    asyncio.run(bench.run())
+    md, pngs = bench.write(1.0, "test")
+    text = md.read_text()
+    for cfg in ("a", "b", "c"):
+        run = bench.results["hybrid"]["smoke"][cfg]
+        assert run.error is None, run.error
+        assert len(run.rows) == 3
+        assert f"| hybrid | smoke | {cfg} | 3 |" in text
+        assert run.efficiency is not None and run.efficiency > 0
+        if cfg != "c":  # plain llama-server cannot beat the oracle (ocache may warm off-path)
+            assert run.efficiency <= 1.0 + 1e-9
+    assert bench.results["hybrid"]["smoke"]["c"].layer
+    assert pngs and pngs[0].stat().st_size > 10_000
+    data = json.loads((tmp_path / "out" / "bench-tiny.json").read_text())
+    assert set(data["hybrid"]["smoke"]) == {"a", "b", "c"}
