@@ -98,7 +98,9 @@ def classify_slot(s: SlotState, reuse: Reuse, ctx: RequestContext, params: Serve
         role, loss, protected = "unknown", 0, False
     else:
         if ctx.session is not None and s.owner is not None:
-            same = ctx.session == s.owner
+            # opencode's title request shares the session key with the agent turns: a guest is
+            # never the same conversation as an agent slot
+            same = ctx.session == s.owner and (ctx.kind == "guest") == (s.kind == "guest")
         else:
             same = reuse.lcp >= held - params.n_ubatch and s.kind == ctx.kind
         if same and not s.origin:

@@ -1,0 +1,654 @@
+"""The cache layer behind the proxy: plan each completion (which slot, what to do first), observe
+what the server did, keep the slot table true.
+
+Request path (``shared/notes/architecture.md``): classify (``ocache.fingerprint``) -> token view
+(``ocache.tokens``) -> ``plan_request`` (pure: resident ranking + other tiers' offers) -> execute
+the steps under the chosen slot's lock (``before_evict`` on every tier, warm the harness head,
+``bring`` an offer) -> forward with ``id_slot`` pinned -> ``observe``: compare the predicted
+``cache_n`` with the server's, count mispredictions (they are bugs), let every tier ``admit``.
+
+Warm-up: the first agent request of a new harness fingerprint prefills its stable head
+(``tokens[:head_end]``) with a no-generation request in the slot it will use anyway (it costs the
+request nothing: it would prefill the same tokens), and the head's state is saved to a slot file
+(``ocache-head-<fingerprint>.bin``) when the server has ``--slot-save-path``. With ``-np >= 2`` one
+idle non-agent slot keeps the head as the shared *origin*: when a conversation consumed it, it is
+re-established in the background (a restore of the head file, or a re-prefill) once the server is
+idle, so a new session in any folder resumes from the head. A request that lands on a slot without
+the head gets it restored first when that is cheaper than prefilling it (the ``head`` tier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from . import fingerprint as fp_mod
+from .slots import (Checkpoint, Reuse, ServerParams, common_prefix, SlotError, SlotNotSupported, SlotTable,
+                    params_from_argv, predict_reuse, simulate_prefill)
+from .tiers.base import Offer, Tier
+from .tiers.resident import RequestContext, SlotChoice, _ram_swap, rank_slots
+
+log = logging.getLogger("ocache.cache")
+
+CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
+
+
+# ----------------------------------------------------------------------------------------------
+# the pure planner
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The plan for one request (a plain value: logged, tested, shown in ``X-OCache-*``).
+
+    ``slot``: the slot to pin. ``tier``: where the reused prefix comes from (``resident``, an
+    offer's tier, ``head`` for a warm-up in place, ``cold``). ``predicted``/``upper``: the predicted
+    ``cache_n`` and the most the server may reuse (see ``ocache.slots.Reuse``). ``steps``: what to do
+    before forwarding, in order: ``before_evict``, ``warm_head``, ``bring``. ``evicts``: the slot
+    holds another live conversation. ``choice``: the resident ranking entry of the slot.
+    """
+
+    slot: int
+    tier: str
+    predicted: int
+    upper: int
+    steps: tuple[str, ...]
+    evicts: bool
+    choice: SlotChoice
+    offer: Offer | None = None
+    warnings: tuple[str, ...] = ()
+
+
+def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[Offer | None],
+                 ctx: RequestContext, params: ServerParams, *, head_resident: bool = True,
+                 prefill_tps: float | None = None, forced_slot: int | None = None) -> Decision:
+    """Choose a slot and the steps for a request of ``tokens`` (pure).
+
+    ``slots``: ``SlotTable.snapshot()``. ``offers``: non-resident tiers' ``lookup`` answers.
+    ``head_resident``: some slot (or tier) already has ``ctx``'s head; False on the first agent
+    request of a new fingerprint, which then warms its head in the chosen slot (``warm_head``).
+    ``prefill_tps``: measured prefill rate (tokens/s) to weigh an offer's ``cost_s`` against the
+    prefill it saves (None: an offer is taken when it saves at least one ubatch).
+    ``forced_slot``: plan for this slot only (re-planning after waiting for its lock).
+    Raises ValueError when there is no slot.
+    """
+    ranked = rank_slots(tokens, slots, ctx, params)
+    if not ranked:
+        raise ValueError("no slots")
+    if forced_slot is not None:
+        ranked = [c for c in ranked if c.slot == forced_slot] or ranked
+    choice = ranked[0]
+    warnings: list[str] = []
+    evicts = choice.protected
+    if evicts and ctx.kind == "guest":
+        warnings.append("guest_on_agent_slot")
+    elif evicts:
+        warnings.append("conversation_evicted")
+    reuse = choice.reuse
+    steps: list[str] = []
+    if evicts:
+        steps.append("before_evict")
+    tier = "resident" if reuse.cache_n > 0 else "cold"
+    predicted, upper = reuse.cache_n, reuse.upper
+    ub = params.n_ubatch
+    best = max((o for o in offers if o is not None and (o.slot is None or o.slot == choice.slot)),
+               key=lambda o: o.tokens_usable, default=None)
+    take_offer = False
+    if best is not None and best.tokens_usable > predicted:
+        gain = best.tokens_usable - predicted
+        if prefill_tps:
+            take_offer = gain / prefill_tps > best.cost_s
+        else:
+            take_offer = gain >= ub
+    if take_offer:
+        steps.append("bring")
+        tier, predicted = best.tier, best.tokens_usable
+        upper = max(upper, predicted)
+    elif (ctx.kind == "agent" and ctx.head_len > 0 and not head_resident
+          and predicted < ctx.head_len - ub and len(tokens) > ctx.head_len):
+        steps.append("warm_head")
+        tier, predicted = "head", ctx.head_len
+        upper = max(upper, predicted)
+    return Decision(choice.slot, tier, predicted, upper, tuple(steps), evicts, choice,
+                    best if take_offer else None, tuple(warnings))
+
+
+# ----------------------------------------------------------------------------------------------
+# the head tier: warmed harness heads saved to slot files
+
+
+@dataclass
+class HeadRecord:
+    """A warmed harness head: its token ids, the slot file holding its state (None: not saved),
+    and the checkpoints a restore brings back (the patched build's sidecar; [] on a stock build)."""
+
+    key: str
+    tokens: list[int]
+    filename: str | None = None
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    restore_s: float = 0.05
+    last_used: float = 0.0
+
+
+class HeadTier:
+    """Offers a known harness head to any slot by restoring its slot file (a Tier)."""
+
+    name = "head"
+
+    def __init__(self, table: SlotTable) -> None:
+        self.table = table
+        self.heads: dict[str, HeadRecord] = {}
+
+    async def lookup(self, view: Any, ctx: RequestContext) -> Offer | None:
+        rec = self.heads.get(ctx.head_key or "")
+        if rec is None or rec.filename is None:
+            return None
+        n = len(rec.tokens)
+        if len(view.tokens) <= n or view.tokens[:n] != rec.tokens:
+            return None
+        return Offer("head", n, rec.restore_s, ref=rec)
+
+    async def bring(self, offer: Offer, slot: int) -> None:
+        rec: HeadRecord = offer.ref
+        t0 = time.monotonic()
+        await self.table.restore(slot, rec.filename, tokens=rec.tokens, checkpoints=rec.checkpoints)
+        rec.restore_s = time.monotonic() - t0
+        rec.last_used = time.monotonic()
+        st = self.table[slot]
+        st.head_key, st.head_len = rec.key, len(rec.tokens)
+
+    async def admit(self, view: Any, slot: int, obs: Any) -> None:
+        return None
+
+    async def before_evict(self, slot: int) -> None:
+        return None
+
+    async def evict(self, bytes_needed: int) -> int:
+        return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the layer
+
+
+@dataclass
+class PlanContext:
+    """What ``plan`` hands to ``observe`` (through ``Plan.context``)."""
+
+    request_id: str
+    slot: int
+    decision: Decision
+    view: Any
+    ctx: RequestContext
+    seq: int
+    n_prompt: int
+    predicted: int
+    upper: int
+    checkpoints_before: list[Checkpoint]
+    t_plan: float
+
+
+def _mk_plan(**kw: Any) -> Any:
+    from .layer import Plan
+
+    return Plan(**kw)
+
+
+class OCacheLayer:
+    """The ``CacheLayer`` the proxy loads (``ocache.layer``): resident routing, warm heads, and the
+    disk/session tiers registered with ``add_tier``.
+
+    ``upstream``: ``ocache.upstream.Upstream`` (``session``, ``base_url``, ``epoch``, ``props``,
+    ``api_key``). ``config``: ``ocache.config.Config``; ``config.launch`` is the llama-server argv
+    when ocache launched it, ``config.tiers["resident"]`` may override ``ServerParams`` fields
+    (``n_ubatch``, ``checkpoints``, ...) and set ``warm`` (default true), ``keep_origin`` (default
+    true), ``reconcile`` (default true: ``GET /slots`` before each plan).
+    """
+
+    def __init__(self, upstream: Any, config: Any = None, *, viewer: Any = None,
+                 tiers: Sequence[Tier] = ()) -> None:
+        self.upstream = upstream
+        self.config = config
+        tiers_cfg = dict((getattr(config, "tiers", None) or {}).get("resident") or {})
+        self.opt_warm = bool(tiers_cfg.pop("warm", True))
+        self.opt_keep_origin = bool(tiers_cfg.pop("keep_origin", True))
+        self.opt_reconcile = bool(tiers_cfg.pop("reconcile", True))
+        self.param_overrides = {k: v for k, v in tiers_cfg.items() if k in ServerParams.__dataclass_fields__}
+        self.markers = getattr(config, "volatile_markers", None) or fp_mod.DEFAULT_MARKERS
+        self.argv = list(getattr(config, "launch", None) or []) or None
+        self._viewer = viewer
+        self.table: SlotTable | None = None
+        self.head_tier: HeadTier | None = None
+        self.tiers: list[Tier] = list(tiers)
+        self._ready = False
+        self._ready_lock = asyncio.Lock()
+        self._bg: set[asyncio.Task] = set()
+        self._maint_lock = asyncio.Lock()
+        self._identity: Any = None
+        self._epoch = getattr(upstream, "epoch", None)
+        self.prefill_tps: float | None = None
+        self.findings: list[Any] = []
+        self.origin_key: str | None = None
+        self._no_save = False
+        self.counters: dict[str, int] = {
+            "planned": 0, "plan_errors": 0, "observed": 0, "mispredictions": 0, "mispredict_low": 0,
+            "mispredict_high": 0, "predicted_tokens": 0, "observed_cache_tokens": 0,
+            "prompt_tokens": 0, "warmups": 0, "warmup_tokens": 0, "head_saves": 0, "head_restores": 0,
+            "origin_rebuilds": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
+            "bring_failures": 0, "failed_responses": 0, "too_long": 0,
+        }
+        self.by_tier: dict[str, int] = {}
+        self.recent_mispredictions: deque = deque(maxlen=20)
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def add_tier(self, tier: Tier) -> None:
+        """Register a disk/session tier; the planner consults every registered tier."""
+        self.tiers.append(tier)
+
+    @property
+    def session(self) -> Any:
+        return getattr(self.upstream, "session", None)
+
+    @property
+    def base_url(self) -> str:
+        return getattr(self.upstream, "base_url", None) or str(self.upstream)
+
+    def _headers(self) -> dict:
+        key = getattr(self.upstream, "api_key", None)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def _ensure_ready(self) -> None:
+        if self._ready and getattr(self.upstream, "epoch", None) == self._epoch:
+            return
+        async with self._ready_lock:
+            epoch = getattr(self.upstream, "epoch", None)
+            if self._ready and epoch == self._epoch:
+                return
+            if self._viewer is None:
+                from .tokens import TokenViewer
+
+                self._viewer = TokenViewer(self.upstream)
+            props = getattr(self.upstream, "props", None)
+            if self.table is None:
+                self.table = SlotTable(self.session, self.base_url, headers=self._headers())
+                self.head_tier = HeadTier(self.table)
+            self.table.session = self.session
+            data = await self.table.fetch_slots()
+            self.table.params = params_from_argv(self.argv, props, data, **self.param_overrides)
+            if self._epoch is not None and epoch != self._epoch:
+                self.table.reset_all(epoch)
+            self.table.epoch = epoch
+            await self.table.refresh()
+            self._epoch = epoch
+            self._identity = None
+            self._ready = True
+            try:
+                from .doctor import check
+
+                self.findings = check(self.table.params, props or {}, data, argv=self.argv)
+                for f in self.findings:
+                    if f.level != "ok":
+                        log.warning("llama-server setup: %s", f)
+            except Exception:  # the checks are advice; never block serving
+                log.debug("setup checks failed", exc_info=True)
+
+    def _ident(self) -> Any:
+        if self._identity is None:
+            props = getattr(self.upstream, "props", None) or {}
+            flags = fp_mod.state_flags(self.argv, props)
+            path = props.get("model_path")
+            try:
+                gguf = fp_mod.gguf_identity(path) if path else None
+            except (OSError, ValueError):
+                gguf = None
+            self._identity = fp_mod.identity(gguf, props.get("build_info", ""),
+                                             props.get("chat_template", ""), flags,
+                                             props.get("chat_template_tool_use"))
+        return self._identity
+
+    # -- CacheLayer ------------------------------------------------------------------------------
+
+    async def plan(self, req: Any) -> Any:
+        await self._ensure_ready()
+        table = self.table
+        assert table is not None
+        body = req.body or {}
+        chat = req.path in CHAT_ROUTES
+        kind = fp_mod.classify(body, self.markers) if chat else "other"
+        head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
+        view = await self._viewer.view(req.path, body, head)
+        tokens = view.tokens
+        params = table.params
+        if len(tokens) >= params.n_ctx_slot or not tokens:
+            self.counters["too_long"] += 1
+            return _mk_plan(headers={"X-OCache-Tier": "cold", "X-OCache-Kind": kind})
+        head_len = view.head_end or 0
+        head_key = fp_mod.fingerprint(head, self._ident()) if head is not None and head_len else None
+        user_starts = tuple(view.user_starts) if (chat or body.get("message_delimiters")) else ()
+        if "id_slot" in body:
+            self.counters["client_pins_overridden"] += 1
+        if self.opt_reconcile:
+            try:
+                await table.refresh()
+            except SlotError as exc:
+                log.debug("[%s] GET /slots failed: %s", req.request_id, exc)
+        ctx = RequestContext(kind=kind, session=req.session_hint, head_key=head_key, head_len=head_len,
+                             task=table.next_task(), user_starts=user_starts)
+        dec = await self._decide(view, ctx)
+        lock = table.lock(dec.slot)
+        await lock.acquire()
+        try:
+            # the slot may have changed while we waited for its lock: plan again for this slot
+            dec = await self._decide(view, ctx, forced_slot=dec.slot)
+            pctx = await self._execute(req, view, ctx, dec)
+        except BaseException:
+            lock.release()
+            raise
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                lock.release()
+
+        self.counters["planned"] += 1
+        self.by_tier[pctx.decision.tier] = self.by_tier.get(pctx.decision.tier, 0) + 1
+        headers = {"X-OCache-Slot": str(dec.slot), "X-OCache-Predicted-Cache": str(pctx.predicted),
+                   "X-OCache-Tier": pctx.decision.tier, "X-OCache-Kind": kind}
+        return _mk_plan(body_updates={"id_slot": dec.slot}, headers=headers, context=pctx, release=release)
+
+    async def _decide(self, view: Any, ctx: RequestContext, forced_slot: int | None = None) -> Decision:
+        table = self.table
+        offers: list[Offer | None] = []
+        tiers: list[Any] = [self.head_tier, *self.tiers]
+        for tier in tiers:
+            try:
+                offers.append(await tier.lookup(view, ctx))
+            except Exception:
+                log.exception("tier %s lookup failed", getattr(tier, "name", tier))
+        head_resident = True
+        if ctx.head_key and self.opt_warm:
+            head_resident = ctx.head_key in self.head_tier.heads
+        return plan_request(view.tokens, table.snapshot(), offers, ctx, table.params,
+                            head_resident=head_resident, prefill_tps=self.prefill_tps,
+                            forced_slot=forced_slot)
+
+    async def _execute(self, req: Any, view: Any, ctx: RequestContext, dec: Decision) -> PlanContext:
+        """Run ``dec.steps`` on the locked slot and record the slot's new content."""
+        table = self.table
+        slot = dec.slot
+        tokens = view.tokens
+        if dec.evicts:
+            self.counters["evictions"] += 1
+            if "guest_on_agent_slot" in dec.warnings:
+                self.counters["guest_on_agent_slot"] += 1
+                log.warning("[%s] guest request on slot %d replaces an agent conversation (only %d slot(s); "
+                            "the session tier protects it)", req.request_id, slot, len(table))
+            for tier in self.tiers:
+                try:
+                    await tier.before_evict(slot)
+                except Exception:
+                    log.exception("[%s] tier %s before_evict(slot %d) failed", req.request_id,
+                                  getattr(tier, "name", tier), slot)
+        if "bring" in dec.steps and dec.offer is not None:
+            tier = self.head_tier if dec.offer.tier == "head" else next(
+                (t for t in self.tiers if t.name == dec.offer.tier), None)
+            try:
+                await tier.bring(dec.offer, slot)
+                if dec.offer.tier == "head":
+                    self.counters["head_restores"] += 1
+            except Exception as exc:
+                self.counters["bring_failures"] += 1
+                log.warning("[%s] %s bring into slot %d failed (%s); serving cold", req.request_id,
+                            dec.offer.tier, slot, exc)
+                table[slot].clear()
+        if "warm_head" in dec.steps:
+            await self._warm_head_in(slot, tokens[:ctx.head_len], ctx.head_key, req.request_id)
+        st = table[slot]
+        reuse = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
+                              user_starts=ctx.user_starts, task=ctx.task,
+                              ram_swap=_ram_swap(st, common_prefix(st.tokens, tokens), len(tokens), table.params))
+        tier_name = dec.tier if dec.steps else ("resident" if reuse.cache_n > 0 else "cold")
+        decision = replace(dec, predicted=reuse.cache_n, upper=reuse.upper, tier=tier_name)
+        pctx = PlanContext(req.request_id, slot, decision, view, ctx, 0, len(tokens), reuse.cache_n,
+                           reuse.upper, list(st.checkpoints), time.monotonic())
+        keep_head = st.head_key if (st.head_key == ctx.head_key) else None
+        st.clear()
+        st.tokens = list(tokens)
+        st.n_total = None
+        st.pending = True
+        st.checkpoints = list(reuse.checkpoints_after)
+        st.user_starts = list(ctx.user_starts)
+        st.owner = ctx.session
+        st.kind = ctx.kind
+        st.head_key = ctx.head_key or keep_head
+        st.head_len = ctx.head_len if ctx.head_key else 0
+        st.last_used = time.monotonic()
+        pctx.seq = st.seq
+        log.debug("[%s] slot %d %s kind=%s N=%d lcp=%d predicted=%d upper=%d reason=%s steps=%s",
+                  req.request_id, slot, decision.tier, ctx.kind, len(tokens), reuse.lcp, reuse.cache_n,
+                  reuse.upper, reuse.reason, ",".join(dec.steps))
+        return pctx
+
+    async def _warm_head_in(self, slot: int, head_tokens: list[int], key: str | None, rid: str = "-") -> dict:
+        """Prefill ``head_tokens`` into the locked ``slot`` and save them to a head file if the server
+        can (``--slot-save-path``). Records the head in the head tier."""
+        table = self.table
+        t = await table.warm(slot, head_tokens)
+        self.counters["warmups"] += 1
+        self.counters["warmup_tokens"] += int(t.get("prompt_n") or 0)
+        st = table[slot]
+        st.kind, st.head_key, st.head_len, st.origin = "head", key, len(head_tokens), True
+        if key is None:
+            return t
+        rec = self.head_tier.heads.get(key) or HeadRecord(key, list(head_tokens))
+        rec.tokens = list(head_tokens)
+        rec.last_used = time.monotonic()
+        self.head_tier.heads[key] = rec
+        self.origin_key = key
+        if rec.filename is None and not self._no_save:
+            name = f"ocache-head-{key}.bin"
+            try:
+                await table.save(slot, name)
+                rec.filename = name
+                patched = "+ocache." in str((getattr(self.upstream, "props", None) or {}).get("build_info", ""))
+                rec.checkpoints = list(st.checkpoints) if patched else []
+                self.counters["head_saves"] += 1
+            except SlotNotSupported:
+                self._no_save = True
+                log.info("[%s] no --slot-save-path: heads are kept warm by prefill only", rid)
+            except SlotError as exc:
+                log.warning("[%s] saving head %s failed: %s", rid, key, exc)
+        return t
+
+    async def observe(self, req: Any, plan: Any, obs: Any) -> None:
+        pctx: PlanContext | None = getattr(plan, "context", None)
+        if not isinstance(pctx, PlanContext):
+            return
+        table = self.table
+        st = table[pctx.slot]
+        mine = st.seq == pctx.seq
+        timings = obs.timings or {}
+        ok = obs.status == 200 and obs.completed and "cache_n" in timings
+        if not ok:
+            self.counters["failed_responses"] += 1
+            if mine and not table.lock(pctx.slot).locked():
+                st.unknown(None)  # reconciled with GET /slots before the next plan
+            return
+        self.counters["observed"] += 1
+        cache_n = int(timings["cache_n"])
+        prompt_n = int(timings.get("prompt_n") or 0)
+        ub = table.params.n_ubatch
+        self.counters["predicted_tokens"] += pctx.predicted
+        self.counters["observed_cache_tokens"] += cache_n
+        self.counters["prompt_tokens"] += pctx.n_prompt
+        low = cache_n < pctx.predicted - ub
+        high = cache_n > pctx.upper + ub
+        if low or high:
+            self.counters["mispredictions"] += 1
+            self.counters["mispredict_low" if low else "mispredict_high"] += 1
+            d = pctx.decision
+            rec = {"request_id": pctx.request_id, "slot": pctx.slot, "n_prompt": pctx.n_prompt,
+                   "predicted": pctx.predicted, "upper": pctx.upper, "observed": cache_n,
+                   "reason": d.choice.reuse.reason, "tier": d.tier, "kind": pctx.ctx.kind}
+            self.recent_mispredictions.append(rec)
+            log.warning("[%s] cache_n misprediction on slot %d: predicted %d (upper %d), observed %d, "
+                        "prompt %d tokens (%s)", pctx.request_id, pctx.slot, pctx.predicted, pctx.upper,
+                        cache_n, pctx.n_prompt, d.choice.reuse.reason)
+        pms = timings.get("prompt_ms")
+        if prompt_n >= 64 and pms:
+            tps = prompt_n / (float(pms) / 1000.0)
+            self.prefill_tps = tps if self.prefill_tps is None else 0.8 * self.prefill_tps + 0.2 * tps
+        if mine:
+            gen = int(timings.get("predicted_n") or 0)
+            st.n_total = pctx.n_prompt + max(gen, 1) - 1
+            st.pending = False
+            if cache_n != pctx.predicted and table.params.checkpoints:
+                kept = [c for c in pctx.checkpoints_before if c.n_tokens - 1 <= cache_n + 1]
+                st.checkpoints = simulate_prefill(kept, cache_n, pctx.n_prompt, pctx.ctx.user_starts,
+                                                  table.params, pctx.ctx.task)
+        for tier in self.tiers:
+            try:
+                await tier.admit(pctx.view, pctx.slot, obs)
+            except Exception:
+                log.exception("[%s] tier %s admit failed", pctx.request_id, getattr(tier, "name", tier))
+        self._spawn(self._maintain_origin())
+
+    # -- background ------------------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def idle(self) -> None:
+        """Wait for background work (origin re-establishment) to finish."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    async def _maintain_origin(self) -> None:
+        """With ``-np >= 2``: keep the most recent harness head warm in one idle non-agent slot."""
+        table = self.table
+        if not self.opt_keep_origin or self.origin_key is None or len(table) < 2:
+            return
+        async with self._maint_lock:
+            rec = self.head_tier.heads.get(self.origin_key)
+            if rec is None:
+                return
+            snap = table.snapshot()
+            if any(s.busy for s in snap):
+                return  # only when the server is idle
+            if any(s.origin and s.head_key == rec.key for s in snap):
+                return
+            free = [s for s in snap if not s.busy and (s.kind in (None, "guest") or s.foreign)
+                    and not s.origin]
+            if not free:
+                return
+            target = min(free, key=lambda s: (bool(s.tokens), s.last_used))
+            lock = table.lock(target.id)
+            if lock.locked():
+                return
+            async with lock:
+                try:
+                    if rec.filename:
+                        await table.restore(target.id, rec.filename, tokens=rec.tokens,
+                                            checkpoints=rec.checkpoints)
+                        self.counters["head_restores"] += 1
+                    else:
+                        await table.warm(target.id, rec.tokens)
+                        self.counters["warmups"] += 1
+                except SlotError as exc:
+                    log.warning("re-establishing head %s in slot %d failed: %s", rec.key, target.id, exc)
+                    return
+                st = table[target.id]
+                st.kind, st.head_key, st.head_len, st.origin = "head", rec.key, len(rec.tokens), True
+                st.last_used = 0.0
+                self.counters["origin_rebuilds"] += 1
+                log.info("head %s re-established in slot %d (%d tokens)", rec.key, target.id, len(rec.tokens))
+
+    async def warm_head(self, body: Mapping, path: str = "/v1/chat/completions") -> dict:
+        """Warm the stable harness head of an agent request ``body`` now (``ocache warm DIR``).
+
+        Returns ``{"slot", "head_key", "head_tokens", "prompt_n", "cache_n"}``. Raises ValueError
+        when the body has no recognisable harness head.
+        """
+        await self._ensure_ready()
+        head = fp_mod.harness_head(body, self.markers)
+        if head is None:
+            raise ValueError("no stable harness head in this request (unknown layout)")
+        view = await self._viewer.view(path, body, head)
+        if not view.head_end:
+            raise ValueError("the head could not be located in the rendered prompt")
+        key = fp_mod.fingerprint(head, self._ident())
+        head_tokens = view.tokens[:view.head_end]
+        ctx = RequestContext(kind="guest", head_key=None, task=self.table.next_task())
+        snap = self.table.snapshot()
+        for s in snap:
+            if s.origin and s.head_key == key and s.tokens == head_tokens:
+                return {"slot": s.id, "head_key": key, "head_tokens": len(head_tokens), "prompt_n": 0,
+                        "cache_n": len(head_tokens)}
+        dec = plan_request(head_tokens, snap, [], ctx, self.table.params)
+        async with self.table.lock(dec.slot):
+            t = await self._warm_head_in(dec.slot, head_tokens, key)
+        return {"slot": dec.slot, "head_key": key, "head_tokens": len(head_tokens),
+                "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n")}
+
+    async def on_upstream_restart(self) -> None:
+        if self.table is not None:
+            self.table.reset_all(getattr(self.upstream, "epoch", None))
+        self._ready = False
+        self._identity = None
+
+    async def drain(self) -> None:
+        """Planned stop: finish background work, then tell every tier each live conversation is about
+        to be lost (the session tier spills there)."""
+        await self.idle()
+        if self.table is None:
+            return
+        for st in self.table.slots:
+            if st.tokens and st.kind in ("agent", "other"):
+                async with self.table.lock(st.id):
+                    for tier in self.tiers:
+                        try:
+                            await tier.before_evict(st.id)
+                        except Exception:
+                            log.exception("tier %s before_evict(slot %d) on drain failed",
+                                          getattr(tier, "name", tier), st.id)
+
+    def stats(self) -> dict:
+        table = self.table
+        out: dict[str, Any] = {"layer": "ocache", **self.counters, "by_tier": dict(self.by_tier),
+                               "prefill_tokens_per_s": self.prefill_tps,
+                               "recent_mispredictions": list(self.recent_mispredictions),
+                               "setup_warnings": [str(f) for f in self.findings if f.level != "ok"]}
+        if table is not None:
+            out["slots"] = [{"id": s.id, "tokens": len(s.tokens), "n_total": s.n_total, "kind": s.kind,
+                             "owner": s.owner, "origin": s.origin, "checkpoints": len(s.checkpoints),
+                             "busy": table.lock(s.id).locked()} for s in table.slots]
+            out["table"] = dict(table.counters)
+            out["heads"] = {k: {"tokens": len(r.tokens), "file": r.filename}
+                            for k, r in self.head_tier.heads.items()}
+        return out
+
+    async def clear(self, tier: str) -> dict:
+        """``resident`` (or ``all``): erase every slot ocache knows; ``head``: forget warmed heads."""
+        cleared = 0
+        if tier in ("resident", "all") and self.table is not None:
+            for st in self.table.slots:
+                async with self.table.lock(st.id):
+                    try:
+                        await self.table.erase(st.id)
+                    except SlotNotSupported:
+                        st.clear()
+                    cleared += 1
+        if tier in ("head", "all") and self.head_tier is not None:
+            cleared += len(self.head_tier.heads)
+            self.head_tier.heads.clear()
+            self.origin_key = None
+        return {"tier": tier, "cleared": cleared}

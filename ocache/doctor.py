@@ -1,0 +1,206 @@
+"""``ocache doctor``: the llama-server settings each cache tier needs, checked, with the reason.
+
+llama-server does not report its launch flags (``shared/notes/llama-server-api.md`` §5), so the
+checks read them from the launch argv (``ocache serve --launch`` / the config's ``launch``, or
+``ocache doctor -- ARGS``) and from what the server does report (``/props``, ``/slots``, whether
+``/metrics`` answers, whether ``POST /slots/0?action=...`` is enabled). The same ``check`` runs
+when the cache layer starts (its findings are logged as warnings and shown in the stats).
+
+What ocache needs and why (the seed plugin's "Recommended llama-server flags", turned into checks):
+
+* ``-np N`` explicit: unset means 4 slots on a *unified* KV, where ``--cache-idle-slots`` (default
+  on) clears every idle slot as soon as another request starts (notes §2.2): nothing stays
+  resident. ``N >= 2`` lets guests (title requests) use a side slot instead of the conversation.
+* ``--slot-save-path DIR``: save/restore are off without it (501, notes §1.1), so the disk and
+  session tiers and the saved harness head cannot work.
+* hybrid/recurrent models: ``--ctx-checkpoints > 0`` (with 0, any prompt that does not strictly
+  extend a slot re-prefills from token 0, notes §3.2) and a ``--checkpoint-min-step`` below the
+  harness head (checkpoints at user messages are spaced by it; the stock 8192 is coarser than a
+  typical 7-8k head, seed 002).
+* ``--metrics``: the ``/metrics`` ``Process-Start-Time-Unix`` header is the restart signal.
+* the patched build (``build_info`` contains ``+ocache.``): a stock server restores a hybrid slot
+  without its checkpoints (notes §1.4), so only prompts that strictly extend it reuse anything.
+* ``--cache-ram``: with a pinned slot whose content is replaced the server may swap in a RAM entry
+  (notes §2.2 step 4); harmless, but predictions get a wider band. With ``-kvu`` and idle-slot
+  caching the idle slots are cleared: warn.
+* ``-fa auto``: slot files depend on the resolved flash-attention setting (notes §1.4); pin it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .slots import ServerParams, params_from_argv
+
+OK, INFO, WARN, ERROR = "ok", "info", "warning", "error"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check result: ``level`` (ok/info/warning/error), ``flag`` it is about, ``message`` (why)."""
+
+    level: str
+    flag: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.level}] {self.flag}: {self.message}"
+
+
+def check(params: ServerParams, props: Mapping, slots: Sequence[Mapping] | None = None, *,
+          argv: Sequence[str] | None = None, metrics_ok: bool | None = None,
+          slot_actions_ok: bool | None = None, head_tokens: int | None = None) -> list[Finding]:
+    """The findings for a server (pure). ``argv`` None = launch flags unknown (an external server):
+    flags the server does not report are then checked only where a probe answers
+    (``metrics_ok``: ``/metrics`` answered 200; ``slot_actions_ok``: ``POST /slots`` is enabled).
+    ``head_tokens``: a harness head length to compare ``--checkpoint-min-step`` with.
+    """
+    out: list[Finding] = []
+    known = argv is not None
+    n_slots = len(slots) if slots else params.n_slots
+    build = str(props.get("build_info", ""))
+
+    if slots is not None and props.get("endpoint_slots") is False:
+        out.append(Finding(ERROR, "--slots", "the /slots endpoint is off: ocache cannot reconcile slots"))
+
+    if known:
+        if not params.n_parallel_explicit:
+            out.append(Finding(ERROR, "-np", "not set: the server runs 4 slots on a unified KV and "
+                               "clears idle slots when another request starts (--cache-idle-slots); "
+                               "nothing stays resident. Set -np N (2 or more)"))
+        elif n_slots < 2:
+            out.append(Finding(WARN, "-np", "1 slot: a guest request (title, tags) replaces the "
+                               "conversation; use -np 2 so guests get a side slot, or rely on the "
+                               "session tier to spill and restore it"))
+        else:
+            out.append(Finding(OK, "-np", f"{n_slots} slots"))
+        if params.kv_unified and params.cache_idle_slots:
+            out.append(Finding(ERROR, "-kvu", "a unified KV with --cache-idle-slots clears every idle "
+                               "slot when a request starts; use --no-cache-idle-slots or drop -kvu"))
+    elif n_slots < 2:
+        out.append(Finding(WARN, "-np", "1 slot: guests replace the conversation (see -np 2)"))
+
+    save_ok = slot_actions_ok if slot_actions_ok is not None else (bool(params.slot_save_path) if known else None)
+    if save_ok is False:
+        out.append(Finding(WARN, "--slot-save-path", "not set: slot save/restore is off, so the disk "
+                           "and session tiers and the saved harness head are disabled"))
+    elif save_ok:
+        out.append(Finding(OK, "--slot-save-path", "slot save/restore enabled"))
+
+    if params.checkpoints:
+        if params.ctx_checkpoints <= 0:
+            out.append(Finding(ERROR, "--ctx-checkpoints", f"0 on a {params.arch or 'hybrid'} model: "
+                               "a prompt that does not strictly extend a slot re-prefills from token 0"))
+        elif known and "ctx_checkpoints" not in params.known:
+            out.append(Finding(INFO, "--ctx-checkpoints", "default 32 per slot"))
+        step = params.checkpoint_min_step
+        limit = head_tokens if head_tokens else 4096
+        if step > limit:
+            out.append(Finding(WARN, "--checkpoint-min-step", f"{step} tokens{'' if known and 'checkpoint_min_step' in params.known else ' (default)'}: "
+                               f"checkpoints at user messages are at least this far apart, so a hybrid "
+                               f"resume can land up to {step} tokens early; use <= {limit} "
+                               f"({'the harness head' if head_tokens else 'smaller than a typical harness head'})"))
+        if params.n_ubatch > 512:
+            out.append(Finding(INFO, "-ub", f"{params.n_ubatch}: a hybrid resume lands on ubatch "
+                               "boundaries; a smaller -ub re-reads fewer tokens"))
+        if "+ocache." not in build:
+            out.append(Finding(WARN, "build", f"{build or 'unknown build'} is not the patched build: "
+                               "restored hybrid slots have no checkpoints (only prompts that strictly "
+                               "extend them reuse anything); run `ocache engine build`"))
+    elif params.checkpoints is None:
+        out.append(Finding(INFO, "model", "architecture unknown (model file not readable here): "
+                           "set tiers.resident.checkpoints in the config for a hybrid model"))
+    if params.checkpoints is not None and "+ocache." in build:
+        out.append(Finding(OK, "build", build))
+
+    metrics = metrics_ok if metrics_ok is not None else (params.metrics if known else None)
+    if metrics is False:
+        out.append(Finding(WARN, "--metrics", "off: restarts are detected only from /props and "
+                           "/slots task ids (the /metrics Process-Start-Time-Unix header is the signal)"))
+    if known and params.cache_ram and n_slots >= 2:
+        out.append(Finding(INFO, "--cache-ram", f"{params.cache_ram} MiB: the server may swap a RAM "
+                           "entry into a slot ocache replaces; cache_n can then exceed the prediction"))
+    if known and (params.flash_attn in (None, "auto")):
+        out.append(Finding(WARN, "-fa", "auto: slot files depend on the resolved flash-attention "
+                           "setting; pin -fa on or -fa off"))
+    return out
+
+
+async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None = None,
+                head_tokens: int | None = None) -> tuple[list[Finding], dict]:
+    """Query a running server (``/props``, ``/slots``, ``/metrics``, a harmless
+    ``POST /slots/0?action=ocache-probe``: 501 without ``--slot-save-path``, 400 "Invalid action"
+    with it, server-context.cpp:4752-4783) and run ``check``."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    base = base_url.rstrip("/")
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async with s.get(base + "/props") as r:
+            props = await r.json(content_type=None) if r.status == 200 else {}
+        async with s.get(base + "/slots") as r:
+            slots = await r.json(content_type=None) if r.status == 200 else None
+        async with s.get(base + "/metrics") as r:
+            await r.read()
+            metrics_ok = r.status == 200
+        async with s.post(base + "/slots/0?action=ocache-probe") as r:
+            await r.read()
+            actions_ok = r.status != 501
+    params = params_from_argv(argv, props, slots)
+    findings = check(params, props, slots, argv=argv, metrics_ok=metrics_ok, slot_actions_ok=actions_ok,
+                     head_tokens=head_tokens)
+    return findings, {"props_build": props.get("build_info"), "slots": len(slots or []),
+                      "arch": params.arch, "checkpoints": params.checkpoints}
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    argv = list(args.server_args) if args.server_args else None
+    upstream = args.upstream
+    if upstream is None or argv is None:
+        try:
+            from .config import load
+
+            cfg = load(args.config) if args.config else load()
+            upstream = upstream or cfg.upstream
+            if argv is None and cfg.launch:
+                argv = list(cfg.launch)
+        except Exception as exc:  # no config: defaults
+            print(f"(config not read: {exc})", file=sys.stderr)
+            upstream = upstream or "http://127.0.0.1:8080"
+    try:
+        findings, info = asyncio.run(probe(upstream, argv, args.api_key, args.head_tokens))
+    except Exception as exc:
+        print(f"cannot query llama-server at {upstream}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"info": info, "findings": [f.__dict__ for f in findings]}, indent=1))
+    else:
+        print(f"llama-server {upstream}: {info}")
+        if argv is None:
+            print("  (launch flags unknown: pass them after `--` to check them too)")
+        for f in findings:
+            print(f"  {f}")
+    return 1 if any(f.level == ERROR for f in findings) else 0
+
+
+def register(subparsers: Any) -> None:
+    """``ocache doctor [--upstream URL] [-- LLAMA-SERVER-ARGS...]``."""
+    p = subparsers.add_parser("doctor", help="check the llama-server flags each cache tier needs")
+    p.add_argument("--upstream", help="llama-server base URL (default: the config's upstream)")
+    p.add_argument("--config", help="ocache.yaml to read upstream/launch from")
+    p.add_argument("--api-key", help="llama-server --api-key, if set")
+    p.add_argument("--head-tokens", type=int, help="harness head length (tokens) to size --checkpoint-min-step")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("server_args", nargs=argparse.REMAINDER, help="-- then the llama-server arguments")
+    p.set_defaults(func=_doctor_entry)
+
+
+def _doctor_entry(args: argparse.Namespace) -> int:
+    if args.server_args and args.server_args[0] == "--":
+        args.server_args = args.server_args[1:]
+    return _cmd(args)

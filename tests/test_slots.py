@@ -1,0 +1,314 @@
+"""Unit tests of the pure parts: the model of llama-server's reuse rules (``ocache.slots``), the
+resident ranking (``ocache.tiers.resident``), the planner (``ocache.cache.plan_request``), the
+error mapping, the ``/slots`` reconciliation and ``ocache doctor``'s checks. No server needed; the
+integration tests in ``tests/test_resident.py`` check the same model against the real server.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+from ocache.cache import plan_request
+from ocache.doctor import check
+from ocache.slots import (Checkpoint, ServerParams, SlotFileError, SlotInvalid, SlotNotSupported,
+                          SlotState, SlotTable, UpstreamError, common_prefix, error_from_response,
+                          gguf_architecture, params_from_argv, parse_server_argv, predict_reuse,
+                          simulate_prefill)
+from ocache.tiers.base import Offer
+from ocache.tiers.resident import RequestContext, rank_slots
+
+DENSE = ServerParams(n_slots=2, n_ctx_slot=65536, n_batch=2048, n_ubatch=512, checkpoints=False)
+HYBRID = ServerParams(n_slots=2, n_ctx_slot=65536, n_batch=2048, n_ubatch=512, ctx_checkpoints=32,
+                      checkpoint_min_step=8192, checkpoints=True, cache_ram=0)
+
+
+def toks(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+# --- common_prefix ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,cut", [(0, 0), (1, 0), (255, 100), (256, 256), (1000, 513), (3000, 2999)])
+def test_common_prefix_matches_naive(n, cut):
+    a = toks(n)
+    b = a[:cut] + [x + 1 for x in a[cut:]]
+    naive = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert common_prefix(a, b) == naive == cut
+    assert common_prefix(a, a[:cut]) == cut
+
+
+# --- checkpoint placement (notes §3.1) ----------------------------------------------------------
+
+def test_cold_prefill_checkpoints_land_before_the_end():
+    # notes §3.1: "N=10000, n_batch=2048, n_ubatch=512, no spans, cold slot gives checkpoints at
+    # 9484 and 9996"
+    cps = simulate_prefill([], 0, 10000, (), HYBRID, task=1)
+    assert [c.n_tokens for c in cps] == [9484, 9996]
+
+
+def test_short_extension_checkpoints_old_end_and_n_minus_4():
+    cps = simulate_prefill([Checkpoint(9484, 1), Checkpoint(9996, 1)], 10000, 10100, (), HYBRID, task=2)
+    # the new region starts near the end: its first batch is checkpointed, then N-4
+    assert [c.n_tokens for c in cps] == [9484, 9996, 10000, 10096]
+
+
+def test_user_starts_break_batches_and_get_checkpoints():
+    p = ServerParams(n_batch=256, n_ubatch=128, ctx_checkpoints=32, checkpoint_min_step=256, checkpoints=True)
+    cps = simulate_prefill([], 0, 3000, (700, 2000, 2600), p, task=1)
+    got = [c.n_tokens for c in cps]
+    assert 2000 in got and 2600 in got        # user starts (min-step apart, the last one always)
+    assert 700 in got                          # first checkpoint of an empty list
+    assert got[-2:] == [3000 - 4 - 128, 2996]  # N-4-ubatch, N-4
+    assert got == sorted(got)
+
+
+def test_checkpoint_list_is_capped():
+    p = ServerParams(n_batch=64, n_ubatch=32, ctx_checkpoints=3, checkpoint_min_step=0, checkpoints=True)
+    cps = simulate_prefill([], 0, 2000, tuple(range(100, 2000, 100)), p, task=1)
+    assert len(cps) == 3
+    assert cps[-1].n_tokens == 1996
+
+
+# --- reuse prediction (notes §2.3, §3.2) ----------------------------------------------------------
+
+def test_dense_rules():
+    a = toks(1000)
+    assert predict_reuse(a, 1000, [], a, DENSE).cache_n == 999          # identical: N-1
+    assert predict_reuse(a, 1000, [], a + toks(50, 1), DENSE).cache_n == 1000
+    b = a[:600] + toks(100, 2)
+    r = predict_reuse(a, 1000, [], b, DENSE)
+    assert (r.cache_n, r.lcp) == (600, 600)
+    assert predict_reuse([], 0, [], a, DENSE).cache_n == 0
+
+
+def test_hybrid_strict_extension_needs_no_checkpoint():
+    head = toks(3000)
+    r = predict_reuse(head, 3000, [], head + toks(500, 1), HYBRID)   # a warmed or restored head
+    assert (r.cache_n, r.reason) == (3000, "extends")
+
+
+def test_hybrid_divergence_resumes_from_newest_checkpoint_at_or_below():
+    a = toks(5000)
+    cps = [Checkpoint(1000), Checkpoint(4484), Checkpoint(4996)]
+    b = a[:4700] + toks(300, 3)
+    r = predict_reuse(a, 5000, cps, b, HYBRID)
+    assert (r.cache_n, r.checkpoint, r.reason) == (4484, 4484, "checkpoint")
+    assert all(c.n_tokens <= 4485 for c in r.checkpoints_after[:2])
+    # no checkpoint below the divergence: full re-prefill
+    r = predict_reuse(a, 5000, [], b, HYBRID)
+    assert (r.cache_n, r.reason) == (0, "no-checkpoint")
+
+
+def test_hybrid_identical_prompt_uses_a_checkpoint_below_n():
+    a = toks(5000)
+    r = predict_reuse(a, 5000, [Checkpoint(4484), Checkpoint(4996)], a, HYBRID)
+    assert r.cache_n == 4996
+    assert predict_reuse(a, 5000, [], a, HYBRID).cache_n == 0           # a restored slot, stock
+
+
+def test_generated_tail_is_unknown_but_bounded():
+    prompt = toks(2000)
+    nxt = prompt + toks(300, 4)        # next turn: the reply re-rendered, then a new user turn
+    # slot holds prompt + 40 generated tokens: the next prompt diverges inside the slot
+    r = predict_reuse(prompt, 2040, [Checkpoint(1484), Checkpoint(1996)], nxt, HYBRID)
+    assert r.cache_n == 1996 and r.upper == 2040
+    r = predict_reuse(prompt, 2040, [], nxt, DENSE)
+    assert r.cache_n == 2000 and r.upper == 2040
+
+
+def test_ram_cache_swap_widens_the_band():
+    a = toks(1000)
+    r = predict_reuse(a, 1000, [], toks(800, 9), DENSE, ram_swap=True)
+    assert r.cache_n == 0 and r.upper == 799
+
+
+# --- argv / GGUF ---------------------------------------------------------------------------------
+
+def test_parse_server_argv():
+    f = parse_server_argv(["-np", "2", "--ctx-checkpoints=8", "-ub", "128", "--metrics", "-kvu",
+                           "--slot-save-path", "/x", "--unknown", "v"])
+    assert f == {"n_parallel": 2, "ctx_checkpoints": 8, "n_ubatch": 128, "metrics": True,
+                 "kv_unified": True, "slot_save_path": "/x"}
+    with pytest.raises(ValueError):
+        parse_server_argv(["-ub"])
+    with pytest.raises(ValueError):
+        parse_server_argv(["-ub", "many"])
+    p = params_from_argv(["-m", "/nonexistent.gguf"], {"total_slots": 4}, None)
+    assert p.n_parallel_explicit is False and p.kv_unified is True and p.metrics is False
+
+
+def _gguf(path, kvs):
+    def s(b):
+        return struct.pack("<Q", len(b)) + b
+    out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs))
+    for key, typ, payload in kvs:
+        out += s(key.encode()) + struct.pack("<I", typ) + payload
+    path.write_bytes(out)
+
+
+def test_gguf_architecture(tmp_path):
+    p = tmp_path / "m.gguf"
+    arr = struct.pack("<IQ", 8, 2) + struct.pack("<Q", 1) + b"a" + struct.pack("<Q", 2) + b"bc"
+    _gguf(p, [("general.name", 8, struct.pack("<Q", 3) + b"abc"), ("x.arr", 9, arr),
+              ("x.u32", 4, struct.pack("<I", 7)), ("general.architecture", 8, struct.pack("<Q", 6) + b"qwen35")])
+    assert gguf_architecture(p) == "qwen35"
+    assert params_from_argv(["-np", "2", "-m", str(p)]).checkpoints is True
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"nope" * 10)
+    with pytest.raises(ValueError):
+        gguf_architecture(bad)
+
+
+# --- error mapping -------------------------------------------------------------------------------
+
+def test_errors_map_to_exceptions():
+    e = lambda code, msg, t="invalid_request_error": {"error": {"code": code, "message": msg, "type": t}}
+    assert isinstance(error_from_response(501, e(501, "This server does not support slots action. Start it with `--slot-save-path`", "not_supported_error"), 0, "save"), SlotNotSupported)
+    assert isinstance(error_from_response(400, e(400, "Invalid filename"), 0, "save"), SlotFileError)
+    assert isinstance(error_from_response(400, e(400, "Unable to restore slot: No available space in KV cache or invalid slot save file"), 0, "restore"), SlotFileError)
+    assert isinstance(error_from_response(400, e(400, "Invalid slot ID"), 0, "erase"), SlotInvalid)
+    assert isinstance(error_from_response(500, e(500, "Unable to save slot", "server_error"), 0, "save"), SlotFileError)
+    assert isinstance(error_from_response(503, e(503, "Loading model", "unavailable_error"), 0, "save"), UpstreamError)
+    with pytest.raises(SlotFileError):
+        SlotTable._check_filename("../etc")
+
+
+# --- reconciliation with GET /slots (notes §1.2 caveats) -------------------------------------------
+
+def test_reconcile():
+    t = SlotTable(None, "http://x", DENSE)
+    t._ensure(2)
+    s = t.slots[0]
+    s.tokens, s.n_total = toks(10), 15
+    t.reconcile_one(s, {"id": 0, "n_prompt_tokens": 15, "is_processing": False})
+    assert len(s.tokens) == 10                      # agrees
+    t.reconcile_one(s, {"id": 0, "n_prompt_tokens": 0, "is_processing": False})
+    assert s.tokens == [] and s.n_total == 0        # cleared by the server
+    s.tokens, s.n_total, s.pending = toks(10), None, True
+    t.reconcile_one(s, {"id": 0, "n_prompt_tokens": 31})
+    assert s.n_total == 31 and not s.pending         # the generated tail is now counted
+    t.reconcile_one(s, {"id": 0, "n_prompt_tokens": 7})
+    assert s.foreign and s.tokens == [] and s.n_total == 7
+    # a slot that never ran a task reports no n_prompt_tokens: unknown, not 0 ...
+    s.clear(); s.tokens, s.n_total = toks(10), 10      # ... which is fine for a slot ocache restored
+    t.reconcile_one(s, {"id": 0})
+    assert len(s.tokens) == 10
+    s.tokens, s.n_total = toks(10), 25
+    t.reconcile_one(s, {"id": 0})
+    assert s.foreign and s.n_total is None
+    s2 = t.slots[1]
+    s2.tokens, s2.n_total = toks(5), 5
+    t.reconcile_one(s2, {"id": 1, "is_processing": True, "n_prompt_tokens": 5})
+    assert s2.foreign                                 # busy without ocache's lock: someone else's
+
+
+# --- ranking and planning ----------------------------------------------------------------------------
+
+def slot(i, tokens=(), n_total=None, kind=None, owner=None, last=0.0, origin=False, head_key=None,
+         head_len=0, checkpoints=()):
+    s = SlotState(id=i, tokens=list(tokens), n_total=len(tokens) if n_total is None else n_total,
+                  kind=kind, owner=owner, last_used=last, origin=origin, head_key=head_key,
+                  head_len=head_len, checkpoints=list(checkpoints))
+    return s
+
+
+HEAD = toks(3000, 100)
+
+
+def conv(seed, n=800):
+    return HEAD + toks(n, seed)
+
+
+def test_guest_takes_a_side_slot_never_the_agent_conversation():
+    a = conv(1)
+    slots = [slot(0, a, len(a) + 30, "agent", "A", last=5), slot(1)]
+    title = toks(200, 50)
+    ranked = rank_slots(title, slots, RequestContext(kind="guest", session="A"), HYBRID)
+    assert ranked[0].slot == 1 and not ranked[0].protected
+    # even when the agent slot shares a prefix with the guest
+    guest = a[:100] + toks(50, 51)
+    assert rank_slots(guest, slots, RequestContext(kind="guest", session="A"), DENSE)[0].slot == 1
+
+
+def test_guest_with_one_slot_is_served_and_flagged():
+    a = conv(1)
+    dec = plan_request(toks(200, 50), [slot(0, a, None, "agent", "A")], [],
+                       RequestContext(kind="guest", session="A"), HYBRID)
+    assert dec.slot == 0 and dec.evicts and "guest_on_agent_slot" in dec.warnings
+    assert dec.steps == ("before_evict",)
+
+
+def test_continuation_wins_and_other_sessions_are_protected():
+    a, b = conv(1), conv(2)
+    slots = [slot(0, a, len(a) + 20, "agent", "A", last=1), slot(1, b, len(b) + 20, "agent", "B", last=2)]
+    nxt_a = a + toks(100, 7)
+    assert rank_slots(nxt_a, slots, RequestContext(kind="agent", session="A"), DENSE)[0].slot == 0
+    nxt_b = b + toks(100, 8)
+    assert rank_slots(nxt_b, slots, RequestContext(kind="agent", session="B"), DENSE)[0].slot == 1
+    # a third session must evict one: the one offering most, ties to the least recently used
+    c = conv(3)
+    d = plan_request(c, slots, [], RequestContext(kind="agent", session="C"), DENSE)
+    assert d.evicts and d.slot == 0 and d.predicted == 3000
+
+
+def test_new_session_consumes_the_origin_not_another_conversation():
+    a = conv(1)
+    slots = [slot(0, a, len(a) + 20, "agent", "A", last=3),
+             slot(1, HEAD, None, "head", None, last=0, origin=True, head_key="h", head_len=len(HEAD))]
+    b = conv(2)
+    d = plan_request(b, slots, [], RequestContext(kind="agent", session="B", head_key="h",
+                                                  head_len=len(HEAD)), HYBRID)
+    assert d.slot == 1 and d.predicted == len(HEAD) and not d.evicts
+    # a guest does not take the origin when an empty slot exists
+    slots.append(slot(2))
+    assert rank_slots(toks(100, 5), slots, RequestContext(kind="guest"), HYBRID)[0].slot == 2
+
+
+def test_same_prompt_same_folder_other_session_is_not_a_continuation():
+    a = conv(1)
+    slots = [slot(0, a, len(a) + 20, "agent", "A", last=3), slot(1)]
+    d = plan_request(a, slots, [], RequestContext(kind="agent", session="B"), DENSE)
+    assert d.slot == 1 and not d.evicts
+
+
+def test_lru_breaks_ties():
+    slots = [slot(0, toks(10, 1), None, "guest", last=9), slot(1, toks(10, 2), None, "guest", last=1)]
+    assert rank_slots(toks(50, 3), slots, RequestContext(kind="guest"), DENSE)[0].slot == 1
+
+
+def test_warm_head_on_a_new_fingerprint_and_offers():
+    b = conv(2)
+    ctx = RequestContext(kind="agent", session="B", head_key="h", head_len=len(HEAD))
+    d = plan_request(b, [slot(0), slot(1)], [], ctx, HYBRID, head_resident=False)
+    assert d.steps == ("warm_head",) and d.predicted == len(HEAD) and d.tier == "head"
+    d = plan_request(b, [slot(0), slot(1)], [], ctx, HYBRID, head_resident=True)
+    assert d.steps == () and d.predicted == 0 and d.tier == "cold"
+    # a disk/session offer that saves more than one ubatch is taken
+    d = plan_request(b, [slot(0), slot(1)], [Offer("disk", 3500, 0.1)], ctx, HYBRID)
+    assert d.steps == ("bring",) and d.tier == "disk" and d.predicted == 3500
+    # ... unless it costs more than the prefill it saves
+    d = plan_request(b, [slot(0), slot(1)], [Offer("disk", 3500, 100.0)], ctx, HYBRID, prefill_tps=1000.0)
+    assert d.steps == ()
+
+
+# --- doctor ----------------------------------------------------------------------------------------
+
+def test_doctor_findings():
+    argv = ["-m", "x.gguf"]
+    p = params_from_argv(argv, {}, None, checkpoints=True, arch="qwen35")
+    f = {x.flag: x for x in check(p, {"build_info": "b1-0c1e570"}, None, argv=argv)}
+    assert f["-np"].level == "error"
+    assert f["--slot-save-path"].level == "warning"
+    assert f["--checkpoint-min-step"].level == "warning"
+    assert f["build"].level == "warning"
+    assert f["--metrics"].level == "warning"
+    argv = ["-np", "2", "--slot-save-path", "/s", "--metrics", "--checkpoint-min-step", "1024", "-fa", "off"]
+    p = params_from_argv(argv, {}, None, checkpoints=True, arch="qwen35", cache_ram=0)
+    levels = {x.flag: x.level for x in check(p, {"build_info": "b1-0c1e570+ocache.abcd1234"}, None, argv=argv)}
+    assert all(v in ("ok", "info") for v in levels.values()), levels
+    p = params_from_argv(argv[:2], {}, None, checkpoints=True, ctx_checkpoints=0)
+    assert any(x.flag == "--ctx-checkpoints" and x.level == "error" for x in check(p, {}, None, argv=argv[:2]))
