@@ -281,8 +281,11 @@ class Bench:
             target = Target(url=url, upstream_url=srv.url, restart=restart)
             sent = await replay(scenario, target, time_scale=self.time_scale)
             if proxy is not None:
+                # stop ocache before the cold runs go to its upstream, so its background work
+                # (admission, spill on drain) never sees them
                 stats = await asyncio.to_thread(proxy.stats)
                 layer = layer_name(stats) or layer
+                await asyncio.to_thread(proxy.stop)
             grid = srv.ubatch if model == "hybrid" else None
             cold = self._cold.setdefault((config, model), {})
             rows = await measure(sent, srv.url, grid, cold_cache=cold)

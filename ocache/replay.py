@@ -580,8 +580,11 @@ async def prompt_tokens(http: aiohttp.ClientSession, base_url: str, path: str, b
     routes the ``prompt`` field (a string or token ids). Uses ``viewer.view(path, body, None)`` when
     a ``TokenViewer`` is given. Raises ReplayError on an HTTP error."""
     if viewer is not None:
-        view = await viewer.view(path, body, None)
-        return list(view.tokens)
+        try:
+            view = await viewer.view(path, body, None)
+            return list(view.tokens)
+        except Exception as exc:  # the viewer is another module's; the endpoints are the truth
+            log.warning("TokenViewer failed (%s); tokenizing through the endpoints", exc)
     if "messages" in body:
         async with http.post(base_url + "/apply-template", json=body) as r:
             if r.status != 200:
@@ -599,6 +602,20 @@ async def prompt_tokens(http: aiohttp.ClientSession, base_url: str, path: str, b
         if r.status != 200:
             raise ReplayError(f"/tokenize: HTTP {r.status} {(await r.text())[:200]}")
         return [int(t) if not isinstance(t, dict) else int(t["id"]) for t in (await r.json())["tokens"]]
+
+
+def _token_viewer(http: aiohttp.ClientSession, base_url: str) -> Any:
+    """``ocache.tokens.TokenViewer`` on this server if that module is present, else None."""
+    try:
+        from .tokens import TokenViewer  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    for arg in (base_url, http):
+        try:
+            return TokenViewer(arg)
+        except Exception:  # unknown constructor shape: try the next, else use the endpoints
+            continue
+    return None
 
 
 def cold_body(body: dict) -> dict:
@@ -665,6 +682,8 @@ async def measure(sent: list[Sent], upstream_url: str, grid: int | None,
     oracle = Oracle(grid)
     rows: list[Row] = []
     async with aiohttp.ClientSession(timeout=timeout) as http:
+        if viewer is None:
+            viewer = _token_viewer(http, upstream_url)
         for s in sent:
             r = s.response
             tokens = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
