@@ -370,3 +370,37 @@ def test_kind_budgets_share_one_store(tmp_path):
         put(s, list(range(1000 * i, 1000 * i + 50)), state_bytes=15_000, kind="a", ckpt=False, seed=i)
         assert s.kind_bytes("a") <= 40_000 and s.used_bytes() <= 100_000
     assert {e.key for e in s.entries("s")} == {e.key for e in spills}
+
+
+def test_cache_cli_ls_gc_clear(tmp_path, capsys):
+    from ocache.cli import main
+
+    clock = Clock()
+    s = make_store(tmp_path / "root", clock=clock)  # meta dir = root/meta; the CLI reads root/store
+    s.close()
+    root = tmp_path / "root"
+    (root / "meta").rename(root / "store")
+    s = Store(root / "store", root / "slots", "id-A")
+    s.open()
+    keep = put(s, list(range(1, 500)), state_bytes=4000)
+    s.touch(keep.key)
+    put(s, list(range(1000, 1100)), state_bytes=4000, kind="s", seed=1)
+    (s.data_dir / "oc-tmp-a-deadbeef-0000.bin").write_bytes(b"partial")  # a killed write
+    (s.data_dir / "user-file.bin").write_bytes(b"not ours")
+
+    assert main(["cache", "ls", "--cache-dir", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "anchor" in out and "spill" in out and "2 entries" in out and keep.key[:16] in out
+    # gc and clear refuse while the store is open in another process (here: this one's lock)
+    assert main(["cache", "gc", "--cache-dir", str(root)]) == 1
+    assert "in use" in capsys.readouterr().err
+    s.close()
+    assert main(["cache", "gc", "--cache-dir", str(root)]) == 0
+    assert "removed 1 orphan" in capsys.readouterr().out
+    assert not (s.data_dir / "oc-tmp-a-deadbeef-0000.bin").exists()
+    assert main(["cache", "clear", "--cache-dir", str(root), "--kind", "spills"]) == 0
+    assert "deleted 1" in capsys.readouterr().out
+    assert main(["cache", "ls", "--cache-dir", str(root)]) == 0
+    assert "1 entries" in capsys.readouterr().out
+    assert (s.data_dir / "user-file.bin").exists()  # files that are not ocache's are never touched
+    assert main(["cache", "ls", "--cache-dir", str(tmp_path / "nowhere")]) == 1

@@ -344,14 +344,32 @@ class Store:
         return self.data_dir / name
 
     # ------------------------------------------------------------------ open / index
-    def open(self) -> OpenReport:
+    def open(self, readonly: bool = False) -> OpenReport:
         """Create the directories (0700), take the lock, load or rebuild the index, sweep.
 
         Start-up deletions are decided from records and files only: entries of another identity,
         records that cannot be parsed (with their key-named files) and ``oc-`` files that no
         record claims (a write killed part way). Returns the :class:`OpenReport`.
-        Raises LockedError if another process holds the lock.
+        Raises LockedError if another process holds the lock. ``readonly``: no lock, no write and
+        no deletion (``ocache cache ls`` next to a running ocache): the index is loaded or rebuilt in
+        memory only.
         """
+        if readonly:
+            with self._lock:
+                if not self.records_dir.is_dir():
+                    raise StoreError(f"no store at {self.meta_dir}")
+                rep = OpenReport(index=self._load_index())
+                if rep.index != "ok":
+                    self._entries = {}
+                    for p in sorted(self.records_dir.glob("*.json")):
+                        try:
+                            e = Entry.from_dict(json.loads(p.read_bytes()), with_tokens=False)
+                            self._entries[e.key] = e
+                        except (ValueError, KeyError, TypeError, OSError):
+                            rep.bad_records += 1
+                rep.entries = len(self._entries)
+                self.report = rep
+                return rep
         with self._lock:
             for d in (self.meta_dir, self.records_dir):
                 d.mkdir(parents=True, exist_ok=True, mode=0o700)

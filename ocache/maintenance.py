@@ -1,0 +1,148 @@
+"""``ocache cache ls|gc|clear``: look after the store offline (issue 6 §5).
+
+These commands work on the files directly (``ocache.tiers.store``), without a running ocache:
+
+* ``ls``   a table of entries (kind, tokens, size, hits, last use, value, reason, key), read-only
+  (safe next to a running ocache: no lock taken, nothing written);
+* ``gc``   remove entries past the TTL, evict by value down to the budget, remove orphan files
+  (takes the store's lock: refuses while ocache runs, use the admin route then);
+* ``clear`` delete every entry (or one kind: ``--kind anchors|spills``).
+
+The store lives in ``<cache dir>/store`` (records, index); the slot files in the server's
+``--slot-save-path``, which the store recorded in ``store.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .tiers.store import DAY_S, LockedError, Store, StoreError, data_dir_of
+
+KINDS = {"anchors": "a", "spills": "s", "all": None}
+KIND_NAMES = {"a": "anchor", "s": "spill"}
+
+
+def _meta_dir(args: argparse.Namespace) -> Path:
+    if args.cache_dir:
+        return Path(args.cache_dir).expanduser() / "store"
+    from .paths import cache_root
+
+    return cache_root() / "store"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _ago(t: float, now: float) -> str:
+    d = max(0.0, now - t)
+    if d < 3600:
+        return f"{d / 60:.0f}m"
+    if d < DAY_S:
+        return f"{d / 3600:.1f}h"
+    return f"{d / DAY_S:.1f}d"
+
+
+def _open(args: argparse.Namespace, readonly: bool) -> Store | None:
+    meta = _meta_dir(args)
+    data = Path(args.slot_dir) if args.slot_dir else data_dir_of(meta)
+    if data is None or not (meta / "records").is_dir():
+        print(f"ocache cache: no store at {meta} (nothing saved yet)", file=sys.stderr)
+        return None
+    s = Store(meta, data, None, lock=not readonly, budget_bytes=int(args.budget_gb * 1e9) if
+              getattr(args, "budget_gb", None) else 50 * 10**9,
+              ttl_s=args.ttl_days * DAY_S if getattr(args, "ttl_days", None) else 7 * DAY_S)
+    s.open(readonly=readonly)
+    return s
+
+
+def table(entries: list, now: float) -> str:
+    """The ``ls`` table (one line per entry, most valuable first)."""
+    head = ("KIND", "TOKENS", "SIZE", "HITS", "CREATED", "USED", "VALUE", "REASON", "KEY")
+    rows = [head]
+    for e in sorted(entries, key=lambda e: -e.value(now)):
+        rows.append((KIND_NAMES.get(e.kind, e.kind), str(e.n_tokens), _human(e.bytes), str(e.hits),
+                     _ago(e.created, now), _ago(e.last_used, now), f"{e.value(now) * 1e6:.2f}",
+                     str(e.meta.get("reason", "")), e.key[:16]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i in (0, 7, 8) else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    s = _open(args, readonly=True)
+    if s is None:
+        return 1
+    now = time.time()
+    entries = s.entries(KINDS[args.kind])
+    print(f"store {s.meta_dir}  files {s.data_dir}  index {s.report.index}")
+    if entries:
+        print(table(entries, now))
+    total = sum(e.bytes for e in entries)
+    print(f"{len(entries)} entries, {_human(total)}  (value = (hits+1) x tokens/byte x 0.5^days unused, x1e6)")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    try:
+        s = _open(args, readonly=False)
+    except LockedError as exc:
+        print(f"ocache cache gc: {exc}; a running ocache does this itself", file=sys.stderr)
+        return 1
+    if s is None:
+        return 1
+    rep = s.report
+    r = s.gc()
+    print(f"gc: index {rep.index}; removed {rep.orphans} orphan files ({_human(rep.orphan_bytes)}), "
+          f"{rep.bad_records} unreadable records, {r['expired']} expired, {r['evicted']} evicted; "
+          f"{len(s.entries())} entries, {_human(s.used_bytes())} kept")
+    s.close()
+    return 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    try:
+        s = _open(args, readonly=False)
+    except LockedError as exc:
+        print(f"ocache cache clear: {exc}; use POST /v1/cache/clear on the running ocache", file=sys.stderr)
+        return 1
+    if s is None:
+        return 1
+    n = s.clear(KINDS[args.kind])
+    print(f"clear: deleted {n} entries ({args.kind})")
+    s.close()
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("cache", help="list, collect or clear the on-disk cache (offline)",
+                              description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--cache-dir", default=None, help="ocache cache root (default: $OCACHE_CACHE_DIR "
+                       "or ~/.cache/ocache)")
+        q.add_argument("--slot-dir", default=None, help="the server's --slot-save-path (default: as "
+                       "recorded by the store)")
+        q.add_argument("--kind", choices=sorted(KINDS), default="all", help="which entries (default all)")
+
+    q = sub.add_parser("ls", help="table of stored entries (read-only)")
+    common(q)
+    q.set_defaults(func=cmd_ls)
+    q = sub.add_parser("gc", help="expire, evict to the budget, remove orphan files")
+    common(q)
+    q.add_argument("--budget-gb", type=float, default=50.0, help="byte budget in GB (default %(default)s)")
+    q.add_argument("--ttl-days", type=float, default=7.0, help="unused entries older than this go "
+                   "(default %(default)s)")
+    q.set_defaults(func=cmd_gc)
+    q = sub.add_parser("clear", help="delete every entry (of --kind)")
+    common(q)
+    q.set_defaults(func=cmd_clear)

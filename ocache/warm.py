@@ -1,0 +1,327 @@
+"""``ocache warm DIR``: put a project folder's head into a slot before its first turn (issue 6 §5).
+
+The *folder head* is everything an agent's first request in that folder shares with the next one:
+tools + the whole system message (harness head, ``<env>`` with the folder and date, AGENTS.md
+instructions, skills) + the template's glue, up to where the first user message starts. To rebuild
+it, ocache keeps a small **folder journal** under the cache directory (mode 0700, one file of mode
+0600 per folder): for the last agent request seen in each folder, its ``tools``, its system
+message(s) and the few top-level fields that change the rendering (``tool_choice``,
+``chat_template_kwargs``, ``reasoning_format``, ``parallel_tool_calls``, ``model``). User and
+assistant messages are never written: no prompt is logged. The system message does contain the
+folder path and the AGENTS.md text the client sent; that is why the journal is private (0700).
+
+The folder comes from the request's system text: opencode's ``<env>`` block (``Working directory:
+/abs/path``) or pi's ``Current working directory: /abs/path`` (see ``shared/fixtures``).
+
+Warming (``warm_folder``): render the journaled head with a placeholder user turn, tokenize it
+(``ocache.tokens``), cut at the user turn's start, then restore the longest anchor the disk tier
+has for it; if that does not cover the whole head, prefill the rest (``/completion`` with
+``n_predict: 0``) and save it as an anchor. Progress is reported stage by stage.
+
+The running ocache serves it at ``POST /v1/cache/warm`` with body ``{"dir": "/abs/path"}``; the
+answer is ``application/x-ndjson``: one JSON object per stage (``{"stage": "render", ...}``), the
+last one ``{"done": true, "slot": n, "tokens": n, "source": "disk"|"prefill"|"resident", ...}`` or
+``{"done": true, "error": "..."}``. An unknown folder answers 404 ``{"error": ...}`` at once.
+The handler is :func:`make_warm_handler`; the proxy mounts it (admin route).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+#: Lines that name the working folder in the system text (``shared/fixtures``): opencode 1.18
+#: ``<env>`` block, pi 0.73 closing lines.
+FOLDER_PATTERNS = (
+    re.compile(r"^\s*Working directory:\s*(\S.*?)\s*$", re.M),
+    re.compile(r"^\s*Current working directory:\s*(\S.*?)\s*$", re.M),
+)
+#: Top-level body fields kept in the journal because they change how the head renders.
+RENDER_FIELDS = ("model", "tool_choice", "chat_template_kwargs", "reasoning_format", "parallel_tool_calls")
+PLACEHOLDER_USER = "ocache-warm"
+
+
+class NotSeenError(LookupError):
+    """ocache never saw an agent request for the folder."""
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def folder_of(body: Mapping) -> str | None:
+    """The working folder named in the request's system message(s), or None."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return None
+    for m in msgs:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
+            continue
+        text = _text(m.get("content"))
+        for pat in FOLDER_PATTERNS:
+            hit = pat.search(text)
+            if hit:
+                return hit.group(1)
+    return None
+
+
+def normalize(folder: str) -> str:
+    return os.path.normpath(folder)
+
+
+def head_body(entry: Mapping) -> dict:
+    """A chat body that renders the folder head followed by a placeholder user turn."""
+    body = {k: entry[k] for k in RENDER_FIELDS if k in entry}
+    body["tools"] = entry.get("tools") or []
+    body["messages"] = list(entry["system"]) + [{"role": "user", "content": PLACEHOLDER_USER}]
+    return body
+
+
+class FolderJournal:
+    """The folder journal: ``dir/<xxh3 of the folder>.json`` per folder (see the module docstring).
+
+    ``dir`` is created with mode 0700. :meth:`note` is cheap when nothing changed (an in-memory hash
+    per folder) and writes atomically otherwise.
+    """
+
+    def __init__(self, dir: Path) -> None:
+        self.dir = Path(dir)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.dir, 0o700)
+        self._seen: dict[str, str] = {}
+
+    def path(self, folder: str) -> Path:
+        return self.dir / f"{xxhash.xxh3_64_hexdigest(normalize(folder).encode())}.json"
+
+    def note(self, body: Mapping, fingerprint: str | None = None) -> str | None:
+        """Journal an agent request's head (never its user/assistant messages). Returns the folder
+        or None when the body names none."""
+        folder = folder_of(body)
+        if folder is None:
+            return None
+        folder = normalize(folder)
+        system = [m for m in body.get("messages", []) if isinstance(m, dict)
+                  and m.get("role") in ("system", "developer")]
+        entry = {k: body[k] for k in RENDER_FIELDS if k in body}
+        entry.update({"folder": folder, "tools": body.get("tools") or [], "system": system,
+                      "fingerprint": fingerprint})
+        digest = xxhash.xxh3_64_hexdigest(json.dumps(entry, sort_keys=True).encode())
+        if self._seen.get(folder) == digest:
+            return folder
+        entry["seen"] = time.time()
+        from .tiers.store import atomic_write
+
+        atomic_write(self.path(folder), json.dumps(entry).encode(), mode=0o600)
+        self._seen[folder] = digest
+        return folder
+
+    def get(self, folder: str) -> dict:
+        """The journal entry for ``folder`` (also tried with symlinks resolved). Raises NotSeenError."""
+        for f in dict.fromkeys([normalize(folder), normalize(os.path.realpath(folder))]):
+            try:
+                return json.loads(self.path(f).read_text())
+            except (OSError, ValueError):
+                continue
+        raise NotSeenError(f"ocache has never seen an agent request for {folder}; run one turn of the "
+                           "agent there first")
+
+    def folders(self) -> list[dict]:
+        out = []
+        for p in sorted(self.dir.glob("*.json")):
+            try:
+                e = json.loads(p.read_text())
+                out.append({"folder": e["folder"], "seen": e.get("seen"), "fingerprint": e.get("fingerprint")})
+            except (OSError, ValueError, KeyError):
+                continue
+        return out
+
+
+Progress = Callable[[dict], Awaitable[None]]
+
+
+async def warm_folder(folder: str, *, journal: FolderJournal, viewer: Any, tier: Any, slots: Any,
+                      slot: int, progress: Progress | None = None) -> dict:
+    """Make ``slot`` hold ``folder``'s head. The caller holds the slot's lock.
+
+    ``viewer``: an ``ocache.tokens.TokenViewer``; ``tier``: the ``DiskTier`` (may be None: prefill
+    only); ``slots``: the ``SlotTable``. Returns ``{"slot", "tokens", "source", "seconds",
+    "restored", "prefilled"}`` where ``source`` is ``disk`` (an anchor covered the head), ``prefill``
+    (prefilled, possibly on top of a shorter anchor, then saved) or ``resident`` (already there).
+    Raises NotSeenError, and whatever the view/slot calls raise.
+    """
+    from .fingerprint import harness_head
+
+    async def say(**kw: Any) -> None:
+        if progress is not None:
+            await progress(kw)
+
+    t0 = time.monotonic()
+    entry = journal.get(folder)
+    await say(stage="journal", folder=entry["folder"], seen=entry.get("seen"))
+    body = head_body(entry)
+    view = await viewer.view("/v1/chat/completions", body, harness_head(body))
+    if not view.user_starts:
+        raise ValueError("the journaled head renders no user turn start")
+    n = view.user_starts[-1]
+    head = list(view.tokens[:n])
+    await say(stage="render", tokens=n, head_end=view.head_end)
+    have = list(getattr(slots[slot], "tokens", None) or []) if hasattr(slots, "__getitem__") else []
+    if have == head:
+        await say(stage="resident", slot=slot)
+        return {"slot": slot, "tokens": n, "source": "resident", "seconds": time.monotonic() - t0,
+                "restored": 0, "prefilled": 0}
+    restored = 0
+    if tier is not None:
+        offer = await tier.lookup(view, None)
+        if offer is not None:
+            await say(stage="restore", tokens=offer.ref.n_tokens, bytes=offer.ref.bytes)
+            try:
+                await tier.bring(offer, slot)
+                restored = offer.ref.n_tokens
+            except Exception as exc:  # noqa: BLE001 - a bad anchor is deleted; prefill instead
+                await say(stage="restore_failed", error=str(exc))
+    if restored >= n:
+        await say(stage="restored", tokens=restored, seconds=round(time.monotonic() - t0, 3))
+        return {"slot": slot, "tokens": n, "source": "disk", "seconds": time.monotonic() - t0,
+                "restored": restored, "prefilled": 0}
+    await say(stage="prefill", tokens=n - restored, from_token=restored)
+    users = [u for u in view.user_starts if u < n]
+    t1 = time.monotonic()
+    timings = await slots.warm(slot, head, message_delimiters=[{"role": "user", "delimiter": "<|im_start|>user"}],
+                               user_starts=users)
+    await say(stage="prefilled", cache_n=timings.get("cache_n"), prompt_n=timings.get("prompt_n"),
+              seconds=round(time.monotonic() - t1, 3))
+    if tier is not None:
+        saved = await tier.save_slot(slot, head, fingerprint=entry.get("fingerprint"), reason="warm")
+        await tier.flush()
+        await say(stage="saved" if saved else "not_saved", tokens=n)
+    return {"slot": slot, "tokens": n, "source": "prefill", "seconds": time.monotonic() - t0,
+            "restored": restored, "prefilled": n - restored}
+
+
+@dataclass
+class WarmDeps:
+    """What the warm route needs from the running cache layer (the lead wires these)."""
+
+    journal: FolderJournal
+    viewer: Any
+    tier: Any
+    slots: Any
+    pick_slot: Callable[[], Awaitable[int]]   # an idle slot to warm into (e.g. the LRU one)
+
+
+def make_warm_handler(get_deps: Callable[[], WarmDeps | None]):
+    """An aiohttp handler for ``POST /v1/cache/warm`` ``{"dir": "/abs/path"}`` (see the module
+    docstring). ``get_deps()`` returns None when the cache layer is off (answers 503)."""
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        deps = get_deps()
+        if deps is None:
+            return web.json_response({"error": "the cache layer is off"}, status=503)
+        try:
+            body = await request.json()
+            folder = body["dir"]
+            if not isinstance(folder, str) or not folder:
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": 'body must be {"dir": "/absolute/path"}'}, status=400)
+        try:
+            deps.journal.get(folder)
+        except NotSeenError as exc:
+            return web.json_response({"error": str(exc)}, status=404)
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+
+        async def progress(obj: dict) -> None:
+            await resp.write((json.dumps(obj) + "\n").encode())
+
+        try:
+            slot = await deps.pick_slot()
+            async with deps.slots.lock(slot):
+                result = await warm_folder(folder, journal=deps.journal, viewer=deps.viewer, tier=deps.tier,
+                                           slots=deps.slots, slot=slot, progress=progress)
+            await progress({"done": True, **result})
+        except Exception as exc:  # noqa: BLE001 - reported to the client, logged
+            log.warning("warm %s failed: %s", folder, exc)
+            await progress({"done": True, "error": str(exc)})
+        await resp.write_eof()
+        return resp
+
+    return handler
+
+
+# ---------------------------------------------------------------------- CLI
+
+def _cli(args: argparse.Namespace) -> int:
+    folder = os.path.abspath(os.path.expanduser(args.dir))
+    url = args.url.rstrip("/") + "/v1/cache/warm"
+    headers = {"Content-Type": "application/json"}
+    token = args.token or os.environ.get("OCACHE_ADMIN_TOKEN")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps({"dir": folder}).encode(), headers=headers, method="POST")
+    try:
+        resp = urllib.request.urlopen(req, timeout=args.timeout)
+    except urllib.error.HTTPError as exc:
+        try:
+            msg = json.loads(exc.read()).get("error", "")
+        except ValueError:
+            msg = ""
+        print(f"ocache warm: {msg or f'HTTP {exc.code} from {url}'}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"ocache warm: cannot reach ocache at {args.url} ({exc}); is `ocache serve` running?",
+              file=sys.stderr)
+        return 2
+    rc = 1
+    with resp:
+        for line in resp:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if obj.get("done"):
+                if obj.get("error"):
+                    print(f"ocache warm: failed: {obj['error']}", file=sys.stderr)
+                    rc = 1
+                else:
+                    print(f"warm: {folder}: {obj['tokens']} tokens in slot {obj['slot']} from {obj['source']} "
+                          f"in {obj['seconds']:.2f} s")
+                    rc = 0
+            else:
+                stage = obj.pop("stage", "?")
+                print(f"  {stage}: " + ", ".join(f"{k}={v}" for k, v in obj.items()), flush=True)
+    return rc
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("warm", help="warm a project folder's head in a running ocache",
+                              description="Put the head of FOLDER (tools + system prompt of the last agent "
+                              "request ocache saw there) into a slot: restored from the disk tier, or "
+                              "prefilled and saved. Exits 1 if ocache never saw the folder.")
+    p.add_argument("dir", metavar="DIR", help="project folder (as the agent reports it as its working directory)")
+    p.add_argument("--url", default=os.environ.get("OCACHE_URL", "http://127.0.0.1:8081"),
+                   help="the running ocache (default %(default)s, env OCACHE_URL)")
+    p.add_argument("--token", default=None, help="admin bearer token (env OCACHE_ADMIN_TOKEN)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds (default %(default)s)")
+    p.set_defaults(func=_cli)

@@ -1,0 +1,313 @@
+"""Integration tests of the disk tier against the real (patched) llama-server on the tiny models.
+
+Real parts throughout: the server from tests/conftest.py ``start_server``, the slot table
+(``ocache.slots``), the token view (``ocache.tokens``), real opencode request bodies from
+``shared/fixtures``. The tier is driven the way the cache layer drives it: ``prepare`` (split the
+prefill at the anchor lines) before forwarding a request pinned to the slot, ``admit`` after,
+``lookup``/``bring`` before a request after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from ocache import fingerprint as fp
+from ocache.slots import SlotTable, params_from_argv
+from ocache.tiers.disk import DiskConfig, DiskTier, DiskTierError
+from ocache.tiers.store import Store
+from ocache.tokens import TokenViewer
+from conftest import load_fixture
+
+server = pytest.mark.server
+
+CHAT = "/v1/chat/completions"
+
+
+class Obs:
+    def __init__(self, timings: dict):
+        self.timings = timings
+
+
+class Harness:
+    """One llama-server plus the parts the disk tier needs, rebuilt after each restart."""
+
+    def __init__(self, srv, meta_dir: Path, min_tokens: int = 1024):
+        self.srv = srv
+        self.meta_dir = meta_dir
+        self.min_tokens = min_tokens
+        self.session: aiohttp.ClientSession | None = None
+
+    async def connect(self) -> None:
+        if self.session is None:
+            self.session = aiohttp.ClientSession()
+        async with self.session.get(self.srv.url + "/props") as r:
+            props = await r.json()
+        argv = self.srv.command()
+        self.identity = fp.identity(str(self.srv.model), props.get("build_info", ""),
+                                    props.get("chat_template", ""), fp.state_flags(argv, props))
+        self.slots = SlotTable(self.session, self.srv.url, params_from_argv(argv, props))
+        await self.slots.refresh()
+        self.viewer = TokenViewer(self.srv.url)
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+        self.store = Store(self.meta_dir, Path(self.srv.slot_save_path), self.identity.key)
+        self.store.open()
+        self.tier = DiskTier(self.store, self.slots, DiskConfig(min_tokens=self.min_tokens,
+                                                                ubatch=self.srv.ubatch))
+
+    async def restart(self) -> None:
+        await self.tier.flush()
+        await self.viewer.close()
+        self.srv.restart()
+        await self.connect()
+
+    async def view(self, body: dict):
+        return await self.viewer.view(CHAT, body, fp.harness_head(body))
+
+    async def send(self, body: dict, slot: int) -> dict:
+        b = dict(body, id_slot=slot, stream=False, max_tokens=4, temperature=0)
+        b.pop("stream_options", None)
+        async with self.session.post(self.srv.url + CHAT, json=b) as r:
+            data = await r.json()
+            assert r.status == 200, data
+        return data["timings"]
+
+    async def turn(self, body: dict, slot: int = 0, view=None) -> tuple[dict, object]:
+        """One request as the cache layer would run it: lookup/bring, prepare, forward, admit."""
+        view = view or await self.view(body)
+        async with self.slots.lock(slot):
+            cached = 0
+            offer = await self.tier.lookup(view, None)
+            if offer is not None:
+                try:
+                    await self.tier.bring(offer, slot)
+                    cached = offer.tokens_usable
+                except DiskTierError:
+                    cached = 0
+            await self.tier.prepare(view, slot, cached)
+            timings = await self.send(body, slot)
+        await self.tier.admit(view, slot, Obs(timings))
+        await self.tier.flush()
+        return timings, offer
+
+    async def close(self) -> None:
+        await self.viewer.close()
+        await self.session.close()
+        self.store.close()
+
+
+@pytest.fixture
+async def harness(start_server, tmp_path, request):
+    made: list[Harness] = []
+
+    async def make(model: str, **kw) -> Harness:
+        srv = start_server(model, n_parallel=1, ctx_size=16384, **kw)
+        h = Harness(srv, tmp_path / "meta")
+        await h.connect()
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        await h.close()
+
+
+def ub(h: Harness) -> int:
+    return h.srv.ubatch
+
+
+@server
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+async def test_restart_between_turns_resumes_from_anchors(harness, model):
+    h = await harness(model)
+    t1 = load_fixture("opencode_agent_turn1.json")
+    t2 = load_fixture("opencode_agent_turn1_after_tool.json")
+    other = load_fixture("opencode_run2_agent_turn1.json")
+    v1 = await h.view(t1)
+    assert v1.head_end and len(v1.user_starts) == 1
+    planned = dict((r, n) for n, r in h.tier.plan_anchors(v1, 0))
+    assert planned == {"head": v1.head_end, "session": v1.user_starts[0]}
+
+    timings1, offer = await h.turn(t1)
+    assert offer is None
+    # the split prefill: the request strictly extends the last anchor it wrote
+    assert timings1["cache_n"] >= v1.user_starts[0] - 1
+    anchors = sorted(e.n_tokens for e in h.store.entries("a"))
+    assert anchors == [v1.head_end, v1.user_starts[0]]
+    assert h.tier.stats()["save_s_max"] is not None
+
+    await h.restart()
+    v2 = await h.view(t2)
+    timings2, offer = await h.turn(t2, view=v2)
+    assert offer is not None and offer.tokens_usable == v1.user_starts[0]
+    assert timings2["cache_n"] >= offer.tokens_usable - ub(h)
+    assert h.tier.counters["hits"] == 1 and h.tier.counters["unconfirmed"] == 0
+
+    # a new session (another run of opencode) after a restart resumes from the head anchor
+    await h.restart()
+    vo = await h.view(other)
+    assert vo.tokens[: v1.head_end] == v1.tokens[: v1.head_end]
+    timings3, offer = await h.turn(other, view=vo)
+    assert offer is not None and offer.tokens_usable >= v1.head_end
+    assert timings3["cache_n"] >= v1.head_end - ub(h)
+    assert h.tier.counters["hits"] == 1  # counters restart with the tier; this one confirmed too
+
+
+FAULTS = ["missing", "truncated", "zero", "bitflip", "ckpt_missing", "foreign"]
+
+
+@server
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, model):
+    h = await harness(model)
+    t1 = load_fixture("opencode_agent_turn1.json")
+    t2 = load_fixture("opencode_agent_turn1_after_tool.json")
+    await h.turn(t1)
+    entries = h.store.entries("a")
+    assert len(entries) == 2
+    for fault in FAULTS:
+        await h.restart()
+        if not h.store.entries("a"):
+            await h.turn(t1)  # rewrite the anchors (the previous fault deleted one)
+            await h.restart()
+        v2 = await h.view(t2)
+        offer = await h.tier.lookup(v2, None)
+        assert offer is not None, fault
+        e = h.store.get(offer.ref.key)
+        p = Path(h.srv.slot_save_path) / e.bin_name
+        data = bytearray(p.read_bytes())
+        if fault == "missing":
+            p.unlink()
+        elif fault == "truncated":
+            p.write_bytes(data[: len(data) * 2 // 3])
+        elif fault == "zero":
+            p.write_bytes(b"")
+        elif fault == "bitflip":
+            data[len(data) // 2] ^= 0x04
+            p.write_bytes(data)
+        elif fault == "ckpt_missing":
+            if "ckpt" not in e.files:
+                continue  # a build without the sidecar: nothing to remove
+            (Path(h.srv.slot_save_path) / e.files["ckpt"].name).unlink()
+        elif fault == "foreign":
+            # the server comes back with another identity (e.g. other flags): its files are swept
+            h.store.close()
+            s = Store(h.meta_dir, Path(h.srv.slot_save_path), "another-model-or-build")
+            rep = s.open()
+            assert rep.swept_identity == len(entries) or rep.swept_identity >= 1
+            assert not [f for f in os.listdir(h.srv.slot_save_path) if f.startswith("oc-a-")]
+            s.close()
+            h.store.open()
+            assert h.store.entries() == []
+            timings = await h.send(t2, 0)
+            assert timings["cache_n"] == 0
+            continue
+        with pytest.raises(DiskTierError):
+            await h.tier.bring(offer, 0)
+        assert h.store.get(e.key) is None, fault
+        assert not any((Path(h.srv.slot_save_path) / f.name).exists() for f in e.files.values()), fault
+        timings = await h.send(t2, 0)  # served cold, server up
+        assert timings["cache_n"] == 0, fault
+        async with h.session.get(h.srv.url + "/health") as r:
+            assert r.status == 200
+    assert h.tier.counters["verify_failed"] >= 4
+
+
+@server
+async def test_unconfirmed_restore_is_a_counted_miss(harness):
+    """C3: a restore counts as a hit only when the next response's cache_n confirms it."""
+    h = await harness("dense")
+    t1 = load_fixture("opencode_agent_turn1.json")
+    t2 = load_fixture("opencode_agent_turn1_after_tool.json")
+    await h.turn(t1)
+    await h.restart()
+    v2 = await h.view(t2)
+    async with h.slots.lock(0):
+        offer = await h.tier.lookup(v2, None)
+        await h.tier.bring(offer, 0)
+        # something else takes the slot before the request (here: an erase), then the request
+        await h.slots.erase(0)
+        timings = await h.send(t2, 0)
+    await h.tier.admit(v2, 0, Obs(timings))
+    assert timings["cache_n"] == 0
+    assert h.tier.counters["unconfirmed"] == 1 and h.tier.counters["hits"] == 0
+    assert h.store.get(offer.ref.key).hits == 0
+
+
+@server
+async def test_short_prompts_are_not_stored(harness):
+    h = await harness("dense")
+    h.tier.cfg.min_tokens = 100_000
+    await h.turn(load_fixture("opencode_agent_turn1.json"))
+    assert h.store.entries() == [] and h.tier.counters["skipped_short"] == 1
+
+
+# --------------------------------------------------------------------------- folder journal (no server)
+
+def test_folder_of_real_clients():
+    from ocache.warm import folder_of
+
+    assert folder_of(load_fixture("opencode_agent_turn1.json")) == "/home/user/proj"
+    assert folder_of(load_fixture("opencode_run3_proj2_agent_turn1.json")) == "/home/user/proj2"
+    assert folder_of(load_fixture("pi_turn1.json")) == "/home/user/piproj"
+    assert folder_of(load_fixture("opencode_title.json")) is None
+
+
+def test_journal_keeps_the_head_and_never_the_conversation(tmp_path):
+    from ocache.warm import FolderJournal, NotSeenError, head_body
+
+    j = FolderJournal(tmp_path / "journal")
+    body = load_fixture("opencode_agent_turn1_after_tool.json")
+    assert j.note(body, fingerprint="fp") == "/home/user/proj"
+    files = list((tmp_path / "journal").iterdir())
+    assert len(files) == 1 and oct(files[0].stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "journal").stat().st_mode & 0o777) == "0o700"
+    raw = files[0].read_text()
+    for m in body["messages"]:
+        if m["role"] in ("user", "assistant", "tool") and isinstance(m.get("content"), str) and m["content"]:
+            assert m["content"] not in raw
+    entry = j.get("/home/user/proj/")
+    hb = head_body(entry)
+    assert hb["tools"] == body["tools"] and hb["messages"][0] == body["messages"][0]
+    assert [m["role"] for m in hb["messages"]] == ["system", "user"]
+    with pytest.raises(NotSeenError):
+        j.get("/home/user/elsewhere")
+
+
+def test_warm_cli_unknown_folder_and_no_server(tmp_path, capsys):
+    """`ocache warm DIR` exits non-zero with a clear message: folder never seen (404 from the
+    route) or no ocache listening."""
+    import threading
+    from aiohttp import web
+
+    from ocache.cli import main
+    from ocache.warm import FolderJournal, WarmDeps, make_warm_handler
+    from ocache.server import free_port
+
+    j = FolderJournal(tmp_path / "journal")
+    deps = WarmDeps(journal=j, viewer=None, tier=None, slots=None, pick_slot=None)
+    app = web.Application()
+    app.router.add_post("/v1/cache/warm", make_warm_handler(lambda: deps))
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        rc = main(["warm", str(tmp_path / "never"), "--url", f"http://127.0.0.1:{port}"])
+        assert rc == 1 and "never seen" in capsys.readouterr().err
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+    rc = main(["warm", str(tmp_path), "--url", f"http://127.0.0.1:{free_port()}"])
+    assert rc == 2 and "cannot reach ocache" in capsys.readouterr().err
