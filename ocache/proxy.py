@@ -634,46 +634,57 @@ class Proxy:
 
 # --- ocache serve ---------------------------------------------------------------------------------
 async def serve(config: Config, stop: asyncio.Event | None = None,
-                ready: Callable[[int], None] | None = None) -> None:
+                ready: Callable[["Proxy", int], None] | None = None,
+                layer_factory: Callable[[Upstream, Config], Any] | None = None,
+                handle_signals: bool = True) -> None:
     """Run the proxy until SIGTERM/SIGINT (or ``stop`` is set); then stop accepting, drain in-flight
     requests (``drain_timeout_s``), call ``layer.drain()``, and stop the launched child if any.
-    ``ready(port)`` is called once listening. Raises OSError if the address is taken."""
+    ``ready(proxy, port)`` is called once listening. Raises OSError if the address is taken,
+    ``supervisor.LaunchError`` if the child cannot be started."""
     from .supervisor import Supervisor
 
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    signals = []
+    if handle_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+                signals.append(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
     supervisor = None
-    if config.launch:
-        supervisor = Supervisor(config.launch, binary=config.launch_binary)
-        config.upstream = supervisor.url
-        await supervisor.start()
-    proxy = Proxy(config, pid_source=supervisor.pid if supervisor else None)
-    if supervisor:
-        supervisor.on_start = proxy.upstream.poke
-    app = proxy.make_app()
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.drain_timeout_s,
-                           **RUNNER_KWARGS)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    runner = None
     try:
+        if config.launch:
+            supervisor = Supervisor(config.launch, binary=config.launch_binary)
+            config.upstream = supervisor.url
+            await supervisor.start()
+        proxy = Proxy(config, layer_factory=layer_factory,
+                      pid_source=supervisor.pid if supervisor else None)
+        if supervisor:
+            supervisor.on_start = proxy.upstream.poke
+        runner = web.AppRunner(proxy.make_app(), handler_cancellation=True,
+                               shutdown_timeout=config.drain_timeout_s, **RUNNER_KWARGS)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1] if site._server else config.port
+        port = site.port
         log.info("ocache listening on http://%s:%d -> %s", config.host, port, config.upstream)
         if ready:
-            ready(port)
+            ready(proxy, port)
         await stop.wait()
         log.info("stopping: no new connections, draining %d in-flight request(s)", proxy.inflight)
         await site.stop()
         await proxy.drain(config.drain_timeout_s)
     finally:
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()
         if supervisor:
             await supervisor.stop()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        log.info("ocache stopped")
 
 
 def build_config(args: argparse.Namespace) -> Config:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
+import signal
 import time
 from contextlib import asynccontextmanager
 
@@ -22,7 +24,7 @@ from aiohttp.test_utils import TestServer
 
 from ocache.config import Config
 from ocache.layer import NullLayer, Plan
-from ocache.proxy import RUNNER_KWARGS, Proxy, forward_request_headers, host_name
+from ocache.proxy import RUNNER_KWARGS, Proxy, forward_request_headers, host_name, serve
 from ocache.server import free_port
 from multidict import CIMultiDict
 
@@ -524,3 +526,59 @@ async def test_upstream_down_up_and_restart(start_server):
         assert proxy.upstream.boot.start_time != first_boot.start_time
         async with c.post(base + "/v1/chat/completions", json=body) as r:
             assert r.status == 200
+
+
+@pytest.mark.server
+async def test_serve_launch_restarts_child_and_drains(engine_patched, models_tiny):
+    """``serve --launch``: a killed child is restarted (new PID = new epoch); on stop, an in-flight
+    stream finishes, then ``layer.drain()`` runs with nothing in flight, then the child stops."""
+    drained = []
+    proxies = []
+
+    class L(NullLayer):
+        async def drain(self):
+            drained.append(proxies[0].inflight)
+
+    cfg = Config(port=0, probe_interval_s=0.2, launch_binary=str(engine_patched.binary),
+                 launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "1",
+                         "-c", "4096", "--no-webui"])
+    stop = asyncio.Event()
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(cfg, stop=stop, layer_factory=lambda u, c: L(),
+                                     handle_signals=False,
+                                     ready=lambda p, port: ready.set_result((p, port))))
+    try:
+        proxy, port = await asyncio.wait_for(ready, 30)
+        proxies.append(proxy)
+        base = f"http://127.0.0.1:{port}"
+        await poll(lambda: proxy.upstream.state == "ready", timeout=60, what="child ready")
+        assert proxy.upstream.epoch == 1
+        pid1 = proxy.upstream.boot.pid
+        assert pid1 is not None
+        os.kill(pid1, signal.SIGKILL)
+        await poll(lambda: proxy.upstream.epoch == 2 and proxy.upstream.state == "ready",
+                   timeout=60, what="restarted child detected")
+        pid2 = proxy.upstream.boot.pid
+        assert pid2 not in (None, pid1) and proxy.stats.to_dict()["upstream_restarts"] == 1
+
+        async with client() as c:
+            body = {"messages": [{"role": "user", "content": "go"}], "stream": True,
+                    "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+            async with c.post(base + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                n = 0
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        n += 1
+                        if n == 3:
+                            stop.set()  # planned stop while this stream is in flight
+                        last = line
+                assert last.strip() == b"data: [DONE]"
+        await asyncio.wait_for(task, 60)
+    finally:
+        stop.set()
+        if not task.done():
+            await asyncio.wait_for(task, 60)
+    assert drained == [0]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid2, 0)
