@@ -311,3 +311,34 @@ def test_warm_cli_unknown_folder_and_no_server(tmp_path, capsys):
         loop.close()
     rc = main(["warm", str(tmp_path), "--url", f"http://127.0.0.1:{free_port()}"])
     assert rc == 2 and "cannot reach ocache" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- admission policy (no server)
+
+class View:
+    def __init__(self, tokens, head_end=None, user_starts=()):
+        self.tokens, self.head_end, self.user_starts = list(tokens), head_end, list(user_starts)
+
+
+def test_admission_policy(tmp_path):
+    store = Store(tmp_path / "meta", tmp_path / "slots", "id")
+    store.open()
+    tier = DiskTier(store, slots=None, config=DiskConfig(min_tokens=2000, grid=1024, admit_after=2))
+    toks = list(range(10_000, 16_000))
+    # the first request of a session: head + the start of its user message, both prefilled cold
+    v = View(toks, head_end=2500, user_starts=[3100])
+    assert tier.plan_anchors(v, cached_n=0) == [(2500, "head"), (3100, "session")]
+    # already resident past the head: only what the prefill passes cold
+    assert tier.plan_anchors(v, cached_n=2600) == [(3100, "session")]
+    # below the minimum: nothing, whatever the reasons
+    assert tier.plan_anchors(View(toks[:1900], head_end=1000, user_starts=[1500]), 0) == []
+    # a head shorter than the minimum inside a long prompt is not stored either
+    assert tier.plan_anchors(View(toks, head_end=1500), 0) == []
+    # repeat: a prefix prefilled cold once (observed in admit) and about to be again -> its
+    # longest grid line below the prompt's end
+    later = View(toks + [1, 2, 3], user_starts=[100, 5000])
+    assert tier.plan_anchors(later, 0) == []
+    asyncio.run(tier.admit(View(toks + [7, 7]), 0, Obs({"cache_n": 0, "prompt_n": 6002, "prompt_ms": 3000})))
+    assert tier.plan_anchors(later, 0) == [(5120, "repeat")]
+    assert tier.plan_anchors(later, 5500) == []       # that line is resident already
+    assert tier.prefill.value == pytest.approx(6002 / 3.0)  # prefill rate learned from timings

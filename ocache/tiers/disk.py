@@ -52,6 +52,9 @@ from .store import BudgetError, IntegrityError, Store, entry_key, prefix_hash, s
 log = logging.getLogger(__name__)
 
 KIND = "a"
+#: ``message_delimiters`` for raw ``/completion`` warm-ups, so the server places context checkpoints
+#: at user-turn starts as it does on chat routes (notes §2.1, §3.1). ChatML (the Qwen templates).
+USER_DELIMITERS = [{"role": "user", "delimiter": "<|im_start|>user"}]
 
 
 class DiskTierError(RuntimeError):
@@ -75,8 +78,9 @@ class SlotOps(Protocol):
     """
 
     async def save(self, slot: int, filename: str) -> dict: ...
-    async def restore(self, slot: int, filename: str) -> dict: ...
-    async def warm(self, slot: int, tokens: list[int]) -> dict: ...
+    async def restore(self, slot: int, filename: str, tokens: Sequence[int] | None = None) -> dict: ...
+    async def warm(self, slot: int, tokens: Sequence[int], *, message_delimiters: list | None = None,
+                   user_starts: Sequence[int] = ()) -> dict: ...
 
 
 @dataclass
@@ -214,13 +218,15 @@ class DiskTier:
         done = []
         for length, reason in self.plan_anchors(view, cached_n, ctx):
             prefix = list(view.tokens[:length])
+            users = [u for u in (_get(view, "user_starts") or []) if u < length]
             try:
-                await self.slots.warm(slot, prefix)
+                await self.slots.warm(slot, prefix, message_delimiters=USER_DELIMITERS, user_starts=users)
             except Exception as exc:  # noqa: BLE001 - fail open, the request proceeds
                 log.warning("disk: warm of a %d-token %s anchor in slot %d failed: %s", length, reason, slot, exc)
                 self.counters["save_failed"] += 1
                 break
-            if await self.save_slot(slot, prefix, fingerprint=_get(ctx, "fingerprint"), reason=reason):
+            fpr = _get(ctx, "fingerprint") or _get(ctx, "head_key")
+            if await self.save_slot(slot, prefix, fingerprint=fpr, reason=reason):
                 done.append(length)
         return done
 
@@ -330,7 +336,7 @@ class DiskTier:
         t1 = time.monotonic()
         self.verify_rate.add(e.bytes, t1 - t0)
         try:
-            resp = await self.slots.restore(slot, e.bin_name)
+            resp = await self.slots.restore(slot, e.bin_name, tokens=ref.expect)
         except Exception as exc:  # noqa: BLE001
             self.counters["restore_failed"] += 1
             await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")
@@ -357,7 +363,7 @@ class DiskTier:
         if prompt_n >= 64 and prompt_ms > 0:
             self.prefill.add(prompt_n, prompt_ms / 1000.0)
         p = self._pending.pop(slot, None)
-        if p is not None:
+        if p is not None:  # no timings (e.g. an upstream error) also leaves the restore unconfirmed
             if cache_n is not None and int(cache_n) >= p.n_tokens - self.cfg.ubatch:
                 self.counters["hits"] += 1
                 await asyncio.to_thread(self.store.touch, p.key, True)
