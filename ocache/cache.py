@@ -205,8 +205,9 @@ class OCacheLayer:
     ``upstream``: ``ocache.upstream.Upstream`` (``session``, ``base_url``, ``epoch``, ``props``,
     ``api_key``). ``config``: ``ocache.config.Config``; ``config.launch`` is the llama-server argv
     when ocache launched it, ``config.tiers["resident"]`` may override ``ServerParams`` fields
-    (``n_ubatch``, ``checkpoints``, ...) and set ``warm`` (default true), ``keep_origin`` (default
-    true), ``reconcile`` (default true: ``GET /slots`` before each plan).
+    (``n_ubatch``, ``checkpoints``, ...) and set ``server_args`` (the argv of a server ocache did not
+    launch), ``warm`` (default true), ``keep_origin`` (default true), ``reconcile`` (default true:
+    ``GET /slots`` before each plan).
     """
 
     def __init__(self, upstream: Any, config: Any = None, *, viewer: Any = None,
@@ -219,7 +220,8 @@ class OCacheLayer:
         self.opt_reconcile = bool(tiers_cfg.pop("reconcile", True))
         self.param_overrides = {k: v for k, v in tiers_cfg.items() if k in ServerParams.__dataclass_fields__}
         self.markers = getattr(config, "volatile_markers", None) or fp_mod.DEFAULT_MARKERS
-        self.argv = list(getattr(config, "launch", None) or []) or None
+        server_args = tiers_cfg.pop("server_args", None)
+        self.argv = list(server_args or getattr(config, "launch", None) or []) or None
         self._viewer = viewer
         self.table: SlotTable | None = None
         self.head_tier: HeadTier | None = None
@@ -455,10 +457,10 @@ class OCacheLayer:
         if rec.filename is None and not self._no_save:
             name = f"ocache-head-{key}.bin"
             try:
-                await table.save(slot, name)
+                saved = await table.save(slot, name)
                 rec.filename = name
-                patched = "+ocache." in str((getattr(self.upstream, "props", None) or {}).get("build_info", ""))
-                rec.checkpoints = list(st.checkpoints) if patched else []
+                n_ck = saved.get("n_checkpoints")  # patched build: checkpoints in the sidecar
+                rec.checkpoints = (list(st.checkpoints)[-int(n_ck):] if n_ck else []) if n_ck is not None else []
                 self.counters["head_saves"] += 1
             except SlotNotSupported:
                 self._no_save = True

@@ -730,23 +730,37 @@ class SlotTable:
         """``POST /slots/{slot}?action=restore`` -> ``{"n_restored": tokens, "n_read": bytes, ...}``.
 
         ``tokens``: the token ids the file holds (the caller knows them from its index or the file
-        header), recorded as the slot's content; ``checkpoints``: the checkpoints the (patched)
-        server restores with it (``[]`` on a stock build: checkpoints are not saved, notes §1.4).
-        On any failure the server has erased the slot (notes §1.3) and the table says empty.
+        header), recorded as the slot's content; ``checkpoints``: the checkpoints the slot had when
+        the file was saved; the patched server's sidecar restores the newest ``n_checkpoints`` of
+        them, a stock build none (notes §1.4). On failure a stock server has erased the slot
+        (notes §1.3), the patched pre-check leaves it untouched; the table follows ``GET /slots``.
         """
         self._check_filename(filename)
         st = self.slots[slot]
         try:
             data = await self._slot_action(slot, "restore", {"filename": filename})
         except SlotError:
-            st.clear()
+            # stock: the slot was erased; patched (0002-restore-precheck): a file rejected by the
+            # pre-check leaves the slot as it was. Ask the server which one happened.
+            before = st.n_total
+            try:
+                entry = (await self.fetch_slots())[slot]
+                held = entry.get("n_prompt_tokens")
+            except (SlotError, IndexError):
+                held = None
+            if not (before and held == before):
+                st.clear()
             raise
         n = int(data.get("n_restored", 0))
         st.clear()
         if tokens is not None and len(tokens) == n:
             st.tokens = list(tokens)
             st.n_total = n
-            st.checkpoints = list(checkpoints or [])
+            # the patched build reports how many checkpoints its sidecar brought back (the newest
+            # ones); a stock build restores none (notes §1.4)
+            n_ck = data.get("n_checkpoints")
+            ck = list(checkpoints or [])
+            st.checkpoints = (ck[-int(n_ck):] if n_ck else []) if n_ck is not None else []
         else:
             st.unknown(n)
         st.last_used = time.monotonic()
