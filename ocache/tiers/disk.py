@@ -78,7 +78,8 @@ class SlotOps(Protocol):
     """
 
     async def save(self, slot: int, filename: str) -> dict: ...
-    async def restore(self, slot: int, filename: str, tokens: Sequence[int] | None = None) -> dict: ...
+    async def restore(self, slot: int, filename: str, tokens: Sequence[int] | None = None,
+                      checkpoints: Sequence[Any] | None = None) -> dict: ...
     async def warm(self, slot: int, tokens: Sequence[int], *, message_delimiters: list | None = None,
                    user_starts: Sequence[int] = ()) -> dict: ...
 
@@ -132,6 +133,33 @@ class _Pending:
     key: str
     n_tokens: int
     t: float
+
+
+def sidecar_checkpoints(path: Path) -> list[int]:
+    """``n_tokens`` of each context checkpoint in a patched server's ``<file>.ckpt`` sidecar, read
+    from the entry headers only (layout: patches/0001-slot-checkpoint-sidecar.patch, server-ckpt-
+    sidecar.h: header ``"OCKP" u32 ver u32 n_tokens u64 u64 u32 n_entries u32 flags u64`` = 44 bytes;
+    entry ``i64 n_tokens i32 pos_min i32 pos_max u64 len_tgt u64 len_dft u64 len_spec`` + blobs +
+    ``u64`` hash). [] for a missing or unreadable sidecar (the server validates it on restore)."""
+    import struct
+
+    out: list[int] = []
+    try:
+        with open(path, "rb") as f:
+            head = f.read(44)
+            if len(head) < 44 or head[:4] != b"OCKP":
+                return []
+            (n_entries,) = struct.unpack_from("<I", head, 32)
+            for _ in range(min(n_entries, 4096)):
+                eh = f.read(40)
+                if len(eh) < 40:
+                    return []
+                n_tok, _pmin, _pmax, lt, ld, ls = struct.unpack("<qiiQQQ", eh)
+                out.append(int(n_tok))
+                f.seek(lt + ld + ls + 8, 1)
+    except OSError:
+        return []
+    return out
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -336,7 +364,15 @@ class DiskTier:
         t1 = time.monotonic()
         self.verify_rate.add(e.bytes, t1 - t0)
         try:
-            resp = await self.slots.restore(slot, e.bin_name, tokens=ref.expect)
+            cps = []
+            if "ckpt" in e.files:
+                try:
+                    from ..slots import Checkpoint
+
+                    cps = [Checkpoint(n) for n in sidecar_checkpoints(self.store.path(e.files["ckpt"].name))]
+                except ImportError:
+                    cps = []
+            resp = await self.slots.restore(slot, e.bin_name, tokens=ref.expect, checkpoints=cps)
         except Exception as exc:  # noqa: BLE001
             self.counters["restore_failed"] += 1
             await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")

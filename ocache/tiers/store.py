@@ -55,6 +55,7 @@ import shutil
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -243,12 +244,12 @@ class Entry:
         }
         return d
 
-    def record(self) -> dict:
-        assert self.tokens is not None
+    def record(self, tokens: Sequence[int]) -> dict:
+        """The per-entry record (summary + the token ids, base64 of int32 LE, and their xxh3)."""
         d = self.summary()
         d["version"] = STORE_VERSION
-        d["tokens_b64"] = base64.b64encode(token_bytes(self.tokens)).decode()
-        d["tokens_xxh3"] = prefix_hash(self.tokens)
+        d["tokens_b64"] = base64.b64encode(token_bytes(tokens)).decode()
+        d["tokens_xxh3"] = prefix_hash(tokens)
         return d
 
     @classmethod
@@ -311,6 +312,7 @@ class Store:
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
         self._reserved: dict[str, tuple[str | None, int]] = {}  # key -> (kind, bytes)
+        self._tok_cache: OrderedDict[str, bytes] = OrderedDict()
         self._lock_fd: int | None = None
         self._want_lock = lock
         self.report = OpenReport()
@@ -446,7 +448,7 @@ class Store:
                 e = Entry.from_dict(json.loads(p.read_bytes()), with_tokens=True)
                 if e.key != p.stem:
                     raise ValueError("record key does not match its file name")
-                e.tokens = None  # loaded again on demand
+                e.tokens = None  # checked here; loaded again on demand (Store.tokens)
                 self._entries[e.key] = e
             except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
                 log.warning("store: unreadable record %s (%s): removing it and its files", p.name, exc)
@@ -507,17 +509,26 @@ class Store:
         """The entry's token ids, loaded from its record. Raises IntegrityError (and deletes the
         entry) if the record is gone or unreadable, KeyError if the key is unknown."""
         with self._lock:
-            e = self._entries[key]
-            if e.tokens is not None:
-                return e.tokens
+            self._entries[key]
+            cached = self._tok_cache.get(key)
+            if cached is not None:
+                self._tok_cache.move_to_end(key)
+                return tokens_from_bytes(cached)
             try:
                 full = Entry.from_dict(json.loads(self.record_path(key).read_bytes()), with_tokens=True)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 self._delete_locked(key, f"record unreadable: {exc}")
                 self.counters["verify_failed"] += 1
                 raise IntegrityError(key, "record", str(exc)) from exc
-            e.tokens = full.tokens
-            return e.tokens
+            self._cache_tokens(key, full.tokens)
+            return full.tokens
+
+    def _cache_tokens(self, key: str, tokens: Sequence[int]) -> None:
+        """Keep a few entries' token ids (as int32 bytes: 4 bytes a token) in memory."""
+        self._tok_cache[key] = token_bytes(tokens)
+        self._tok_cache.move_to_end(key)
+        while len(self._tok_cache) > 64:
+            self._tok_cache.popitem(last=False)
 
     def find_prefixes(self, tokens: Sequence[int], kind: str | None = None,
                       fingerprint: str | None = None) -> list[Entry]:
@@ -540,7 +551,7 @@ class Store:
                     if e is None or (fingerprint is not None and e.fingerprint not in (None, fingerprint)):
                         continue
                     try:
-                        if self.tokens(e.key) == list(tokens[:n]):
+                        if self.tokens(e.key) == list(tokens[:n]):  # element by element
                             out.append(e)
                     except IntegrityError:
                         continue
@@ -683,8 +694,9 @@ class Store:
                 _fsync_dir(self.data_dir)
                 e = Entry(key=key, kind=kind, identity=self.identity, fingerprint=fingerprint,
                           n_tokens=len(tokens), files=files, created=now, last_used=now,
-                          hits=old.hits if old else 0, meta=dict(meta or {}), tokens=list(tokens))
-                atomic_write(self.record_path(key), json.dumps(e.record()).encode())
+                          hits=old.hits if old else 0, meta=dict(meta or {}))
+                atomic_write(self.record_path(key), json.dumps(e.record(tokens)).encode())
+                self._cache_tokens(key, tokens)
                 self._entries[key] = e
                 self._write_index()
                 self.counters["committed"] += 1
@@ -714,8 +726,7 @@ class Store:
             if hit:
                 e.hits += 1
             try:
-                self.tokens(key)
-                atomic_write(self.record_path(key), json.dumps(e.record()).encode())
+                atomic_write(self.record_path(key), json.dumps(e.record(self.tokens(key))).encode())
                 self._write_index()
             except (IntegrityError, OSError) as exc:
                 log.warning("store: could not record a use of %s: %s", key, exc)
@@ -729,6 +740,7 @@ class Store:
 
     def _delete_locked(self, key: str, reason: str) -> bool:
         e = self._entries.pop(key, None)
+        self._tok_cache.pop(key, None)
         if e is None:
             return False
         log.info("store: delete %s (%s, %d tokens, %d bytes): %s", key, e.kind, e.n_tokens, e.bytes, reason)
