@@ -317,12 +317,12 @@ def _copy_tokenizer(gguf, writer, vocab: Path, vocab_sha256: str) -> int:
 
 def _write(spec: ModelSpec, dest: Path, name: str, vocab: Path, vocab_sha256: str,
            template: str) -> None:
+    """Write the GGUF for ``spec`` to ``dest`` (not atomic: ``make_one`` writes a temp file)."""
     gguf = _import_gguf()
     import logging
 
     logging.getLogger("gguf").setLevel(logging.WARNING)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), spec.arch)
+    writer = gguf.GGUFWriter(str(dest), spec.arch)
     try:
         writer.add_name(name)
         writer.add_context_length(spec.n_ctx_train)
@@ -352,13 +352,8 @@ def _write(spec: ModelSpec, dest: Path, name: str, vocab: Path, vocab_sha256: st
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=False)
+    finally:
         writer.close()
-        os.replace(tmp, dest)
-    except BaseException:
-        writer.close()
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
 
 
 @contextlib.contextmanager
@@ -392,12 +387,19 @@ def make_one(preset: str, kind: str) -> Path:
         if dest.exists():  # another process finished it while we waited
             return dest
         t0 = time.monotonic()
-        _write(spec, dest, f"ocache-{preset}-{kind}", vocab, vocab_sha, template.decode("utf-8"))
-        meta = {"preset": preset, "kind": kind, "key": key, "spec": asdict(spec),
-                "generator": GENERATOR_VERSION, "vocab": str(vocab), "numpy": np.__version__,
-                "bytes": dest.stat().st_size, "sha256": _sha256_file(dest),
-                "seconds": round(time.monotonic() - t0, 2)}
-        (folder / "model.json").write_text(json.dumps(meta, indent=1))
+        tmp = folder / f".{dest.name}.{os.getpid()}.tmp"
+        try:
+            _write(spec, tmp, f"ocache-{preset}-{kind}", vocab, vocab_sha, template.decode("utf-8"))
+            meta = {"preset": preset, "kind": kind, "key": key, "spec": asdict(spec),
+                    "generator": GENERATOR_VERSION, "vocab": str(vocab), "numpy": np.__version__,
+                    "bytes": tmp.stat().st_size, "sha256": _sha256_file(tmp),
+                    "seconds": round(time.monotonic() - t0, 2)}
+            (folder / "model.json").write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, dest)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
         _log(f"generated {dest} ({meta['bytes'] / 1e6:.1f} MB) in {meta['seconds']} s")
     return dest
 
