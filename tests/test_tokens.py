@@ -1,0 +1,206 @@
+"""ocache.tokens: the token view against the real llama-server (tiny dense model), plus unit tests of
+the pure helpers.
+
+The integration tests compare the view with what the server itself reports for the same request:
+``len(view.tokens) == timings.prompt_n + timings.cache_n`` (the server's prompt length), the
+incremental tokenization with a full ``/tokenize``, and the head tokens of two opencode sessions
+in different folders with each other.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import aiohttp
+import pytest
+
+from conftest import load_fixture
+from ocache import fingerprint as fp
+from ocache.tokens import TokenCache, TokenViewer, TokenViewError, find_seq, hard_boundary
+
+CHAT = "/v1/chat/completions"
+
+
+# --- pure helpers ------------------------------------------------------------------------------
+
+def test_hard_boundary_is_after_a_newline_before_a_non_space():
+    text = "ab\n\ncd\n ef\nX"
+    assert hard_boundary(text, len(text)) == text.index("X")
+    assert hard_boundary(text, 9) == 4  # "\n " at 6-7 is skipped: a space may join the newline run
+    assert hard_boundary(text, 3) == 0
+    assert hard_boundary("no newline", 10) == 0
+    assert hard_boundary("x\n\n\n", 4) == 0
+
+
+def test_find_seq():
+    assert find_seq([1, 2, 3, 1, 2, 1, 2, 3], [1, 2]) == [0, 3, 5]
+    assert find_seq([1, 2, 3], [2, 4]) == []
+    assert find_seq([1, 2], []) == []
+
+
+def test_token_cache_lru_and_prefix_index():
+    c = TokenCache(max_entries=2, max_tokens=100)
+    c.put(b"a", [1, 2, 3], [(b"a1", 1)])
+    c.put(b"b", [4, 5], [(b"b1", 1)])
+    assert c.prefix(b"a1") == [1] and c.get(b"a") == [1, 2, 3]  # "a" is now the most recent
+    c.put(b"c", [6], [])
+    assert c.get(b"b") is None and c.prefix(b"b1") is None  # LRU "b" evicted with its prefixes
+    assert c.get(b"a") == [1, 2, 3] and c.n_tokens == 4
+    c.put(b"big", list(range(99)), [])
+    assert c.n_tokens <= 100 and c.get(b"big") is not None
+
+
+# --- against the real server --------------------------------------------------------------------
+
+async def _chat(url: str, body: dict) -> dict:
+    """The same request, non-streamed with one generated token; returns the response JSON."""
+    b = copy.deepcopy(body)
+    for k in ("stream_options", "max_completion_tokens"):
+        b.pop(k, None)
+    b.update(stream=False, max_tokens=1)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + CHAT, json=b) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+
+async def _full_tokenize(url: str, text: str) -> list[int]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/tokenize", json={"content": text, "add_special": True,
+                                                   "parse_special": True}) as r:
+            assert r.status == 200
+            return (await r.json())["tokens"]
+
+
+async def _detokenize(url: str, tokens: list[int]) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/detokenize", json={"tokens": tokens}) as r:
+            return (await r.json())["content"]
+
+
+@pytest.mark.server
+async def test_view_length_equals_what_the_server_prefills(start_server):
+    srv = start_server("dense", n_parallel=1, ctx_size=16384)
+    viewer = TokenViewer(srv.url)
+    try:
+        # in this order, so later requests also hit a partly cached slot (cache_n > 0)
+        for name in ("opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json",
+                     "opencode_title.json", "opencode_run4_continue_turn2_after_tool.json",
+                     "pi_turn1.json", "pi_turn1_after_tool.json"):
+            body = load_fixture(name)
+            view = await viewer.view(CHAT, body, fp.harness_head(body))
+            res = await _chat(srv.url, body)
+            t = res["timings"]
+            assert len(view.tokens) == t["prompt_n"] + t["cache_n"], name
+            assert len(view.tokens) == res["usage"]["prompt_tokens"], name
+    finally:
+        await viewer.close()
+
+
+@pytest.mark.server
+async def test_view_of_raw_completion_prompts(start_server):
+    srv = start_server("dense")
+    viewer = TokenViewer(srv.url)
+    try:
+        body = load_fixture("pi_turn1.json")
+        text = await viewer.render(body)
+        v = await viewer.view("/completion", {"prompt": text, "n_predict": 1})
+        assert v.tokens == await _full_tokenize(srv.url, text) and v.head_end is None
+        assert (await viewer.view("/completion", {"prompt": v.tokens[:50]})).tokens == v.tokens[:50]
+        mixed = await viewer.view("/completion", {"prompt": [v.tokens[0], "hello world"]})
+        assert mixed.tokens[0] == v.tokens[0] and len(mixed.tokens) > 1
+        async with aiohttp.ClientSession() as s:
+            async with s.post(srv.url + "/completion", json={"prompt": text, "n_predict": 1}) as r:
+                t = (await r.json())["timings"]
+        assert len(v.tokens) == t["prompt_n"] + t["cache_n"]
+        with pytest.raises(TokenViewError):
+            await viewer.view("/completion", {"prompt": ["a", "b"]})  # two prompts = two tasks
+        with pytest.raises(TokenViewError) as err:
+            await viewer.view(CHAT, {"messages": "nope"})
+        assert err.value.status == 400
+    finally:
+        await viewer.close()
+
+
+@pytest.mark.server
+async def test_incremental_tokenization_equals_a_full_tokenize(start_server):
+    srv = start_server("dense")
+    viewer = TokenViewer(srv.url)
+    try:
+        probe = await viewer.probe()
+        assert probe["incremental"] and probe["n_bos"] == 0  # Qwen vocab: no BOS, no EOS added
+        conversation = ["opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json",
+                        "opencode_run4_continue_turn2.json", "opencode_run4_continue_turn2_after_tool.json",
+                        "pi_turn1.json", "pi_turn1_after_tool.json"]
+        for name in conversation:
+            text = await viewer.render(load_fixture(name))
+            before = viewer.counters["tokenized_chars"]
+            tokens = await viewer.tokenize(text)
+            assert tokens == await _full_tokenize(srv.url, text), name
+            if name.endswith("after_tool.json"):
+                # only the part after the longest cached boundary prefix went to /tokenize
+                assert viewer.counters["tokenized_chars"] - before < len(text) // 4, name
+        assert viewer.counters["prefix_hits"] >= 3
+        # a continuation that starts right at a cached boundary, and one that starts with one
+        text = await viewer.render(load_fixture("opencode_agent_turn1_after_tool.json"))
+        cut = text.rindex("<|im_start|>")
+        for t in (text[:cut] + "<|im_start|>user\nünïcödé ✓ <tool_call>\n", "<|im_start|>system\nx"):
+            assert await viewer.tokenize(t) == await _full_tokenize(srv.url, t)
+    finally:
+        await viewer.close()
+
+
+@pytest.mark.server
+async def test_head_end_tokens_are_identical_for_sessions_in_two_folders(start_server):
+    srv = start_server("dense")
+    viewer = TokenViewer(srv.url)
+    try:
+        views, heads = {}, {}
+        for name in ("opencode_run2_agent_turn1.json", "opencode_run3_proj2_agent_turn1.json",
+                     "opencode_run3_proj2_agent_turn1_after_tool.json"):
+            body = load_fixture(name)
+            heads[name] = fp.harness_head(body)
+            views[name] = await viewer.view(CHAT, body, heads[name])
+        a, b, c = views.values()
+        assert a.head_end is not None and a.head_end == b.head_end == c.head_end
+        assert a.tokens[: a.head_end] == b.tokens[: b.head_end] == c.tokens[: c.head_end]
+        assert a.tokens != b.tokens
+        assert viewer.counters["head_renders"] == 1  # the cut render is done once per head
+        # the head is the tools block plus the system text up to the first marker
+        head_text = await _detokenize(srv.url, a.tokens[: a.head_end])
+        assert a.text.startswith(head_text)
+        assert a.text[len(head_text):].startswith(heads["opencode_run2_agent_turn1.json"].marker)
+        assert head_text.endswith(heads["opencode_run2_agent_turn1.json"].system_head)
+        assert '"name":"webfetch"' in head_text.replace(" ", "")
+        # the first differing token (the folder, inside <env>) lies after the head
+        lcp = next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
+        assert lcp >= a.head_end
+    finally:
+        await viewer.close()
+
+
+@pytest.mark.server
+async def test_user_starts_and_pi_head(start_server):
+    srv = start_server("dense")
+    viewer = TokenViewer(srv.url)
+    try:
+        body = load_fixture("pi_turn1_after_tool.json")
+        view = await viewer.view(CHAT, body, fp.harness_head(body))
+        probe = await viewer.probe()
+        turns = sum(1 for i, m in enumerate(body["messages"])
+                    if m["role"] == "user" or (m["role"] == "tool" and body["messages"][i - 1]["role"] != "tool"))
+        assert len(view.user_starts) == turns >= 2
+        for i in view.user_starts:
+            assert view.tokens[i: i + len(probe["user_ids"])] == probe["user_ids"]
+        assert view.head_end is not None and view.head_end < view.user_starts[0]
+        other = copy.deepcopy(body)
+        other["messages"][0]["content"] = other["messages"][0]["content"].replace("2026-11-29", "2027-02-03")
+        other_view = await viewer.view(CHAT, other, fp.harness_head(other))
+        assert other_view.head_end == view.head_end
+        assert other_view.tokens[: view.head_end] == view.tokens[: view.head_end]
+        unknown = copy.deepcopy(body)
+        unknown["messages"][0]["content"] = "A harness without markers."
+        assert fp.harness_head(unknown) is None
+        assert (await viewer.view(CHAT, unknown, None)).head_end is None
+    finally:
+        await viewer.close()
