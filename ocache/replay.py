@@ -604,18 +604,18 @@ async def prompt_tokens(http: aiohttp.ClientSession, base_url: str, path: str, b
         return [int(t) if not isinstance(t, dict) else int(t["id"]) for t in (await r.json())["tokens"]]
 
 
-def _token_viewer(http: aiohttp.ClientSession, base_url: str) -> Any:
-    """``ocache.tokens.TokenViewer`` on this server if that module is present, else None."""
+def _token_viewer(base_url: str) -> Any:
+    """``ocache.tokens.TokenViewer`` on this server (its own HTTP session; the caller closes it)
+    if that module is present, else None (the endpoints are called directly)."""
     try:
         from .tokens import TokenViewer  # type: ignore[import-not-found]
     except ImportError:
         return None
-    for arg in (base_url, http):
-        try:
-            return TokenViewer(arg)
-        except Exception:  # unknown constructor shape: try the next, else use the endpoints
-            continue
-    return None
+    try:
+        return TokenViewer(base_url)
+    except Exception as exc:  # another module's constructor: fall back to the endpoints
+        log.warning("TokenViewer unavailable (%s); tokenizing through the endpoints", exc)
+        return None
 
 
 def cold_body(body: dict) -> dict:
@@ -681,33 +681,46 @@ async def measure(sent: list[Sent], upstream_url: str, grid: int | None,
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_read=timeout_s)
     oracle = Oracle(grid)
     rows: list[Row] = []
+    own_viewer = None
     async with aiohttp.ClientSession(timeout=timeout) as http:
         if viewer is None:
-            viewer = _token_viewer(http, upstream_url)
-        for s in sent:
-            r = s.response
-            tokens = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
-            key = body_key(s.path, s.body)
-            cold = cold_cache.get(key)
-            if cold is None:
-                cold = await post(http, upstream_url + s.path, cold_body(s.body))
-                cold_cache[key] = cold
-            verdict = oracle.min_prefill(tokens)
-            note = None
-            usage_n = (r.usage or {}).get("prompt_tokens")
-            if usage_n is not None and int(usage_n) != len(tokens):
-                note = f"tokenized {len(tokens)} != server prompt_tokens {usage_n}"
-            exact = None
-            if not r.error and not cold.error:
-                exact = r.answer.key() == cold.answer.key()
-            t = r.timings or {}
-            rows.append(Row(index=s.index, label=s.label, n_tokens=len(tokens),
-                            prompt_n=t.get("prompt_n"), cache_n=t.get("cache_n"), oracle=verdict,
-                            ttft_s=r.ttft_s, cold_ttft_s=None if cold.error else cold_ttft(cold),
-                            exact=exact, restart_before=s.restart_before, ocache=r.headers,
-                            error=r.error or (f"cold run: {cold.error}" if cold.error else None),
-                            note=note))
-            oracle.add(tokens)
-            if cold.tokens:
-                oracle.add(tokens + cold.tokens)
+            viewer = own_viewer = _token_viewer(upstream_url)
+        try:
+            return await _measure(sent, http, upstream_url, oracle, rows, cold_cache, viewer)
+        finally:
+            close = getattr(own_viewer, "close", None)
+            if close is not None:
+                res = close()
+                if asyncio.iscoroutine(res):
+                    await res
+
+
+async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: str,
+                   oracle: Oracle, rows: list[Row], cold_cache: dict, viewer: Any) -> list[Row]:
+    for s in sent:
+        r = s.response
+        tokens = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
+        key = body_key(s.path, s.body)
+        cold = cold_cache.get(key)
+        if cold is None:
+            cold = await post(http, upstream_url + s.path, cold_body(s.body))
+            cold_cache[key] = cold
+        verdict = oracle.min_prefill(tokens)
+        note = None
+        usage_n = (r.usage or {}).get("prompt_tokens")
+        if usage_n is not None and int(usage_n) != len(tokens):
+            note = f"tokenized {len(tokens)} != server prompt_tokens {usage_n}"
+        exact = None
+        if not r.error and not cold.error:
+            exact = r.answer.key() == cold.answer.key()
+        t = r.timings or {}
+        rows.append(Row(index=s.index, label=s.label, n_tokens=len(tokens),
+                        prompt_n=t.get("prompt_n"), cache_n=t.get("cache_n"), oracle=verdict,
+                        ttft_s=r.ttft_s, cold_ttft_s=None if cold.error else cold_ttft(cold),
+                        exact=exact, restart_before=s.restart_before, ocache=r.headers,
+                        error=r.error or (f"cold run: {cold.error}" if cold.error else None),
+                        note=note))
+        oracle.add(tokens)
+        if cold.tokens:
+            oracle.add(tokens + cold.tokens)
     return rows
