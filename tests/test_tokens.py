@@ -10,6 +10,7 @@ in different folders with each other.
 from __future__ import annotations
 
 import copy
+import types
 
 import aiohttp
 import pytest
@@ -79,8 +80,9 @@ async def _detokenize(url: str, tokens: list[int]) -> str:
 
 
 @pytest.mark.server
-async def test_view_length_equals_what_the_server_prefills(start_server):
-    srv = start_server("dense", n_parallel=1, ctx_size=16384)
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+async def test_view_length_equals_what_the_server_prefills(start_server, model):
+    srv = start_server(model, n_parallel=1, ctx_size=16384)
     viewer = TokenViewer(srv.url)
     try:
         # in this order, so later requests also hit a partly cached slot (cache_n > 0)
@@ -202,5 +204,27 @@ async def test_user_starts_and_pi_head(start_server):
         unknown["messages"][0]["content"] = "A harness without markers."
         assert fp.harness_head(unknown) is None
         assert (await viewer.view(CHAT, unknown, None)).head_end is None
+    finally:
+        await viewer.close()
+
+
+@pytest.mark.server
+async def test_new_upstream_epoch_clears_the_caches_and_api_key_is_sent(start_server):
+    srv = start_server("dense", api_key="sekret")
+    upstream = types.SimpleNamespace(base_url=srv.url, session=None, api_key="sekret", epoch=1)
+    viewer = TokenViewer(upstream)
+    try:
+        body = load_fixture("pi_turn1.json")
+        first = await viewer.view(CHAT, body)
+        await viewer.view(CHAT, body)
+        assert viewer.counters["renders"] == 1 and viewer.counters["render_hits"] == 1
+        upstream.epoch = 2  # a restarted server may render or tokenize differently
+        again = await viewer.view(CHAT, body)
+        assert viewer.counters["renders"] == 2 and again.tokens == first.tokens
+        anonymous = TokenViewer(srv.url)
+        with pytest.raises(TokenViewError) as err:
+            await anonymous.view(CHAT, body)
+        assert err.value.status == 401
+        await anonymous.close()
     finally:
         await viewer.close()
