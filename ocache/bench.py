@@ -72,6 +72,11 @@ class Preset:
     checkpoint_min_step: int = 4096
     n_parallel: int = 2
     time_scale: float = 1.0
+    #: "per-config": each configuration's requests are run cold on its own llama-server (exact
+    #: but doubles the prefill work); "shared": each distinct request body is run cold once, on
+    #: the first server that sent it, configurations running in the order c, b, a (so the
+    #: reference is the tuned flag set; (a) differs in flags, see the report)
+    cold: str = "per-config"
 
 
 PRESETS = {
@@ -80,7 +85,8 @@ PRESETS = {
                    time_scale=0.2),
     # the README's main command: the bench-sized hybrid (6 delta-net + 2 attention layers), -t 2
     # on an otherwise idle machine (notes/measured-baseline.md "Threads on a 2-core machine")
-    "bench": Preset(models=("hybrid",), threads=2, ctx_per_slot=12288, cache_ram_mib=1024),
+    "bench": Preset(models=("hybrid",), threads=2, ctx_per_slot=12288, cache_ram_mib=1024,
+                    cold="shared"),
 }
 
 
@@ -287,7 +293,8 @@ class Bench:
                 layer = layer_name(stats) or layer
                 await asyncio.to_thread(proxy.stop)
             grid = srv.ubatch if model == "hybrid" else None
-            cold = self._cold.setdefault((config, model), {})
+            cold = self._cold.setdefault(
+                (config if self.preset.cold == "per-config" else "shared", model), {})
             rows = await measure(sent, srv.url, grid, cold_cache=cold)
             return ConfigRun(config, rows, time.monotonic() - t0, layer, stats)
         except Exception as exc:  # one failed configuration must not lose the others' results
@@ -321,10 +328,16 @@ class Bench:
         for model in self.models:
             for sc in self.scenarios:
                 per = self.results.setdefault(model, {}).setdefault(sc.name, {})
-                for cfg in self.configs:
+                order = self.configs if self.preset.cold == "per-config" else \
+                    tuple(sorted(self.configs, reverse=True))
+                for cfg in order:
                     log.info("%s / %s / (%s) %s", model, sc.name, cfg, CONFIG_TITLES[cfg])
                     run = await self.run_one(cfg, model, sc)
                     per[cfg] = run
+                    # keep the report in a, b, c order whatever order they ran in
+                    per_sorted = {c: per[c] for c in sorted(per)}
+                    per.clear()
+                    per.update(per_sorted)
                     eff = run.efficiency
                     log.info("  -> prompt_n %d, oracle %d, efficiency %s, %.1f s%s",
                              run.total("prompt_n"), run.oracle_total,
@@ -430,7 +443,13 @@ class Bench:
             "per scenario.\n",
             "Efficiency = oracle prefill / observed `prompt_n` (summed per scenario). TTFT / cold "
             "= client TTFT divided by that of a cold run (`cache_prompt: false`) of the same "
-            "request on the same server; exact = greedy output equals that cold run's.\n",
+            "request; exact = greedy output equals that cold run's. "
+            + ("Cold runs: on each configuration's own llama-server.\n"
+               if p.cold == "per-config" else
+               "Cold runs: once per distinct request body, on the first llama-server that sent "
+               "it, configurations running in the order c, b, a (so mostly (c)'s upstream: the "
+               "patched build with (b)'s flags; for (a), whose flags differ, a mismatch is "
+               "confirmed on its own server before it is reported).\n"),
         ]
         if self.notes:
             parts.append("Notes:\n" + "\n".join(f"- {n}" for n in self.notes) + "\n")

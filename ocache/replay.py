@@ -673,7 +673,8 @@ async def measure(sent: list[Sent], upstream_url: str, grid: int | None,
                   cold_cache: dict[str, Response] | None = None, viewer: Any = None,
                   timeout_s: float = 1800.0) -> list[Row]:
     """Tokenize each replayed request on ``upstream_url``, run it cold there once per distinct
-    body (``cold_cache``: body key -> cold Response, shared across calls on the same server), and
+    body (``cold_cache``: body key -> cold Response, shared across calls; an entry made on another
+    server is trusted only while it agrees: a mismatch is re-checked with a cold run here), and
     judge the stream with the oracle (``grid``: the hybrid checkpoint grid = the server's ubatch,
     None for dense). The oracle's answer tokens for a request are the cold run's generated ids:
     when a replay is exact they are the ids the replay generated too."""
@@ -702,9 +703,15 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
         tokens = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
         key = body_key(s.path, s.body)
         cold = cold_cache.get(key)
-        if cold is None:
+        here = cold is None
+        if here:
             cold = await post(http, upstream_url + s.path, cold_body(s.body))
             cold_cache[key] = cold
+        if (not here and not r.error and not cold.error
+                and r.answer.key() != cold.answer.key()):
+            # the shared reference came from another server (other flags): confirm a mismatch
+            # against a cold run on this one before reporting it
+            cold = await post(http, upstream_url + s.path, cold_body(s.body))
         verdict = oracle.min_prefill(tokens)
         note = None
         usage_n = (r.usage or {}).get("prompt_tokens")
