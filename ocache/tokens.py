@@ -222,7 +222,9 @@ class TokenViewer:
         self.renders: OrderedDict[bytes, str] = OrderedDict()
         self.max_renders = max_renders
         self.texts = TokenCache(max_texts, max_tokens)
-        self.heads: dict[str, tuple[str, list[int]]] = {}  # head.key -> (head prefix text, its tokens)
+        # head.key -> (head prefix text, its tokens); a few harnesses at a time, so a small LRU
+        self.heads: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        self.max_heads = 32
         self._probe: dict | None = None
         self._epoch = getattr(upstream, "epoch", None)
         self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
@@ -401,6 +403,10 @@ class TokenViewer:
             head_tokens = await self._tokenize_remote(prefix, True)
             cached = (prefix, head_tokens)
             self.heads[head.key] = cached
+            while len(self.heads) > self.max_heads:
+                self.heads.popitem(last=False)
+        else:
+            self.heads.move_to_end(head.key)
         head_tokens = cached[1]
         if tokens[: len(head_tokens)] != head_tokens:
             self.counters["head_mismatch"] += 1
