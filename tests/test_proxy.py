@@ -323,12 +323,13 @@ async def test_upstream_down_then_up():
 
 # --------------------------------------------------------------------------------------------------
 # the real llama-server (tiny dense model)
-VOLATILE_KEYS = frozenset({"id", "created", "timings"})
+VOLATILE_KEYS = frozenset({"id", "created", "timings", "cached_tokens"})
 
 
 def normalise(obj):
     """Drop what differs between two identical greedy requests: ids (response and tool-call ids),
-    ``created`` timestamps and ``timings`` (cache_n differs on a repeat). Key order is kept."""
+    ``created`` timestamps, ``timings`` and ``usage.prompt_tokens_details.cached_tokens`` (the
+    repeat finds the prompt cached). Key order is kept."""
     if isinstance(obj, dict):
         return {k: normalise(v) for k, v in obj.items() if k not in VOLATILE_KEYS}
     if isinstance(obj, list):
@@ -403,6 +404,28 @@ async def test_chat_with_tools_identical_to_direct(real, stream, include_usage):
     assert rec["status"] == 200 and rec["completed"]
     assert rec["prompt_n"] is not None and rec["prompt_n"] + rec["cache_n"] > 1000
     assert rec["ttft_s"] is not None and rec["ttft_s"] <= rec["total_s"]
+
+
+@pytest.mark.server
+async def test_other_routes_forwarded(real):
+    """Non-completion routes, ``/metrics`` included, reach llama-server untouched."""
+    srv, base, proxy, c = real
+    (ds, dh, _), (ps, ph, _) = await both(c, srv.url, base, "GET", "/metrics")
+    assert ds == ps == 200
+    assert ph["Process-Start-Time-Unix"] == dh["Process-Start-Time-Unix"]
+    assert ph["Content-Type"] == dh["Content-Type"]
+    for method, path, kw in [("GET", "/props", {}), ("GET", "/health", {}),
+                             ("GET", "/v1/models", {}), ("GET", "/slots?fail_on_no_slot=1", {}),
+                             ("POST", "/tokenize", {"json": {"content": "hello world",
+                                                              "with_pieces": True}}),
+                             ("GET", "/no/such/route", {})]:
+        (ds, _, draw), (ps, ph, praw) = await both(c, srv.url, base, method, path, **kw)
+        assert ps == ds, path
+        assert ph["X-OCache-Request-Id"]
+        if path == "/v1/models":
+            assert normalise(json.loads(praw)) == normalise(json.loads(draw))
+        else:
+            assert praw == draw, path
 
 
 @pytest.mark.server
