@@ -19,13 +19,16 @@ import dataclasses
 import json
 import shutil
 import struct
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import xxhash
 
+from ocache import engine
 from ocache.server import LlamaServer
 
 from conftest import FIXTURES
@@ -204,14 +207,26 @@ def resume_point(sc: Sidecar, lcp: int) -> int:
     return max((e["n_tokens"] for e in sc.entries if e["n_tokens"] <= lcp), default=0)
 
 
-def variant_hybrid(tmp: Path) -> Path:
-    """The tiny hybrid with other random weights (same shapes): a model whose states load but differ."""
-    from ocache import models
+def variant_model(src: Path, tmp: Path) -> Path:
+    """A copy of the GGUF ``src`` with other token embeddings (same shapes, so its states load).
 
-    spec = dataclasses.replace(models.PRESETS["tiny"]["hybrid"], seed=4321)
-    dest = tmp / "tiny-hybrid-seed4321.gguf"
-    models._write(spec, dest, "ocache-tiny-hybrid-variant", models._vocab_path(),
-                  models.template_path().read_text())
+    Flips one mantissa bit of every ``token_embd.weight`` element (located with the pinned gguf-py
+    reader): the values stay finite, every hidden and recurrent state changes.
+    """
+    gdir = str(engine.gguf_py_dir())
+    if gdir not in sys.path:
+        sys.path.insert(0, gdir)
+    import gguf  # noqa: PLC0415  (the pinned gguf-py, path set above)
+
+    t = next(t for t in gguf.GGUFReader(src).tensors if t.name == "token_embd.weight")
+    dtype, bit = {gguf.GGMLQuantizationType.F16: (np.uint16, 0x0100),
+                  gguf.GGMLQuantizationType.F32: (np.uint32, 0x00200000)}[t.tensor_type]
+    data = bytearray(src.read_bytes())
+    view = np.frombuffer(data, dtype=dtype, count=int(t.n_bytes) // np.dtype(dtype).itemsize,
+                         offset=int(t.data_offset))
+    view ^= dtype(bit)
+    dest = tmp / ("variant-" + src.name)
+    dest.write_bytes(bytes(data))
     return dest
 
 
@@ -322,7 +337,8 @@ def _save_good(srv, corpus, slots: Path) -> tuple[dict, bytes]:
     return saved, (slots / "good.bin.ckpt").read_bytes()
 
 
-def test_bad_sidecars_are_dropped_and_restore_still_served(start_server, corpus, engine_patched, tmp_path):
+def test_bad_sidecars_are_dropped_and_restore_still_served(start_server, corpus, engine_patched, models_tiny,
+                                                           tmp_path):
     """Flipped byte, truncation, another token list, another model, lying positions: each dropped."""
     slots = tmp_path / "slots"
     srv = start_server(model="hybrid", **SRV)
@@ -337,7 +353,8 @@ def test_bad_sidecars_are_dropped_and_restore_still_served(start_server, corpus,
     srv.stop()
 
     # a sidecar of the same tokens written by another model of the same shapes
-    variant = LlamaServer(binary=engine_patched.binary, model=variant_hybrid(tmp_path), slot_save_path=slots,
+    variant = LlamaServer(binary=engine_patched.binary, model=variant_model(models_tiny["hybrid"], tmp_path),
+                          slot_save_path=slots,
                           log_path=tmp_path / "variant.log", **SRV)
     try:
         variant.start()
