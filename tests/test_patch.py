@@ -492,3 +492,26 @@ def test_restored_tokens_are_what_the_next_request_matches(start_server, corpus,
         assert t["cache_n"] >= len(a) - UBATCH, (stock, t)
         assert t["cache_n"] + t["prompt_n"] == 2100
         srv.stop()
+
+
+def test_restore_keeps_the_newest_checkpoints_within_ctx_checkpoints(start_server, corpus, tmp_path):
+    """A server with a smaller --ctx-checkpoints restores only the newest entries of a sidecar."""
+    slots = tmp_path / "slots"
+    srv = start_server(model="hybrid", **SRV)
+    _save_good(srv, corpus, slots)
+    sc = parse_sidecar((slots / "good.bin.ckpt").read_bytes())
+    srv.stop()
+    assert len(sc.entries) > 3
+
+    small = start_server(model="hybrid", **{**SRV, "ctx_checkpoints": 3})
+    status, res = restore(small, "good.bin")
+    assert status == 200 and res["n_checkpoints"] == 3
+    newest = [e["n_tokens"] for e in sc.entries[-3:]]
+    # the oldest kept one is where a prompt diverging just after it resumes
+    t = complete(small, diverging(corpus, newest[0] + 10), n_predict=2)["timings"]
+    assert t["cache_n"] == newest[0]
+    small.restart()
+    assert restore(small, "good.bin")[1]["n_checkpoints"] == 3
+    # below the oldest kept checkpoint nothing is left: full prefill
+    t = complete(small, diverging(corpus, sc.entries[-4]["n_tokens"] + 10), n_predict=2)["timings"]
+    assert t["cache_n"] == 0
