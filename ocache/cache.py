@@ -288,6 +288,7 @@ class OCacheLayer:
             await self.table.refresh()
             self._epoch = epoch
             self._identity = None
+            await self._session_tier_ready()  # session tier (issue 7): register; resume after a drain
             self._ready = True
             try:
                 from .doctor import check
@@ -601,11 +602,38 @@ class OCacheLayer:
         return {"slot": dec.slot, "head_key": key, "head_tokens": len(head_tokens),
                 "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n")}
 
+    # -- session tier hooks (issue 7, ocache/tiers/spill.py) ----------------------------------------
+
+    async def _session_tier_ready(self) -> None:
+        """Register the session tier once (when the server can save slots), then restore the
+        conversation a drained stop left for this start, before any request is planned (the caller
+        holds the ready lock, so requests wait: a restore never races a prefill)."""
+        if getattr(self, "_session_tier", None) is None and not getattr(self, "_session_tier_off", False):
+            from .tiers.spill import make_session_tier
+
+            try:
+                tier = make_session_tier(self.config, self.table, self._ident())
+            except Exception:
+                log.exception("session tier setup failed; it stays off")
+                tier = None
+            self._session_tier = tier
+            self._session_tier_off = tier is None
+            if tier is not None:
+                self.add_tier(tier)
+        if getattr(self, "_session_tier", None) is not None:
+            await self._session_tier.after_start()
+
     async def on_upstream_restart(self) -> None:
         if self.table is not None:
             self.table.reset_all(getattr(self.upstream, "epoch", None))
         self._ready = False
         self._identity = None
+        for tier in self.tiers:  # issue 7: tiers forget per-slot beliefs about the old process
+            if hasattr(tier, "on_upstream_restart"):
+                try:
+                    await tier.on_upstream_restart()
+                except Exception:
+                    log.exception("tier %s on_upstream_restart failed", getattr(tier, "name", tier))
 
     async def drain(self) -> None:
         """Planned stop: finish background work, then tell every tier each live conversation is about
@@ -622,6 +650,12 @@ class OCacheLayer:
                         except Exception:
                             log.exception("tier %s before_evict(slot %d) on drain failed",
                                           getattr(tier, "name", tier), st.id)
+        for tier in self.tiers:  # issue 7: the session tier spills the rest, commits, writes its resume marker
+            if hasattr(tier, "on_drain"):
+                try:
+                    await tier.on_drain()
+                except Exception:
+                    log.exception("tier %s on_drain failed", getattr(tier, "name", tier))
 
     def stats(self) -> dict:
         table = self.table
