@@ -1,0 +1,718 @@
+"""The session tier: whole conversations spilled to disk before they are lost, restored when they
+come back (issue 7; seed 000 §13.4 "The parked session", §13.8 "Live conversations on the NVMe").
+
+The disk tier keeps *heads* (prefixes shared by many sessions). Everything past a session's first
+answer is its own state, and two events throw it away: another session taking its slot (``-np 1``,
+or more live conversations than slots) and a restart. This tier saves the slot (``POST
+/slots/{id}?action=save``, plus the patched server's checkpoint sidecar) into the store shared with
+the disk tier (``ocache.tiers.store``, kind ``"s"``, its own byte budget) at exactly those moments:
+
+* **eviction** (``before_evict``; the cache layer holds the slot's lock and calls it when a request
+  of another conversation is about to replace this one and no other slot can take it): the slot is
+  spilled when it holds at least ``min_tokens`` tokens (default 16,384, ``spill_min_tokens``), then
+  the request is served. The request waits for the server's save only; hashing and the commit run
+  in the background (the file is complete when the save returns).
+* **planned stop** (``ocache serve`` receiving SIGTERM, or ``ocache drain``): the proxy stops
+  accepting, finishes in-flight requests, then ``OCacheLayer.drain`` calls ``before_evict`` on every
+  live slot and this tier's :meth:`SessionTier.on_drain`, which spills what is left (at least
+  ``drain_min_tokens``), waits for every commit and writes a *resume marker* naming the most recent
+  conversation. The next start restores it (:meth:`SessionTier.after_start`, called by the layer
+  while it gets ready, so a request arriving meanwhile waits for it: a restore never races a
+  prefill).
+
+What is never spilled: a slot whose last response did not complete (client disconnect, upstream
+error: the cache layer marks it unknown or leaves it ``pending``), a slot whose content ocache cannot
+name (``foreign``), guests, warmed heads, and a slot the tier did not see finish (its ``seq`` differs
+from the one ``admit`` recorded). The saved file's token header is compared with what ocache sent
+the slot before the entry is committed: a mismatch is discarded, never attributed to a session.
+
+Session identity
+    A *hint*, from what the client sends: opencode's ``x-session-affinity``/``x-session-id`` header
+    (``ParsedRequest.session_hint`` → ``RequestContext.session``), else the xxh3 of the request's
+    tokens up to the end of its first user turn (harness head + first user message: a function of
+    the harness fingerprint and the first user turn). An entry is offered only to a request with the
+    same identity, and only for the tokens it shares with it (the *tokens are the answer*: the usable
+    prefix is computed from the stored token ids element by element, with the server's own reuse
+    rules, ``ocache.slots.predict_reuse``). Without any identity (a raw ``/completion`` without
+    ``message_delimiters``) the request must contain the whole prompt the conversation was last sent
+    (within one ubatch), the resident tier's rule for "same conversation". Two sessions therefore never
+    exchange state.
+
+Reads
+    ``lookup`` offers the spilled conversation whose usable prefix is longest; the planner takes it
+    when it beats every resident slot and every anchor by more than its read cost
+    (``ocache.cache.plan_request``). ``bring`` verifies the entry (identity, each file's size and
+    xxh3, the slot file's token header against the record; a failure deletes the entry and the
+    request goes cold) and restores it with its checkpoints. ``admit`` confirms it by ``cache_n``.
+
+Integrity, budget, eviction and atomicity are the store's (one store, two admission policies):
+temp name → server write → fsync/hash/header check → rename → record (the commit point). A file
+without a record (a spill killed part way, ``kill -9``) is never served and is swept at the next
+start.
+
+``--cache-ram`` (the engine's own RAM parking, notes §4) — decision
+    ocache turns it **off** (``--cache-ram 0``) for servers it plans for, and uses this tier for
+    parking instead. Reasons: (1) with ``--cache-ram`` on, a request pinned to a *busy* slot can have
+    that slot's in-flight state saved and overwritten by another RAM entry (notes §2.2 "Hazard",
+    the reported "one conversation's state handed to another under concurrency"); ocache pins every
+    request, so that path is always reachable under concurrency; (2) a pinned request on an empty
+    slot never consults the RAM cache at all (notes §2.2, case C5), so it would not serve ocache's
+    A/B/A anyway, while an unpinned request's RAM swap makes ``cache_n`` unpredictable for the
+    planner; (3) the RAM cache is lost on restart. Measured A/B/A on ``-np 1`` (tiny models,
+    ``scripts/bench-spill --aba``; numbers in the issue 7 report and below when run):
+
+    ABA_NUMBERS_PLACEHOLDER
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import xxhash
+
+from .base import Offer
+from .store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
+                    prefix_hash, read_slot_tokens, shared_store)
+
+log = logging.getLogger("ocache.spill")
+
+KIND = "s"
+RESUME_MARKER = "session-resume.json"
+
+
+class SpillError(RuntimeError):
+    """``bring`` failed: ``reason`` is a store check word (``missing``, ``size``, ``hash``,
+    ``identity``, ``tokens``, ``header``, ``record``; the entry was deleted), ``restore`` (the server
+    refused the file; entry deleted) or ``gone`` (evicted since ``lookup``). The request goes cold."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"session tier: {reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+
+
+@dataclass
+class SpillConfig:
+    """Session tier settings (tokens, bytes/s as noted)."""
+
+    min_tokens: int = 16384          # eviction: shortest conversation worth a spill (seed 000 §13.8)
+    drain_min_tokens: int = 1024     # planned stop: shortest conversation worth a spill
+    ubatch: int = 512                # server -ub: tolerance when confirming a restore by cache_n
+    restore_bytes_s: float = 5e8     # initial guess until measured (server restore)
+    verify_bytes_s: float = 2e9      # initial guess until measured (xxh3 of the files)
+    resume: bool = True              # restore the most recent conversation after a drained stop
+
+
+class _Rate:
+    """Exponentially weighted mean of a rate (units/s), starting from a guess."""
+
+    def __init__(self, guess: float) -> None:
+        self.value = guess
+        self.n = 0
+
+    def add(self, units: float, seconds: float) -> None:
+        if units > 0 and seconds > 0:
+            r = units / seconds
+            self.value = r if self.n == 0 else 0.7 * self.value + 0.3 * r
+            self.n += 1
+
+
+@dataclass
+class SpillRef:
+    """``Offer.ref`` of the session tier."""
+
+    key: str
+    n_tokens: int
+    bytes: int
+    lcp: int
+
+
+@dataclass
+class _SlotSeen:
+    """What ``admit`` saw on a slot: the slot table's ``seq`` then, the session identity, and the
+    prompt length (tokens) the conversation was last sent."""
+
+    seq: int
+    session: str | None
+    prompt_n: int
+    kind: str | None
+    owner: str | None
+    head_key: str | None
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def hint_key(hint: str | None) -> str | None:
+    """Session identity from a client's session header: ``"h:" + xxh3_64(hint)`` (None if no hint)."""
+    if not hint:
+        return None
+    return "h:" + xxhash.xxh3_64_hexdigest(hint.encode("utf-8", "surrogatepass"))
+
+
+def first_turn_end(tokens: Sequence[int], user_starts: Sequence[int]) -> int | None:
+    """Index just past the first user turn: the next occurrence of the turn-start token (the token at
+    ``user_starts[0]``, ``<|im_start|>`` in ChatML) after the first user start, else ``len(tokens)``.
+    None when the request has no user turn."""
+    if not user_starts:
+        return None
+    u = int(user_starts[0])
+    if not 0 <= u < len(tokens):
+        return None
+    start_tok = tokens[u]
+    for i in range(u + 1, len(tokens)):
+        if tokens[i] == start_tok:
+            return i
+    return len(tokens)
+
+
+def session_key(hint: str | None, view: Any) -> str | None:
+    """The session identity of a request (see the module docstring): the hint's key, else
+    ``"t:" + xxh3_64`` of its tokens up to the end of the first user turn, else None."""
+    k = hint_key(hint)
+    if k is not None:
+        return k
+    toks = _get(view, "tokens") or []
+    end = first_turn_end(toks, list(_get(view, "user_starts") or []))
+    if end is None:
+        return None
+    return "t:" + prefix_hash(toks[:end])
+
+
+def sidecar_checkpoints(path: Path) -> list[int]:
+    from .disk import sidecar_checkpoints as _sc
+
+    return _sc(path)
+
+
+class SessionTier:
+    """The session tier over the shared :class:`Store` and the cache layer's ``SlotTable``.
+
+    ``table``: ``ocache.slots.SlotTable`` (save/restore/params and the per-slot beliefs).
+    ``resume_path``: where the resume marker lives (default ``store.meta_dir / session-resume.json``).
+    """
+
+    name = "session"
+
+    def __init__(self, store: Store, table: Any, config: SpillConfig | None = None, *,
+                 resume_path: Path | None = None) -> None:
+        self.store = store
+        self.table = table
+        self.cfg = config or SpillConfig()
+        self.resume_path = Path(resume_path) if resume_path else Path(store.meta_dir) / RESUME_MARKER
+        self.restore_rate = _Rate(self.cfg.restore_bytes_s)
+        self.verify_rate = _Rate(self.cfg.verify_bytes_s)
+        self.bytes_per_token: float = 0.0
+        self._seen: dict[int, _SlotSeen] = {}
+        self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, n_tokens) to confirm
+        self._bg: set[asyncio.Task] = set()
+        self._recent: list[tuple[float, str, int]] = []  # (time, entry key, slot) of spills this run
+        self._memo: tuple[Any, Any, Any] | None = None
+        self.counters: dict[str, int] = {
+            "lookups": 0, "offers": 0, "restores": 0, "hits": 0, "unconfirmed": 0,
+            "verify_failed": 0, "restore_failed": 0, "spills": 0, "spill_failed": 0,
+            "spill_skipped_short": 0, "spill_skipped_unsafe": 0, "spill_skipped_budget": 0,
+            "spill_dedup": 0, "superseded": 0, "resumed": 0, "resume_failed": 0,
+        }
+        self.spill_s: list[float] = []     # seconds each spill held its request (the server's save)
+        self.commit_s: list[float] = []    # seconds of each background commit (fsync + hash + rename)
+        self.restore_s: list[float] = []   # seconds of each verify + restore
+        self.spill_bytes: list[int] = []
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def params(self) -> Any:
+        return self.table.params
+
+    def _entry_checkpoints(self, e: Any) -> list:
+        from ..slots import Checkpoint
+
+        return [Checkpoint(int(n)) for n in (e.meta.get("checkpoints") or [])]
+
+    def read_cost_s(self, nbytes: int) -> float:
+        """Seconds to verify and restore ``nbytes`` at the measured rates."""
+        return nbytes / self.verify_rate.value + nbytes / self.restore_rate.value
+
+    def _spillable(self, slot: int) -> tuple[bool, str]:
+        st = self.table[slot]
+        seen = self._seen.get(slot)
+        if not st.tokens or st.foreign:
+            return False, "unknown content"
+        if st.pending:
+            return False, "response not finished"
+        if st.kind not in ("agent", "other") or st.origin:
+            return False, f"kind {st.kind}"
+        if seen is None or seen.seq != st.seq:
+            return False, "not seen complete"
+        return True, ""
+
+    # ------------------------------------------------------------------ writes
+    async def before_evict(self, slot: int) -> None:
+        """The slot's conversation is about to be replaced (the caller holds the slot's lock): spill it
+        if it is long enough (``min_tokens``) and safe (see the module docstring). Never raises."""
+        await self._spill(slot, self.cfg.min_tokens, "evict")
+
+    async def _spill(self, slot: int, min_tokens: int, reason: str) -> str | None:
+        """Save ``slot`` as a session entry. Returns the entry key (also when already stored), or None
+        when skipped or failed. The commit runs in the background (:meth:`flush` waits for it)."""
+        ok, why = self._spillable(slot)
+        if not ok:
+            self.counters["spill_skipped_unsafe"] += 1
+            log.info("session: slot %d not spilled (%s)", slot, why)
+            return None
+        st = self.table[slot]
+        seen = self._seen[slot]
+        n = max(int(st.n_total or 0), len(st.tokens))
+        if n < min_tokens:
+            self.counters["spill_skipped_short"] += 1
+            return None
+        # the same content already stored (a restored slot not used since, a repeated drain)
+        cached = self._dedup(st.tokens, n, seen)
+        if cached is not None:
+            self.counters["spill_dedup"] += 1
+            self._recent.append((time.time(), cached, slot))
+            return cached
+        pkey = "p" + prefix_hash(list(st.tokens) + [n, slot])[:15] + os.urandom(4).hex()
+        est = int(self.bytes_per_token * n)
+        try:
+            await asyncio.to_thread(self.store.reserve, pkey, est, KIND)
+        except BudgetError as exc:
+            self.counters["spill_skipped_budget"] += 1
+            log.warning("session: no room to spill slot %d (%d tokens): %s", slot, n, exc)
+            return None
+        tmp = self.store.temp_name(KIND, pkey)
+        t0 = time.monotonic()
+        try:
+            resp = await self.table.save(slot, tmp)
+        except Exception as exc:  # noqa: BLE001 - the request proceeds; the conversation is lost
+            self.counters["spill_failed"] += 1
+            log.warning("session: save of slot %d failed: %s", slot, exc)
+            self.store.release(pkey)
+            self.store.discard_temp(tmp)
+            return None
+        self.spill_s.append(time.monotonic() - t0)
+        try:
+            tokens = await asyncio.to_thread(read_slot_tokens, self.store.path(tmp))
+        except (OSError, ValueError) as exc:
+            tokens = None
+            log.warning("session: slot %d file unreadable: %s", slot, exc)
+        if tokens is None or tokens[:len(st.tokens)] != list(st.tokens) or len(tokens) != int(resp.get("n_saved", -1)):
+            self.counters["spill_failed"] += 1
+            log.warning("session: slot %d holds other tokens than ocache sent it; not spilled", slot)
+            self.store.release(pkey)
+            self.store.discard_temp(tmp)
+            return None
+        key = entry_key(self.store.identity or "", KIND, tokens)
+        meta = {"session": seen.session, "owner": seen.owner, "kind": seen.kind, "slot": slot,
+                "prompt_n": seen.prompt_n, "reason": reason, "head_key": seen.head_key}
+        task = asyncio.create_task(self._commit(pkey, tmp, tokens, meta, slot, seen.head_key))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        self._recent.append((time.time(), key, slot))
+        return key
+
+    def _dedup(self, slot_tokens: Sequence[int], n: int, seen: _SlotSeen) -> str | None:
+        for e in self.store.entries(KIND):
+            if e.n_tokens != n or e.meta.get("session") != seen.session:
+                continue
+            try:
+                toks = self.store.tokens(e.key)
+            except (IntegrityError, KeyError):
+                continue
+            if toks[:len(slot_tokens)] == list(slot_tokens) and len(toks) == n:
+                return e.key
+        return None
+
+    async def _commit(self, pkey: str, tmp: str, tokens: list[int], meta: dict, slot: int,
+                      fingerprint: str | None) -> None:
+        t0 = time.monotonic()
+        try:
+            ckpt = self.store.path(tmp + ".ckpt")
+            meta["checkpoints"] = await asyncio.to_thread(sidecar_checkpoints, ckpt) if ckpt.exists() else []
+            self.store.release(pkey)
+            e = await asyncio.to_thread(self.store.commit, KIND, tokens, tmp, fingerprint=fingerprint, meta=meta)
+        except Exception as exc:  # noqa: BLE001
+            self.counters["spill_failed"] += 1
+            self.store.release(pkey)
+            self.store.discard_temp(tmp)
+            log.warning("session: commit of slot %d (%d tokens) failed: %s", slot, len(tokens), exc)
+            return
+        dt = time.monotonic() - t0
+        self.commit_s.append(dt)
+        self.verify_rate.add(e.bytes, dt)
+        self.spill_bytes.append(e.bytes)
+        self.bytes_per_token = max(self.bytes_per_token, e.bytes / max(1, e.n_tokens))
+        self.counters["spills"] += 1
+        log.info("session: spilled slot %d (%s, %d tokens, %d bytes, %s)", slot, meta["reason"],
+                 e.n_tokens, e.bytes, (meta.get("session") or "-")[:12])
+        # a session's newer state supersedes its older spills (same identity; without one, only an
+        # older spill whose tokens are a prefix of this one)
+        for old in self.store.entries(KIND):
+            if old.key == e.key:
+                continue
+            same = meta.get("session") is not None and old.meta.get("session") == meta.get("session")
+            if not same and old.meta.get("session") is None and meta.get("session") is None:
+                with contextlib.suppress(IntegrityError, KeyError):
+                    same = self.store.tokens(old.key) == tokens[:old.n_tokens]
+            if same:
+                self.counters["superseded"] += 1
+                await asyncio.to_thread(self.store.delete, old.key, "superseded by a newer spill")
+
+    async def flush(self) -> None:
+        """Wait for background commits."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    async def on_drain(self) -> dict:
+        """Planned stop (after in-flight requests finished and ``before_evict`` ran on every live
+        slot): spill every remaining safe conversation of at least ``drain_min_tokens``, wait for all
+        commits, and write the resume marker naming the most recent one. Returns
+        ``{"spilled": [keys], "resume": key | None}``. Never raises."""
+        keys: list[str] = []
+        for st in list(self.table.slots):
+            async with self.table.lock(st.id):
+                k = await self._spill(st.id, self.cfg.drain_min_tokens, "drain")
+            if k:
+                keys.append(k)
+        await self.flush()
+        committed = [(t, k, s) for t, k, s in self._recent if self.store.get(k) is not None]
+        resume = None
+        if committed:
+            # the most recent conversation: the slot used last, else the latest spill
+            by_slot = {s: k for _, k, s in committed}
+            order = sorted(self.table.slots, key=lambda s: s.last_used, reverse=True)
+            resume = next((by_slot[s.id] for s in order if s.id in by_slot), committed[-1][1])
+            slots = [{"slot": s, "key": k} for s, k in by_slot.items()]
+            doc = {"identity": self.store.identity, "written": time.time(), "resume": resume, "slots": slots}
+            try:
+                atomic_write(self.resume_path, json.dumps(doc).encode())
+            except OSError as exc:
+                log.warning("session: could not write the resume marker: %s", exc)
+        log.info("session: drain spilled %d conversation(s); resume %s", len(keys), resume)
+        return {"spilled": keys, "resume": resume}
+
+    # ------------------------------------------------------------------ start-up
+    async def after_start(self) -> int | None:
+        """After a start that follows a drain: restore the conversation the resume marker names into
+        the slot it was in (modulo the slot count). The cache layer calls this while it gets ready,
+        holding its ready lock, so requests wait for it. The marker is consumed whatever happens.
+        Returns the slot restored, or None. Never raises."""
+        if not self.cfg.resume:
+            return None
+        try:
+            doc = json.loads(self.resume_path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("session: unreadable resume marker (%s); ignored", exc)
+            doc = None
+        with contextlib.suppress(OSError):
+            self.resume_path.unlink()
+        if not isinstance(doc, dict) or doc.get("identity") != self.store.identity or not doc.get("resume"):
+            return None
+        key = str(doc["resume"])
+        e = self.store.get(key)
+        if e is None or not len(self.table):
+            return None
+        slot = int(e.meta.get("slot", 0) or 0) % len(self.table)
+        async with self.table.lock(slot):
+            try:
+                await self._restore(key, slot)
+            except SpillError as exc:
+                self.counters["resume_failed"] += 1
+                log.warning("session: resume of %s failed: %s", key[:12], exc)
+                return None
+            st = self.table[slot]
+            st.owner = e.meta.get("owner")
+            st.kind = e.meta.get("kind") or "agent"
+            st.head_key = e.meta.get("head_key")
+            self._seen[slot] = _SlotSeen(st.seq, e.meta.get("session"), int(e.meta.get("prompt_n") or 0),
+                                         st.kind, st.owner, st.head_key)
+        self.counters["resumed"] += 1
+        log.info("session: resumed %d tokens into slot %d after a drained stop", e.n_tokens, slot)
+        return slot
+
+    # ------------------------------------------------------------------ reads
+    async def lookup(self, view: Any, ctx: Any) -> Offer | None:
+        """The spilled conversation of this request's session with the longest usable prefix, or None.
+
+        ``tokens_usable``: what the server will reuse after the restore (``predict_reuse`` on the
+        stored tokens and checkpoints: on a hybrid model a prompt that diverges inside the stored
+        conversation resumes from a checkpoint). Offered only past the harness head (``view.head_end``:
+        a head is the disk/head tiers' business) and, without a session identity, only when the request
+        contains the conversation's last prompt.
+        """
+        if _get(ctx, "kind") == "guest":
+            return None
+        entries = self.store.entries(KIND)
+        if not entries:
+            return None
+        self.counters["lookups"] += 1
+        toks = view.tokens
+        keyset = tuple(sorted(e.key for e in entries))
+        if self._memo is not None and self._memo[0] is view and self._memo[1] == keyset:
+            return self._memo[2]
+        skey = session_key(_get(ctx, "session"), view)
+        floor = int(_get(view, "head_end") or 0)
+        best: tuple[int, Any, int] | None = None
+        from ..slots import common_prefix, predict_reuse
+
+        for e in entries:
+            es = e.meta.get("session")
+            if skey is not None and es != skey:
+                continue
+            try:
+                stored = await asyncio.to_thread(self.store.tokens, e.key)
+            except (IntegrityError, KeyError):
+                continue
+            lcp = common_prefix(stored, toks)
+            if skey is None and lcp < int(e.meta.get("prompt_n") or len(stored)) - self.cfg.ubatch:
+                continue
+            reuse = predict_reuse(stored, len(stored), self._entry_checkpoints(e), toks, self.params)
+            if reuse.cache_n <= floor:
+                continue
+            if best is None or reuse.cache_n > best[0]:
+                best = (reuse.cache_n, e, lcp)
+        offer = None
+        if best is not None:
+            usable, e, lcp = best
+            self.counters["offers"] += 1
+            offer = Offer(tier=self.name, tokens_usable=usable, cost_s=self.read_cost_s(e.bytes),
+                          ref=SpillRef(e.key, e.n_tokens, e.bytes, lcp))
+        self._memo = (view, keyset, offer)
+        return offer
+
+    async def bring(self, offer: Offer, slot: int) -> None:
+        """Verify and restore the offered conversation into ``slot`` (caller holds its lock). Raises
+        SpillError (entry deleted on a failed check or a refused restore)."""
+        ref: SpillRef = offer.ref
+        await self._restore(ref.key, slot)
+
+    async def _restore(self, key: str, slot: int) -> None:
+        t0 = time.monotonic()
+        try:
+            e = await asyncio.to_thread(self.store.verify, key)
+        except KeyError as exc:
+            raise SpillError("gone", key) from exc
+        except IntegrityError as exc:
+            self.counters["verify_failed"] += 1
+            raise SpillError(exc.reason, str(exc)) from exc
+        t1 = time.monotonic()
+        self.verify_rate.add(e.bytes, t1 - t0)
+        toks = self.store.tokens(key)
+        try:
+            resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=self._entry_checkpoints(e))
+        except Exception as exc:  # noqa: BLE001
+            self.counters["restore_failed"] += 1
+            await asyncio.to_thread(self.store.delete, key, f"server refused the restore: {exc}")
+            raise SpillError("restore", str(exc)) from exc
+        if int(_get(resp, "n_restored", -1)) != e.n_tokens:
+            self.counters["restore_failed"] += 1
+            self.table[slot].unknown(None)
+            await asyncio.to_thread(self.store.delete, key, "restored token count differs")
+            raise SpillError("restore", f"n_restored={_get(resp, 'n_restored')} != {e.n_tokens}")
+        ms = float(_get(_get(resp, "timings", {}), "restore_ms", 0.0) or 0.0)
+        self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes), ms / 1000.0 if ms else time.monotonic() - t1)
+        self.restore_s.append(time.monotonic() - t0)
+        self.counters["restores"] += 1
+        self._pending[slot] = (key, e.n_tokens)
+        await asyncio.to_thread(self.store.touch, key, True)
+
+    # ------------------------------------------------------------------ after a request
+    async def admit(self, view: Any, slot: int, obs: Any) -> None:
+        """After a completed response on ``slot`` (the cache layer calls this only for complete 200
+        responses): remember the slot's session identity and ``seq`` (what makes it spillable), and
+        confirm a restore by ``cache_n``."""
+        timings = _get(obs, "timings") or {}
+        p = self._pending.pop(slot, None)
+        if p is not None:
+            cache_n = _get(timings, "cache_n")
+            if cache_n is not None and int(cache_n) >= min(p[1], len(view.tokens)) - self.cfg.ubatch * 2 - 1:
+                self.counters["hits"] += 1
+            else:
+                self.counters["unconfirmed"] += 1
+                log.warning("session: restore of %d tokens into slot %d not confirmed (cache_n=%s)",
+                            p[1], slot, cache_n)
+        if not (_get(obs, "completed", True) and int(_get(obs, "status", 200) or 200) == 200):
+            self._seen.pop(slot, None)
+            return
+        st = self.table[slot]
+        if st.tokens != list(view.tokens):
+            self._seen.pop(slot, None)
+            return
+        self._seen[slot] = _SlotSeen(st.seq, session_key(st.owner, view), len(view.tokens), st.kind,
+                                     st.owner, st.head_key)
+
+    async def evict(self, bytes_needed: int) -> int:
+        return await asyncio.to_thread(self.store.evict, bytes_needed)
+
+    async def on_upstream_restart(self) -> None:
+        self._seen.clear()
+        for slot in list(self._pending):
+            self._pending.pop(slot, None)
+            self.counters["unconfirmed"] += 1
+
+    async def clear(self) -> dict:
+        await self.flush()
+        return {"deleted": await asyncio.to_thread(self.store.clear, KIND)}
+
+    def stats(self) -> dict:
+        def p50(xs: list[float]) -> float | None:
+            return sorted(xs)[len(xs) // 2] if xs else None
+
+        return {**self.counters, "entries": len(self.store.entries(KIND)),
+                "bytes": self.store.kind_bytes(KIND), "budget_bytes": self.store.kind_budgets.get(KIND),
+                "spill_s_p50": p50(self.spill_s), "commit_s_p50": p50(self.commit_s),
+                "restore_s_p50": p50(self.restore_s), "restore_bytes_s": round(self.restore_rate.value),
+                "verify_bytes_s": round(self.verify_rate.value)}
+
+
+# ---------------------------------------------------------------------- factory
+
+def slot_save_path(config: Any, table: Any = None) -> Path | None:
+    """The server's ``--slot-save-path``: ``tiers.session.slot_save_path``, ``tiers.disk.slot_save_path``,
+    ``config.launch``, ``tiers.resident.server_args``, else the table's parsed server params."""
+    tiers = _get(config, "tiers") or {}
+    for name in ("session", "disk"):
+        t = tiers.get(name) if isinstance(tiers, dict) else None
+        if isinstance(t, dict) and t.get("slot_save_path"):
+            return Path(t["slot_save_path"])
+    argvs = [list(_get(config, "launch") or [])]
+    res = tiers.get("resident") if isinstance(tiers, dict) else None
+    if isinstance(res, dict) and res.get("server_args"):
+        argvs.append(list(res["server_args"]))
+    for argv in argvs:
+        for i, a in enumerate(argv):
+            if a == "--slot-save-path" and i + 1 < len(argv):
+                return Path(argv[i + 1])
+            if a.startswith("--slot-save-path="):
+                return Path(a.split("=", 1)[1])
+    p = _get(_get(table, "params"), "slot_save_path")
+    return Path(p) if p else None
+
+
+def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | None:
+    """Build the session tier for ``OCacheLayer``, or None when it cannot or should not work.
+
+    Off when ``tiers.session.enabled`` is false, when no ``--slot-save-path`` is known (the server
+    cannot save slots, notes §1.1), without a server identity, or when the store is locked by another
+    process. Settings: ``spill_budget_gb``, ``spill_min_tokens`` and ``tiers.session`` keys
+    ``drain_min_tokens``, ``resume``. The store is the one the disk tier uses (``shared_store``).
+    """
+    tiers = _get(config, "tiers") or {}
+    scfg = dict(tiers.get("session") or {}) if isinstance(tiers, dict) else {}
+    if scfg.get("enabled") is False:
+        return None
+    data_dir = slot_save_path(config, table)
+    if data_dir is None:
+        log.info("session tier off: no --slot-save-path known (set tiers.session.slot_save_path)")
+        return None
+    key = identity if isinstance(identity, str) else getattr(identity, "key", None)
+    if not key:
+        log.warning("session tier off: no server identity")
+        return None
+    from .disk import store_meta_dir
+
+    try:
+        store = shared_store(store_meta_dir(config), data_dir, key, kind=KIND,
+                             kind_budget_bytes=int(float(_get(config, "spill_budget_gb", 40.0)) * 1e9),
+                             ttl_s=float(_get(config, "disk_ttl_days", 7.0)) * 86400.0)
+    except (LockedError, StoreError, OSError) as exc:
+        log.warning("session tier off: %s", exc)
+        return None
+    cfg = SpillConfig(min_tokens=int(_get(config, "spill_min_tokens", 16384)),
+                      drain_min_tokens=int(scfg.get("drain_min_tokens", 1024)),
+                      ubatch=int(_get(_get(table, "params"), "n_ubatch", 512) or 512),
+                      resume=bool(scfg.get("resume", True)))
+    return SessionTier(store, table, cfg)
+
+
+# ---------------------------------------------------------------------- ocache drain
+
+def make_drain_handler(stop: Callable[[], None], admin_token: str | None):
+    """An aiohttp handler for ``POST /v1/cache/drain`` that the proxy mounts: checks the admin token
+    (``Authorization: Bearer``; 404 when no token is configured, like the other admin routes), answers
+    202 and calls ``stop()`` (the same event SIGTERM sets in ``ocache.proxy.serve``: stop accepting,
+    finish in-flight requests, ``layer.drain()`` spills, then exit)."""
+    import hmac
+
+    from aiohttp import web
+
+    async def handle(request: web.Request) -> web.Response:
+        if not admin_token:
+            return web.json_response({"error": {"message": "admin routes are disabled: set admin_token",
+                                                 "type": "not_found_error"}}, status=404)
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:] if auth.startswith("Bearer ") else ""
+        if not given or not hmac.compare_digest(given.encode(), admin_token.encode()):
+            return web.json_response({"error": {"message": "admin token required",
+                                                 "type": "authentication_error"}}, status=401)
+        asyncio.get_running_loop().call_soon(stop)
+        return web.json_response({"draining": True}, status=202)
+
+    return handle
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    url = args.url.rstrip("/") + "/v1/cache/drain"
+    token = args.admin_token or os.environ.get("OCACHE_ADMIN_TOKEN")
+    req = urllib.request.Request(url, method="POST", data=b"{}",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {token}"} if token else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        msg = exc.read().decode(errors="replace")[:300]
+        if exc.code == 404:
+            print(f"ocache drain: {url} answered 404 (no admin_token configured, or an ocache without "
+                  f"the drain route; send SIGTERM to the ocache process instead): {msg}", file=sys.stderr)
+        else:
+            print(f"ocache drain: HTTP {exc.code}: {msg}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"ocache drain: cannot reach ocache at {args.url}: {exc}", file=sys.stderr)
+        return 2
+    print(f"ocache drain: {body.strip()}")
+    if args.wait <= 0:
+        return 0
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:  # poll until the listener is gone (the drain finished)
+        try:
+            with urllib.request.urlopen(args.url.rstrip("/") + "/v1/cache/stats", timeout=2):
+                pass
+        except (urllib.error.URLError, OSError):
+            print("ocache drain: ocache stopped")
+            return 0
+        time.sleep(0.5)  # polling interval for a process we do not own, not synchronisation
+    print(f"ocache drain: still running after {args.wait:.0f} s", file=sys.stderr)
+    return 1
+
+
+def register(subparsers) -> None:
+    """Add ``ocache drain`` (planned stop of a running ocache: spill every conversation, then exit)."""
+    p = subparsers.add_parser("drain", help="stop a running ocache after spilling every conversation",
+                              description="POST /v1/cache/drain: the running ocache stops accepting, "
+                                          "finishes in-flight requests, spills every slot's conversation "
+                                          "to disk, then exits; the next start restores the most recent.")
+    p.add_argument("--url", default="http://127.0.0.1:8081", help="the running ocache (default %(default)s)")
+    p.add_argument("--admin-token", help="admin token (default $OCACHE_ADMIN_TOKEN)")
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for it to exit (0: do not wait)")
+    p.set_defaults(func=_cmd_drain)
