@@ -21,7 +21,7 @@ from ocache import fingerprint as fp
 from ocache.slots import SlotTable, params_from_argv
 from ocache.tiers.disk import DiskConfig, DiskTier, DiskTierError
 from ocache.tiers.store import Store
-from ocache.tokens import TokenViewer
+from ocache.tokens import TokenViewer, TokenViewError
 from conftest import load_fixture
 
 server = pytest.mark.server
@@ -64,11 +64,24 @@ class Harness:
     async def restart(self) -> None:
         await self.tier.flush()
         await self.viewer.close()
+        await self.session.close()  # pooled connections belong to the old process
+        self.session = None
         self.srv.restart()
         await self.connect()
 
     async def view(self, body: dict):
-        return await self.viewer.view(CHAT, body, fp.harness_head(body))
+        try:
+            return await self.viewer.view(CHAT, body, fp.harness_head(body))
+        except TokenViewError as exc:
+            # right after a restart on the same port the new llama-server sometimes drops the first
+            # connection ("Server disconnected", seen ~1 in 10 restarts here); one retry, then fail
+            if exc.status != 0:
+                raise
+            await self.viewer.close()
+            async with self.session.get(self.srv.url + "/health") as r:
+                assert r.status == 200  # the server is up: the failure was the connection
+            self.viewer = TokenViewer(self.srv.url)
+            return await self.viewer.view(CHAT, body, fp.harness_head(body))
 
     async def send(self, body: dict, slot: int) -> dict:
         b = dict(body, id_slot=slot, stream=False, max_tokens=4, temperature=0)
@@ -171,6 +184,7 @@ async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, mo
     await h.turn(t1)
     entries = h.store.entries("a")
     assert len(entries) == 2
+    detected = []
     for fault in FAULTS:
         await h.restart()
         if not h.store.entries("a"):
@@ -210,13 +224,15 @@ async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, mo
             continue
         with pytest.raises(DiskTierError):
             await h.tier.bring(offer, 0)
+        assert h.tier.counters["verify_failed"] == 1, fault
+        detected.append(fault)
         assert h.store.get(e.key) is None, fault
         assert not any((Path(h.srv.slot_save_path) / f.name).exists() for f in e.files.values()), fault
         timings = await h.send(t2, 0)  # served cold, server up
         assert timings["cache_n"] == 0, fault
         async with h.session.get(h.srv.url + "/health") as r:
             assert r.status == 200
-    assert h.tier.counters["verify_failed"] >= 4
+    assert set(detected) >= {"missing", "truncated", "zero", "bitflip"}
 
 
 @server
