@@ -343,11 +343,18 @@ class OCacheLayer:
         ctx = RequestContext(kind=kind, session=req.session_hint, head_key=head_key, head_len=head_len,
                              task=table.next_task(), user_starts=user_starts)
         dec = await self._decide(view, ctx)
-        lock = table.lock(dec.slot)
-        await lock.acquire()
+        for attempt in range(3):
+            lock = table.lock(dec.slot)
+            await lock.acquire()
+            # the table may have changed while we waited for the lock (another request took the
+            # slot): plan again; move to a better idle slot rather than evict a conversation
+            fresh = await self._decide(view, ctx, held=dec.slot)
+            if fresh.slot == dec.slot or fresh.choice.busy or attempt == 2:
+                break
+            lock.release()
+            dec = fresh
         try:
-            # the slot may have changed while we waited for its lock: plan again for this slot
-            dec = await self._decide(view, ctx, forced_slot=dec.slot)
+            dec = await self._decide(view, ctx, forced_slot=dec.slot, held=dec.slot)
             pctx = await self._execute(req, view, ctx, dec)
         except BaseException:
             lock.release()
@@ -366,7 +373,9 @@ class OCacheLayer:
                    "X-OCache-Tier": pctx.decision.tier, "X-OCache-Kind": kind}
         return _mk_plan(body_updates={"id_slot": dec.slot}, headers=headers, context=pctx, release=release)
 
-    async def _decide(self, view: Any, ctx: RequestContext, forced_slot: int | None = None) -> Decision:
+    async def _decide(self, view: Any, ctx: RequestContext, forced_slot: int | None = None,
+                      held: int | None = None) -> Decision:
+        """``held``: the slot whose lock this request holds (not busy for its own plan)."""
         table = self.table
         offers: list[Offer | None] = []
         tiers: list[Any] = [self.head_tier, *self.tiers]
@@ -378,7 +387,10 @@ class OCacheLayer:
         head_resident = True
         if ctx.head_key and self.opt_warm:
             head_resident = ctx.head_key in self.head_tier.heads
-        return plan_request(view.tokens, table.snapshot(), offers, ctx, table.params,
+        snap = table.snapshot()
+        if held is not None:
+            snap[held].busy = False
+        return plan_request(view.tokens, snap, offers, ctx, table.params,
                             head_resident=head_resident, prefill_tps=self.prefill_tps,
                             forced_slot=forced_slot)
 

@@ -61,6 +61,8 @@ def body_of(name: str, max_tokens: int = 8) -> dict:
     body["stream"] = False
     body.pop("stream_options", None)
     body["max_tokens"] = max_tokens
+    if "max_completion_tokens" in body:  # pi sends both; the server reads either (an alias)
+        body["max_completion_tokens"] = max_tokens
     return body
 
 
