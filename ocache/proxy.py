@@ -456,9 +456,12 @@ class Proxy:
                   allow_redirects=False, auto_decompress=False)
         try:
             return await self.upstream.session.request(request.method, url, **kw)
-        except aiohttp.ServerDisconnectedError:
-            # A pooled keep-alive connection the server had already closed (e.g. it restarted):
-            # nothing reached llama-server's handler, so one resend is safe.
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # A pooled keep-alive connection the server had already closed (idle timeout, restart):
+            # the request did not get an answer, so one resend on a fresh connection is safe.
+            log.debug("upstream connection dropped before an answer (%s); resending once", exc)
             return await self.upstream.session.request(request.method, url, **kw)
 
     async def _relay_stream(self, request: web.Request, up_resp: aiohttp.ClientResponse,
