@@ -68,7 +68,13 @@ class ModelSpec:
     width, ``ssm_groups`` the number of key heads, ``ssm_v_heads`` the number of value heads
     (``ssm.time_step_rank``); the inner size is ``ssm_state * ssm_v_heads``. ``rope_dims`` is the
     rotated part of a head (qwen3 requires the whole head), ``rope_sections`` the IMROPE sections
-    (t, h, w, e) of qwen35, summing to ``rope_dims / 2``.
+    (t, h, w, e) of qwen35, summing to ``rope_dims / 2``. ``qk_norm`` is the value of every
+    Q/K RMS-norm weight: it scales the attention logits by ``qk_norm**2`` (the norms make q and k
+    unit-RMS), so attention is peaked rather than a near-uniform average in which one early token
+    weighs 1/n. Measured on the tiny models (4 prompt pairs differing in their first words, 16
+    greedy tokens): with 1.0 the dense model ignored the change in 1 of 4 pairs at 3k and 8k tokens
+    and a 4-layer hybrid (one attention layer) in 4 of 4 at 3k; with 3.0, dense 2 layers and hybrid
+    6+2 layers diverged in 4 of 4 pairs at 600, 3k and 7k tokens.
     """
 
     arch: str
@@ -88,6 +94,7 @@ class ModelSpec:
     ssm_state: int = 0
     ssm_groups: int = 0
     ssm_v_heads: int = 0
+    qk_norm: float = 3.0
     seed: int = 1234
 
     @property
@@ -125,7 +132,7 @@ PRESETS: dict[str, dict[str, ModelSpec]] = {
     "tiny": {
         "dense": ModelSpec(arch="qwen3", n_embd=64, n_layer=2, n_ff=192, n_head=4, n_head_kv=2,
                            head_dim=32, rope_dims=32, rope_freq_base=1e6),
-        "hybrid": ModelSpec(arch="qwen35", n_embd=64, n_layer=4, n_ff=192, n_head=4, n_head_kv=2,
+        "hybrid": ModelSpec(arch="qwen35", n_embd=64, n_layer=8, n_ff=192, n_head=4, n_head_kv=2,
                             head_dim=32, rope_dims=16, rope_sections=(3, 3, 2, 0),
                             rope_freq_base=1e7, ssm_state=16, ssm_groups=2, ssm_v_heads=4),
     },
@@ -235,8 +242,8 @@ def _tensors(spec: ModelSpec, n_vocab: int):
             yield p + "attn_k.weight", _matrix(spec, p + "attn_k", kv_out, E)
             yield p + "attn_v.weight", _matrix(spec, p + "attn_v", kv_out, E)
             yield p + "attn_output.weight", _matrix(spec, p + "attn_output", E, q_out)
-            yield p + "attn_q_norm.weight", _ones(spec.head_dim)
-            yield p + "attn_k_norm.weight", _ones(spec.head_dim)
+            yield p + "attn_q_norm.weight", _ones(spec.head_dim) * np.float32(spec.qk_norm)
+            yield p + "attn_k_norm.weight", _ones(spec.head_dim) * np.float32(spec.qk_norm)
             yield p + "ffn_norm.weight", _ones(E)
         elif not spec.is_recurrent(il):
             # qwen35 full attention: Q projects to query + output gate (2 * n_head * head_dim)
@@ -245,8 +252,8 @@ def _tensors(spec: ModelSpec, n_vocab: int):
             yield p + "attn_k.weight", _matrix(spec, p + "attn_k", kv_out, E)
             yield p + "attn_v.weight", _matrix(spec, p + "attn_v", kv_out, E)
             yield p + "attn_output.weight", _matrix(spec, p + "attn_output", E, q_out)
-            yield p + "attn_q_norm.weight", _ones(spec.head_dim)
-            yield p + "attn_k_norm.weight", _ones(spec.head_dim)
+            yield p + "attn_q_norm.weight", _ones(spec.head_dim) * np.float32(spec.qk_norm)
+            yield p + "attn_k_norm.weight", _ones(spec.head_dim) * np.float32(spec.qk_norm)
         else:
             # gated delta net (qwen35.cpp load_block_trunk / build_layer_attn_linear)
             key_dim = spec.ssm_state * spec.ssm_groups

@@ -54,7 +54,7 @@ def test_presets_are_valid_and_hybrid_has_attention_every_fourth_layer():
             assert spec.arch == {"dense": "qwen3", "hybrid": "qwen35"}[kind]
             assert spec.n_ctx_train >= 131072
     tiny = models.PRESETS["tiny"]["hybrid"]
-    assert [tiny.is_recurrent(il) for il in range(tiny.n_layer)] == [True, True, True, False]
+    assert [tiny.is_recurrent(il) for il in range(tiny.n_layer)] == [True, True, True, False] * 2
     bench = models.PRESETS["bench"]["hybrid"]
     assert sum(not bench.is_recurrent(il) for il in range(bench.n_layer)) == 2
 
@@ -151,7 +151,8 @@ def _n_tokens(srv: LlamaServer, text: str) -> int:
 def test_model_loads_with_our_template(served):
     kind, srv = served
     props = _get(srv.url + "/props")
-    assert props["chat_template"] == models.template_path().read_text(encoding="utf-8")
+    # (the server trims the trailing newline of the file)
+    assert props["chat_template"].strip() == models.template_path().read_text(encoding="utf-8").strip()
     assert props["default_generation_settings"]["n_ctx"] == 16384
     meta = _get(srv.url + "/v1/models")
     assert meta["data"][0]["meta"]["n_vocab"] == 151936
@@ -193,7 +194,7 @@ def test_every_captured_request_renders(served):
         system = msgs[0]["content"] if msgs[0]["role"] == "system" else None
         if body.get("tools"):
             assert prompt.startswith("<|im_start|>system\n# Tools\n"), name
-            tools_end = prompt.index("</tools>")
+            tools_end = prompt.index("\n</tools>\n")
             for tool in body["tools"]:
                 assert prompt.index(f'"name": "{tool["function"]["name"]}"') < tools_end, name
             if system:
@@ -234,7 +235,7 @@ def test_template_edge_cases(served):
         {"role": "user", "content": "next"},
     ], "chat_template_kwargs": {"enable_thinking": False}}
     prompt = _apply(srv, body)
-    assert prompt.index("</tools>") < prompt.index("HEAD one\n\nHEAD two<|im_end|>\n")
+    assert prompt.index("\n</tools>\n") < prompt.index("HEAD one\n\nHEAD two<|im_end|>\n")
     assert prompt.count("<|im_start|>system\n") == 2
     assert "<|im_start|>system\nLATE note<|im_end|>\n<|im_start|>user\nnext" in prompt
     assert '"arguments": {"command":' in prompt and '"ls"}}\n</tool_call>' in prompt
@@ -263,22 +264,30 @@ def test_render_is_append_only(served, thinking):
     assert turn2.startswith(turn1 + generated + "<|im_end|>\n")
 
 
-def _greedy(srv: LlamaServer, prompt: str, n: int = 24) -> list[int]:
+def _greedy(srv: LlamaServer, prompt: list[int], n: int = 16) -> list[int]:
     status, data = _post(srv.url + "/completion", {
-        "prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "seed": 1,
-        "return_tokens": True, "cache_prompt": False})
+        "prompt": prompt, "n_predict": n, "temperature": 0, "return_tokens": True})
+    assert status == 200, data
+    return data["tokens"]
+
+
+def _tokens(srv: LlamaServer, text: str) -> list[int]:
+    status, data = _post(srv.url + "/tokenize", {"content": text})
     assert status == 200, data
     return data["tokens"]
 
 
 @pytest.mark.server
 def test_greedy_output_depends_on_early_context(served):
-    """Two ~600-token prompts that differ only in their first words continue differently (the
-    weight-scaling trap of measured-baseline.md), while one prompt repeats exactly."""
+    """Prompts of ~3,000 tokens that differ only in their first words continue differently (the
+    weight-scaling trap of measured-baseline.md: otherwise a broken cache looks like a working
+    one), while the same prompt repeats exactly (greedy is deterministic)."""
     kind, srv = served
-    text = load_fixture("opencode_agent_turn1.json")["messages"][0]["content"][:2500]
-    a = _greedy(srv, "Alpha team report. " + text)
-    b = _greedy(srv, "Omega group memo. " + text)
-    assert _greedy(srv, "Alpha team report. " + text) == a
-    assert a != b, (kind, a)
-    assert len(set(a)) > 1, (kind, a)  # not one token repeated
+    body = load_fixture("opencode_agent_turn1.json")
+    tail = _tokens(srv, body["messages"][0]["content"] + json.dumps(body["tools"]))[:3000]
+    runs = {}
+    for head in ("Alpha team report. ", "Omega group memo. ", "x"):
+        runs[head] = _greedy(srv, _tokens(srv, head) + tail)
+    assert _greedy(srv, _tokens(srv, "x") + tail) == runs["x"]
+    assert len({tuple(r) for r in runs.values()}) == 3, (kind, runs)
+    assert all(len(set(r)) > 1 for r in runs.values()), (kind, runs)  # not one token repeated
