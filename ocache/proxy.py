@@ -443,7 +443,7 @@ class Proxy:
                 self.stats.disconnect(path)
             if preq is not None:
                 self._finish(preq, plan, obs, disconnected)
-            else:
+            elif log.isEnabledFor(logging.DEBUG):
                 log.debug("[%s] %s %s %s %.1fms", rid, method, request.path_qs, obs.status,
                           obs.total_s * 1e3)
 
@@ -717,8 +717,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"ocache serve: config error: {exc}", file=sys.stderr)
         return 2
     logging.getLogger().setLevel(cfg.log_level.upper())
-    if cfg.launch and not cfg.launch_binary:
-        pass
+    if cfg.cache_dir:
+        os.environ["OCACHE_CACHE_DIR"] = cfg.cache_dir  # ocache.paths.cache_root() reads it
     try:
         asyncio.run(serve(cfg))
     except OSError as exc:

@@ -109,6 +109,7 @@ class Stats:
             r.register(_LayerCollector(layer_stats))
         # plain mirrors for the JSON view
         self._requests: _Counter = _Counter()
+        self._request_children: dict = {}
         self._completions: _Counter = _Counter()
         self._tokens: _Counter = _Counter()
         self._misc: _Counter = _Counter()
@@ -117,8 +118,12 @@ class Stats:
     # --- recording ----------------------------------------------------------------------------
     def request(self, path: str, status: int) -> None:
         route = route_label(path)
-        self.requests.labels(route, str(status)).inc()
-        self._requests[(route, status)] += 1
+        key = (route, status)
+        child = self._request_children.get(key)
+        if child is None:  # labels() takes a lock and builds a tuple: look it up once per key
+            child = self._request_children[key] = self.requests.labels(route, str(status))
+        child.inc()
+        self._requests[key] += 1
 
     def completion(self, path: str, tier: str, timings: dict | None, ttft_s: float | None,
                    record: dict) -> None:
