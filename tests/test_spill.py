@@ -1,0 +1,349 @@
+"""The session tier (``ocache.tiers.spill``) against the real patched llama-server on the tiny models.
+
+Requests go through the proxy in-process (``ocache.proxy.Proxy`` + ``OCacheLayer``, which registers
+the session tier), like tests/test_resident.py. Server settings as there: ``-ub 128`` (so "one
+ubatch" is a tight bound), ``-b 512``, ``--ctx-checkpoints 32 --checkpoint-min-step 256`` (the tiny
+conversations are a few thousand tokens), ``--cache-ram 0`` (the RAM cache is off wherever ocache
+plans, see the module docstring of ``ocache.tiers.spill``).
+
+**The spill threshold is lowered** in these tests (``spill_min_tokens`` 2,000 for the opencode
+fixtures, which render to ~7k tokens; 200 for the synthetic 8-session test) instead of the
+default 16,384, so that the tiny fixtures are spilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from ocache.cache import OCacheLayer
+from ocache.config import Config
+from ocache.proxy import RUNNER_KWARGS, Proxy
+from ocache.tiers import spill as spill_mod
+from ocache.tiers import store as store_mod
+from ocache.tokens import TokenViewer
+
+from conftest import load_fixture, load_headers
+
+UB = 128
+SERVER = dict(ubatch=UB, batch=512, ctx_checkpoints=32, checkpoint_min_step=256, cache_ram=0)
+MODELS = ["dense", "hybrid"]
+CHAT = "/v1/chat/completions"
+
+
+# --------------------------------------------------------------------------- helpers
+
+def make_config(srv, cache_dir: Path, min_tokens: int, **session) -> Config:
+    return Config(upstream=srv.url, cache_dir=str(cache_dir), spill_min_tokens=min_tokens,
+                  tiers={"resident": {"server_args": srv.command()[1:]}, "session": session})
+
+
+@asynccontextmanager
+async def through_ocache(config: Config):
+    """A proxy with OCacheLayer in front of ``config.upstream``; yields (base_url, proxy)."""
+    proxy = Proxy(config, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
+    server = TestServer(proxy.make_app(), host="127.0.0.1")
+    await server.start_server(**RUNNER_KWARGS)
+    try:
+        yield f"http://127.0.0.1:{server.port}", proxy
+    finally:
+        await server.close()
+
+
+def tier_of(proxy) -> spill_mod.SessionTier:
+    t = next((t for t in proxy.layer.tiers if t.name == "session"), None)
+    assert t is not None, "the session tier was not registered (no --slot-save-path seen?)"
+    return t
+
+
+def forget_store(cache_dir: Path) -> None:
+    """What a process exit does to the shared store: close it (its lock) and forget it, so the next
+    layer opens it afresh (index load, orphan sweep) like a new ocache process would."""
+    meta = (Path(cache_dir) / "store").resolve()
+    s = store_mod._SHARED.pop(meta, None)
+    if s is not None:
+        s.close()
+
+
+def body_of(name: str, max_tokens: int = 8) -> dict:
+    body = copy.deepcopy(load_fixture(name))
+    body["stream"] = False
+    body.pop("stream_options", None)
+    body["max_tokens"] = max_tokens
+    body["temperature"] = 0
+    return body
+
+
+def session_headers(name: str) -> dict:
+    hdrs = dict(load_headers(name)["headers"])
+    return {k: v for k, v in hdrs.items() if k.lower() in ("x-session-affinity", "x-session-id")}
+
+
+async def send(s: aiohttp.ClientSession, base: str, proxy, body: dict, headers: dict | None = None,
+               path: str = CHAT) -> dict:
+    async with s.post(base + path, json=body, headers=headers or {}) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        rec = {"tier": r.headers.get("X-OCache-Tier"), "slot": r.headers.get("X-OCache-Slot"),
+               "predicted": int(r.headers.get("X-OCache-Predicted-Cache", -1)), "timings": data["timings"],
+               "data": data}
+    await proxy.wait_background()   # observe()/admit() run after the response
+    await proxy.layer.idle()
+    return rec
+
+
+async def n_prompt(url: str, body: dict) -> int:
+    viewer = TokenViewer(url)
+    try:
+        return len((await viewer.view(CHAT, body)).tokens)
+    finally:
+        await viewer.close()
+
+
+# --------------------------------------------------------------------------- A / B / A on one slot
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", MODELS)
+async def test_aba_on_one_slot_parks_and_restores(start_server, tmp_path, model):
+    """-np 1: A, then B (another session) spills A; A's return spills B and restores A, and
+    prefills only what is new: prompt_n <= new tokens + one ubatch."""
+    srv = start_server(model, n_parallel=1, ctx_size=16384, **SERVER)
+    a1, a2 = body_of("opencode_agent_turn1.json"), body_of("opencode_agent_turn1_after_tool.json")
+    b1 = body_of("opencode_run3_proj2_agent_turn1.json")
+    ha, hb = session_headers("opencode_agent_turn1.json"), session_headers("opencode_run3_proj2_agent_turn1.json")
+    assert ha != hb and ha == session_headers("opencode_agent_turn1_after_tool.json")
+    na1, na2 = await n_prompt(srv.url, a1), await n_prompt(srv.url, a2)
+    assert na1 >= 2000
+    cfg = make_config(srv, tmp_path / "cache", 2000)
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        await send(s, base, proxy, a1, ha)
+        tier = tier_of(proxy)
+        assert tier.counters["spills"] == 0
+        await send(s, base, proxy, b1, hb)
+        await tier.flush()
+        assert tier.counters["spills"] == 1, tier.stats()
+        [ea] = tier.store.entries("s")
+        assert ea.meta["session"] == spill_mod.hint_key(ha["x-session-affinity"])
+        assert ea.n_tokens > na1  # prompt + the generated tokens the slot holds
+
+        rec = await send(s, base, proxy, a2, ha)
+        await tier.flush()
+        assert rec["tier"] == "session", rec
+        assert tier.counters["spills"] == 2 and tier.counters["restores"] == 1
+        assert tier.counters["hits"] == 1 and tier.counters["unconfirmed"] == 0
+        t = rec["timings"]
+        assert t["prompt_n"] <= (na2 - na1) + UB, (t, na1, na2)
+        assert abs(t["cache_n"] - rec["predicted"]) <= UB, (t, rec["predicted"])
+        # B is parked now, A's older spill was superseded by nothing (A was not spilled again)
+        sessions = sorted(e.meta["session"] for e in tier.store.entries("s"))
+        assert sessions == sorted([spill_mod.hint_key(ha["x-session-affinity"]),
+                                   spill_mod.hint_key(hb["x-session-affinity"])])
+
+        # B comes back unchanged (the same prompt): restored, only the last token re-evaluated
+        # (dense) or resumed from the checkpoint near its end (hybrid)
+        rec = await send(s, base, proxy, b1, hb)
+        assert rec["tier"] == "session" and rec["timings"]["prompt_n"] <= UB + 8, rec["timings"]
+
+
+# --------------------------------------------------------------------------- drain + restart
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", MODELS)
+async def test_drain_then_restart_resumes_at_the_end(start_server, tmp_path, model):
+    """A planned stop spills the resident conversation; the next start restores it before the first
+    request, and the next turn reads only what is new."""
+    srv = start_server(model, n_parallel=1, ctx_size=16384, **SERVER)
+    a1, a2 = body_of("opencode_agent_turn1.json"), body_of("opencode_agent_turn1_after_tool.json")
+    ha = session_headers("opencode_agent_turn1.json")
+    na1, na2 = await n_prompt(srv.url, a1), await n_prompt(srv.url, a2)
+    cache = tmp_path / "cache"
+    cfg = make_config(srv, cache, 16384)  # the default threshold: no eviction spill, only the drain
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        await send(s, base, proxy, a1, ha)
+        await proxy.drain(30)
+        tier = tier_of(proxy)
+        assert tier.counters["spills"] == 1, tier.stats()
+        assert (cache / "store" / spill_mod.RESUME_MARKER).exists()
+    forget_store(cache)
+    srv.restart()
+
+    cfg = make_config(srv, cache, 16384)
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        rec = await send(s, base, proxy, a2, ha)
+        tier = tier_of(proxy)
+        assert tier.counters["resumed"] == 1, tier.stats()
+        assert not (cache / "store" / spill_mod.RESUME_MARKER).exists()  # consumed
+        t = rec["timings"]
+        assert rec["tier"] == "resident", rec
+        assert t["prompt_n"] <= (na2 - na1) + UB, (t, na1, na2)
+        assert t["cache_n"] >= na1 - UB
+
+
+# --------------------------------------------------------------------------- 8 sessions, 2 slots
+
+WORDS = ("alpha beta gamma delta river stone cloud paper lamp window garden tiger violet copper "
+         "engine harbor pencil mountain silver orange planet bridge candle forest").split()
+TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file from disk.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "path": {"type": "string"}}, "required": ["path"]}}}]
+
+
+def session_turn1(i: int) -> dict:
+    rng = random.Random(1000 + i)
+    text = " ".join(rng.choice(WORDS) for _ in range(260))
+    return {"messages": [{"role": "system", "content": "You are a careful coding assistant."},
+                         {"role": "user", "content": f"Session {i}. Summarise: {text}"}],
+            "tools": TOOLS, "max_tokens": 6, "temperature": 0, "stream": False}
+
+
+def session_turn2(i: int, first: dict, answer: dict) -> dict:
+    msg = answer["choices"][0]["message"]
+    body = copy.deepcopy(first)
+    body["messages"].append({"role": "assistant", "content": msg.get("content") or ""})
+    body["messages"].append({"role": "user", "content": f"Now session {i} again: name three of those words."})
+    return body
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", MODELS)
+async def test_eight_sessions_on_two_slots_never_cross(start_server, tmp_path, model):
+    """8 concurrent sessions on -np 2 with spills forced by a low threshold (200 tokens): every
+    response equals a cold run of the same prompt (greedy), so no state crossed sessions."""
+    srv = start_server(model, n_parallel=2, ctx_size=2 * 4096, **SERVER)
+    cfg = make_config(srv, tmp_path / "cache", 200)
+    n = 8
+    hdr = [{"x-session-affinity": f"ses_test_{i}"} for i in range(n)]
+    firsts = [session_turn1(i) for i in range(n)]
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        r1 = await asyncio.gather(*(send(s, base, proxy, firsts[i], hdr[i]) for i in range(n)))
+        seconds = [session_turn2(i, firsts[i], r1[i]["data"]) for i in range(n)]
+        r2 = await asyncio.gather(*(send(s, base, proxy, seconds[i], hdr[i]) for i in range(n)))
+        tier = tier_of(proxy)
+        await tier.flush()
+        st = tier.stats()
+        assert st["spills"] >= 2 and st["restores"] >= 1, st
+        assert proxy.layer.counters["bring_failures"] == 0
+    # cold references, straight to the server, one at a time, no cache
+    async with aiohttp.ClientSession() as s:
+        for body, rec in [*zip(firsts, r1), *zip(seconds, r2)]:
+            async with s.post(srv.url + CHAT, json=dict(body, cache_prompt=False, id_slot=0)) as r:
+                cold = await r.json()
+            assert cold["timings"]["cache_n"] == 0
+            assert rec["data"]["choices"][0]["message"] == cold["choices"][0]["message"], (
+                rec["tier"], rec["timings"])
+
+
+# --------------------------------------------------------------------------- kill -9 mid-spill
+
+KILLED_SPILL = r"""
+import asyncio, json, sys
+from pathlib import Path
+import aiohttp
+from ocache.slots import SlotTable
+from ocache.tiers import spill
+from ocache.tiers.store import Store
+
+url, data_dir, meta_dir = sys.argv[1:4]
+
+async def main():
+    toks = json.loads(sys.stdin.readline())
+    async with aiohttp.ClientSession() as s:
+        table = SlotTable(s, url)
+        await table.refresh()
+        await table.warm(0, toks)
+        st = table[0]
+        st.kind, st.owner = "agent", "ses_killed"
+        store = Store(Path(meta_dir), Path(data_dir), "identity-of-the-killed-run")
+        store.open()
+        tier = spill.SessionTier(store, table, spill.SpillConfig(min_tokens=100))
+        await tier.admit(type("V", (), {"tokens": toks, "user_starts": []})(), 0,
+                         type("O", (), {"timings": {}, "completed": True, "status": 200})())
+        real = store.commit
+        def paused(kind, tokens, temp_bin, **kw):
+            print("SAVED", temp_bin, flush=True)   # the server wrote the file; no record yet
+            sys.stdin.readline()                   # the parent kills us here (kill -9)
+            return real(kind, tokens, temp_bin, **kw)
+        store.commit = paused
+        await tier.before_evict(0)
+        await tier.flush()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.server
+async def test_kill_during_spill_leaves_nothing_trusted(start_server, tmp_path):
+    """kill -9 of the process while a spill is being committed (the server's file written, partially
+    here, no record): the next start removes the file, offers nothing, and serves the session cold."""
+    srv = start_server("dense", n_parallel=1, ctx_size=8192, **SERVER)
+    cache = tmp_path / "cache"
+    meta = cache / "store"
+    data_dir = Path(srv.slot_save_path)
+    viewer = TokenViewer(srv.url)
+    try:
+        toks = await viewer.tokenize(" ".join(random.Random(7).choice(WORDS) for _ in range(600)))
+    finally:
+        await viewer.close()
+    script = tmp_path / "killed_spill.py"
+    script.write_text(KILLED_SPILL)
+    child = subprocess.Popen([sys.executable, str(script), srv.url, str(data_dir), str(meta)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        child.stdin.write(json.dumps(toks) + "\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        assert line.startswith("SAVED "), line
+        tmp_name = line.split()[1]
+        tmp_file = data_dir / tmp_name
+        assert tmp_file.exists() and tmp_file.stat().st_size > 0
+        # the kill lands while the file is still being written: keep its first half
+        with open(tmp_file, "r+b") as f:
+            f.truncate(tmp_file.stat().st_size // 2)
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    srv.restart()  # the conversation is no longer resident anywhere
+
+    cfg = make_config(srv, cache, 100)
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        rec = await send(s, base, proxy, {"prompt": toks, "n_predict": 4, "temperature": 0}, path="/completion")
+        tier = tier_of(proxy)
+        assert not tier.store.entries("s")
+        assert tier.store.report.orphans >= 1
+        assert not [p for p in data_dir.iterdir() if p.name.startswith("oc-")]
+        assert tier.counters["restores"] == 0 and tier.counters["offers"] == 0
+        assert rec["timings"]["cache_n"] == 0 and rec["tier"] == "cold", rec
+
+
+# --------------------------------------------------------------------------- identity (no server)
+
+def test_session_identity():
+    class V:
+        def __init__(self, tokens, user_starts):
+            self.tokens, self.user_starts = tokens, user_starts
+
+    # tokens: head [1..4], user turn starting with the turn-start token 9, then the assistant turn
+    first = V([1, 2, 3, 4, 9, 50, 51, 9, 60], [4])
+    later = V([1, 2, 3, 4, 9, 50, 51, 9, 60, 61, 62, 9, 70, 9], [4, 11])
+    other = V([1, 2, 3, 4, 9, 50, 52, 9, 60], [4])
+    assert spill_mod.first_turn_end(first.tokens, first.user_starts) == 7
+    assert spill_mod.session_key(None, first) == spill_mod.session_key(None, later)
+    assert spill_mod.session_key(None, first) != spill_mod.session_key(None, other)
+    assert spill_mod.session_key("ses_1", first) == spill_mod.hint_key("ses_1") != spill_mod.hint_key("ses_2")
+    assert spill_mod.session_key(None, V([1, 2, 3], [])) is None
