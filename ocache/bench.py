@@ -15,8 +15,9 @@ machine (never two heavy processes at once), each scenario on freshly started pr
   ocache needs from the server (``--slot-save-path``, ``--metrics``). When ``ocache serve`` cannot
   run its cache layer, (c) is the proxy with ``--no-cache`` (NullLayer) and the report says so.
 
-Per scenario and configuration: total observed ``prompt_n``, the oracle's total, prefill
-efficiency (oracle / observed), client TTFT per request as a ratio to a cold run of the same
+Per scenario and configuration: the tokens llama-server prefilled (its ``/metrics`` counter, so
+ocache's own warm-ups count, beside the clients' ``prompt_n``), the oracle's total, prefill
+efficiency (oracle / server prefill), client TTFT per request as a ratio to a cold run of the same
 request, and exactness (greedy output == the cold run's). Output into ``--out`` (default
 ``./out``): ``bench-<preset>.md`` (tables), ``prefill-<preset>-<model>.png`` (per-request prefilled
 tokens for a, b, c and the oracle), ``bench-<preset>.json`` (every measured request) and the
@@ -43,7 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from .paths import repo_root
-from .replay import Row, Scenario, Target, load_scenario, measure, replay, scenario_from_recording
+import aiohttp
+
+from .replay import (PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
+                     measure, replay, scenario_from_recording)
 from .server import LlamaServer, ServerError, free_port
 
 log = logging.getLogger("ocache.bench")
@@ -72,21 +76,23 @@ class Preset:
     checkpoint_min_step: int = 4096
     n_parallel: int = 2
     time_scale: float = 1.0
-    #: "per-config": each configuration's requests are run cold on its own llama-server (exact
-    #: but doubles the prefill work); "shared": each distinct request body is run cold once, on
-    #: the first server that sent it, configurations running in the order c, b, a (so the
-    #: reference is the tuned flag set; (a) differs in flags, see the report)
-    cold: str = "per-config"
+    #: "per-config": each configuration's requests are run cold on its own llama-server;
+    #: "shared": each distinct request body is run cold once, on the first server that sent it,
+    #: configurations running in the order c, b, a (a mismatch against a reference made on
+    #: another server is re-checked on the configuration's own server before it is reported)
+    cold: str = "shared"
+    #: scenario file stems run by default (None: all in the folder)
+    scenarios: tuple[str, ...] | None = None
 
 
 PRESETS = {
     # smoke test: the tiny hybrid model prefills a 7k-token opencode turn in well under a second
     "tiny": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=256,
-                   time_scale=0.2),
+                   time_scale=0.2,
+                   scenarios=("growth", "restart_mid_session", "new_session_other_folder")),
     # the README's main command: the bench-sized hybrid (6 delta-net + 2 attention layers), -t 2
     # on an otherwise idle machine (notes/measured-baseline.md "Threads on a 2-core machine")
-    "bench": Preset(models=("hybrid",), threads=2, ctx_per_slot=12288, cache_ram_mib=1024,
-                    cold="shared"),
+    "bench": Preset(models=("hybrid",), threads=2, ctx_per_slot=12288, cache_ram_mib=1024),
 }
 
 
@@ -96,13 +102,14 @@ def default_fixtures() -> Path:
 
 
 class StockDefaultsServer(LlamaServer):
-    """llama-server with stock defaults: nothing but model, address, total context, threads and
-    ``--jinja`` on the command line (every cache-related flag left to the build's defaults)."""
+    """llama-server with stock defaults: nothing but model, address, total context, threads,
+    ``--jinja`` and ``--metrics`` (read-only counters, for the prefill meter) on the command line;
+    every cache-related flag is left to the build's defaults."""
 
     def command(self) -> list[str]:
         return [str(self.binary), "-m", str(self.model), "--host", self.host, "--port",
                 str(self.port), "-c", str(self.ctx_size), "-t", str(self.threads), "-tb",
-                str(self.threads), "--jinja", *self.args]
+                str(self.threads), "--jinja", "--metrics", *self.args]
 
 
 @dataclass
@@ -124,8 +131,16 @@ class ConfigRun:
         return sum(r.oracle.prefill for r in self.rows)
 
     @property
+    def observed(self) -> int:
+        """Tokens the server prefilled over the scenario (its own counter, so a proxy's warm-ups
+        count too); the clients' ``prompt_n`` sum when the server was not metered."""
+        if self.rows and all(r.server_prefill is not None for r in self.rows):
+            return self.total("server_prefill")
+        return self.total("prompt_n")
+
+    @property
     def efficiency(self) -> float | None:
-        obs = self.total("prompt_n")
+        obs = self.observed
         return self.oracle_total / obs if obs else None
 
     @property
@@ -260,7 +275,7 @@ class Bench:
                                   ctx_checkpoints=32, checkpoint_min_step=cms,
                                   cache_ram=p.cache_ram_mib, log_path=logf)
         if config == "b":
-            return LlamaServer(binary=self.builds["stock"].binary, metrics=False, **kw)
+            return LlamaServer(binary=self.builds["stock"].binary, metrics=True, **kw)
         return LlamaServer(binary=self.builds["patched"].binary, metrics=True,
                            slot_save_path=work / "slots", **kw)
 
@@ -284,14 +299,17 @@ class Bench:
             async def restart() -> None:
                 await asyncio.to_thread(srv.restart, 300.0)
 
-            target = Target(url=url, upstream_url=srv.url, restart=restart)
+            meter = PrefillMeter(srv.url)
+            target = Target(url=url, upstream_url=srv.url, restart=restart, meter=meter)
             sent = await replay(scenario, target, time_scale=self.time_scale)
             if proxy is not None:
                 # stop ocache before the cold runs go to its upstream, so its background work
-                # (admission, spill on drain) never sees them
+                # (admission, spill on drain) is all counted and never sees the cold runs
                 stats = await asyncio.to_thread(proxy.stats)
                 layer = layer_name(stats) or layer
                 await asyncio.to_thread(proxy.stop)
+            async with aiohttp.ClientSession() as http:
+                assign_server_prefill(sent, await meter.sample(http))
             grid = srv.ubatch if model == "hybrid" else None
             cold = self._cold.setdefault(
                 (config if self.preset.cold == "per-config" else "shared", model), {})
@@ -339,16 +357,17 @@ class Bench:
                     per.clear()
                     per.update(per_sorted)
                     eff = run.efficiency
-                    log.info("  -> prompt_n %d, oracle %d, efficiency %s, %.1f s%s",
-                             run.total("prompt_n"), run.oracle_total,
+                    log.info("  -> server prefill %d (client prompt_n %d), oracle %d, "
+                             "efficiency %s, %.1f s%s", run.observed, run.total("prompt_n"),
+                             run.oracle_total,
                              f"{eff:.3f}" if eff is not None else "-", run.wall_s,
                              f", ERROR {run.error}" if run.error else "")
 
     # --- reports ------------------------------------------------------------------------------
     def summary_table(self) -> str:
-        lines = ["| model | scenario | config | requests | prompt_n | oracle | efficiency "
-                 "| TTFT / cold (median) | exact | notes |",
-                 "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines = ["| model | scenario | config | requests | client prompt_n | server prefill "
+                 "| oracle | efficiency | TTFT / cold (median) | exact | notes |",
+                 "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for model, per in self.results.items():
             for sc, runs in per.items():
                 for cfg, run in runs.items():
@@ -365,7 +384,7 @@ class Bench:
                         notes.append(f"{errs} request errors")
                     lines.append(
                         f"| {model} | {sc} | {cfg} | {len(run.rows)} | {run.total('prompt_n')} "
-                        f"| {run.oracle_total} | {'-' if eff is None else f'{eff:.3f}'} "
+                        f"| {run.observed} | {run.oracle_total} | {'-' if eff is None else f'{eff:.3f}'} "
                         f"| {'-' if ratio is None else f'{ratio:.2f}'} | {k}/{n} "
                         f"| {'; '.join(notes)} |")
         return "\n".join(lines)
@@ -376,7 +395,7 @@ class Bench:
             for sc, runs in per.items():
                 out.append(f"\n### {model} / {sc}\n")
                 out.append("| # | request | tokens | oracle prefill | "
-                           + " | ".join(f"{c} prompt_n (cache_n)" for c in runs)
+                           + " | ".join(f"{c} prefill: server / client (cache_n)" for c in runs)
                            + " | " + " | ".join(f"{c} TTFT/cold" for c in runs)
                            + " | exact " + "/".join(runs) + " |")
                 out.append("|---:|---|---:|---:|" + "---:|" * (2 * len(runs)) + "---|")
@@ -388,7 +407,7 @@ class Bench:
                         if rr is None:
                             cells.append("-"), ttfts.append("-"), ex.append("-")
                             continue
-                        cells.append(f"{rr.prompt_n} ({rr.cache_n})")
+                        cells.append(f"{rr.server_prefill} / {rr.prompt_n} ({rr.cache_n})")
                         ttfts.append("-" if rr.ttft_ratio is None else f"{rr.ttft_ratio:.2f}")
                         ex.append({True: "y", False: "**n**", None: "?"}[rr.exact])
                     label = ("↻ " if r.restart_before else "") + r.label
@@ -416,13 +435,15 @@ class Bench:
                 out.append(f"- **{model}/{sc}**: efficiency "
                            f"{'-' if eff is None else f'{eff:.3f}'}, exact {k}/{n}")
                 for r in run.rows:
-                    short = (r.prompt_n or 0) - r.oracle.prefill
+                    used = r.server_prefill if r.server_prefill is not None else (r.prompt_n or 0)
+                    short = used - r.oracle.prefill
                     if short > 0 or r.exact is False:
                         hdrs = ", ".join(f"{h}={v}" for h, v in sorted(r.ocache.items()))
                         out.append(
                             f"  - #{r.index} {r.label}: {r.n_tokens} tokens; reuse stopped at "
                             f"token {r.cache_n} (cache_n), the oracle reuses {r.oracle.reuse} "
                             f"(LCP {r.oracle.lcp} with earlier sequence {r.oracle.source}); "
+                            f"server prefilled {used} (client prompt_n {r.prompt_n}), "
                             f"{short} tokens over the oracle"
                             + ("" if r.exact is not False else "; **output differs from cold**")
                             + (f"; ocache: {hdrs}" if hdrs else "")
@@ -441,7 +462,10 @@ class Bench:
             f"{min(p.checkpoint_min_step, p.ctx_per_slot // 2)} --cache-ram {p.cache_ram_mib}`; "
             "(c) adds `--slot-save-path --metrics`. Greedy (`temperature 0`), generation capped "
             "per scenario.\n",
-            "Efficiency = oracle prefill / observed `prompt_n` (summed per scenario). TTFT / cold "
+            "Server prefill = the tokens llama-server itself prefilled (`llamacpp:prompt_tokens_total` "
+            "on `/metrics`, counted per step, so a proxy's own warm-ups count; client prompt_n = "
+            "`timings.prompt_n` the client saw). "
+            "Efficiency = oracle prefill / server prefill (summed per scenario). TTFT / cold "
             "= client TTFT divided by that of a cold run (`cache_prompt: false`) of the same "
             "request; exact = greedy output equals that cold run's. "
             + ("Cold runs: on each configuration's own llama-server.\n"
@@ -478,9 +502,10 @@ class Bench:
             for ax, (sc, runs) in zip(axes.flat, per.items()):
                 for cfg, run in runs.items():
                     xs = [r.index for r in run.rows]
-                    ys = [max(int(r.prompt_n or 0), 1) for r in run.rows]
+                    ys = [max(int(r.server_prefill if r.server_prefill is not None
+                                  else r.prompt_n or 0), 1) for r in run.rows]
                     color, marker = styles.get(cfg, ("gray", "x"))
-                    ax.plot(xs, ys, marker=marker, color=color, label=f"({cfg}) prompt_n",
+                    ax.plot(xs, ys, marker=marker, color=color, label=f"({cfg}) prefilled",
                             linewidth=1.2, markersize=5)
                 base = runs.get("c") or next(iter(runs.values()))
                 if base.rows:
@@ -552,7 +577,10 @@ def _cmd(args: argparse.Namespace) -> int:
             print(f"ocache bench: fixtures folder {fixtures} not found (set OCACHE_SHARED or "
                   "--fixtures)", file=sys.stderr)
             return 2
-        scenarios = load_scenarios(Path(args.scenarios), fixtures, args.scenario)
+        names = args.scenario
+        if names is None and not args.all_scenarios:
+            names = list(PRESETS[args.preset].scenarios or []) or None
+        scenarios = load_scenarios(Path(args.scenarios), fixtures, names)
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     bad = set(configs) - set(CONFIGS)
     if bad:
@@ -586,6 +614,8 @@ def register(subparsers) -> None:
                    help="folder of scenario YAML files (default: the shipped scenarios/)")
     p.add_argument("--scenario", action="append", metavar="NAME",
                    help="run only this scenario (file stem); repeatable")
+    p.add_argument("--all-scenarios", action="store_true",
+                   help="run every scenario in the folder (the tiny preset runs three by default)")
     p.add_argument("--recording", action="append", metavar="PATH",
                    help="replay a stream recorded by `ocache serve --record` instead of scenarios")
     p.add_argument("--fixtures", metavar="DIR", help="client request captures (default "

@@ -488,17 +488,86 @@ class Sent:
     t_sent: float                 # seconds since the replay started
     response: Response
     restart_before: bool = False  # a restart step ran since the previous request
+    step_no: int = 0              # index of the scenario step (parallel children share it)
+    prefill_mark: int | None = None   # PrefillMeter total just before the step started
+    server_prefill: int | None = None  # tokens the server prefilled for it (assign_server_prefill)
+
+
+class PrefillMeter:
+    """llama-server's own count of the prompt tokens it prefilled, across restarts.
+
+    Reads ``llamacpp:prompt_tokens_total`` from ``/metrics`` (needs ``--metrics``): "prompt tokens
+    processed, excluding cached tokens" (server-task.cpp:1526), added per decoded prompt batch
+    (server-context.cpp:4136). Unlike a response's ``timings.prompt_n`` it also counts prefills
+    nobody's client saw: a proxy's warm-ups (``max_tokens: 0`` requests) and anything else sent
+    to the server. The counter restarts at 0 with a new process: call :meth:`restarted` after a
+    restart. :meth:`sample` returns the running total (tokens) since the first sample.
+    """
+
+    def __init__(self, base_url: str) -> None:
+        self.url = base_url.rstrip("/") + "/metrics"
+        self.total = 0
+        self._last: float | None = None
+
+    async def read(self, http: aiohttp.ClientSession) -> float:
+        async with http.get(self.url) as r:
+            if r.status != 200:
+                raise ReplayError(f"{self.url}: HTTP {r.status} (start llama-server with --metrics)")
+            for line in (await r.text()).splitlines():
+                if line.startswith("llamacpp:prompt_tokens_total "):
+                    return float(line.split()[1])
+        raise ReplayError(f"{self.url}: no llamacpp:prompt_tokens_total")
+
+    async def sample(self, http: aiohttp.ClientSession) -> int:
+        v = await self.read(http)
+        if self._last is not None:
+            self.total += int(round(v - self._last)) if v >= self._last else int(round(v))
+        self._last = v
+        return self.total
+
+    def restarted(self) -> None:
+        """The server process was replaced: its counter starts again from 0."""
+        self._last = 0.0
+
+
+def assign_server_prefill(sent: list["Sent"], final_total: int) -> None:
+    """Per-request server-side prefill from the meter marks taken before each step: a step's
+    interval (until the next step's mark, or ``final_total``) is split over its requests in
+    proportion to their ``prompt_n`` (a parallel group), so work done after a response, before
+    the next step (a proxy's admission or warm-up), is charged to the request that caused it."""
+    groups: dict[int, list[Sent]] = {}
+    for s in sent:
+        if s.prefill_mark is not None:
+            groups.setdefault(s.step_no, []).append(s)
+    order = sorted(groups)
+    for i, g in enumerate(order):
+        members = groups[g]
+        start = members[0].prefill_mark
+        end = groups[order[i + 1]][0].prefill_mark if i + 1 < len(order) else final_total
+        delta = max(int(end - start), 0)
+        weights = [int((m.response.timings or {}).get("prompt_n") or 0) for m in members]
+        tot = sum(weights)
+        left = delta
+        for j, m in enumerate(members):
+            if j == len(members) - 1:
+                share = left
+            else:
+                share = delta * weights[j] // tot if tot else delta // len(members)
+            m.server_prefill = share
+            left -= share
 
 
 @dataclass
 class Target:
     """Where requests go (``url``: llama-server or a proxy in front of it) and the hooks the
-    harness needs: ``restart`` (stop + start the llama-server process(es); awaited) and
-    ``upstream_url`` (the llama-server itself, for tokenizing and cold runs)."""
+    harness needs: ``restart`` (stop + start the llama-server process(es); awaited),
+    ``upstream_url`` (the llama-server itself, for tokenizing and cold runs) and ``meter`` (its
+    prefill counter, sampled before every step; the caller takes the final sample)."""
 
     url: str
     upstream_url: str
     restart: Callable[[], Awaitable[None]] | None = None
+    meter: PrefillMeter | None = None
 
 
 async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
@@ -516,6 +585,9 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
     restarted = False
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_read=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
+
+        step_no = 0
+        mark: int | None = None
 
         async def run_one(step: Step) -> None:
             nonlocal restarted
@@ -538,7 +610,8 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
             path = step.path if step.kind == "send" else sessions[step.session]["path"]
             rec = Sent(index=len(sent), label=label, session=step.session, path=path, body=body,
                        headers=headers, t_sent=time.monotonic() - t_start,
-                       response=None, restart_before=restarted)  # type: ignore[arg-type]
+                       response=None, restart_before=restarted,  # type: ignore[arg-type]
+                       step_no=step_no, prefill_mark=mark)
             restarted = False
             sent.append(rec)
             rec.response = await post(http, target.url + path, body, headers)
@@ -553,10 +626,15 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
             gap = scenario.gap_s if step.gap_s is None else step.gap_s
             if gap > 0 and time_scale > 0 and sent:
                 await asyncio.sleep(gap * time_scale)
+            step_no += 1
+            if target.meter is not None:
+                mark = await target.meter.sample(http)
             if step.kind == "restart":
                 if target.restart is None:
                     raise ReplayError(f"{scenario.name}: the target cannot be restarted")
                 await target.restart()
+                if target.meter is not None:
+                    target.meter.restarted()
                 restarted = True
             elif step.kind == "parallel":
                 async def delayed(child: Step) -> None:
@@ -642,7 +720,8 @@ class Row:
     index: int
     label: str
     n_tokens: int                 # prompt tokens (server template + tokenizer)
-    prompt_n: int | None          # observed prefill (timings.prompt_n)
+    prompt_n: int | None          # prefill the client saw (timings.prompt_n)
+    server_prefill: int | None    # prefill the server did for it (PrefillMeter; None: unmetered)
     cache_n: int | None           # observed reuse (timings.cache_n)
     oracle: OracleResult
     ttft_s: float | None
@@ -722,7 +801,8 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
             exact = r.answer.key() == cold.answer.key()
         t = r.timings or {}
         rows.append(Row(index=s.index, label=s.label, n_tokens=len(tokens),
-                        prompt_n=t.get("prompt_n"), cache_n=t.get("cache_n"), oracle=verdict,
+                        prompt_n=t.get("prompt_n"), server_prefill=s.server_prefill,
+                        cache_n=t.get("cache_n"), oracle=verdict,
                         ttft_s=r.ttft_s, cold_ttft_s=None if cold.error else cold_ttft(cold),
                         exact=exact, restart_before=s.restart_before, ocache=r.headers,
                         error=r.error or (f"cold run: {cold.error}" if cold.error else None),

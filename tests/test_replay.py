@@ -11,8 +11,9 @@ import pytest
 
 from ocache.layer import Observation, ParsedRequest, Plan
 from ocache.record import Recorder
-from ocache.replay import (Answer, ScenarioError, Target, apply_edits, load_scenario, measure,
-                           next_turn, prepare_body, replay, scenario_from_recording)
+from ocache.replay import (Answer, PrefillMeter, ScenarioError, Target, apply_edits,
+                           assign_server_prefill, load_scenario, measure, next_turn, prepare_body,
+                           replay, scenario_from_recording)
 from conftest import FIXTURES, load_fixture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +140,11 @@ steps:
         await asyncio.to_thread(srv.restart)
 
     async def go():
-        sent = await replay(sc, Target(srv.url, srv.url, restart), time_scale=0)
+        meter = PrefillMeter(srv.url)
+        sent = await replay(sc, Target(srv.url, srv.url, restart, meter), time_scale=0)
+        import aiohttp
+        async with aiohttp.ClientSession() as http:
+            assign_server_prefill(sent, await meter.sample(http))
         rows = await measure(sent, srv.url, grid=srv.ubatch)
         return sent, rows
 
@@ -167,6 +172,9 @@ steps:
     assert rows[0].exact is True and rows[1].exact is True
     # after the restart a plain llama-server has nothing: full prefill
     assert rows[3].cache_n == 0
+    # the server's own counter agrees with what the clients saw (nobody else prefilled), across
+    # the restart
+    assert sum(r.server_prefill for r in rows) == sum(r.prompt_n for r in rows)
 
 
 @pytest.mark.server
@@ -202,3 +210,18 @@ steps:
     assert pngs and pngs[0].stat().st_size > 10_000
     data = json.loads((tmp_path / "out" / "bench-tiny.json").read_text())
     assert set(data["hybrid"]["smoke"]) == {"a", "b", "c"}
+
+
+def test_server_prefill_is_split_by_step_and_prompt_n():
+    from ocache.replay import Response, Sent, assign_server_prefill
+
+    def sent(i, step, mark, prompt_n):
+        r = Response(200, Answer(), {"prompt_n": prompt_n}, None, 0.1, 0.2, {})
+        return Sent(i, f"r{i}", None, "/v1/chat/completions", {}, {}, 0.0, r, step_no=step,
+                    prefill_mark=mark)
+
+    # step 1: one request + 900 tokens of someone's warm-up; step 2: a parallel pair
+    reqs = [sent(0, 1, 0, 100), sent(1, 2, 1000, 300), sent(2, 2, 1000, 100)]
+    assign_server_prefill(reqs, 1401)
+    assert [r.server_prefill for r in reqs] == [1000, 300, 101]
+    assert sum(r.server_prefill for r in reqs) == 1401
