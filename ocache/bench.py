@@ -158,7 +158,7 @@ class OCacheProcess:
     """``ocache serve`` as a child process in front of ``upstream_url`` (fresh cache dir)."""
 
     def __init__(self, upstream_url: str, cache_dir: Path, log_path: Path,
-                 no_cache: bool = False) -> None:
+                 no_cache: bool = False, slot_save_path: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cache_dir = cache_dir
@@ -168,12 +168,17 @@ class OCacheProcess:
         if no_cache:
             cmd.append("--no-cache")
         self.cmd = cmd
+        self.slot_save_path = slot_save_path
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> "OCacheProcess":
         """Start and wait until ``GET /v1/cache/stats`` answers 200; raises ServerError."""
         self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         env = {**os.environ, "OCACHE_CACHE_DIR": str(self.cache_dir)}
+        if self.slot_save_path is not None:
+            # the one deployment fact ocache cannot read from the server: where it writes slots
+            p = json.dumps(str(self.slot_save_path))
+            env["OCACHE_TIERS"] = f"{{disk: {{slot_save_path: {p}}}, session: {{slot_save_path: {p}}}}}"
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(self.cmd, stdout=logf, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, cwd=str(repo_root()),
@@ -328,7 +333,8 @@ class Bench:
                      scenario: Scenario) -> tuple[OCacheProcess, str | None]:
         logf = self.logs / f"{model}-{scenario.name}-c-ocache.log"
         logf.unlink(missing_ok=True)
-        proxy = OCacheProcess(srv.url, work / "ocache-cache", logf)
+        proxy = OCacheProcess(srv.url, work / "ocache-cache", logf,
+                              slot_save_path=srv.slot_save_path)
         try:
             proxy.start()
         except ServerError as exc:
@@ -336,7 +342,8 @@ class Bench:
                     f"`--no-cache` (NullLayer): {str(exc).splitlines()[0]}")
             if note not in self.notes:
                 self.notes.append(note)
-            proxy = OCacheProcess(srv.url, work / "ocache-cache", logf, no_cache=True)
+            proxy = OCacheProcess(srv.url, work / "ocache-cache", logf, no_cache=True,
+                                  slot_save_path=srv.slot_save_path)
             proxy.start()
             return proxy, "NullLayer (fallback)"
         return proxy, layer_name(proxy.stats())
@@ -460,7 +467,8 @@ class Bench:
             f"Servers: `-t {p.threads}`, {p.ctx_per_slot} tokens per slot; (b)/(c): `-np "
             f"{p.n_parallel}` (or the scenario's), `--ctx-checkpoints 32 --checkpoint-min-step "
             f"{min(p.checkpoint_min_step, p.ctx_per_slot // 2)} --cache-ram {p.cache_ram_mib}`; "
-            "(c) adds `--slot-save-path --metrics`. Greedy (`temperature 0`), generation capped "
+            "(c) adds `--slot-save-path --metrics`, and ocache is told that folder "
+            "(`tiers.disk/session.slot_save_path`), nothing else. Greedy (`temperature 0`), generation capped "
             "per scenario.\n",
             "Server prefill = the tokens llama-server itself prefilled (`llamacpp:prompt_tokens_total` "
             "on `/metrics`, counted per step, so a proxy's own warm-ups count; client prompt_n = "
