@@ -462,6 +462,7 @@ class Proxy:
             # A pooled keep-alive connection the server had already closed (idle timeout, restart):
             # the request did not get an answer, so one resend on a fresh connection is safe.
             log.debug("upstream connection dropped before an answer (%s); resending once", exc)
+            self.upstream.poke()  # a dropped connection may mean a restart: check the boot id now
             return await self.upstream.session.request(request.method, url, **kw)
 
     async def _relay_stream(self, request: web.Request, up_resp: aiohttp.ClientResponse,

@@ -72,6 +72,7 @@ class FakeUpstream:
 
     def __init__(self):
         self.boot = "1000"
+        self.loading = False
         self.seen: list[dict] = []
         self.stream_started = asyncio.Event()
         self.stream_cancelled = asyncio.Event()
@@ -84,7 +85,11 @@ class FakeUpstream:
         app.router.add_get("/die-mid-stream", self.die_mid_stream)
         self.app = app
 
+    LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
     async def health(self, request):
+        if self.loading:
+            return web.json_response(self.LOADING, status=503)
         return web.json_response({"status": "ok"})
 
     async def props(self, request):
@@ -103,6 +108,8 @@ class FakeUpstream:
         return web.Response(body=body, headers=headers, content_type="application/octet-stream")
 
     async def chat(self, request):
+        if self.loading:
+            return web.json_response(self.LOADING, status=503)
         body = await request.read()
         self.seen.append({"body": body, "headers": list(request.headers.items())})
         data = json.loads(body)
@@ -186,6 +193,26 @@ async def test_headers_and_bytes_forwarded_hop_by_hop_stripped():
         assert "x-drop" not in names
         assert ("User-Agent", "test-agent/1") in seen["headers"]  # the client's, not aiohttp's
         assert names.count("user-agent") == 1
+
+
+async def test_large_body_forwarded_intact():
+    async with fake_upstream() as (up, fake), run_proxy(up) as (base, _), client() as c:
+        body = bytes(range(256)) * (32 << 10)  # 8 MiB, a long prompt's size
+        async with c.put(base + "/echo", data=body) as r:
+            assert r.status == 200 and await r.read() == body
+        assert fake.seen[-1]["body"] == body
+
+
+async def test_loading_upstream_is_forwarded_not_masked():
+    """While llama-server loads its model it answers 503 "Loading model" itself: that answer, not
+    ocache's "unreachable" 503, reaches the client."""
+    async with fake_upstream() as (up, fake), run_proxy(up) as (base, proxy), client() as c:
+        fake.loading = True
+        await proxy.upstream.probe()
+        assert proxy.upstream.state == "loading" and proxy.upstream.up
+        async with c.post(base + "/v1/chat/completions", json={"messages": []}) as r:
+            assert r.status == 503 and await r.json() == FakeUpstream.LOADING
+            assert "Retry-After" not in r.headers and "X-OCache-Upstream" not in r.headers
 
 
 async def test_upstream_dies_mid_stream_truncates_client():
