@@ -12,8 +12,10 @@ Contract (the proxy's side):
 * ``plan`` is called only for completion routes (``COMPLETION_ROUTES``) whose body parsed as a JSON
   object. Any exception from it is logged with the request id and the request is forwarded
   untouched (fail-open); ``release`` of a plan that failed is never called because there is none.
+* ``plan`` may be cancelled (``asyncio.CancelledError``) when the client disconnects while it runs
+  (the proxy cancels the handler at once): it must leave its state consistent (locks released).
 * ``release`` (if set) is called exactly once when the response is over: success, upstream error,
-  client disconnect or proxy error. It runs before ``observe``.
+  client disconnect or proxy error. It runs before ``observe``, in a background task.
 * ``observe`` runs in a background task after the response was relayed; it must not raise (an
   exception is logged and counted, nothing else).
 * ``on_upstream_restart`` is called when ``Upstream`` sees a new llama-server process (a new
