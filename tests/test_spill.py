@@ -236,6 +236,7 @@ async def test_eight_sessions_on_two_slots_never_cross(start_server, tmp_path, m
         assert st["spills"] >= 2 and st["restores"] >= 1, st
         assert proxy.layer.counters["bring_failures"] == 0
     # cold references, straight to the server, one at a time, no cache
+    answers = set()
     async with aiohttp.ClientSession() as s:
         for body, rec in [*zip(firsts, r1), *zip(seconds, r2)]:
             async with s.post(srv.url + CHAT, json=dict(body, cache_prompt=False, id_slot=0)) as r:
@@ -243,6 +244,9 @@ async def test_eight_sessions_on_two_slots_never_cross(start_server, tmp_path, m
             assert cold["timings"]["cache_n"] == 0
             assert rec["data"]["choices"][0]["message"] == cold["choices"][0]["message"], (
                 rec["tier"], rec["timings"])
+            answers.add(json.dumps(cold["choices"][0]["message"], sort_keys=True))
+    # the comparison has power: the sessions' answers differ from one another
+    assert len(answers) >= n, answers
 
 
 # --------------------------------------------------------------------------- kill -9 mid-spill

@@ -380,8 +380,7 @@ class SessionTier:
             log.warning("session: commit of slot %d (%d tokens) failed: %s", slot, len(tokens), exc)
             return
         dt = time.monotonic() - t0
-        self.commit_s.append(dt)
-        self.verify_rate.add(e.bytes, dt)
+        self.commit_s.append(dt)  # fsyncs and renames included: not a read rate, so not in verify_rate
         self.spill_bytes.append(e.bytes)
         self.bytes_per_token = max(self.bytes_per_token, e.bytes / max(1, e.n_tokens))
         self.counters["spills"] += 1
