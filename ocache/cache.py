@@ -291,9 +291,12 @@ class OCacheLayer:
             await self._session_tier_ready()  # session tier (issue 7): register; resume after a drain
             self._ready = True
             try:
-                from .doctor import check
+                from .doctor import check, probe_endpoints
 
-                self.findings = check(self.table.params, props or {}, data, argv=self.argv)
+                metrics_ok, actions_ok = await probe_endpoints(self.session, self.base_url, self._headers())
+                self.findings = check(self.table.params, props or {}, data, argv=self.argv,
+                                      metrics_ok=metrics_ok, slot_actions_ok=actions_ok)
+                self._no_save = actions_ok is False
                 for f in self.findings:
                     if f.level != "ok":
                         log.warning("llama-server setup: %s", f)

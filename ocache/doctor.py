@@ -131,6 +131,27 @@ def check(params: ServerParams, props: Mapping, slots: Sequence[Mapping] | None 
     return out
 
 
+async def probe_endpoints(session: Any, base_url: str, headers: Mapping[str, str] | None = None) -> tuple[bool | None, bool | None]:
+    """``(metrics_ok, slot_actions_ok)`` of a running server: ``GET /metrics`` answers 200 only with
+    ``--metrics``; ``POST /slots/0?action=ocache-probe`` answers 501 without ``--slot-save-path``
+    and 400 "Invalid action" with it, touching nothing (server-context.cpp:4752-4783). None =
+    could not tell (unreachable)."""
+    import aiohttp
+
+    base = base_url.rstrip("/")
+    out: list[bool | None] = []
+    for method, path, good in (("GET", "/metrics", lambda st: st == 200),
+                               ("POST", "/slots/0?action=ocache-probe", lambda st: st != 501)):
+        try:
+            async with session.request(method, base + path, headers=dict(headers or {}),
+                                       timeout=aiohttp.ClientTimeout(total=10)) as r:
+                await r.read()
+                out.append(good(r.status))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            out.append(None)
+    return out[0], out[1]
+
+
 async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None = None,
                 head_tokens: int | None = None) -> tuple[list[Finding], dict]:
     """Query a running server (``/props``, ``/slots``, ``/metrics``, a harmless
@@ -145,12 +166,7 @@ async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None =
             props = await r.json(content_type=None) if r.status == 200 else {}
         async with s.get(base + "/slots") as r:
             slots = await r.json(content_type=None) if r.status == 200 else None
-        async with s.get(base + "/metrics") as r:
-            await r.read()
-            metrics_ok = r.status == 200
-        async with s.post(base + "/slots/0?action=ocache-probe") as r:
-            await r.read()
-            actions_ok = r.status != 501
+        metrics_ok, actions_ok = await probe_endpoints(s, base)
     params = params_from_argv(argv, props, slots)
     findings = check(params, props, slots, argv=argv, metrics_ok=metrics_ok, slot_actions_ok=actions_ok,
                      head_tokens=head_tokens)

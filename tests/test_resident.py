@@ -102,6 +102,8 @@ class Client:
         """C9: every observed cache_n within one ubatch of the prediction (and no counted misprediction)."""
         for rec in self.log:
             cache_n = rec["timings"]["cache_n"]
+            print(f"slot {rec['slot']} {rec['kind']:6} {rec['tier']:8} predicted {rec['predicted']:6} "
+                  f"cache_n {cache_n:6} prompt_n {rec['timings']['prompt_n']:6}")
             assert abs(cache_n - rec["predicted"]) <= UB, (rec["predicted"], cache_n, rec["tier"])
         assert self.layer.counters["mispredictions"] == 0, self.layer.stats()["recent_mispredictions"]
 
@@ -285,3 +287,25 @@ async def test_slot_calls_on_the_real_server(start_server, model, tmp_path):
             assert table[1].tokens == []
         await table.refresh()
         assert table[1].tokens == [] and not table[1].foreign
+
+
+def test_doctor_on_real_servers(start_server, capsys):
+    """``ocache doctor`` reads the launch flags and probes the server: a well-set hybrid server
+    passes; one without --slot-save-path and --metrics gets both warnings, found by probing."""
+    import json
+
+    from ocache import cli
+
+    srv = start_server("hybrid", n_parallel=2, ctx_size=2 * 8192, **SERVER)
+    rc = cli.main(["doctor", "--upstream", srv.url, "--json", "--", *server_args(srv)])
+    out = json.loads(capsys.readouterr().out)
+    levels = {f["flag"]: f["level"] for f in out["findings"]}
+    assert rc == 0 and out["info"]["checkpoints"] is True, out
+    assert levels["--slot-save-path"] == "ok" and levels["-np"] == "ok"
+    assert all(v in ("ok", "info") for v in levels.values()), levels
+    bare = start_server("dense", n_parallel=1, ctx_size=8192, slot_save_path=None, metrics=False, **SERVER)
+    rc = cli.main(["doctor", "--upstream", bare.url, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    levels = {f["flag"]: f["level"] for f in out["findings"]}
+    assert levels["--slot-save-path"] == "warning" and levels["--metrics"] == "warning", levels
+    assert levels["-np"] == "warning"      # one slot: guests replace the conversation
