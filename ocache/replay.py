@@ -723,7 +723,7 @@ class Row:
     prompt_n: int | None          # prefill the client saw (timings.prompt_n)
     server_prefill: int | None    # prefill the server did for it (PrefillMeter; None: unmetered)
     cache_n: int | None           # observed reuse (timings.cache_n)
-    oracle: OracleResult
+    oracle: OracleResult          # on the server's checkpoint grid (hybrids), as specified
     ttft_s: float | None
     cold_ttft_s: float | None
     exact: bool | None            # greedy output == cold run (None: could not compare)
@@ -731,6 +731,7 @@ class Row:
     ocache: dict                  # X-OCache-* response headers
     error: str | None = None
     note: str | None = None
+    oracle_exact: OracleResult | None = None   # no grid rounding: a bound no cache can beat
 
     @property
     def ttft_ratio(self) -> float | None:
@@ -762,11 +763,13 @@ async def measure(sent: list[Sent], upstream_url: str, grid: int | None,
     oracle = Oracle(grid)
     rows: list[Row] = []
     own_viewer = None
+    exact_oracle = Oracle(None) if grid is not None else None
     async with aiohttp.ClientSession(timeout=timeout) as http:
         if viewer is None:
             viewer = own_viewer = _token_viewer(upstream_url)
         try:
-            return await _measure(sent, http, upstream_url, oracle, rows, cold_cache, viewer)
+            return await _measure(sent, http, upstream_url, oracle, rows, cold_cache, viewer,
+                                  exact_oracle)
         finally:
             close = getattr(own_viewer, "close", None)
             if close is not None:
@@ -776,7 +779,8 @@ async def measure(sent: list[Sent], upstream_url: str, grid: int | None,
 
 
 async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: str,
-                   oracle: Oracle, rows: list[Row], cold_cache: dict, viewer: Any) -> list[Row]:
+                   oracle: Oracle, rows: list[Row], cold_cache: dict, viewer: Any,
+                   exact_oracle: Oracle | None = None) -> list[Row]:
     for s in sent:
         r = s.response
         tokens = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
@@ -806,8 +810,11 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
                         ttft_s=r.ttft_s, cold_ttft_s=None if cold.error else cold_ttft(cold),
                         exact=exact, restart_before=s.restart_before, ocache=r.headers,
                         error=r.error or (f"cold run: {cold.error}" if cold.error else None),
-                        note=note))
-        oracle.add(tokens)
-        if cold.tokens:
-            oracle.add(tokens + cold.tokens)
+                        note=note,
+                        oracle_exact=exact_oracle.min_prefill(tokens) if exact_oracle else verdict))
+        for o in (oracle, exact_oracle):
+            if o is not None:
+                o.add(tokens)
+                if cold.tokens:
+                    o.add(tokens + cold.tokens)
     return rows
