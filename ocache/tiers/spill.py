@@ -58,10 +58,24 @@ start.
     request, so that path is always reachable under concurrency; (2) a pinned request on an empty
     slot never consults the RAM cache at all (notes §2.2, case C5), so it would not serve ocache's
     A/B/A anyway, while an unpinned request's RAM swap makes ``cache_n`` unpredictable for the
-    planner; (3) the RAM cache is lost on restart. Measured A/B/A on ``-np 1`` (tiny models,
-    ``scripts/bench-spill --aba``; numbers in the issue 7 report and below when run):
+    planner; (3) the RAM cache is lost on restart, the spill is not. Measured A/B/A on ``-np 1``
+    (``scripts/bench-spill --aba --preset tiny --threads 1``, 2026-11-29, synthetic agent sessions of
+    ~1,650 tokens parting after a 148-token head; the machine was loaded (load average 7), so the wall
+    times are indicative only, the token counts are exact):
 
-    ABA_NUMBERS_PLACEHOLDER
+    =========  ===================================  ===================================
+    request    ocache + spill, ``--cache-ram 0``    stock server, ``--cache-ram 8192``
+    =========  ===================================  ===================================
+    dense A2   prompt_n 27, cache_n 1657, 0.35 s    prompt_n 27, cache_n 1657, 0.12 s
+    hybrid A2  prompt_n 30, cache_n 1654, 0.18 s    prompt_n 30, cache_n 1654, 0.21 s
+    =========  ===================================  ===================================
+
+    Both park A completely (the same prompt_n); the spill costs a disk write on B's arrival
+    (~50 ms for 4 MB here) and a verified read on A's return where the RAM cache costs a memory copy.
+    Using ``--cache-ram`` as a RAM level in front of the disk would save those milliseconds at the
+    price of the hazard above and of an unpredictable ``cache_n``; the decision is to keep it off and
+    let the page cache play the RAM level for recently spilled files. Revisit with the ``bench``
+    models (``scripts/bench-spill --aba``) if a spill's write time ever shows in TTFT.
 """
 
 from __future__ import annotations
