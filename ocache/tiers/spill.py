@@ -54,8 +54,9 @@ start.
     ocache turns it **off** (``--cache-ram 0``) for servers it plans for, and uses this tier for
     parking instead. Reasons: (1) with ``--cache-ram`` on, a request pinned to a *busy* slot can have
     that slot's in-flight state saved and overwritten by another RAM entry (notes §2.2 "Hazard",
-    the reported "one conversation's state handed to another under concurrency"); ocache pins every
-    request, so that path is always reachable under concurrency; (2) a pinned request on an empty
+    the reported "one conversation's state handed to another under concurrency"); ocache itself pins
+    only slots whose lock it holds, but any request that reaches the server beside ocache reopens
+    that path, and with the RAM cache off it does not exist; (2) a pinned request on an empty
     slot never consults the RAM cache at all (notes §2.2, case C5), so it would not serve ocache's
     A/B/A anyway, while an unpinned request's RAM swap makes ``cache_n`` unpredictable for the
     planner; (3) the RAM cache is lost on restart, the spill is not. Measured A/B/A on ``-np 1``
