@@ -412,7 +412,16 @@ class Proxy:
             elif (is_completion or method == "HEAD"
                   or (up_resp.content_length is not None
                       and up_resp.content_length <= _READ_WHOLE_MAX)):
-                data = await up_resp.read()
+                try:
+                    data = await up_resp.read()
+                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                        aiohttp.ClientOSError) as exc:
+                    # The upstream died before its whole answer arrived (nothing sent yet).
+                    obs.status = 502
+                    self.upstream.poke()
+                    return _json_error(502, f"upstream {self.upstream.base_url} failed while "
+                                       f"answering ({type(exc).__name__}: {exc})", "server_error",
+                                       rid, upstream=self.upstream.base_url)
                 sent = web.Response(status=up_resp.status, reason=up_resp.reason, headers=headers,
                                     body=data)
                 obs.ttft_s = time.perf_counter() - t0

@@ -84,6 +84,7 @@ class FakeUpstream:
         app.router.add_route("*", "/echo{tail:.*}", self.echo)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/die-mid-stream", self.die_mid_stream)
+        app.router.add_get("/die-mid-body", self.die_mid_body)
         self.app = app
 
     LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
@@ -127,6 +128,14 @@ class FakeUpstream:
         except (asyncio.CancelledError, ConnectionError):
             self.stream_cancelled.set()
             raise
+        return resp
+
+    async def die_mid_body(self, request):
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 1000
+        await resp.prepare(request)
+        await resp.write(b'{"choices": [')
+        request.transport.close()
         return resp
 
     async def die_mid_stream(self, request):
@@ -214,6 +223,13 @@ async def test_loading_upstream_is_forwarded_not_masked():
         async with c.post(base + "/v1/chat/completions", json={"messages": []}) as r:
             assert r.status == 503 and await r.json() == FakeUpstream.LOADING
             assert "Retry-After" not in r.headers and "X-OCache-Upstream" not in r.headers
+
+
+async def test_upstream_dies_mid_body_gives_502():
+    async with fake_upstream() as (up, fake), run_proxy(up) as (base, _), client() as c:
+        async with c.get(base + "/die-mid-body") as r:
+            assert r.status == 502
+            assert (await r.json())["error"]["upstream"] == up
 
 
 async def test_upstream_dies_mid_stream_truncates_client():
