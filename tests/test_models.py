@@ -116,23 +116,25 @@ def test_cli_prints_paths(models_tiny, capsys):
 
 # ------------------------------------------------------------------------------- server tests
 
-@pytest.fixture(scope="module", params=models.KINDS)
-def served(request, engine_stock, models_tiny, tmp_path_factory):
-    """(kind, LlamaServer) with one tiny model, -t 1, one slot, 16k context."""
-    kind = request.param
-    logdir = tmp_path_factory.mktemp(f"models-{kind}")
-    srv = LlamaServer(binary=engine_stock.binary, model=models_tiny[kind], ctx_size=16384,
-                      n_parallel=1, threads=1, log_path=logdir / "server.log",
-                      slot_save_path=logdir / "slots")
-    try:
-        srv.start()
-    except Exception:
+@pytest.fixture(scope="module")
+def servers(engine_stock, models_tiny, tmp_path_factory):
+    """``servers(kind) -> LlamaServer``: one server per tiny model, started on first use and kept
+    for the module (-t 1, one slot, 16k context, the stock build of the pinned source)."""
+    started: dict[str, LlamaServer] = {}
+
+    def get(kind: str) -> LlamaServer:
+        if kind not in started:
+            logdir = tmp_path_factory.mktemp(f"models-{kind}")
+            srv = LlamaServer(binary=engine_stock.binary, model=models_tiny[kind], ctx_size=16384,
+                              n_parallel=1, threads=1, log_path=logdir / "server.log",
+                              slot_save_path=logdir / "slots")
+            started[kind] = srv
+            srv.start()
+        return started[kind]
+
+    yield get
+    for srv in started.values():
         srv.stop()
-        raise
-    yield kind, srv
-    srv.stop()
-
-
 
 
 def _apply(srv: LlamaServer, body: dict) -> str:
@@ -148,8 +150,9 @@ def _n_tokens(srv: LlamaServer, text: str) -> int:
 
 
 @pytest.mark.server
-def test_model_loads_with_our_template(served):
-    kind, srv = served
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_model_loads_with_our_template(servers, kind):
+    srv = servers(kind)
     props = _get(srv.url + "/props")
     # (the server trims the trailing newline of the file)
     assert props["chat_template"].strip() == models.template_path().read_text(encoding="utf-8").strip()
@@ -160,10 +163,11 @@ def test_model_loads_with_our_template(served):
 
 
 @pytest.mark.server
-def test_tools_request_answers_and_prompt_length_matches_tokenize(served):
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_tools_request_answers_and_prompt_length_matches_tokenize(servers, kind):
     """A real opencode agent turn (10 tools) through /v1/chat/completions returns 200, and the
     server's prompt_n + cache_n equals /tokenize(add_special) of /apply-template's render."""
-    kind, srv = served
+    srv = servers(kind)
     for name in ("opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json"):
         body = load_fixture(name)
         body.update(stream=False, max_tokens=4)
@@ -178,12 +182,10 @@ def test_tools_request_answers_and_prompt_length_matches_tokenize(served):
 
 
 @pytest.mark.server
-def test_every_captured_request_renders(served):
+def test_every_captured_request_renders(servers):
     """Every opencode/pi fixture renders: tools block before the system text, tool calls and
     results in Qwen form, pi's content arrays flattened, null content accepted."""
-    kind, srv = served
-    if kind != "dense":
-        pytest.skip("the template is the same in both models; rendered once")
+    srv = servers("dense")  # the template is the same in both models
     names = sorted(p.name for p in FIXTURES.glob("*.json")
                    if p.name.startswith(("opencode_", "pi_")))
     assert len(names) >= 10
@@ -216,12 +218,10 @@ def test_every_captured_request_renders(served):
 
 
 @pytest.mark.server
-def test_template_edge_cases(served):
+def test_template_edge_cases(servers):
     """Several leading system messages merge after the tools; a later system message stays in
     place; object arguments render as JSON; enable_thinking=false closes the think block."""
-    kind, srv = served
-    if kind != "dense":
-        pytest.skip("the template is the same in both models; rendered once")
+    srv = servers("dense")  # the template is the same in both models
     tools = load_fixture("pi_turn1.json")["tools"]
     body = {"tools": tools, "messages": [
         {"role": "system", "content": "HEAD one"},
@@ -245,12 +245,10 @@ def test_template_edge_cases(served):
 
 @pytest.mark.server
 @pytest.mark.parametrize("thinking", [False, True])
-def test_render_is_append_only(served, thinking):
+def test_render_is_append_only(servers, thinking):
     """The prompt of turn N plus the generated reply is a prefix of turn N+1's render (the
     documented reasoning rule), with and without thinking."""
-    kind, srv = served
-    if kind != "dense":
-        pytest.skip("the template is the same in both models; rendered once")
+    srv = servers("dense")  # the template is the same in both models
     base = load_fixture("opencode_agent_turn1.json")
     kwargs = {"chat_template_kwargs": {"enable_thinking": thinking}}
     turn1 = _apply(srv, {"messages": base["messages"], "tools": base["tools"], **kwargs})
@@ -278,11 +276,12 @@ def _tokens(srv: LlamaServer, text: str) -> list[int]:
 
 
 @pytest.mark.server
-def test_greedy_output_depends_on_early_context(served):
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_greedy_output_depends_on_early_context(servers, kind):
     """Prompts of ~3,000 tokens that differ only in their first words continue differently (the
     weight-scaling trap of measured-baseline.md: otherwise a broken cache looks like a working
     one), while the same prompt repeats exactly (greedy is deterministic)."""
-    kind, srv = served
+    srv = servers(kind)
     body = load_fixture("opencode_agent_turn1.json")
     tail = _tokens(srv, body["messages"][0]["content"] + json.dumps(body["tools"]))[:3000]
     runs = {}
