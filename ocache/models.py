@@ -18,7 +18,9 @@ is dominated by the current token's embedding and greedy decoding just repeats t
 so output would not depend on the context and a broken cache would look like a working one
 (``shared/notes/measured-baseline.md``, "Model generation facts"). The token embedding is tied to
 the output (no ``output.weight``) and kept small (stdev ``EMBD_STD``) so the layers' outputs, which
-depend on the whole prompt, dominate the logits.
+depend on the whole prompt, dominate the logits; the Q/K norm weights (``ModelSpec.qk_norm``) make
+attention peaked, so a change in the first tokens of a 7k-token prompt still changes the greedy
+continuation (``tests/test_models.py::test_greedy_output_depends_on_early_context``).
 
 Tensor shapes follow the loaders: ``src/models/qwen3.cpp`` and ``src/models/qwen35.cpp``
 (``load_arch_tensors``). Traps (same notes): a delta-net layer without ``attn_qkv``/``attn_gate``
@@ -27,11 +29,14 @@ segfaults at load (the loader marks them optional), ``ssm.inner_size`` must equa
 ``ssm_d_state`` in the loader) and ``ssm_conv1d`` must be F32 (F16 aborts in ``ggml_ssm_conv``).
 Matrices are F16, vectors and ``ssm_conv1d`` F32.
 
-Files go to ``cache_root()/models/<key16>/<preset>-<kind>.gguf`` (never into the checkout), where
+Files go to ``cache_root()/models/<key16>/<preset>-<kind>-<arch>.gguf`` beside a ``model.json``
+(spec, sha256, size, generation seconds), never into the checkout, where
 ``key16`` hashes the spec, ``GENERATOR_VERSION``, the vocab file's sha256, the template's bytes
 and the numpy version (its random streams are only promised stable within a version). Generation
 writes a temporary file and renames it, under a file lock, so concurrent test sessions neither
-collide nor see half-written files; a second call finds the file and returns at once.
+collide nor see half-written files; a second call finds the file and returns at once. The vocab's
+tokenizer fields are extracted once into ``cache_root()/models/tokenizer-<sha16>.json`` (gguf-py's
+reader needs ~10-20 s for the 300k strings; the JSON loads in a fraction of a second).
 """
 
 from __future__ import annotations
