@@ -67,7 +67,22 @@ class Harness:
         await self.session.close()  # pooled connections belong to the old process
         self.session = None
         self.srv.restart()
+        await self.settle()
         await self.connect()
+
+    async def settle(self, tries: int = 5) -> None:
+        """After a restart on the same port, the new llama-server was seen to drop its first
+        connection(s) even though /health answered 200 ("Server disconnected", a few in 10
+        restarts on this loaded 2-core machine). Readiness here = one idempotent POST answered."""
+        for i in range(tries):
+            try:
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(self.srv.url + "/tokenize", json={"content": "ready"}) as r:
+                        if r.status == 200:
+                            return
+            except aiohttp.ClientError:
+                if i == tries - 1:
+                    raise
 
     async def view(self, body: dict):
         try:
@@ -358,3 +373,62 @@ def test_admission_policy(tmp_path):
     assert tier.plan_anchors(later, 0) == [(5120, "repeat")]
     assert tier.plan_anchors(later, 5500) == []       # that line is resident already
     assert tier.prefill.value == pytest.approx(6002 / 3.0)  # prefill rate learned from timings
+
+
+# --------------------------------------------------------------------------- ocache warm DIR
+
+@server
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+async def test_warm_dir_after_restart_serves_the_first_turn_from_the_warmed_slot(harness, model, tmp_path):
+    """`ocache warm DIR` (CLI -> POST /v1/cache/warm -> warm_folder) after a restart: the first turn
+    of a new session in DIR resumes from the warmed slot. First with no anchor for the folder head
+    (prefilled and saved), then after another restart from that anchor (restored from disk)."""
+    import threading
+
+    from aiohttp import web
+
+    from ocache.cli import main
+    from ocache.server import free_port
+    from ocache.warm import FolderJournal, WarmDeps, make_warm_handler
+
+    h = await harness(model)
+    h.tier.cfg.session_start = False  # so the folder head is not an anchor yet: warm must prefill it
+    journal = FolderJournal(tmp_path / "journal")
+    first = load_fixture("opencode_agent_turn1.json")
+    await h.turn(first)
+    assert journal.note(first) == "/home/user/proj"
+    new_session = load_fixture("opencode_run2_agent_turn1.json")  # another session, same folder
+
+    async def pick_slot() -> int:
+        return 0
+
+    app = web.Application()
+    app.router.add_post("/v1/cache/warm", make_warm_handler(
+        lambda: WarmDeps(journal=journal, viewer=h.viewer, tier=h.tier, slots=h.slots, pick_slot=pick_slot)))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        for expected_source in ("prefill", "disk"):
+            await h.restart()
+            import io
+            import contextlib
+
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                rc = await asyncio.to_thread(main, ["warm", "/home/user/proj", "--url", f"http://127.0.0.1:{port}"])
+            text = out.getvalue()
+            assert rc == 0, text
+            assert f"from {expected_source}" in text and "render:" in text
+            await h.tier.flush()
+            v = await h.view(new_session)
+            folder_head = v.user_starts[0]
+            assert h.slots[0].tokens == v.tokens[:folder_head]
+            async with h.slots.lock(0):
+                timings = await h.send(new_session, 0)
+            assert timings["cache_n"] >= folder_head - 1
+            await h.tier.admit(v, 0, Obs(timings))
+        assert h.tier.counters["hits"] == 1  # the disk restore was confirmed by cache_n
+    finally:
+        await runner.cleanup()
