@@ -404,3 +404,19 @@ def test_cache_cli_ls_gc_clear(tmp_path, capsys):
     assert "1 entries" in capsys.readouterr().out
     assert (s.data_dir / "user-file.bin").exists()  # files that are not ocache's are never touched
     assert main(["cache", "ls", "--cache-dir", str(tmp_path / "nowhere")]) == 1
+
+
+def test_free_space_floor(tmp_path):
+    """The data file system keeps ``free_floor_bytes`` free: entries are evicted by value to keep
+    it, and an entry that cannot keep it even with everything evicted is refused untouched.
+    (The file system is simulated as a 100 kB disk: free = 100 kB - what the store holds.)"""
+    s = make_store(tmp_path, free_floor_bytes=50_000, budget_bytes=10**9)
+    s._free_bytes = lambda: 100_000 - s.used_bytes()
+    for i in range(5):
+        put(s, list(range(1000 * i, 1000 * i + 40)), state_bytes=20_000, ckpt=False, seed=i)
+        assert s._free_bytes() >= 50_000
+    assert len(s.entries()) == 2 and s.counters["evicted"] == 3
+    n = len(s.entries())
+    with pytest.raises(BudgetError):
+        put(s, list(range(99_000, 99_040)), state_bytes=60_000, ckpt=False)
+    assert len(s.entries()) == n
