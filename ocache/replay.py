@@ -531,10 +531,15 @@ class PrefillMeter:
 
 
 def assign_server_prefill(sent: list["Sent"], final_total: int) -> None:
-    """Per-request server-side prefill from the meter marks taken before each step: a step's
-    interval (until the next step's mark, or ``final_total``) is split over its requests in
-    proportion to their ``prompt_n`` (a parallel group), so work done after a response, before
-    the next step (a proxy's admission or warm-up), is charged to the request that caused it."""
+    """Per-request server-side prefill from the meter marks taken before each step.
+
+    A step's interval (until the next step's mark, or ``final_total``) covers its requests and any
+    work done after their responses, before the next step (a proxy's admission or warm-ups). Each
+    request is charged its own ``prompt_n``; the rest of the interval (prefill no response
+    reported) is split over the step's requests in proportion to their prompt lengths
+    (``usage.prompt_tokens``): in a parallel group, a proxy's warm-up is for the long agent
+    prompt, not for the short title request beside it.
+    """
     groups: dict[int, list[Sent]] = {}
     for s in sent:
         if s.prefill_mark is not None:
@@ -545,15 +550,21 @@ def assign_server_prefill(sent: list["Sent"], final_total: int) -> None:
         start = members[0].prefill_mark
         end = groups[order[i + 1]][0].prefill_mark if i + 1 < len(order) else final_total
         delta = max(int(end - start), 0)
-        weights = [int((m.response.timings or {}).get("prompt_n") or 0) for m in members]
+        own = [int((m.response.timings or {}).get("prompt_n") or 0) for m in members]
+        extra = delta - sum(own)
+        if extra < 0:  # counter lost across a restart: fall back to what the responses said
+            for m, n in zip(members, own):
+                m.server_prefill = n
+            continue
+        weights = [int((m.response.usage or {}).get("prompt_tokens") or 0) for m in members]
         tot = sum(weights)
-        left = delta
+        left = extra
         for j, m in enumerate(members):
             if j == len(members) - 1:
                 share = left
             else:
-                share = delta * weights[j] // tot if tot else delta // len(members)
-            m.server_prefill = share
+                share = extra * weights[j] // tot if tot else extra // len(members)
+            m.server_prefill = own[j] + share
             left -= share
 
 

@@ -217,13 +217,17 @@ steps:
 def test_server_prefill_is_split_by_step_and_prompt_n():
     from ocache.replay import Response, Sent, assign_server_prefill
 
-    def sent(i, step, mark, prompt_n):
-        r = Response(200, Answer(), {"prompt_n": prompt_n}, None, 0.1, 0.2, {})
+    def sent(i, step, mark, prompt_n, n_tokens):
+        r = Response(200, Answer(), {"prompt_n": prompt_n}, {"prompt_tokens": n_tokens}, 0.1,
+                     0.2, {})
         return Sent(i, f"r{i}", None, "/v1/chat/completions", {}, {}, 0.0, r, step_no=step,
                     prefill_mark=mark)
 
-    # step 1: one request + 900 tokens of someone's warm-up; step 2: a parallel pair
-    reqs = [sent(0, 1, 0, 100), sent(1, 2, 1000, 300), sent(2, 2, 1000, 100)]
-    assign_server_prefill(reqs, 1401)
-    assert [r.server_prefill for r in reqs] == [1000, 300, 101]
-    assert sum(r.server_prefill for r in reqs) == 1401
+    # step 1: one request + 900 tokens of a proxy's warm-up; step 2: a parallel pair (a long
+    # agent prompt warmed by the proxy with 7000 tokens, a short title request beside it)
+    reqs = [sent(0, 1, 0, 100, 1000), sent(1, 2, 1000, 300, 7300), sent(2, 2, 1000, 500, 500)]
+    assign_server_prefill(reqs, 1000 + 300 + 500 + 7000)
+    assert reqs[0].server_prefill == 1000
+    assert reqs[1].server_prefill == 300 + 7000 * 7300 // 7800
+    assert reqs[2].server_prefill == 500 + 7000 - 7000 * 7300 // 7800
+    assert sum(r.server_prefill for r in reqs) == 8800
