@@ -110,6 +110,7 @@ class Stats:
         # plain mirrors for the JSON view
         self._requests: _Counter = _Counter()
         self._request_children: dict = {}
+        self._completion_children: dict = {}
         self._completions: _Counter = _Counter()
         self._tokens: _Counter = _Counter()
         self._misc: _Counter = _Counter()
@@ -125,20 +126,32 @@ class Stats:
         child.inc()
         self._requests[key] += 1
 
+    def _children(self, route: str, tier: str) -> tuple:
+        key = (route, tier)
+        c = self._completion_children.get(key)
+        if c is None:
+            c = self._completion_children[key] = (
+                self.completions.labels(route, tier), self.ttft.labels(route),
+                self.prompt_tokens.labels(route, tier, "cached"),
+                self.prompt_tokens.labels(route, tier, "processed"),
+                self.predicted_tokens.labels(route))
+        return c
+
     def completion(self, path: str, tier: str, timings: dict | None, ttft_s: float | None,
                    record: dict) -> None:
         route = route_label(path)
-        self.completions.labels(route, tier).inc()
+        completions, ttft, cached, processed, predicted = self._children(route, tier)
+        completions.inc()
         self._completions[(route, tier)] += 1
         if ttft_s is not None:
-            self.ttft.labels(route).observe(ttft_s)
+            ttft.observe(ttft_s)
         if timings:
             cache_n = int(timings.get("cache_n") or 0)
             prompt_n = int(timings.get("prompt_n") or 0)
             predicted_n = int(timings.get("predicted_n") or 0)
-            self.prompt_tokens.labels(route, tier, "cached").inc(cache_n)
-            self.prompt_tokens.labels(route, tier, "processed").inc(prompt_n)
-            self.predicted_tokens.labels(route).inc(predicted_n)
+            cached.inc(cache_n)
+            processed.inc(prompt_n)
+            predicted.inc(predicted_n)
             self._tokens["cache_n"] += cache_n
             self._tokens["prompt_n"] += prompt_n
             self._tokens["predicted_n"] += predicted_n
