@@ -155,6 +155,15 @@ class FolderJournal:
         return out
 
 
+def journal_for(config: Any = None) -> FolderJournal:
+    """The folder journal under the configured cache dir (``<cache dir>/journal``, mode 0700)."""
+    from .paths import cache_root
+
+    cache_dir = getattr(config, "cache_dir", None)
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
+    return FolderJournal(root / "journal")
+
+
 Progress = Callable[[dict], Awaitable[None]]
 
 

@@ -432,3 +432,19 @@ async def test_warm_dir_after_restart_serves_the_first_turn_from_the_warmed_slot
         assert h.tier.counters["hits"] == 1  # the disk restore was confirmed by cache_n
     finally:
         await runner.cleanup()
+
+
+@server
+async def test_a_head_already_in_the_slot_is_saved_without_a_prefill(harness):
+    """The layer's head warm-up leaves the slot holding exactly the head: prepare saves it as it is
+    (the coming prefill does not pass that line), and the request is not delayed by a warm."""
+    h = await harness("dense")
+    t1 = load_fixture("opencode_agent_turn1.json")
+    v = await h.view(t1)
+    async with h.slots.lock(0):
+        await h.slots.warm(0, v.tokens[: v.head_end])  # what OCacheLayer._warm_head_in does
+        saved = await h.tier.prepare(v, 0, cached_n=v.head_end)
+        await h.tier.flush()
+    assert saved[0] == v.head_end
+    assert sorted(e.n_tokens for e in h.store.entries("a")) == [v.head_end, v.user_starts[0]]
+    assert h.store.find_prefixes(v.tokens)[-1].meta["reason"] == "head"

@@ -249,6 +249,13 @@ class DiskTier:
         successful warm left, always a prefix of the request). Returns the lengths saved.
         """
         done = []
+        held = self._held(slot)
+        if held is not None and self._save_held(view, held):
+            # the slot holds exactly a wanted prefix already (e.g. the layer's head warm-up): the
+            # prefill will not pass that line, so save it as it is (costs the save only)
+            if await self.save_slot(slot, list(held), fingerprint=_get(ctx, "fingerprint") or _get(ctx, "head_key"),
+                                    reason=self._save_held(view, held)):
+                done.append(len(held))
         for length, reason in self.plan_anchors(view, cached_n, ctx):
             prefix = list(view.tokens[:length])
             users = [u for u in (_get(view, "user_starts") or []) if u < length]
@@ -262,6 +269,33 @@ class DiskTier:
             if await self.save_slot(slot, prefix, fingerprint=fpr, reason=reason):
                 done.append(length)
         return done
+
+    def _held(self, slot: int) -> list[int] | None:
+        """The token ids the slot table believes ``slot`` holds exactly, or None when unknown."""
+        try:
+            st = self.slots[slot]  # type: ignore[index]
+        except Exception:  # noqa: BLE001 - a SlotOps without a table
+            return None
+        toks = _get(st, "tokens")
+        n_total = _get(st, "n_total")
+        if not toks or _get(st, "pending", False) or (n_total is not None and n_total != len(toks)):
+            return None
+        return list(toks)
+
+    def _save_held(self, view: Any, held: Sequence[int]) -> str | None:
+        """The reason to anchor the slot's current content as it is, or None."""
+        n = len(held)
+        toks = view.tokens
+        if n < self.cfg.min_tokens or n >= len(toks) or list(toks[:n]) != list(held):
+            return None
+        if self.store.identity is None or self.store.get(entry_key(self.store.identity, KIND, held)):
+            return None
+        users = list(_get(view, "user_starts") or [])
+        if self.cfg.head and _get(view, "head_end") == n:
+            return "head"
+        if self.cfg.session_start and len(users) == 1 and users[0] == n:
+            return "session"
+        return None
 
     async def save_slot(self, slot: int, tokens: list[int], *, fingerprint: str | None = None,
                         reason: str = "") -> bool:
@@ -496,6 +530,9 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
     ``free_floor_gb``, ``admit_after``. Opens the store (sweeping other identities' files).
     """
     data_dir = _slot_save_path(config)
+    if data_dir is None:
+        p = _get(_get(slots, "params"), "slot_save_path")
+        data_dir = Path(p) if p else None
     if data_dir is None:
         log.warning("disk tier off: no --slot-save-path known (set tiers.disk.slot_save_path)")
         return None
