@@ -667,15 +667,20 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
     if not key:
         log.warning("session tier off: no server identity")
         return None
+    budget = int(float(_get(config, "spill_budget_gb", 40.0)) * 1e9)
+    if budget <= 0:
+        log.info("session tier off: spill_budget_gb is 0")
+        return None
     from .disk import store_meta_dir
 
     try:
-        store = shared_store(store_meta_dir(config), data_dir, key, kind=KIND,
-                             kind_budget_bytes=int(float(_get(config, "spill_budget_gb", 40.0)) * 1e9),
+        store = shared_store(store_meta_dir(config), data_dir, key, kind=KIND, kind_budget_bytes=budget,
                              ttl_s=float(_get(config, "disk_ttl_days", 7.0)) * 86400.0)
     except (LockedError, StoreError, OSError) as exc:
         log.warning("session tier off: %s", exc)
         return None
+    with contextlib.suppress(Exception):
+        store.gc()  # TTL and budgets, as at every start
     cfg = SpillConfig(min_tokens=int(_get(config, "spill_min_tokens", 16384)),
                       drain_min_tokens=int(scfg.get("drain_min_tokens", 1024)),
                       ubatch=int(_get(_get(table, "params"), "n_ubatch", 512) or 512),
