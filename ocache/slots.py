@@ -628,16 +628,25 @@ class SlotTable:
     async def _request(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
                        what: str = "slot call") -> tuple[int, Any]:
         url = self.base_url + path
-        try:
-            async with self.session.request(method, url, json=json_body, headers=self.headers,
-                                            timeout=self.timeout) as resp:
-                try:
-                    body = await resp.json(content_type=None)
-                except (ValueError, aiohttp.ContentTypeError):
-                    body = {"error": {"message": (await resp.text())[:500]}}
-                return resp.status, body
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise UpstreamError(f"{what} {method} {path}: {exc!r}", 0, None, slot) from exc
+        for attempt in (0, 1):
+            try:
+                async with self.session.request(method, url, json=json_body, headers=self.headers,
+                                                timeout=self.timeout) as resp:
+                    try:
+                        body = await resp.json(content_type=None)
+                    except (ValueError, aiohttp.ContentTypeError):
+                        body = {"error": {"message": (await resp.text())[:500]}}
+                    return resp.status, body
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError) as exc:
+                # llama-server closes idle keep-alive connections; a pooled one can be dead before
+                # the request is read. Every slot call is safe to send again (save/restore/erase
+                # replace state, a warm-up prefills the same tokens), so retry once.
+                if attempt == 0:
+                    continue
+                raise UpstreamError(f"{what} {method} {path}: {exc!r}", 0, None, slot) from exc
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                raise UpstreamError(f"{what} {method} {path}: {exc!r}", 0, None, slot) from exc
+        raise AssertionError("unreachable")
 
     async def fetch_slots(self) -> list[dict]:
         """``GET /slots`` (notes §1.2). Raises SlotNotSupported (501, ``--no-slots``) or UpstreamError."""

@@ -18,7 +18,9 @@ would swap entries into pinned slots and blur the prediction, notes §2.2), ``ma
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import json
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -56,10 +58,13 @@ async def through_ocache(srv, **resident):
         await server.close()
 
 
-def body_of(name: str, max_tokens: int = 8) -> dict:
+def body_of(name: str, max_tokens: int = 8, stream: bool = False) -> dict:
+    """A fixture body with a short generation; ``stream`` True keeps the client's streaming
+    options as captured (opencode: ``stream_options.include_usage``)."""
     body = copy.deepcopy(load_fixture(name))
-    body["stream"] = False
-    body.pop("stream_options", None)
+    if not stream:
+        body["stream"] = False
+        body.pop("stream_options", None)
     body["max_tokens"] = max_tokens
     if "max_completion_tokens" in body:  # pi sends both; the server reads either (an alias)
         body["max_completion_tokens"] = max_tokens
@@ -82,21 +87,33 @@ class Client:
         self.layer: OCacheLayer = proxy.layer
         self.log: list[dict] = []
 
-    async def send(self, body: dict, headers: dict | None = None, path: str = "/v1/chat/completions") -> dict:
+    async def send(self, body: dict, headers: dict | None = None, path: str = "/v1/chat/completions",
+                   settle: bool = True) -> dict:
         async with self.s.post(self.base + path, json=body, headers=headers or {}) as r:
-            data = await r.json()
-            assert r.status == 200, data
+            if body.get("stream"):
+                raw = await r.text()
+                assert r.status == 200, raw
+                events = [json.loads(line[6:]) for line in raw.splitlines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+                data = next(e for e in reversed(events) if "timings" in e)
+            else:
+                data = await r.json()
+                assert r.status == 200, data
             rec = {"slot": int(r.headers["X-OCache-Slot"]), "predicted": int(r.headers["X-OCache-Predicted-Cache"]),
                    "tier": r.headers["X-OCache-Tier"], "kind": r.headers["X-OCache-Kind"],
                    "timings": data["timings"], "data": data}
-        # observe() runs after the response; wait for it and for background upkeep (the origin)
-        await self.proxy.wait_background()
-        await self.layer.idle()
+        if settle:
+            await self.settle()
         self.log.append(rec)
         return rec
 
-    async def fixture(self, name: str, **kw) -> dict:
-        return await self.send(body_of(name, **kw), session_headers(name))
+    async def settle(self) -> None:
+        """observe() runs after the response: wait for it and for background upkeep (the origin)."""
+        await self.proxy.wait_background()
+        await self.layer.idle()
+
+    async def fixture(self, name: str, settle: bool = True, **kw) -> dict:
+        return await self.send(body_of(name, **kw), session_headers(name), settle=settle)
 
     def assert_predictions(self) -> None:
         """C9: every observed cache_n within one ubatch of the prediction (and no counted misprediction)."""
@@ -309,3 +326,44 @@ def test_doctor_on_real_servers(start_server, capsys):
     levels = {f["flag"]: f["level"] for f in out["findings"]}
     assert levels["--slot-save-path"] == "warning" and levels["--metrics"] == "warning", levels
     assert levels["-np"] == "warning"      # one slot: guests replace the conversation
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_opencode_run_as_sent_title_in_parallel(start_server, model):
+    """An ``opencode run`` as the client sends it: streamed, the title request in parallel with the
+    first agent turn (same session key), then the turn after the tool call. The guest and the agent
+    land on different slots, the agent turn resumes from the warm head, and the follow-up prefills
+    only its new tokens; predictions hold on the streamed path (timings from the last SSE chunk)."""
+    srv = start_server(model, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    t1 = await n_tokens(srv.url, "opencode_agent_turn1.json")
+    t2 = await n_tokens(srv.url, "opencode_agent_turn1_after_tool.json")
+    new = len(t2) - lcp(t1, t2)
+    async with ocache_client(srv) as c:
+        title, a1 = await asyncio.gather(c.fixture("opencode_title.json", stream=True, settle=False),
+                                         c.fixture("opencode_agent_turn1.json", stream=True, settle=False))
+        await c.settle()
+        assert title["kind"] == "guest" and a1["kind"] == "agent"
+        assert title["slot"] != a1["slot"]
+        a2 = await c.fixture("opencode_agent_turn1_after_tool.json", stream=True)
+        assert a2["slot"] == a1["slot"] and a2["timings"]["prompt_n"] <= new + UB
+        c.assert_predictions()
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_restart_voids_the_table(start_server, model):
+    """A new llama-server process holds nothing: once the proxy sees the new epoch the table is
+    reset, so the next prediction is what a fresh server does (a head restore from its slot file,
+    or a cold prefill), never the dead process's reuse."""
+    srv = start_server(model, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    async with ocache_client(srv) as c:
+        await c.fixture("opencode_agent_turn1.json")
+        epoch = c.proxy.upstream.epoch
+        srv.restart()
+        await c.proxy.upstream.probe()          # what the monitor does every probe interval
+        assert c.proxy.upstream.epoch != epoch
+        assert all(not s.tokens for s in c.layer.table.slots)
+        again = await c.fixture("opencode_agent_turn1.json")
+        heads = c.layer.head_tier.heads
+        head_len = len(next(iter(heads.values())).tokens)
+        assert again["tier"] == "head" and again["timings"]["cache_n"] == head_len
+        c.assert_predictions()

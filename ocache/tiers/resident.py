@@ -65,12 +65,17 @@ class SlotChoice:
     busy: bool
     last_used: float
 
+    min_useful: int = 64
+
     @property
     def score(self) -> int:
-        return self.reuse.cache_n - self.loss
+        """Reuse minus loss; a reuse below ``min_useful`` tokens (a shared ``<|im_start|>system``)
+        counts as none, so it never outweighs an idle slot."""
+        gain = self.reuse.cache_n if self.reuse.cache_n >= self.min_useful else 0
+        return gain - self.loss
 
     def key(self) -> tuple:
-        return (not self.protected, self.score, ROLE_RANK.get(self.role, 0), not self.busy, -self.last_used)
+        return (not self.protected, self.score, not self.busy, ROLE_RANK.get(self.role, 0), -self.last_used)
 
 
 def _ram_swap(s: SlotState, lcp: int, n_prompt: int, params: ServerParams) -> bool:
@@ -113,7 +118,8 @@ def classify_slot(s: SlotState, reuse: Reuse, ctx: RequestContext, params: Serve
             role, loss, protected = "guest", 0, False
         else:
             role, loss, protected = "other", max(size, held), True
-    return SlotChoice(s.id, reuse, role, loss, protected, s.busy, s.last_used)
+    return SlotChoice(s.id, reuse, role, loss, protected, s.busy, s.last_used,
+                      min(64, params.n_ubatch))
 
 
 def rank_slots(tokens: Sequence[int], slots: Sequence[SlotState], ctx: RequestContext,
