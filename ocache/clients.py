@@ -276,16 +276,24 @@ def write_opencode_config(project: Path, base_url: str, *, model: str = "qwen",
 
 
 def write_pi_models(home: Path, base_url: str, *, model: str = "qwen",
-                    context_tokens: int = 16384, output_tokens: int = 64,
+                    context_tokens: int | None = None, output_tokens: int = 64,
                     api_key: str = "sk-local") -> Path:
     """Write ``home/.pi/agent/models.json``: provider ``local`` (``openai-completions`` API) at
     ``base_url`` with one model; ``output_tokens`` becomes ``max_completion_tokens`` (pi's
-    ``maxTokens``, docs/models.md of the pi package). pi requires an apiKey. Returns the file."""
+    ``maxTokens``, docs/models.md of the pi package). pi requires an apiKey. Returns the file.
+
+    ``context_tokens`` (pi's ``contextWindow``) is left to pi's default unless given: pi compacts
+    the session (an extra summarisation request with ``max_completion_tokens`` = 0.8 x the window)
+    once the context exceeds ``contextWindow - compaction.reserveTokens`` (default 16384,
+    docs/settings.md), so a window of 16384 or less triggers it after every turn.
+    """
     path = Path(home) / ".pi" / "agent" / "models.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    entry: dict = {"id": model, "maxTokens": output_tokens}
+    if context_tokens is not None:
+        entry["contextWindow"] = context_tokens
     path.write_text(json.dumps({"providers": {"local": {
-        "baseUrl": base_url, "api": "openai-completions", "apiKey": api_key,
-        "models": [{"id": model, "contextWindow": context_tokens, "maxTokens": output_tokens}],
+        "baseUrl": base_url, "api": "openai-completions", "apiKey": api_key, "models": [entry],
     }}}, indent=2))
     return path
 

@@ -69,14 +69,14 @@ def pi_bin() -> Path:
 class OcacheProcess:
     """``python -m ocache serve`` as a child process (stopped by PID with SIGTERM)."""
 
-    def __init__(self, upstream: str, workdir: Path):
+    def __init__(self, upstream: str, workdir: Path, extra_args: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.record_dir = workdir / "record"
         self.log_path = workdir / "ocache.log"
         env = {**os.environ, "OCACHE_CACHE_DIR": str(workdir / "cache")}  # anchors stay in tmp
         cmd = [sys.executable, "-m", "ocache", "serve", "--upstream", upstream,
-               "--port", str(self.port), "--record", str(self.record_dir)]
+               "--port", str(self.port), "--record", str(self.record_dir), *extra_args]
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, cwd=workdir,
@@ -121,11 +121,13 @@ class OcacheProcess:
 
 
 @pytest.fixture
-def stack(start_server, tmp_path):
-    """(llama-server, ocache in front of it): the dense tiny model, 2 slots of 16k tokens."""
+def stack(start_server, tmp_path, request):
+    """(llama-server, ocache in front of it): the dense tiny model, 2 slots of 16k tokens.
+    Indirect parameter ``"no-cache"``: ocache forwards untouched (``serve --no-cache``)."""
     srv = start_server("dense", n_parallel=N_PARALLEL, ctx_size=CTX_TOTAL, ubatch=UBATCH,
                        args=["-n", str(MAX_OUTPUT)])
-    proxy = OcacheProcess(srv.url, tmp_path)
+    mode = getattr(request, "param", "cache")
+    proxy = OcacheProcess(srv.url, tmp_path, ("--no-cache",) if mode == "no-cache" else ())
     try:
         proxy.wait_ready()
         yield srv, proxy
@@ -134,12 +136,12 @@ def stack(start_server, tmp_path):
         print(f"\n--- ocache log tail\n{proxy.log_tail(30)}")
 
 
-def _wait_recorded(proxy: OcacheProcess, n: int, timeout: float = 30.0) -> list[dict]:
-    """The records once at least ``n`` completions are written (the proxy records after the
-    response, off the client's path, so the last one can trail the client's exit)."""
+def _wait_recorded(proxy: OcacheProcess, done, timeout: float = 30.0) -> list[dict]:
+    """The records once ``done(records)`` holds (the proxy records after the response, off the
+    client's path, so the last record can trail the client's exit); the last read if it never does."""
     deadline = time.monotonic() + timeout
     recs = proxy.records()
-    while len(recs) < n and time.monotonic() < deadline:
+    while not done(recs) and time.monotonic() < deadline:
         time.sleep(0.1)  # polling a file another process appends to
         recs = proxy.records()
     return recs
@@ -174,28 +176,46 @@ def _agent_turns(records: list[dict]) -> list[dict]:
     return list(firsts.values())
 
 
-def _report(label: str, runs: list[clients.ClientRun], turns: list[dict], heads: dict) -> str:
+def _report(label: str, runs: list[clients.ClientRun], turns: list[dict], heads: dict,
+            stats: dict) -> str:
     lines = [f"{label}: run seconds " + ", ".join(f"{r.seconds:.1f}" for r in runs)]
     for i, r in enumerate(turns, 1):
         o = r["obs"]["timings"] or {}
         plan_h = (r.get("plan") or {}).get("headers") or {}
         lines.append(f"  run {i} agent turn: prompt tokens {o.get('prompt_n', 0) + o.get('cache_n', 0)}"
                      f" cache_n {o.get('cache_n')} prompt_n {o.get('prompt_n')} head "
-                     f"{heads.get(r['seq'])} tier {plan_h.get('X-OCache-Tier')} "
+                     f"{heads.get(r['seq'])} tier {plan_h.get('X-OCache-Tier')} predicted "
+                     f"{plan_h.get('X-OCache-Predicted-Cache')} slot {r['plan'].get('body_updates')} "
                      f"ttft {r['obs'].get('ttft_s')}")
+    layer = stats.get("layer") or {}
+    lines.append(f"  stats: tokens {stats.get('tokens')} heads {layer.get('heads')} "
+                 f"mispredictions {layer.get('recent_mispredictions')}")
     return "\n".join(lines)
 
 
-def _check_warm(turns: list[dict], heads: dict, report: str) -> None:
-    assert len(turns) == 3, f"expected one agent turn per run, got {len(turns)}\n{report}"
+def _check_requests(records: list[dict], report: str) -> None:
+    """Every request reached the server and kept to the configured output cap."""
+    for r in records:
+        assert r["obs"]["status"] == 200, f"request {r['request_id']} answered {r['obs']['status']}\n{report}"
+        cap = r["body"].get("max_tokens") or r["body"].get("max_completion_tokens")
+        assert cap is not None and cap <= MAX_OUTPUT, (
+            f"request {r['request_id']} asks for {cap} tokens (config cap {MAX_OUTPUT})\n{report}")
+
+
+def _check_warm(turns: list[dict], heads: dict, stats: dict, report: str) -> None:
+    """Runs 2.. were served from the warm head: cache_n >= head - one ubatch; and the cache layer's
+    stats report that head."""
     for i, r in enumerate(turns[1:], 2):
         head = heads[r["seq"]]
         assert head is not None and head > UBATCH, f"run {i}: no harness head found\n{report}"
         t = r["obs"]["timings"]
-        assert r["obs"]["status"] == 200 and t, f"run {i}: no timings\n{report}"
+        assert t, f"run {i}: no timings\n{report}"
         assert t["cache_n"] >= head - UBATCH, (
             f"run {i}: agent turn not served from the warm head: cache_n {t['cache_n']} < head "
             f"{head} - ubatch {UBATCH}\n{report}")
+    layer_heads = {h["tokens"] for h in ((stats.get("layer") or {}).get("heads") or {}).values()}
+    assert {heads[r["seq"]] for r in turns} <= layer_heads, (
+        f"the cache layer's stats do not report the head sizes computed here\n{report}")
 
 
 def _check_runs(runs: list[clients.ClientRun]) -> None:
@@ -203,50 +223,100 @@ def _check_runs(runs: list[clients.ClientRun]) -> None:
         assert not run.timed_out and run.returncode == 0, run.describe()
 
 
-def test_opencode_runs_are_served_from_the_warm_head(opencode_bin, stack, tmp_path):
-    srv, proxy = stack
-    home, proj_a, proj_b = tmp_path / "home", tmp_path / "proj-a", tmp_path / "proj-b"
-    for d in (home, proj_a, proj_b):
-        d.mkdir()
+def _opencode_runs(opencode_bin: Path, proxy: OcacheProcess, tmp_path: Path, folders: list[str],
+                   between=None) -> tuple[list[clients.ClientRun], list[dict]]:
+    """``opencode run`` once per entry of ``folders`` (names of project folders under tmp_path,
+    one temp HOME for all), calling ``between(i)`` before run ``i`` > 0. Returns the runs and the
+    proxy's records once every run's agent turn is recorded."""
+    home = tmp_path / "home"
+    home.mkdir()
     env = clients.isolated_env(home)
-    for proj in (proj_a, proj_b):
-        clients.write_opencode_config(proj, proxy.url + "/v1", context_tokens=CTX_TOTAL // N_PARALLEL,
+    for name in sorted(set(folders)):
+        (tmp_path / name).mkdir()
+        clients.write_opencode_config(tmp_path / name, proxy.url + "/v1",
+                                      context_tokens=CTX_TOTAL // N_PARALLEL,
                                       output_tokens=MAX_OUTPUT)
     runs = []
-    for proj in (proj_a, proj_a, proj_b):
-        runs.append(clients.run_opencode(opencode_bin, proj, "list the files here", env,
-                                         timeout=RUN_TIMEOUT_S))
+    for i, name in enumerate(folders):
+        if i and between is not None:
+            between(i)
+        runs.append(clients.run_opencode(opencode_bin, tmp_path / name, "list the files here",
+                                         env, timeout=RUN_TIMEOUT_S))
         _check_runs(runs[-1:])
-    # each run: a title request + at least one agent turn
-    records = _wait_recorded(proxy, 6)
+    records = _wait_recorded(proxy, lambda recs: len(_agent_turns(recs)) >= len(folders))
+    return runs, records
+
+
+def test_opencode_runs_are_served_from_the_warm_head(opencode_bin, stack, tmp_path):
+    """Issue 8.5: run 1 in folder A (cold), run 2 in A, run 3 in folder B: runs 2 and 3 reuse the
+    harness head (tools + base system prompt)."""
+    srv, proxy = stack
+    runs, records = _opencode_runs(opencode_bin, proxy, tmp_path, ["proj-a", "proj-a", "proj-b"])
     turns = _agent_turns(records)
     heads = _head_tokens(srv.url, turns)
-    report = _report("opencode", runs, turns, heads)
-    print("\n" + report)
-    assert {r["session"] for r in turns} == {r["session"] for r in records if r.get("session")}, report
-    assert all(r["headers"].get("user-agent", "").startswith("opencode/") for r in turns), report
-    _check_warm(turns, heads, report)
     stats = proxy.stats()
-    assert stats["tokens"]["cache_n"] >= sum(heads[r["seq"]] - UBATCH for r in turns[1:]), stats
+    report = _report("opencode", runs, turns, heads, stats)
+    print("\n" + report)
+    assert len(turns) == 3, f"expected one agent turn per run\n{report}"
+    assert all(r["headers"].get("user-agent", "").startswith("opencode/") for r in turns), report
+    _check_requests(records, report)
+    _check_warm(turns, heads, stats, report)
+
+
+@pytest.mark.parametrize("stack", ["cache", "no-cache"], indirect=True)
+def test_opencode_after_upstream_restart_resumes_from_the_saved_head(opencode_bin, stack, tmp_path,
+                                                                    request):
+    """llama-server restarts (slots empty) between run 1 in folder A and run 2 in folder B: ocache
+    notices the new process and run 2 still starts from the head (its saved state). The control
+    (``no-cache``: the same proxy forwarding untouched) shows that llama-server alone prefills the
+    whole prompt there, so this scenario measures the cache layer, not the server."""
+    srv, proxy = stack
+    mode = request.node.callspec.params["stack"]
+
+    def restart(i: int) -> None:
+        before = proxy.stats()["upstream_restarts"]
+        srv.restart()
+        deadline = time.monotonic() + 30
+        while proxy.stats()["upstream_restarts"] <= before:  # the proxy's epoch probe
+            assert time.monotonic() < deadline, "ocache did not notice the upstream restart"
+            time.sleep(0.1)  # polling another process's state
+
+    runs, records = _opencode_runs(opencode_bin, proxy, tmp_path, ["proj-a", "proj-b"], restart)
+    turns = _agent_turns(records)
+    heads = _head_tokens(srv.url, turns)
+    stats = proxy.stats()
+    report = _report(f"opencode, restart between runs ({mode})", runs, turns, heads, stats)
+    print("\n" + report)
+    assert len(turns) == 2, f"expected one agent turn per run\n{report}"
+    _check_requests(records, report)
+    if mode == "no-cache":
+        head, cache_n = heads[turns[1]["seq"]], turns[1]["obs"]["timings"]["cache_n"]
+        assert head is not None and cache_n < head - UBATCH, (
+            f"without the cache layer run 2 was expected cold after the restart\n{report}")
+    else:
+        _check_warm(turns, heads, stats, report)
 
 
 def test_pi_runs_are_served_from_the_warm_head(pi_bin, stack, tmp_path):
+    """The same for pi (no session header, no title request: one agent turn per run)."""
     srv, proxy = stack
-    home, proj_a, proj_b = tmp_path / "home", tmp_path / "proj-a", tmp_path / "proj-b"
-    for d in (home, proj_a, proj_b):
-        d.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
     env = clients.isolated_env(home)
-    clients.write_pi_models(home, proxy.url + "/v1", context_tokens=CTX_TOTAL // N_PARALLEL,
-                            output_tokens=MAX_OUTPUT)
+    clients.write_pi_models(home, proxy.url + "/v1", output_tokens=MAX_OUTPUT)
     runs = []
-    for proj in (proj_a, proj_a, proj_b):
-        runs.append(clients.run_pi(pi_bin, proj, "list the files here", env, timeout=RUN_TIMEOUT_S))
+    for name in ("proj-a", "proj-a", "proj-b"):
+        (tmp_path / name).mkdir(exist_ok=True)
+        runs.append(clients.run_pi(pi_bin, tmp_path / name, "list the files here", env,
+                                   timeout=RUN_TIMEOUT_S))
         _check_runs(runs[-1:])
-    records = _wait_recorded(proxy, 3)
-    # pi sends no session header: one run = one agent turn here (random text, no tool call)
+    records = _wait_recorded(proxy, lambda recs: sum(bool(r["body"].get("tools")) for r in recs) >= 3)
     turns = [r for r in records if r["body"].get("tools")]
     heads = _head_tokens(srv.url, turns)
-    report = _report("pi", runs, turns, heads)
+    stats = proxy.stats()
+    report = _report("pi", runs, turns, heads, stats)
     print("\n" + report)
-    assert len(turns) == 3, report
-    _check_warm(turns, heads, report)
+    assert len(turns) == 3 and len(records) == 3, f"expected one request per run\n{report}"
+    assert all(r["headers"].get("user-agent", "").startswith("OpenAI/JS") for r in turns), report
+    _check_requests(records, report)
+    _check_warm(turns, heads, stats, report)
