@@ -367,3 +367,21 @@ async def test_restart_voids_the_table(start_server, model):
         head_len = len(next(iter(heads.values())).tokens)
         assert again["tier"] == "head" and again["timings"]["cache_n"] == head_len
         c.assert_predictions()
+
+
+async def test_warm_head_on_demand(start_server):
+    """``OCacheLayer.warm_head(body)`` (used by ``ocache warm DIR``) prefills a harness head before
+    any session: the first real turn then resumes from it without a warm-up of its own."""
+    srv = start_server("hybrid", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    async with ocache_client(srv) as c:
+        info = await c.layer.warm_head(body_of("opencode_agent_turn1.json"))
+        assert info["head_tokens"] > 2000 and info["prompt_n"] == info["head_tokens"]
+        again = await c.layer.warm_head(body_of("opencode_run3_proj2_agent_turn1.json"))  # same harness
+        assert again["slot"] == info["slot"] and again["prompt_n"] == 0
+        first = await c.fixture("opencode_agent_turn1.json")
+        assert first["slot"] == info["slot"] and first["tier"] == "resident"
+        assert first["timings"]["cache_n"] == info["head_tokens"]
+        assert c.layer.counters["warmups"] == 1
+        with pytest.raises(ValueError):
+            await c.layer.warm_head(body_of("opencode_title.json"))   # no harness head
+        c.assert_predictions()
