@@ -15,6 +15,10 @@ machine (never two heavy processes at once), each scenario on freshly started pr
   ocache needs from the server (``--slot-save-path``, ``--metrics``). When ``ocache serve`` cannot
   run its cache layer, (c) is the proxy with ``--no-cache`` (NullLayer) and the report says so.
 
+Presets: ``tiny`` (the smoke run: the tiny hybrid model, three scenarios: growth,
+restart_mid_session, new_session_other_folder; ``--all-scenarios`` for all) and ``bench`` (the
+README's main command: the bench-sized hybrid model, every scenario, ``-t 2``).
+
 Per scenario and configuration: the tokens llama-server prefilled (its ``/metrics`` counter, so
 ocache's own warm-ups count, beside the clients' ``prompt_n``), the oracle's total, prefill
 efficiency (oracle / server prefill), client TTFT per request as a ratio to a cold run of the same
