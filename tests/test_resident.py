@@ -385,3 +385,22 @@ async def test_warm_head_on_demand(start_server):
         with pytest.raises(ValueError):
             await c.layer.warm_head(body_of("opencode_title.json"))   # no harness head
         c.assert_predictions()
+
+
+@pytest.mark.parametrize("model", MODELS)
+async def test_every_captured_request_is_predicted(start_server, model):
+    """C9: replay every captured opencode and pi request (``shared/fixtures/index.json`` order: titles,
+    agent turns, follow-ups, a continued session, two harnesses) through ocache on -np 2; the
+    predicted cache_n agrees with the server's within one ubatch on every request."""
+    from conftest import FIXTURES
+
+    index = json.loads((FIXTURES / "index.json").read_text()) if (FIXTURES / "index.json").exists() else None
+    if index is None:
+        pytest.skip("shared/fixtures/index.json not found")
+    srv = start_server(model, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    async with ocache_client(srv) as c:
+        for entry in index:
+            await c.fixture(entry["fixture"], max_tokens=4)
+        assert len(c.log) == len(index) >= 20
+        c.assert_predictions()
+        assert c.layer.counters["observed"] == len(index)

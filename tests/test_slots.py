@@ -255,6 +255,14 @@ def test_continuation_wins_and_other_sessions_are_protected():
     assert d.evicts and d.slot == 0 and d.predicted == 3000
 
 
+def test_eviction_takes_the_least_recently_used_conversation():
+    big, small = conv(1, 5000), conv(2, 300)
+    slots = [slot(0, big, None, "agent", "A", last=1), slot(1, small, None, "agent", "B", last=9)]
+    other = toks(4000, 77)                      # shares nothing with either
+    d = plan_request(other, slots, [], RequestContext(kind="agent", session="C"), DENSE)
+    assert d.slot == 0 and d.evicts
+
+
 def test_new_session_consumes_the_origin_not_another_conversation():
     a = conv(1)
     slots = [slot(0, a, len(a) + 20, "agent", "A", last=3),

@@ -54,8 +54,8 @@ class RequestContext:
 @dataclass(frozen=True)
 class SlotChoice:
     """One slot as a candidate. ``reuse``: the predicted reuse there; ``role``: see ``ROLE_RANK``;
-    ``loss``: tokens of cached value the request would destroy; ``protected``: another live
-    conversation; ``score``: ``reuse.cache_n - loss``."""
+    ``loss``: tokens of cached value the request would destroy (a head origin it does not use);
+    ``protected``: another live conversation (always ranked after unprotected slots); ``score``: ``reuse.cache_n - loss``."""
 
     slot: int
     reuse: Reuse
@@ -117,7 +117,9 @@ def classify_slot(s: SlotState, reuse: Reuse, ctx: RequestContext, params: Serve
         elif s.kind == "guest":
             role, loss, protected = "guest", 0, False
         else:
-            role, loss, protected = "other", max(size, held), True
+            # another live conversation: ranked after every unprotected slot; among such slots
+            # the reuse decides, then the least recently used goes (recency predicts the next turn)
+            role, loss, protected = "other", 0, True
     return SlotChoice(s.id, reuse, role, loss, protected, s.busy, s.last_used,
                       min(64, params.n_ubatch))
 
