@@ -378,14 +378,27 @@ def _locked(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def make_one(preset: str, kind: str) -> Path:
-    """Generate (or find) one model; return its path. Raises ModelError for an unknown preset/kind."""
+def _spec(preset: str, kind: str) -> ModelSpec:
     try:
         spec = PRESETS[preset][kind]
     except KeyError:
         raise ModelError(f"unknown model {preset}/{kind}; presets {sorted(PRESETS)}, "
                          f"kinds {list(KINDS)}") from None
     spec.validate()
+    return spec
+
+
+def model_path(preset: str, kind: str) -> Path:
+    """Where ``make`` puts (or has put) this model; it may not exist yet. Raises ModelError."""
+    spec = _spec(preset, kind)
+    vocab = _vocab_path()
+    key = model_key(spec, _vocab_sha256(vocab), template_path().read_bytes())
+    return models_dir() / key / f"{preset}-{kind}-{spec.arch}.gguf"
+
+
+def make_one(preset: str, kind: str) -> Path:
+    """Generate (or find) one model; return its path. Raises ModelError for an unknown preset/kind."""
+    spec = _spec(preset, kind)
     vocab = _vocab_path()
     template = template_path().read_bytes()
     vocab_sha = _vocab_sha256(vocab)
@@ -453,8 +466,15 @@ def _cmd_make(args) -> int:
 def _cmd_path(args) -> int:
     if args.template:
         print(template_path())
-        return 0
-    print(models_dir())
+    elif args.kind:
+        path = model_path(args.preset, args.kind)
+        if not path.exists():
+            print(f"{path} is not generated yet: run `ocache models make --preset {args.preset}`",
+                  file=sys.stderr)
+            return 1
+        print(path)
+    else:
+        print(models_dir())
     return 0
 
 
@@ -465,7 +485,10 @@ def register(subparsers) -> None:
     pm = sub.add_parser("make", help="generate (or find cached) models and print their paths")
     pm.add_argument("--preset", choices=[*sorted(PRESETS), "all"], default="tiny")
     pm.set_defaults(func=_cmd_make)
-    pp = sub.add_parser("path", help="print the models cache folder (or --template's path)")
+    pp = sub.add_parser("path", help="print the models cache folder, one model's path (--kind) "
+                                     "or the chat template's (--template)")
+    pp.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    pp.add_argument("--kind", choices=KINDS, help="print this model's path (exit 1 if not made)")
     pp.add_argument("--template", action="store_true", help="print the chat template's path")
     pp.set_defaults(func=_cmd_path)
     p.set_defaults(func=lambda args: (p.print_help(), 0)[1])

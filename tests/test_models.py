@@ -112,6 +112,8 @@ def test_cli_prints_paths(models_tiny, capsys):
         assert str(path) in out
     assert main(["models", "path", "--template"]) == 0
     assert capsys.readouterr().out.strip() == str(models.template_path())
+    assert main(["models", "path", "--preset", "tiny", "--kind", "hybrid"]) == 0
+    assert capsys.readouterr().out.strip() == str(models_tiny["hybrid"])
 
 
 # ------------------------------------------------------------------------------- server tests
