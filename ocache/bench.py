@@ -17,7 +17,7 @@ machine (never two heavy processes at once), each scenario on freshly started pr
 
 Presets: ``tiny`` (the smoke run: the tiny hybrid model, three scenarios: growth,
 restart_mid_session, new_session_other_folder; ``--all-scenarios`` for all) and ``bench`` (the
-README's main command: the bench-sized hybrid model, every scenario, ``-t 2``).
+README's main command: the bench-sized hybrid model, every scenario, ``-t 1``).
 
 Per scenario and configuration: the tokens llama-server prefilled (its ``/metrics`` counter, so
 ocache's own warm-ups count, beside the clients' ``prompt_n``), the oracle's total, prefill
@@ -94,9 +94,11 @@ PRESETS = {
     "tiny": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=256,
                    time_scale=0.2,
                    scenarios=("growth", "restart_mid_session", "new_session_other_folder")),
-    # the README's main command: the bench-sized hybrid (6 delta-net + 2 attention layers), -t 2
-    # on an otherwise idle machine (notes/measured-baseline.md "Threads on a 2-core machine")
-    "bench": Preset(models=("hybrid",), threads=2, ctx_per_slot=12288, cache_ram_mib=1024),
+    # the README's main command: the bench-sized hybrid (6 delta-net + 2 attention layers).
+    # -t 1, not 2: in (c) the proxy process works beside the server, and with -t 2 any second
+    # busy process collapses llama-server's prefill ~50x on 2 cores (measured here: 30-44 tok/s
+    # for this model under load; notes/measured-baseline.md "Threads on a 2-core machine")
+    "bench": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=1024),
 }
 
 
