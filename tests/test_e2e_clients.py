@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +33,6 @@ import pytest
 from ocache import clients
 from ocache.server import free_port
 
-pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 #: Server shape: opencode's agent turn is ~7-8k tokens (tools + system prompt), so 16k per slot;
 #: two slots so the title request and the agent turn (sent in parallel) do not evict each other.
@@ -247,6 +247,8 @@ def _opencode_runs(opencode_bin: Path, proxy: OcacheProcess, tmp_path: Path, fol
     return runs, records
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_opencode_runs_are_served_from_the_warm_head(opencode_bin, stack, tmp_path):
     """Issue 8.5: run 1 in folder A (cold), run 2 in A, run 3 in folder B: runs 2 and 3 reuse the
     harness head (tools + base system prompt)."""
@@ -259,10 +261,13 @@ def test_opencode_runs_are_served_from_the_warm_head(opencode_bin, stack, tmp_pa
     print("\n" + report)
     assert len(turns) == 3, f"expected one agent turn per run\n{report}"
     assert all(r["headers"].get("user-agent", "").startswith("opencode/") for r in turns), report
+    assert (tmp_path / "home" / ".local" / "share" / "opencode").is_dir(), "opencode ignored the temp HOME"
     _check_requests(records, report)
     _check_warm(turns, heads, stats, report)
 
 
+@pytest.mark.server
+@pytest.mark.slow
 @pytest.mark.parametrize("stack", ["cache", "no-cache"], indirect=True)
 def test_opencode_after_upstream_restart_resumes_from_the_saved_head(opencode_bin, stack, tmp_path,
                                                                     request):
@@ -297,6 +302,8 @@ def test_opencode_after_upstream_restart_resumes_from_the_saved_head(opencode_bi
         _check_warm(turns, heads, stats, report)
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_pi_runs_are_served_from_the_warm_head(pi_bin, stack, tmp_path):
     """The same for pi (no session header, no title request: one agent turn per run)."""
     srv, proxy = stack
@@ -320,3 +327,75 @@ def test_pi_runs_are_served_from_the_warm_head(pi_bin, stack, tmp_path):
     assert all(r["headers"].get("user-agent", "").startswith("OpenAI/JS") for r in turns), report
     _check_requests(records, report)
     _check_warm(turns, heads, stats, report)
+
+
+# --- the install helper itself (quick; the real npm against unreachable / failing registries) --
+
+def test_second_install_does_not_run_npm(opencode_bin):
+    """A completed install is found by its stamp: no npm call (a missing npm would fail)."""
+    assert clients.install(clients.OPENCODE, npm="/nonexistent/npm") == opencode_bin
+    assert opencode_bin.exists() and clients.install_seconds(clients.OPENCODE) > 0
+
+
+def test_unreachable_registry_is_reported_as_such(tmp_path, monkeypatch):
+    monkeypatch.setenv("OCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    dead = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
+    with pytest.raises(clients.RegistryUnreachable) as info:
+        clients.install(clients.OPENCODE, timeout=120, extra_args=[
+            "--registry", dead, "--fetch-retries", "0", "--cache", str(tmp_path / "npm-cache")])
+    assert info.value.code == "ECONNREFUSED", str(info.value)
+    assert clients.installed(clients.OPENCODE) is None
+    assert not any(p.name.startswith(".opencode") and "tmp" in p.name
+                   for p in clients.clients_dir().iterdir()), "a temporary install folder was left"
+
+
+def test_registry_error_is_not_unreachable(tmp_path, monkeypatch):
+    """A registry that answers (here: 404 for every package) is a failure, not a reason to skip."""
+    from aiohttp import web
+
+    monkeypatch.setenv("OCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    port = free_port()
+    ready = threading.Event()
+    stop: list = []
+
+    def serve() -> None:
+        async def not_found(request: web.Request) -> web.Response:
+            return web.json_response({"error": "Not found"}, status=404)
+
+        async def main() -> None:
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", not_found)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            done = asyncio.Event()
+            stop.append((asyncio.get_running_loop(), done))
+            ready.set()
+            await done.wait()
+            await runner.cleanup()
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    try:
+        with pytest.raises(clients.ClientInstallError) as info:
+            clients.install(clients.OPENCODE, timeout=120,
+                            extra_args=["--registry", f"http://127.0.0.1:{port}/", "--fetch-retries",
+                                        "0", "--cache", str(tmp_path / "npm-cache")])
+        assert not isinstance(info.value, clients.RegistryUnreachable), str(info.value)
+        assert "E404" in str(info.value)
+    finally:
+        loop, done = stop[0]
+        loop.call_soon_threadsafe(done.set)
+        t.join(10)
+
+
+def test_npm_error_code_parsing():
+    assert clients.npm_error_code("npm error code ENOTFOUND\nnpm error syscall getaddrinfo") == "ENOTFOUND"
+    assert clients.npm_error_code("npm ERR! code EAI_AGAIN\n") == "EAI_AGAIN"
+    assert clients.npm_error_code("npm error network request failed") == "network"
+    assert clients.npm_error_code("npm error code ETARGET\n") == "ETARGET"
+    assert clients.npm_error_code("added 3 packages") is None
+    assert clients.is_unreachable("ECONNREFUSED") and not clients.is_unreachable("ETARGET")
