@@ -431,7 +431,8 @@ class OCacheLayer:
         st = table[slot]
         reuse = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
                               user_starts=ctx.user_starts, task=ctx.task,
-                              ram_swap=_ram_swap(st, common_prefix(st.tokens, tokens), len(tokens), table.params))
+                              ram_swap=st.foreign or _ram_swap(st, common_prefix(st.tokens, tokens), len(tokens),
+                                                               table.params))
         tier_name = dec.tier if dec.steps else ("resident" if reuse.cache_n > 0 else "cold")
         decision = replace(dec, predicted=reuse.cache_n, upper=reuse.upper, tier=tier_name)
         pctx = PlanContext(req.request_id, slot, decision, view, ctx, 0, len(tokens), reuse.cache_n,
@@ -497,7 +498,12 @@ class OCacheLayer:
         if not ok:
             self.counters["failed_responses"] += 1
             if mine and not table.lock(pctx.slot).locked():
-                st.unknown(None)  # reconciled with GET /slots before the next plan
+                if obs.status == 200:
+                    # started but cut short (client gone, upstream error mid-stream): the slot holds
+                    # the prompt if its prefill finished; GET /slots tells before the next plan
+                    st.n_total, st.pending = None, True
+                else:
+                    st.unknown(None)  # rejected: content unknown until reconciled
             return
         self.counters["observed"] += 1
         cache_n = int(timings["cache_n"])
@@ -696,7 +702,8 @@ class OCacheLayer:
                     try:
                         await self.table.erase(st.id)
                     except SlotNotSupported:
-                        st.clear()
+                        st.unknown(st.n_total)   # no --slot-save-path: the server keeps it
+                        continue
                     cleared += 1
         if tier in ("head", "all") and self.head_tier is not None:
             cleared += len(self.head_tier.heads)

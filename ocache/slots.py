@@ -390,7 +390,7 @@ def predict_reuse(slot_tokens: Sequence[int], n_total: int | None, checkpoints: 
     upper = lcp
     if tail_unknown and lcp == held and held > 0:
         # the new prompt may continue into the generated tokens ocache never saw
-        upper = max(lcp, min((n_total if n_total is not None else N) , N))
+        upper = min(n_total if n_total is not None else N, N)
 
     if params.checkpoints and n_past > 0 and n_past <= slot_size:
         has_new = n_past < N

@@ -131,7 +131,8 @@ def rank_slots(tokens: Sequence[int], slots: Sequence[SlotState], ctx: RequestCo
     for s in slots:
         reuse = predict_reuse(s.tokens, s.n_total, s.checkpoints, tokens, params,
                               user_starts=ctx.user_starts, task=ctx.task, ram_swap=False)
-        if _ram_swap(s, reuse.lcp, len(tokens), params):
+        if s.foreign or _ram_swap(s, reuse.lcp, len(tokens), params):
+            # unknown content (or a RAM-cache swap): any reuse up to N-1 is consistent
             reuse = predict_reuse(s.tokens, s.n_total, s.checkpoints, tokens, params,
                                   user_starts=ctx.user_starts, task=ctx.task, ram_swap=True)
         out.append(classify_slot(s, reuse, ctx, params))
