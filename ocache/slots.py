@@ -27,6 +27,7 @@ the server's reuse rules; they do no I/O so the planner and its unit tests can u
 from __future__ import annotations
 
 import asyncio
+import bisect
 import copy
 import logging
 import struct
@@ -455,16 +456,26 @@ def simulate_prefill(checkpoints: Sequence[Checkpoint], n_past: int, n_prompt: i
     cur = n_past
     if cur >= N:
         return cps
+    ordered = sorted(starts)
+    breaks = sorted({N - off for off in offsets})
     while cur < N:
         start = cur
-        count = 0
-        while cur < N and count < n_batch:
-            cur += 1
-            count += 1
-            if cur in starts and (cur == last_user or not cps or cur > cps[-1].n_tokens + min_step):
+        # the server pushes one token at a time and ends the batch at the first position that is
+        # a qualifying user start or leaves exactly an offset's worth of tokens; computed directly
+        # (the per-token loop costs ~0.3 s per 100k tokens in Python)
+        end = min(N, start + n_batch)
+        for p in breaks:
+            if start < p <= end:
+                end = p
                 break
-            if any(N == cur + off for off in offsets):
+        i = bisect.bisect_right(ordered, start)
+        while i < len(ordered) and ordered[i] <= end:
+            u = ordered[i]
+            if u == last_user or not cps or u > cps[-1].n_tokens + min_step:
+                end = min(end, u)
                 break
+            i += 1
+        cur = end
         near_end = N < cur + n_ubatch
         is_user_start = start in starts
         do = True

@@ -66,6 +66,45 @@ def test_user_starts_break_batches_and_get_checkpoints():
     assert got == sorted(got)
 
 
+def _reference_simulate(cps, n_past, N, user_starts, params, task):
+    """The server's batching loop token by token (server-context.cpp:3504-3616), as a reference."""
+    from ocache.slots import _create_checkpoint
+
+    cps, starts = list(cps), set(user_starts)
+    last_user = max(starts) if starts else -1
+    offsets = [min(params.n_batch, 4 + params.n_ubatch), min(params.n_batch, 4)]
+    cur = n_past
+    while cur < N:
+        start, count = cur, 0
+        while cur < N and count < params.n_batch:
+            cur += 1
+            count += 1
+            if cur in starts and (cur == last_user or not cps or cur > cps[-1].n_tokens + params.checkpoint_min_step):
+                break
+            if any(N == cur + off for off in offsets):
+                break
+        near_end = N < cur + params.n_ubatch
+        do = not (cur != N and start not in starts and not near_end) and start > 0
+        do = do and (not cps or start == last_user or near_end or start > cps[-1].n_tokens + params.checkpoint_min_step)
+        if do:
+            cps = _create_checkpoint(cps, start, task, params)
+    return cps
+
+
+def test_simulation_matches_the_token_by_token_loop():
+    rng = random.Random(5)
+    for _ in range(300):
+        p = ServerParams(n_batch=rng.choice([64, 128, 512, 2048]), n_ubatch=rng.choice([32, 64, 128, 512]),
+                         ctx_checkpoints=rng.choice([2, 4, 32]), checkpoint_min_step=rng.choice([0, 100, 256, 8192]),
+                         checkpoints=True)
+        p = ServerParams(**{**p.__dict__, "n_ubatch": min(p.n_ubatch, p.n_batch)})
+        N = rng.randrange(1, 6000)
+        n_past = rng.randrange(0, N)
+        starts = sorted(rng.sample(range(1, N + 1), k=min(N, rng.randrange(0, 12))))
+        prior = [Checkpoint(n, 0) for n in sorted(rng.sample(range(1, n_past + 2), k=min(n_past + 1, rng.randrange(0, 4))))]
+        assert simulate_prefill(prior, n_past, N, starts, p, 1) == _reference_simulate(prior, n_past, N, starts, p, 1)
+
+
 def test_checkpoint_list_is_capped():
     p = ServerParams(n_batch=64, n_ubatch=32, ctx_checkpoints=3, checkpoint_min_step=0, checkpoints=True)
     cps = simulate_prefill([], 0, 2000, tuple(range(100, 2000, 100)), p, task=1)
