@@ -352,7 +352,9 @@ class Proxy:
         if is_completion:
             preq = self._parse(request, rid, method, path, body)
 
-        if not self.upstream.up:
+        if self.upstream.state != "ready":
+            # Down or loading: look again now, so that a server that just came up is identified
+            # (epoch, restart callbacks) before the cache layer plans anything for it.
             await self.upstream.probe()
             if not self.upstream.up:
                 self.stats.upstream_unavailable()
