@@ -18,6 +18,7 @@ from . import __version__
 COMMAND_MODULES = [
     "ocache.proxy",
     "ocache.warm",
+    "ocache.tiers.spill",
     "ocache.engine_cli",
     "ocache.models",
     "ocache.doctor",
