@@ -187,7 +187,15 @@ async def warm_folder(folder: str, *, journal: FolderJournal, viewer: Any, tier:
     entry = journal.get(folder)
     await say(stage="journal", folder=entry["folder"], seen=entry.get("seen"))
     body = head_body(entry)
-    view = await viewer.view("/v1/chat/completions", body, harness_head(body))
+    try:
+        view = await viewer.view("/v1/chat/completions", body, harness_head(body))
+    except Exception as exc:  # noqa: BLE001
+        # render + tokenize are idempotent: one retry when the connection dropped (status 0; seen
+        # right after an upstream restart: a pooled keep-alive connection closed by the server)
+        if getattr(exc, "status", None) != 0:
+            raise
+        await say(stage="retry", error=str(exc))
+        view = await viewer.view("/v1/chat/completions", body, harness_head(body))
     if not view.user_starts:
         raise ValueError("the journaled head renders no user turn start")
     n = view.user_starts[-1]
