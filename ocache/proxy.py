@@ -29,6 +29,8 @@ Routes served by ocache itself (everything else, ``/metrics`` included, goes to 
 | ``GET /v1/cache/stats`` | JSON: proxy counters, upstream state/epoch, ``layer.stats()`` |
 | ``GET /v1/cache/metrics`` | Prometheus text (``stats.py`` lists the metrics) |
 | ``POST /v1/cache/clear?tier=all`` | ``layer.clear(tier)``; needs ``Authorization: Bearer <admin_token>``: 401 without or with a wrong token, 404 when no admin_token is configured |
+| ``POST /v1/cache/warm`` ``{"dir": "/abs/path"}`` | ``ocache warm DIR``: warm that folder's head (NDJSON progress lines; 404 if the folder was never seen; ocache/warm.py) |
+| ``POST /v1/cache/drain`` | ``ocache drain``: planned stop, like SIGTERM (admin token as for clear; ocache/tiers/spill.py) |
 
 Response headers added by ocache (all ``X-OCache-*``):
 
@@ -37,7 +39,7 @@ Response headers added by ocache (all ``X-OCache-*``):
 | ``X-OCache-Request-Id`` | every response | id of this request in ocache's log lines |
 | ``X-OCache-Fail-Open`` | completion, layer raised | ``plan``: the cache layer failed; request forwarded untouched |
 | ``X-OCache-Upstream`` | 503/502 from ocache | the upstream URL that could not be reached |
-| ``X-OCache-Tier`` | set by the layer | which tier provided the prefix (``resident``/``disk``/``spill``/``none``) |
+| ``X-OCache-Tier`` | set by the layer | which tier provided the prefix (``resident``/``head``/``disk``/``session``/``cold``) |
 | other ``X-OCache-*`` | set by the layer | see ``ocache/cache.py`` (e.g. ``X-OCache-Slot``) |
 
 Logging: one line per completion at INFO (request id, route, status, slot, timings, TTFT, total);
@@ -60,7 +62,7 @@ import secrets
 import signal
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -235,6 +237,26 @@ class Proxy:
         self._allowed = config.bind_names
         self._allow_any = "*" in config.allowed_hosts
         self.recorder = None
+        #: set by ``serve()``: the event a planned stop (SIGTERM, ``POST /v1/cache/drain``) sets
+        self.stop_event: asyncio.Event | None = None
+        self._extra = self._extra_routes()
+
+    def _extra_routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:
+        """Admin routes whose handlers live with their tier: ``POST /v1/cache/warm`` (``ocache warm
+        DIR``, ocache/warm.py) and ``POST /v1/cache/drain`` (``ocache drain``, ocache/tiers/spill.py)."""
+        from .tiers.spill import make_drain_handler
+        from .warm import make_warm_handler
+
+        def warm_deps() -> Any:
+            get = getattr(self.layer, "warm_deps", None)
+            return get() if get is not None else None
+
+        def request_stop() -> None:
+            if self.stop_event is not None:
+                self.stop_event.set()
+
+        return {"/v1/cache/warm": make_warm_handler(warm_deps),
+                "/v1/cache/drain": make_drain_handler(request_stop, self.config.admin_token)}
 
     # --- lifecycle ------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -331,6 +353,10 @@ class Proxy:
         path = request.path
         if path in ("/v1/cache/stats", "/v1/cache/metrics", "/v1/cache/clear"):
             resp = await self._admin(request, rid, path)
+            self.stats.request(path, resp.status)
+            return resp
+        if path in self._extra and request.method == "POST":
+            resp = await self._extra[path](request)
             self.stats.request(path, resp.status)
             return resp
         self.inflight += 1
@@ -677,6 +703,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
             await supervisor.start()
         proxy = Proxy(config, layer_factory=layer_factory,
                       pid_source=supervisor.pid if supervisor else None)
+        proxy.stop_event = stop
         if supervisor:
             supervisor.on_start = proxy.upstream.poke
         runner = web.AppRunner(proxy.make_app(), handler_cancellation=True,
