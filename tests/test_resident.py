@@ -346,6 +346,16 @@ async def test_opencode_run_as_sent_title_in_parallel(start_server, model):
         assert title["slot"] != a1["slot"]
         a2 = await c.fixture("opencode_agent_turn1_after_tool.json", stream=True)
         assert a2["slot"] == a1["slot"] and a2["timings"]["prompt_n"] <= new + UB
+        # a second `opencode run` in the same folder, again title and agent turn in parallel: the
+        # first session's slot is left alone and the new session starts from the head
+        head_len = len(next(iter(c.layer.head_tier.heads.values())).tokens)
+        _, b1 = await asyncio.gather(c.fixture("opencode_run2_title.json", stream=True, settle=False),
+                                     c.fixture("opencode_run2_agent_turn1.json", stream=True, settle=False))
+        await c.settle()
+        assert b1["slot"] != a1["slot"] and b1["timings"]["cache_n"] >= head_len - UB
+        # two sessions and a title on two slots: the title replaces one conversation, and it must
+        # be the idle first session's, never the turn its own session just started
+        assert c.layer.table[b1["slot"]].kind == "agent", c.layer.stats()["slots"]
         c.assert_predictions()
 
 
