@@ -513,6 +513,7 @@ class Bench:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker  # noqa: F401  (MaxNLocator)
 
         paths = []
         styles = {"a": ("tab:red", "o"), "b": ("tab:orange", "s"), "c": ("tab:blue", "^")}
@@ -522,8 +523,9 @@ class Bench:
             rows = (n + cols - 1) // cols
             fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.2 * rows), squeeze=False)
             for ax, (sc, runs) in zip(axes.flat, per.items()):
+                offsets = {"a": -0.08, "b": 0.0, "c": 0.08}  # a and b often coincide
                 for cfg, run in runs.items():
-                    xs = [r.index for r in run.rows]
+                    xs = [r.index + offsets.get(cfg, 0.0) for r in run.rows]
                     ys = [max(int(r.server_prefill if r.server_prefill is not None
                                   else r.prompt_n or 0), 1) for r in run.rows]
                     color, marker = styles.get(cfg, ("gray", "x"))
@@ -538,6 +540,7 @@ class Bench:
                         if r.restart_before:
                             ax.axvline(r.index - 0.5, color="gray", linestyle=":", linewidth=1)
                 ax.set_yscale("log")
+                ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
                 ax.set_title(sc, fontsize=10)
                 ax.set_xlabel("request")
                 ax.set_ylabel("prefilled tokens")
@@ -545,10 +548,10 @@ class Bench:
             for ax in list(axes.flat)[n:]:
                 ax.axis("off")
             handles, labels = axes.flat[0].get_legend_handles_labels()
-            fig.legend(handles, labels, loc="upper center", ncol=4, fontsize=9)
-            fig.suptitle(f"per-request prefill, {model} model ({self.preset_name} preset)",
-                         y=0.995, fontsize=11)
-            fig.tight_layout(rect=(0, 0, 1, 0.96))
+            fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9)
+            fig.suptitle(f"tokens llama-server prefilled per request, {model} model "
+                         f"({self.preset_name} preset; dotted line: server restart)", fontsize=11)
+            fig.tight_layout(rect=(0, 0.04, 1, 0.97))
             path = self.out / f"prefill-{self.preset_name}-{model}.png"
             fig.savefig(path, dpi=110)
             plt.close(fig)

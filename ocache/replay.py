@@ -707,6 +707,19 @@ def _token_viewer(base_url: str) -> Any:
         return None
 
 
+def describe_mismatch(got: Answer, cold: Answer) -> str:
+    """Where a replayed answer first differs from the cold run's (field, character offset, the
+    few characters on each side), for the report."""
+    for name, a, b in (("content", got.content, cold.content),
+                       ("reasoning", got.reasoning, cold.reasoning),
+                       ("tool calls", json.dumps(got.key()[2]), json.dumps(cold.key()[2]))):
+        if a != b:
+            i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return (f"{name} differs from the cold run at char {i}: "
+                    f"{a[max(i - 8, 0):i + 8]!r} vs {b[max(i - 8, 0):i + 8]!r}")
+    return "output differs from the cold run"
+
+
 def cold_body(body: dict) -> dict:
     """``body`` as a cold reference run: no prompt cache (``cache_prompt: false`` = fresh prefill),
     not streamed, with the generated token ids returned (``return_tokens`` + ``verbose``)."""
@@ -814,6 +827,8 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
         exact = None
         if not r.error and not cold.error:
             exact = r.answer.key() == cold.answer.key()
+            if not exact:
+                note = ((note + "; ") if note else "") + describe_mismatch(r.answer, cold.answer)
         t = r.timings or {}
         rows.append(Row(index=s.index, label=s.label, n_tokens=len(tokens),
                         prompt_n=t.get("prompt_n"), server_prefill=s.server_prefill,
