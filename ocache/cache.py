@@ -27,10 +27,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from . import fingerprint as fp_mod
-from .slots import (Checkpoint, Reuse, ServerParams, common_prefix, SlotError, SlotNotSupported, SlotTable,
+from .slots import (Checkpoint, ServerParams, common_prefix, SlotError, SlotNotSupported, SlotTable,
                     params_from_argv, predict_reuse, simulate_prefill)
 from .tiers.base import Offer, Tier
-from .tiers.resident import RequestContext, SlotChoice, _ram_swap, rank_slots
+from .tiers.resident import RequestContext, SlotChoice, ram_swap_possible, rank_slots
 
 log = logging.getLogger("ocache.cache")
 
@@ -431,7 +431,7 @@ class OCacheLayer:
         st = table[slot]
         reuse = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
                               user_starts=ctx.user_starts, task=ctx.task,
-                              ram_swap=st.foreign or _ram_swap(st, common_prefix(st.tokens, tokens), len(tokens),
+                              ram_swap=st.foreign or ram_swap_possible(st, common_prefix(st.tokens, tokens), len(tokens),
                                                                table.params))
         tier_name = dec.tier if dec.steps else ("resident" if reuse.cache_n > 0 else "cold")
         decision = replace(dec, predicted=reuse.cache_n, upper=reuse.upper, tier=tier_name)

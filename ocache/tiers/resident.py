@@ -78,7 +78,7 @@ class SlotChoice:
         return (not self.protected, self.score, not self.busy, ROLE_RANK.get(self.role, 0), -self.last_used)
 
 
-def _ram_swap(s: SlotState, lcp: int, n_prompt: int, params: ServerParams) -> bool:
+def ram_swap_possible(s: SlotState, lcp: int, n_prompt: int, params: ServerParams) -> bool:
     """Whether the server may swap a RAM-cache entry into this pinned slot (notes §2.2 step 4:
     ``--cache-ram`` on, slot non-empty, ``f_keep = LCP/len(slot) < 0.5`` or ``f_sim <= sps``)."""
     if not params.cache_ram:
@@ -131,7 +131,7 @@ def rank_slots(tokens: Sequence[int], slots: Sequence[SlotState], ctx: RequestCo
     for s in slots:
         reuse = predict_reuse(s.tokens, s.n_total, s.checkpoints, tokens, params,
                               user_starts=ctx.user_starts, task=ctx.task, ram_swap=False)
-        if s.foreign or _ram_swap(s, reuse.lcp, len(tokens), params):
+        if s.foreign or ram_swap_possible(s, reuse.lcp, len(tokens), params):
             # unknown content (or a RAM-cache swap): any reuse up to N-1 is consistent
             reuse = predict_reuse(s.tokens, s.n_total, s.checkpoints, tokens, params,
                                   user_starts=ctx.user_starts, task=ctx.task, ram_swap=True)
