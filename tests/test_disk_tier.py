@@ -484,7 +484,7 @@ async def test_through_the_proxy_a_restart_resumes_from_the_disk(harness, model,
         async def _session_tier_ready(self) -> None:
             await super()._session_tier_ready()
             if getattr(self, "_disk_tier", None) is None:
-                self._disk_tier = make_disk_tier(self.config, self.table, self._ident(),
+                self._disk_tier = make_disk_tier(self.config, self.table, self._ident,
                                                  ubatch=self.table.params.n_ubatch)
                 self.add_tier(self._disk_tier)
 
@@ -507,3 +507,27 @@ async def test_through_the_proxy_a_restart_resumes_from_the_disk(harness, model,
         assert disk.counters["restores"] == 1 and disk.counters["hits"] == 1
     finally:
         await server.close()
+
+
+def test_lookup_follows_the_servers_current_identity(tmp_path):
+    """A tier built with an identity callable re-reads it before each lookup: after the upstream
+    came back with another identity, the old anchors are swept, never offered."""
+    from ocache.tiers import store as st
+
+    ident = {"key": "model-A"}
+    store = Store(tmp_path / "meta", tmp_path / "slots", "model-A")
+    store.open()
+    toks = list(range(5000, 9000))
+    key = st.entry_key("model-A", "a", toks[:3000])
+    tmp = store.temp_name("a", key)
+    import struct
+
+    words = [-1, 1, 3000, *toks[:3000], 0]
+    (tmp_path / "slots" / tmp).write_bytes(struct.pack("<III", st.SLOT_MAGIC, 3, len(words))
+                                           + struct.pack(f"<{len(words)}i", *words) + b"\0" * 1000)
+    store.commit("a", toks[:3000], tmp)
+    tier = DiskTier(store, slots=None, config=DiskConfig(min_tokens=1000), identity=lambda: ident["key"])
+    assert asyncio.run(tier.lookup(View(toks), None)).tokens_usable == 3000
+    ident["key"] = "model-B"
+    assert asyncio.run(tier.lookup(View(toks), None)) is None
+    assert store.entries() == [] and tier.counters["identity_swept"] == 1

@@ -420,3 +420,14 @@ def test_free_space_floor(tmp_path):
     with pytest.raises(BudgetError):
         put(s, list(range(99_000, 99_040)), state_bytes=60_000, ckpt=False)
     assert len(s.entries()) == n
+
+
+def test_identity_change_while_running_sweeps_the_old_entries(tmp_path):
+    s = make_store(tmp_path, identity="model-A")
+    put(s, list(range(10, 60)))
+    put(s, list(range(100, 160)), kind="s", seed=1)
+    assert s.set_identity("model-A") == 0 and len(s.entries()) == 2
+    assert s.set_identity("model-B") == 2
+    assert s.entries() == [] and oc_files(s) == []
+    e = put(s, list(range(10, 60)))
+    assert e.identity == "model-B" and s.find_prefixes(list(range(10, 70)))[0].key == e.key

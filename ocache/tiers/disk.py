@@ -62,7 +62,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from .base import Offer
 from .store import BudgetError, IntegrityError, Store, entry_key, prefix_hash, shared_store
@@ -191,14 +191,18 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
 class DiskTier:
     """The anchor tier over a :class:`Store` (see the module docstring).
 
-    ``slots``: a :class:`SlotOps`. ``fingerprint_of(view, ctx)``: optional, returns the harness
-    fingerprint recorded with an anchor (defaults to ``ctx.fingerprint``).
+    ``slots``: a :class:`SlotOps`. ``identity``: optional callable returning the server's current
+    identity (an ``Identity`` or its key); checked before every lookup and write, so an upstream that
+    came back with other weights/build/template/flags never gets another identity's state (its
+    entries are swept, ``Store.set_identity``).
     """
 
     name = "disk"
 
-    def __init__(self, store: Store, slots: SlotOps, config: DiskConfig | None = None) -> None:
+    def __init__(self, store: Store, slots: SlotOps, config: DiskConfig | None = None,
+                 identity: Callable[[], Any] | None = None) -> None:
         self.store = store
+        self.identity_fn = identity
         self.slots = slots
         self.cfg = config or DiskConfig()
         self.prefill = Rate(self.cfg.prefill_tok_s)
@@ -262,6 +266,7 @@ class DiskTier:
         successful warm left, always a prefix of the request). Returns the lengths saved.
         """
         done = []
+        await asyncio.to_thread(self._check_identity)
         held = self._held(slot)
         if held is not None and self._save_held(view, held):
             # the slot holds exactly a wanted prefix already (e.g. the layer's head warm-up): the
@@ -377,6 +382,15 @@ class DiskTier:
         """Seconds to verify and restore ``nbytes`` at the measured rates."""
         return nbytes / self.verify_rate.value + nbytes / self.restore_rate.value
 
+    def _check_identity(self) -> None:
+        if self.identity_fn is None:
+            return
+        cur = self.identity_fn()
+        key = cur if isinstance(cur, str) else getattr(cur, "key", None)
+        if key and key != self.store.identity:
+            n = self.store.set_identity(key)
+            self.counters["identity_swept"] = self.counters.get("identity_swept", 0) + n
+
     async def lookup(self, view: Any, ctx: Any = None) -> Offer | None:
         """The longest anchor that is a prefix of ``view.tokens`` and pays for its read, or None.
 
@@ -385,6 +399,7 @@ class DiskTier:
         is identical (the server re-evaluates the last token, notes §2.3).
         """
         self.counters["lookups"] += 1
+        await asyncio.to_thread(self._check_identity)
         toks = view.tokens
         resident = int(_get(ctx, "resident_usable", 0) or 0)
         cands = await asyncio.to_thread(self.store.find_prefixes, toks, KIND)
@@ -538,7 +553,9 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
 
     The slot-save-path is ``config.tiers["disk"]["slot_save_path"]`` or the ``--slot-save-path`` of
     ``config.launch``; without one the server cannot save slots (notes §1.1) and the tier is off.
-    ``identity``: an ``ocache.fingerprint.Identity`` (its ``key``) or a key string. Other settings:
+    ``identity``: an ``ocache.fingerprint.Identity`` (its ``key``), a key string, or a callable
+    returning either (e.g. ``OCacheLayer._ident``: re-read before every lookup/write, so a restarted
+    server with another identity sweeps the old entries instead of receiving them). Other settings:
     ``disk_budget_gb``, ``disk_ttl_days``, ``disk_min_tokens`` and ``tiers["disk"]`` keys ``grid``,
     ``free_floor_gb``, ``admit_after``. Opens the store (sweeping other identities' files).
     """
@@ -549,7 +566,9 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
     if data_dir is None:
         log.warning("disk tier off: no --slot-save-path known (set tiers.disk.slot_save_path)")
         return None
-    key = identity if isinstance(identity, str) else getattr(identity, "key", None)
+    ident_fn = identity if callable(identity) else None
+    cur = identity() if ident_fn else identity
+    key = cur if isinstance(cur, str) else getattr(cur, "key", None)
     if not key:
         log.warning("disk tier off: no server identity")
         return None
@@ -566,4 +585,4 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
                      admit_after=int(dcfg.get("admit_after", 2)))
     if ubatch:
         cfg.ubatch = int(ubatch)
-    return DiskTier(store, slots, cfg)
+    return DiskTier(store, slots, cfg, identity=ident_fn)

@@ -408,6 +408,21 @@ class Store:
             log.info("store %s: %s", self.meta_dir, rep)
             return rep
 
+    def set_identity(self, identity: str) -> int:
+        """The server now has another identity (restarted with other weights, build, template or
+        flags): from now on only its entries are served; entries of any other identity are deleted
+        (the same sweep as at start-up). Returns how many were deleted."""
+        with self._lock:
+            if identity == self.identity:
+                return 0
+            log.warning("store: identity %s -> %s: sweeping entries of other identities", self.identity, identity)
+            self.identity = identity
+            gone = [e.key for e in self._entries.values() if e.identity != identity]
+            for k in gone:
+                self._delete_locked(k, "foreign identity")
+            self._write_index()
+            return len(gone)
+
     def close(self) -> None:
         with self._lock:
             if self._lock_fd is not None:
