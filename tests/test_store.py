@@ -60,12 +60,16 @@ def oc_files(s: Store) -> list[str]:
 
 
 def test_commit_verify_and_prefix_lookup(tmp_path):
+    (tmp_path / "slots").mkdir()
+    os.chmod(tmp_path / "slots", 0o755)  # as llama-server's launcher may have created it
     s = make_store(tmp_path)
     toks = list(range(100, 400))
     e = put(s, toks)
     assert e.n_tokens == 300 and set(e.files) == {"bin", "ckpt"}
     assert oc_files(s) == sorted([e.files["bin"].name, e.files["ckpt"].name])
     assert oct(os.stat(s.meta_dir).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(s.data_dir).st_mode & 0o777) == "0o700"
+    assert all(oct(os.stat(s.data_dir / f).st_mode & 0o777) == "0o600" for f in oc_files(s))
     assert s.verify(e.key, expect_tokens=toks + [1, 2, 3]).key == e.key
     # a longer request that starts with the entry's tokens finds it; a diverging one does not
     assert [x.key for x in s.find_prefixes(toks + [5, 6])] == [e.key]

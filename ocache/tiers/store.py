@@ -377,6 +377,12 @@ class Store:
                 d.mkdir(parents=True, exist_ok=True, mode=0o700)
                 os.chmod(d, 0o700)
             self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            st_data = self.data_dir.stat()
+            if st_data.st_mode & 0o077:
+                if st_data.st_uid == os.getuid():
+                    os.chmod(self.data_dir, 0o700)  # slot files hold KV state of private prompts
+                else:
+                    log.warning("store: %s is readable by others and not ours to chmod", self.data_dir)
             if self._want_lock and self._lock_fd is None:
                 fd = os.open(self.meta_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
                 try:
