@@ -16,8 +16,8 @@ machine (never two heavy processes at once), each scenario on freshly started pr
   run its cache layer, (c) is the proxy with ``--no-cache`` (NullLayer) and the report says so.
 
 Presets: ``tiny`` (the smoke run: the tiny hybrid model, three scenarios: growth,
-restart_mid_session, new_session_other_folder; ``--all-scenarios`` for all) and ``bench`` (the
-README's main command: the bench-sized hybrid model, every scenario, ``-t 1``).
+restart_mid_session, new_session_other_folder) and ``bench`` (the README's main command: the
+bench-sized hybrid model, four scenarios, ``-t 1``); ``--all-scenarios`` runs all eight.
 
 Per scenario and configuration: the tokens llama-server prefilled (its ``/metrics`` counter, so
 ocache's own warm-ups count, beside the clients' ``prompt_n``), the oracle's total, prefill
@@ -98,7 +98,12 @@ PRESETS = {
     # -t 1, not 2: in (c) the proxy process works beside the server, and with -t 2 any second
     # busy process collapses llama-server's prefill ~50x on 2 cores (measured here: 30-44 tok/s
     # for this model under load; notes/measured-baseline.md "Threads on a 2-core machine")
-    "bench": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=1024),
+    # At -t 1 this model prefills ~185 tokens/s here, so a 7.3k-token opencode turn takes ~40 s
+    # and every scenario costs ~6-8 minutes (replays + cold references): the default is the
+    # four most telling ones (~30 min); --all-scenarios runs all eight (~1 h).
+    "bench": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=1024,
+                    scenarios=("growth", "restart_mid_session", "aba_one_slot",
+                               "new_session_other_folder")),
 }
 
 
@@ -249,7 +254,7 @@ class Bench:
 
     def __init__(self, preset: str, scenarios: list[Scenario], out: Path,
                  configs: tuple[str, ...] = CONFIGS, models: tuple[str, ...] | None = None,
-                 time_scale: float | None = None) -> None:
+                 time_scale: float | None = None, threads: int | None = None) -> None:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         self.preset_name = preset
@@ -259,6 +264,9 @@ class Bench:
         self.configs = configs
         self.models = models or self.preset.models
         self.time_scale = self.preset.time_scale if time_scale is None else time_scale
+        if threads:
+            import dataclasses
+            self.preset = dataclasses.replace(self.preset, threads=threads)
         self.results: dict[str, dict[str, dict[str, ConfigRun]]] = {}  # model -> scenario -> cfg
         self.notes: list[str] = []
         self._cold: dict[tuple[str, str], dict] = {}  # (config, model) -> body key -> Response
@@ -614,7 +622,7 @@ def _cmd(args: argparse.Namespace) -> int:
     models = tuple(m.strip() for m in args.models.split(",")) if args.models else None
     out = Path(args.out)
     bench = Bench(args.preset, scenarios, out, configs=configs, models=models,
-                  time_scale=args.time_scale)
+                  time_scale=args.time_scale, threads=args.threads)
     t0 = time.monotonic()
     asyncio.run(bench.run())
     wall = time.monotonic() - t0
@@ -649,5 +657,8 @@ def register(subparsers) -> None:
     p.add_argument("--models", help="comma-separated: hybrid,dense (default: the preset's)")
     p.add_argument("--time-scale", type=float, default=None,
                    help="multiply scenario gaps (default: the preset's; 0 = no gaps)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="llama-server -t/-tb (default: the preset's, 1; use 2 only on an idle "
+                   "machine with more cores than servers)")
     p.add_argument("--out", default="out", metavar="DIR", help="output folder (default ./out)")
     p.set_defaults(func=_cmd)
