@@ -236,6 +236,15 @@ class OCacheLayer:
         self.findings: list[Any] = []
         self.origin_key: str | None = None
         self._no_save = False
+        self.disk_tier: Any = None
+        self._disk_tier_off = False
+        self.journal: Any = None
+        try:
+            from .warm import journal_for
+
+            self.journal = journal_for(config)
+        except OSError as exc:
+            log.warning("folder journal unavailable (%s): `ocache warm DIR` will not know folders", exc)
         self.counters: dict[str, int] = {
             "planned": 0, "plan_errors": 0, "observed": 0, "mispredictions": 0, "mispredict_low": 0,
             "mispredict_high": 0, "predicted_tokens": 0, "observed_cache_tokens": 0,
@@ -289,6 +298,7 @@ class OCacheLayer:
             self._epoch = epoch
             self._identity = None
             await self._session_tier_ready()  # session tier (issue 7): register; resume after a drain
+            self._disk_tier_ready()           # disk tier (issue 6): anchors on disk
             self._ready = True
             try:
                 from .doctor import check, probe_endpoints
@@ -343,6 +353,11 @@ class OCacheLayer:
                 await table.refresh()
             except SlotError as exc:
                 log.debug("[%s] GET /slots failed: %s", req.request_id, exc)
+        if kind == "agent" and self.journal is not None:
+            try:
+                await asyncio.to_thread(self.journal.note, body, head_key)
+            except OSError as exc:
+                log.warning("[%s] folder journal not written: %s", req.request_id, exc)
         ctx = RequestContext(kind=kind, session=req.session_hint, head_key=head_key, head_len=head_len,
                              task=table.next_task(), user_starts=user_starts)
         dec = await self._decide(view, ctx)
@@ -428,6 +443,13 @@ class OCacheLayer:
                 table[slot].clear()
         if "warm_head" in dec.steps:
             await self._warm_head_in(slot, tokens[:ctx.head_len], ctx.head_key, req.request_id)
+        if self.disk_tier is not None:
+            # admission (issue 6): split the coming prefill at the anchor lines and save them; the
+            # slot then holds the last anchor, which this request strictly extends
+            st = table[slot]
+            before = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
+                                   user_starts=ctx.user_starts, task=ctx.task)
+            await self.disk_tier.prepare(view, slot, before.cache_n, ctx)
         st = table[slot]
         reuse = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
                               user_starts=ctx.user_starts, task=ctx.task,
@@ -644,6 +666,40 @@ class OCacheLayer:
         if getattr(self, "_session_tier", None) is not None:
             await self._session_tier.after_start()
 
+    def _disk_tier_ready(self) -> None:
+        """Register the disk tier once, when the server can save slots and its slot-save-path is
+        known (config ``tiers.disk.slot_save_path`` or the launch argv; ocache/tiers/disk.py)."""
+        if self.disk_tier is not None or self._disk_tier_off:
+            return
+        from .tiers.disk import make_disk_tier
+
+        try:
+            tier = None if self._no_save else make_disk_tier(self.config, self.table, self._ident,
+                                                             ubatch=self.table.params.n_ubatch)
+        except Exception:
+            log.exception("disk tier setup failed; it stays off")
+            tier = None
+        self._disk_tier_off = tier is None
+        if tier is not None:
+            self.disk_tier = tier
+            self.add_tier(tier)
+
+    def warm_deps(self) -> Any:
+        """What ``POST /v1/cache/warm`` (``ocache warm DIR``) needs: ocache/warm.py ``WarmDeps``."""
+        from .warm import WarmDeps
+
+        if self.journal is None:
+            return None
+
+        async def pick_slot() -> int:
+            await self._ensure_ready()
+            snap = self.table.snapshot()
+            ctx = RequestContext(kind="guest", task=self.table.next_task())
+            return plan_request([0], snap, [], ctx, self.table.params).slot
+
+        return WarmDeps(journal=self.journal, viewer=self._viewer, tier=self.disk_tier,
+                        slots=self.table, pick_slot=pick_slot)
+
     async def on_upstream_restart(self) -> None:
         if self.table is not None:
             self.table.reset_all(getattr(self.upstream, "epoch", None))
@@ -691,6 +747,11 @@ class OCacheLayer:
             out["table"] = dict(table.counters)
             out["heads"] = {k: {"tokens": len(r.tokens), "file": r.filename}
                             for k, r in self.head_tier.heads.items()}
+        for tier in self.tiers:
+            try:
+                out[f"tier_{tier.name}"] = tier.stats()
+            except Exception as exc:  # stats must never break the route
+                out[f"tier_{tier.name}"] = {"error": f"{type(exc).__name__}: {exc}"}
         return out
 
     async def clear(self, tier: str) -> dict:

@@ -29,9 +29,9 @@ KIND_NAMES = {"a": "anchor", "s": "spill"}
 def _meta_dir(args: argparse.Namespace) -> Path:
     if args.cache_dir:
         return Path(args.cache_dir).expanduser() / "store"
-    from .paths import cache_root
+    from .paths import state_root
 
-    return cache_root() / "store"
+    return state_root() / "store"
 
 
 def _human(n: float) -> str:

@@ -23,6 +23,16 @@ def cache_root() -> Path:
     return root
 
 
+def state_root() -> Path:
+    """Root of ocache's private *state* (store records, folder journal, spill resume marker):
+    ``$OCACHE_STATE_DIR`` if set, else ``cache_root()``. Kept apart from the build caches so a test
+    or a second instance can isolate its state without rebuilding llama-server or the models."""
+    env = os.environ.get("OCACHE_STATE_DIR")
+    root = Path(env).expanduser() if env else cache_root()
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return root
+
+
 def private_dir(*parts: str) -> Path:
     """Return ``cache_root()/parts...``, created with mode 0700 (it may hold prompts or KV state)."""
     path = cache_root().joinpath(*parts)

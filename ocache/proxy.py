@@ -757,7 +757,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.getLogger().setLevel(cfg.log_level.upper())
     if cfg.cache_dir:
-        os.environ["OCACHE_CACHE_DIR"] = cfg.cache_dir  # ocache.paths.cache_root() reads it
+        os.environ["OCACHE_STATE_DIR"] = cfg.cache_dir  # ocache.paths.state_root() reads it
     try:
         asyncio.run(serve(cfg))
     except OSError as exc:

@@ -157,10 +157,10 @@ class FolderJournal:
 
 def journal_for(config: Any = None) -> FolderJournal:
     """The folder journal under the configured cache dir (``<cache dir>/journal``, mode 0700)."""
-    from .paths import cache_root
+    from .paths import state_root
 
     cache_dir = getattr(config, "cache_dir", None)
-    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
+    root = Path(cache_dir).expanduser() if cache_dir else state_root()
     return FolderJournal(root / "journal")
 
 

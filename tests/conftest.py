@@ -35,6 +35,13 @@ def load_headers(name: str) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.fixture(autouse=True)
+def _private_state(tmp_path, monkeypatch):
+    """Each test gets its own ocache state (store records, folder journal, resume marker), so tests
+    never see each other's anchors or spills; build caches (engine, models) stay shared."""
+    monkeypatch.setenv("OCACHE_STATE_DIR", str(tmp_path / "ocache-state"))
+
+
 @pytest.fixture(scope="session")
 def engine_patched() -> engine.EngineBuild:
     """The patched llama-server (built once, then cached by its inputs)."""

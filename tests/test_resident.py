@@ -375,7 +375,8 @@ async def test_restart_voids_the_table(start_server, model):
         again = await c.fixture("opencode_agent_turn1.json")
         heads = c.layer.head_tier.heads
         head_len = len(next(iter(heads.values())).tokens)
-        assert again["tier"] == "head" and again["timings"]["cache_n"] == head_len
+        # the head file (head tier) or a longer anchor of the same prompt (disk tier, issue 6)
+        assert again["tier"] in ("head", "disk") and again["timings"]["cache_n"] >= head_len
         c.assert_predictions()
 
 
@@ -390,7 +391,8 @@ async def test_warm_head_on_demand(start_server):
         assert again["slot"] == info["slot"] and again["prompt_n"] == 0
         first = await c.fixture("opencode_agent_turn1.json")
         assert first["slot"] == info["slot"] and first["tier"] == "resident"
-        assert first["timings"]["cache_n"] == info["head_tokens"]
+        # at least the warmed head (more when the disk tier split the prefill at an anchor line)
+        assert first["timings"]["cache_n"] >= info["head_tokens"]
         assert c.layer.counters["warmups"] == 1
         with pytest.raises(ValueError):
             await c.layer.warm_head(body_of("opencode_title.json"))   # no harness head

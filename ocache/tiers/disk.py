@@ -542,9 +542,9 @@ def _slot_save_path(config: Any) -> Path | None:
 
 def store_meta_dir(config: Any = None) -> Path:
     """ocache's own 0700 directory for the store's records and index."""
-    from ..paths import cache_root
+    from ..paths import state_root
 
-    root = Path(_get(config, "cache_dir")) if _get(config, "cache_dir") else cache_root()
+    root = Path(_get(config, "cache_dir")) if _get(config, "cache_dir") else state_root()
     return root / "store"
 
 
