@@ -106,9 +106,10 @@ def _hop_names(headers) -> set[str]:
     return names
 
 
-def forward_request_headers(headers) -> CIMultiDict:
-    """Client request headers to send upstream (multi-valued headers kept, order kept)."""
-    drop = _hop_names(headers) | _REQ_DROP
+def _end_to_end(headers, extra_drop: set[str] | frozenset[str]) -> CIMultiDict:
+    """``headers`` without hop-by-hop ones (RFC 9110 §7.6.1), ``Proxy-*`` and ``extra_drop``;
+    multi-valued headers and their order kept."""
+    drop = _hop_names(headers) | extra_drop
     out = CIMultiDict()
     for k, v in headers.items():
         lk = k.lower()
@@ -116,17 +117,16 @@ def forward_request_headers(headers) -> CIMultiDict:
             continue
         out.add(k, v)
     return out
+
+
+def forward_request_headers(headers) -> CIMultiDict:
+    """Client request headers to send upstream."""
+    return _end_to_end(headers, _REQ_DROP)
 
 
 def forward_response_headers(headers) -> CIMultiDict:
-    drop = _hop_names(headers) | _RESP_DROP
-    out = CIMultiDict()
-    for k, v in headers.items():
-        lk = k.lower()
-        if lk in drop or lk.startswith("proxy-"):
-            continue
-        out.add(k, v)
-    return out
+    """Upstream response headers to send to the client."""
+    return _end_to_end(headers, _RESP_DROP)
 
 
 def host_name(host_header: str) -> str:
