@@ -755,7 +755,8 @@ class OCacheLayer:
         return out
 
     async def clear(self, tier: str) -> dict:
-        """``resident`` (or ``all``): erase every slot ocache knows; ``head``: forget warmed heads."""
+        """``resident`` (or ``all``): erase every slot ocache knows; ``head``: forget warmed heads;
+        ``disk``/``session``: delete that tier's store entries. Returns ``{"tier", "cleared"}``."""
         cleared = 0
         if tier in ("resident", "all") and self.table is not None:
             for st in self.table.slots:
@@ -770,4 +771,7 @@ class OCacheLayer:
             cleared += len(self.head_tier.heads)
             self.head_tier.heads.clear()
             self.origin_key = None
+        for t in self.tiers:  # disk anchors, spilled sessions (their own store entries)
+            if tier in (t.name, "all") and hasattr(t, "clear"):
+                cleared += int((await t.clear()).get("deleted", 0))
         return {"tier": tier, "cleared": cleared}

@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from .base import Offer
+from .store import field_of as _get, sidecar_checkpoints
 from .store import BudgetError, IntegrityError, Store, entry_key, prefix_hash, shared_store
 
 log = logging.getLogger(__name__)
@@ -156,41 +157,6 @@ class _Pending:
     key: str
     n_tokens: int
     t: float
-
-
-def sidecar_checkpoints(path: Path) -> list[int]:
-    """``n_tokens`` of each context checkpoint in a patched server's ``<file>.ckpt`` sidecar, read
-    from the entry headers only (layout: patches/0001-slot-checkpoint-sidecar.patch, server-ckpt-
-    sidecar.h: header ``"OCKP" u32 ver u32 n_tokens u64 u64 u32 n_entries u32 flags u64`` = 44 bytes;
-    entry ``i64 n_tokens i32 pos_min i32 pos_max u64 len_tgt u64 len_dft u64 len_spec`` + blobs +
-    ``u64`` hash). [] for a missing or unreadable sidecar (the server validates it on restore)."""
-    import struct
-
-    out: list[int] = []
-    try:
-        with open(path, "rb") as f:
-            head = f.read(44)
-            if len(head) < 44 or head[:4] != b"OCKP":
-                return []
-            (n_entries,) = struct.unpack_from("<I", head, 32)
-            for _ in range(min(n_entries, 4096)):
-                eh = f.read(40)
-                if len(eh) < 40:
-                    return []
-                n_tok, _pmin, _pmax, lt, ld, ls = struct.unpack("<qiiQQQ", eh)
-                out.append(int(n_tok))
-                f.seek(lt + ld + ls + 8, 1)
-    except OSError:
-        return []
-    return out
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if obj is None:
-        return default
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
 
 
 class DiskTier:

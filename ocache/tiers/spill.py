@@ -93,7 +93,6 @@ import contextlib
 import json
 import logging
 import os
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -103,6 +102,7 @@ from typing import Any, Callable, Sequence
 import xxhash
 
 from .base import Offer
+from .store import field_of as _get, sidecar_checkpoints
 from .store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
                     prefix_hash, read_slot_tokens, shared_store)
 
@@ -171,14 +171,6 @@ class _SlotSeen:
     head_key: str | None
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if obj is None:
-        return default
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
 def hint_key(hint: str | None) -> str | None:
     """Session identity from a client's session header: ``"h:" + xxh3_64(hint)`` (None if no hint)."""
     if not hint:
@@ -213,39 +205,6 @@ def session_key(hint: str | None, view: Any) -> str | None:
     if end is None:
         return None
     return "t:" + prefix_hash(toks[:end])
-
-
-#: Checkpoint sidecar layout (patches/0001-slot-checkpoint-sidecar.patch, "Byte layout"): header
-#: ``"OCKP" u32 version u32 n_tokens u64 tokens_hash u64 state_hash u32 n_entries u32 flags
-#: u64 header_hash`` (44 bytes, n_entries at byte 28); entry ``i64 n_tokens i32 pos_min i32 pos_max
-#: u64 len_tgt u64 len_dft u64 len_spec`` (40 bytes) + the three blobs + ``u64 entry_hash``.
-SIDECAR_HEADER = struct.Struct("<4sIIQQIIQ")
-SIDECAR_ENTRY = struct.Struct("<qiiQQQ")
-
-
-def sidecar_checkpoints(path: Path) -> list[int]:
-    """``n_tokens`` of each context checkpoint in a patched server's ``<file>.ckpt`` sidecar, read
-    from the headers only (layout above). [] for a missing or unreadable sidecar (the server
-    validates every hash itself on restore)."""
-    out: list[int] = []
-    try:
-        with open(path, "rb") as f:
-            head = f.read(SIDECAR_HEADER.size)
-            if len(head) < SIDECAR_HEADER.size:
-                return []
-            magic, _ver, _n_tok, _th, _sh, n_entries, _flags, _hh = SIDECAR_HEADER.unpack(head)
-            if magic != b"OCKP":
-                return []
-            for _ in range(min(n_entries, 4096)):
-                eh = f.read(SIDECAR_ENTRY.size)
-                if len(eh) < SIDECAR_ENTRY.size:
-                    return []
-                n_tok, _pmin, _pmax, lt, ld, ls = SIDECAR_ENTRY.unpack(eh)
-                out.append(int(n_tok))
-                f.seek(lt + ld + ls + 8, 1)
-    except OSError:
-        return []
-    return out
 
 
 class SessionTier:

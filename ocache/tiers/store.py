@@ -165,6 +165,49 @@ def read_slot_tokens(path: Path, limit: int | None = None) -> list[int]:
         return tokens_from_bytes(raw)
 
 
+#: Checkpoint sidecar ``<file>.ckpt`` written by patches/0001 (layout: patches/README.md):
+#: header ``"OCKP" u32 version u32 n_tokens u64 tokens_hash u64 state_hash u32 n_entries u32 flags
+#: u64 header_hash``; each entry ``i64 n_tokens i32 pos_min i32 pos_max u64 len_tgt u64 len_dft
+#: u64 len_spec`` + blobs + ``u64`` entry hash.
+SIDECAR_HEADER = struct.Struct("<4sIIQQIIQ")
+SIDECAR_ENTRY = struct.Struct("<qiiQQQ")
+
+
+def sidecar_checkpoints(path: Path) -> list[int]:
+    """``n_tokens`` of each context checkpoint in a patched server's ``<file>.ckpt`` sidecar, read
+    from the headers only. [] for a missing or unreadable sidecar (the server validates every hash
+    itself on restore, patches/0001)."""
+    out: list[int] = []
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SIDECAR_HEADER.size)
+            if len(head) < SIDECAR_HEADER.size:
+                return []
+            magic, _ver, _n_tok, _th, _sh, n_entries, _flags, _hh = SIDECAR_HEADER.unpack(head)
+            if magic != b"OCKP":
+                return []
+            for _ in range(min(n_entries, 4096)):
+                eh = f.read(SIDECAR_ENTRY.size)
+                if len(eh) < SIDECAR_ENTRY.size:
+                    return []
+                n_tok, _pmin, _pmax, lt, ld, ls = SIDECAR_ENTRY.unpack(eh)
+                out.append(int(n_tok))
+                f.seek(lt + ld + ls + 8, 1)
+    except OSError:
+        return []
+    return out
+
+
+def field_of(obj: Any, name: str, default: Any = None) -> Any:
+    """``obj[name]`` for a dict, ``obj.name`` otherwise; ``default`` when absent or ``obj`` is None
+    (tiers accept a Config object or a plain dict)."""
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
