@@ -30,6 +30,7 @@ from . import fingerprint as fp_mod
 from .slots import (Checkpoint, ServerParams, common_prefix, SlotError, SlotNotSupported, SlotTable,
                     params_from_argv, predict_reuse, simulate_prefill)
 from .tiers.base import Offer, Tier
+from .tokens import TokenViewError
 from .tiers.resident import RequestContext, SlotChoice, ram_swap_possible, rank_slots
 
 log = logging.getLogger("ocache.cache")
@@ -250,7 +251,7 @@ class OCacheLayer:
             "mispredict_high": 0, "predicted_tokens": 0, "observed_cache_tokens": 0,
             "prompt_tokens": 0, "warmups": 0, "warmup_tokens": 0, "head_saves": 0, "head_restores": 0,
             "origin_rebuilds": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
-            "bring_failures": 0, "failed_responses": 0, "too_long": 0,
+            "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0,
         }
         self.by_tier: dict[str, int] = {}
         self.recent_mispredictions: deque = deque(maxlen=20)
@@ -337,7 +338,15 @@ class OCacheLayer:
         chat = req.path in CHAT_ROUTES
         kind = fp_mod.classify(body, self.markers) if chat else "other"
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
-        view = await self._viewer.view(req.path, body, head)
+        try:
+            view = await self._viewer.view(req.path, body, head)
+        except TokenViewError as exc:
+            if 400 <= exc.status < 500:
+                # the server rejects this body (it will answer the forwarded request the same way):
+                # a client error, not a cache-layer failure; forward untouched, no plan
+                self.counters["unrenderable"] += 1
+                return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": kind})
+            raise
         tokens = view.tokens
         params = table.params
         if len(tokens) >= params.n_ctx_slot or not tokens:
@@ -692,8 +701,13 @@ class OCacheLayer:
             return None
 
         async def pick_slot() -> int:
+            """An idle slot that holds no live conversation (LRU among those), else the planner's
+            choice for a guest (which ranks protected conversations last)."""
             await self._ensure_ready()
             snap = self.table.snapshot()
+            free = [s for s in snap if not s.busy and s.kind not in ("agent", "other")]
+            if free:
+                return min(free, key=lambda s: (bool(s.tokens), s.last_used)).id
             ctx = RequestContext(kind="guest", task=self.table.next_task())
             return plan_request([0], snap, [], ctx, self.table.params).slot
 
@@ -757,6 +771,9 @@ class OCacheLayer:
     async def clear(self, tier: str) -> dict:
         """``resident`` (or ``all``): erase every slot ocache knows; ``head``: forget warmed heads;
         ``disk``/``session``: delete that tier's store entries. Returns ``{"tier", "cleared"}``."""
+        known = {"resident", "head", "all", *(t.name for t in self.tiers)}
+        if tier not in known:
+            raise ValueError(f"unknown tier {tier!r}; one of {sorted(known)}")
         cleared = 0
         if tier in ("resident", "all") and self.table is not None:
             for st in self.table.slots:

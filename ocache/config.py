@@ -257,4 +257,32 @@ def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = 
         if v is None:
             continue
         values[k] = _coerce(k, v, "command line")
-    return Config(**values)
+    cfg = Config(**values)
+    check_tiers(cfg.tiers)
+    return cfg
+
+
+#: Keys each tier reads from ``tiers.<name>`` (ocache/cache.py, ocache/tiers/disk.py, spill.py);
+#: the resident tier also takes any ``ocache.slots.ServerParams`` field as an override.
+TIER_KEYS = {
+    "resident": {"server_args", "warm", "keep_origin", "reconcile"},
+    "disk": {"slot_save_path", "grid", "free_floor_gb", "admit_after", "enabled"},
+    "session": {"slot_save_path", "enabled", "drain_min_tokens", "resume"},
+}
+
+
+def check_tiers(tiers: Mapping[str, Any]) -> None:
+    """Reject unknown tier names and keys under ``tiers:`` (a typo there would silently drop the
+    server flags ocache needs). Raises ConfigError."""
+    from .slots import ServerParams
+
+    for name, sub in (tiers or {}).items():
+        if name not in TIER_KEYS:
+            raise ConfigError(f"tiers: unknown tier {name!r}; known: {', '.join(TIER_KEYS)}")
+        if not isinstance(sub, Mapping):
+            raise ConfigError(f"tiers.{name}: expected a mapping, got {sub!r}")
+        allowed = TIER_KEYS[name] | (set(ServerParams.__dataclass_fields__) if name == "resident" else set())
+        unknown = sorted(set(map(str, sub)) - allowed)
+        if unknown:
+            raise ConfigError(f"tiers.{name}: unknown key(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(sorted(TIER_KEYS[name]))}")

@@ -185,6 +185,9 @@ def _cmd(args: argparse.Namespace) -> int:
             upstream = upstream or cfg.upstream
             if argv is None and cfg.launch:
                 argv = list(cfg.launch)
+            server_args = ((cfg.tiers or {}).get("resident") or {}).get("server_args")
+            if argv is None and server_args:  # the README's way to declare an external server's flags
+                argv = [str(a) for a in server_args]
         except Exception as exc:  # no config: defaults
             print(f"(config not read: {exc})", file=sys.stderr)
             upstream = upstream or "http://127.0.0.1:8080"

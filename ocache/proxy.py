@@ -255,7 +255,7 @@ class Proxy:
             if self.stop_event is not None:
                 self.stop_event.set()
 
-        return {"/v1/cache/warm": make_warm_handler(warm_deps),
+        return {"/v1/cache/warm": make_warm_handler(warm_deps, self.config.admin_token),
                 "/v1/cache/drain": make_drain_handler(request_stop, self.config.admin_token)}
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -659,6 +659,8 @@ class Proxy:
             tier = request.query.get("tier", "all")
             try:
                 result = await self.layer.clear(tier)
+            except ValueError as exc:
+                return _json_error(400, str(exc), "invalid_request_error", rid)
             except Exception as exc:
                 self.stats.layer_error("clear")
                 log.exception("[%s] cache layer clear(%r) failed", rid, tier)
@@ -737,6 +739,9 @@ def build_config(args: argparse.Namespace) -> Config:
         "record_redact": True if args.redact else None,
     }
     if args.launch:
+        if not args.launch_args:
+            raise config_mod.ConfigError("--launch needs the llama-server arguments after `--` "
+                                         "(ocache serve --launch -- -m model.gguf ...)")
         overrides["launch"] = list(args.launch_args)
     elif args.launch_args:
         raise config_mod.ConfigError("llama-server arguments given without --launch "

@@ -201,11 +201,13 @@ async def warm_folder(folder: str, *, journal: FolderJournal, viewer: Any, tier:
     n = view.user_starts[-1]
     head = list(view.tokens[:n])
     await say(stage="render", tokens=n, head_end=view.head_end)
-    have = list(getattr(slots[slot], "tokens", None) or []) if hasattr(slots, "__getitem__") else []
-    if have == head:
-        await say(stage="resident", slot=slot)
-        return {"slot": slot, "tokens": n, "source": "resident", "seconds": time.monotonic() - t0,
-                "restored": 0, "prefilled": 0}
+    # already resident in some slot (this one or another): nothing to do, and no second copy
+    for i in ([slot] + [j for j in range(len(slots)) if j != slot] if hasattr(slots, "__len__") else [slot]):
+        have = list(getattr(slots[i], "tokens", None) or []) if hasattr(slots, "__getitem__") else []
+        if have == head:
+            await say(stage="resident", slot=i)
+            return {"slot": i, "tokens": n, "source": "resident", "seconds": time.monotonic() - t0,
+                    "restored": 0, "prefilled": 0}
     restored = 0
     if tier is not None:
         offer = await tier.lookup(view, None)
@@ -246,12 +248,20 @@ class WarmDeps:
     pick_slot: Callable[[], Awaitable[int]]   # an idle slot to warm into (e.g. the LRU one)
 
 
-def make_warm_handler(get_deps: Callable[[], WarmDeps | None]):
+def make_warm_handler(get_deps: Callable[[], WarmDeps | None], admin_token: str | None = None):
     """An aiohttp handler for ``POST /v1/cache/warm`` ``{"dir": "/abs/path"}`` (see the module
     docstring). ``get_deps()`` returns None when the cache layer is off (answers 503)."""
     from aiohttp import web
 
     async def handler(request: web.Request) -> web.StreamResponse:
+        if admin_token:  # warming replaces a slot's content: guarded like the other admin routes
+            import hmac
+
+            auth = request.headers.get("Authorization", "")
+            given = auth[7:] if auth.startswith("Bearer ") else ""
+            if not given or not hmac.compare_digest(given.encode(), admin_token.encode()):
+                return web.json_response({"error": "admin token required: Authorization: Bearer <admin_token>"},
+                                         status=401)
         deps = get_deps()
         if deps is None:
             return web.json_response({"error": "the cache layer is off"}, status=503)
@@ -339,6 +349,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("dir", metavar="DIR", help="project folder (as the agent reports it as its working directory)")
     p.add_argument("--url", default=os.environ.get("OCACHE_URL", "http://127.0.0.1:8081"),
                    help="the running ocache (default %(default)s, env OCACHE_URL)")
-    p.add_argument("--token", default=None, help="admin bearer token (env OCACHE_ADMIN_TOKEN)")
+    p.add_argument("--admin-token", "--token", dest="token", default=None,
+                   help="admin bearer token, when the server has admin_token set (env OCACHE_ADMIN_TOKEN)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds (default %(default)s)")
     p.set_defaults(func=_cli)

@@ -22,11 +22,11 @@ def test_defaults_bind_loopback():
 def test_precedence_yaml_env_cli(tmp_path):
     f = tmp_path / "ocache.yaml"
     f.write_text("port: 9000\nupstream: http://127.0.0.1:9999\nadmin_token: fromyaml\n"
-                 "allowed_hosts: [box.lan]\ntiers: {disk: {x: 1}}\n")
+                 "allowed_hosts: [box.lan]\ntiers: {disk: {grid: 512}}\n")
     c = cfg.load(f, env={})
     assert (c.port, c.upstream, c.admin_token, c.allowed_hosts) == (
         9000, "http://127.0.0.1:9999", "fromyaml", ["box.lan"])
-    assert c.tiers == {"disk": {"x": 1}}
+    assert c.tiers == {"disk": {"grid": 512}}
     env = {"OCACHE_PORT": "9100", "OCACHE_ADMIN_TOKEN": "fromenv",
            "OCACHE_ALLOWED_HOSTS": "a.lan, b.lan", "OCACHE_NO_CACHE": "yes",
            "OCACHE_SHARED": "/not/a/config/key"}
@@ -102,3 +102,14 @@ def test_bind_names_and_redaction():
     c = cfg.Config(host="0.0.0.0", allowed_hosts=["Box.LAN"], admin_token="s3cret")
     assert {"localhost", "127.0.0.1", "[::1]", "box.lan", "0.0.0.0"} <= c.bind_names
     assert c.to_dict()["admin_token"] == "***"
+
+
+@pytest.mark.parametrize("tiers, bad", [
+    ("{resident: {server_arg: [-np, '2']}}", "server_arg"),   # a typo of server_args
+    ("{disc: {slot_save_path: /x}}", "disc"),                  # a typo of disk
+])
+def test_typos_under_tiers_are_rejected(tmp_path, tiers, bad):
+    f = tmp_path / "ocache.yaml"
+    f.write_text(f"tiers: {tiers}\n")
+    with pytest.raises(cfg.ConfigError, match=bad):
+        cfg.load(f, env={})

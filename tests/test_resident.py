@@ -416,3 +416,22 @@ async def test_every_captured_request_is_predicted(start_server, model):
         assert len(c.log) == len(index) >= 20
         c.assert_predictions()
         assert c.layer.counters["observed"] == len(index)
+
+
+async def test_a_body_the_server_rejects_is_the_clients_error_not_a_layer_failure(start_server):
+    """A chat body llama-server cannot render (``messages`` not a list) reaches the server unchanged
+    and its 4xx reaches the client; ocache counts it as ``unrenderable``, not as a fail-open of the
+    cache layer (which would page whoever watches ``layer_errors``)."""
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    async with ocache_client(srv) as c:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(srv.url + "/v1/chat/completions", json={"messages": "x"}) as r:
+                direct = (r.status, await r.read())
+            async with s.post(c.base + "/v1/chat/completions", json={"messages": "x"}) as r:
+                proxied = (r.status, await r.read())
+                assert "X-OCache-Fail-Open" not in r.headers
+        assert 400 <= proxied[0] < 500 and proxied == direct
+        await c.settle()
+        assert c.layer.counters["unrenderable"] == 1
+        stats = c.proxy.stats.to_dict()
+        assert not stats.get("layer_errors", {}).get("plan"), stats
