@@ -700,7 +700,11 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     runner = None
     try:
         if config.launch:
-            supervisor = Supervisor(config.launch, binary=config.launch_binary)
+            from .paths import state_root
+
+            # the child's stdout+stderr: where a failed start explains itself (tail logged on exit)
+            supervisor = Supervisor(config.launch, binary=config.launch_binary,
+                                    log_path=state_root() / "llama-server.log")
             config.upstream = supervisor.url
             await supervisor.start()
         proxy = Proxy(config, layer_factory=layer_factory,

@@ -78,6 +78,18 @@ class Supervisor:
         self._task: asyncio.Task | None = None
         self.on_start = None  # callable() run after each (re)start, e.g. Upstream.poke
 
+    #: consecutive exits within 5 s of a start after which the supervisor gives up (bad arguments)
+    max_quick_failures = 5
+
+    def log_tail(self, n: int = 8) -> str:
+        """The last ``n`` lines of the child's log (its stdout and stderr), or "" without a log."""
+        if not self.log_path:
+            return ""
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
 
@@ -105,6 +117,7 @@ class Supervisor:
 
     async def _watch(self) -> None:
         backoff = 0.5
+        quick = 0
         while not self._stopping:
             started = time.monotonic()
             rc = await self.proc.wait()
@@ -113,8 +126,15 @@ class Supervisor:
             up_s = time.monotonic() - started
             if up_s > 30:
                 backoff = 0.5
-            log.warning("llama-server pid %d exited with %s after %.1f s; restarting in %.1f s",
-                        self.proc.pid, rc, up_s, backoff)
+            quick = quick + 1 if up_s < 5 else 0
+            tail = self.log_tail()
+            if quick >= self.max_quick_failures:
+                log.error("llama-server exited with %s %d times in a row within 5 s of starting; not "
+                          "restarting it again (fix its arguments). Last log lines (%s):\n%s", rc, quick,
+                          self.log_path, tail)
+                return
+            log.warning("llama-server pid %d exited with %s after %.1f s; restarting in %.1f s. Last log "
+                        "lines (%s):\n%s", self.proc.pid, rc, up_s, backoff, self.log_path, tail)
             await asyncio.sleep(backoff)  # restart backoff, not synchronisation
             backoff = min(backoff * 2, 10.0)
             if self._stopping:
