@@ -719,6 +719,9 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         await site.start()
         port = site.port
         log.info("ocache listening on http://%s:%d -> %s", config.host, port, config.upstream)
+        if config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening on %s, not loopback: anyone who can reach this port can use the "
+                        "model%s", config.host, "" if config.admin_token else " (and no admin_token is set)")
         if ready:
             ready(proxy, port)
         await stop.wait()
