@@ -17,7 +17,6 @@ Used by the end-to-end tests and the benchmarks to produce real client traffic t
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -25,12 +24,11 @@ import shutil
 import signal
 import subprocess
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
-from .paths import cache_root
+from .paths import cache_root, file_lock
 
 
 @dataclass(frozen=True)
@@ -125,14 +123,6 @@ def installed(client: NpmClient) -> Path | None:
     return binary if meta.get("spec") == client.spec else None
 
 
-@contextmanager
-def _locked(name: str) -> Iterator[None]:
-    with open(clients_dir() / f".{name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def install(client: NpmClient, npm: str = "npm", timeout: float = 900.0,
@@ -154,7 +144,7 @@ def install(client: NpmClient, npm: str = "npm", timeout: float = 900.0,
     if shutil.which(npm) is None:
         raise ClientInstallError(f"{npm!r} not found on PATH: cannot install {client.spec}")
     final = install_dir(client)
-    with _locked(final.name):
+    with file_lock(clients_dir() / f".{final.name}.lock"):
         found = installed(client)  # another process may have finished while we waited
         if found:
             return found

@@ -22,8 +22,6 @@ The build stamps itself: ``/props.build_info`` reads ``b1-0c1e570`` for a stock 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -35,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import cache_root, repo_root
+from .paths import cache_root, file_lock, repo_root, sha256_file
 
 SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
@@ -89,15 +87,6 @@ def engine_dir() -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _locked(name: str):
-    """Serialize builds across processes (tests, helpers, CI) with an advisory file lock."""
-    with open(engine_dir() / f".{name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def patch_files(patches_dir: Path | None = None) -> list[Path]:
@@ -106,12 +95,6 @@ def patch_files(patches_dir: Path | None = None) -> list[Path]:
     return sorted(d.glob("*.patch"))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _cpu_flags() -> str:
@@ -133,7 +116,7 @@ def fetch_sdist() -> Path:
     dest = cache_root() / "sdist"
     dest.mkdir(parents=True, exist_ok=True)
     path = dest / SDIST_FILE
-    if path.exists() and _sha256(path) == SDIST_SHA256:
+    if path.exists() and sha256_file(path) == SDIST_SHA256:
         return path
     req = dest / "requirements.txt"
     req.write_text(f"{SDIST_NAME}=={SDIST_VERSION} --hash=sha256:{SDIST_SHA256}\n")
@@ -143,7 +126,7 @@ def fetch_sdist() -> Path:
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0 or not path.exists():
         raise EngineError(f"pip download failed:\n{res.stdout}\n{res.stderr}")
-    if _sha256(path) != SDIST_SHA256:
+    if sha256_file(path) != SDIST_SHA256:
         path.unlink()
         raise EngineError("sdist sha256 mismatch: refusing to build from it")
     return path
@@ -231,7 +214,7 @@ def build(stock: bool = False, backend: str = "cpu", jobs: int | None = None,
     found = _installed(install, build_info, patches)
     if found:
         return found
-    with _locked("build"):
+    with file_lock(engine_dir() / ".build.lock"):
         found = _installed(install, build_info, patches)
         if found:
             return found

@@ -42,7 +42,6 @@ reader needs ~10-20 s for the 300k strings; the JSON loads in a fraction of a se
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -53,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .paths import cache_root
+from .paths import cache_root, file_lock, sha256_file
 
 #: Bump when the generator's output changes for the same spec (it is part of every model key).
 GENERATOR_VERSION = 1
@@ -170,12 +169,6 @@ def models_dir() -> Path:
     return path
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _import_gguf():
@@ -368,14 +361,6 @@ def _write(spec: ModelSpec, dest: Path, name: str, vocab: Path, vocab_sha256: st
         writer.close()
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _spec(preset: str, kind: str) -> ModelSpec:
@@ -408,7 +393,7 @@ def make_one(preset: str, kind: str) -> Path:
     if dest.exists():
         return dest
     folder.mkdir(parents=True, exist_ok=True)
-    with _locked(folder / ".lock"):
+    with file_lock(folder / ".lock"):
         if dest.exists():  # another process finished it while we waited
             return dest
         t0 = time.monotonic()
@@ -417,7 +402,7 @@ def make_one(preset: str, kind: str) -> Path:
             _write(spec, tmp, f"ocache-{preset}-{kind}", vocab, vocab_sha, template.decode("utf-8"))
             meta = {"preset": preset, "kind": kind, "key": key, "spec": asdict(spec),
                     "generator": GENERATOR_VERSION, "vocab": str(vocab), "numpy": np.__version__,
-                    "bytes": tmp.stat().st_size, "sha256": _sha256_file(tmp),
+                    "bytes": tmp.stat().st_size, "sha256": sha256_file(tmp),
                     "seconds": round(time.monotonic() - t0, 2)}
             (folder / "model.json").write_text(json.dumps(meta, indent=1))
             os.replace(tmp, dest)
@@ -437,7 +422,7 @@ def _vocab_sha256(vocab: Path) -> str:
     st = vocab.stat()
     k = (str(vocab), st.st_size, st.st_mtime_ns)
     if k not in _VOCAB_SHA:
-        _VOCAB_SHA[k] = _sha256_file(vocab)
+        _VOCAB_SHA[k] = sha256_file(vocab)
     return _VOCAB_SHA[k]
 
 

@@ -7,8 +7,12 @@ checkout: ``$OCACHE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/ocache``, else ``
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 
 def cache_root() -> Path:
@@ -44,3 +48,24 @@ def private_dir(*parts: str) -> Path:
 def repo_root() -> Path:
     """The source checkout this package was imported from (holds ``patches/``)."""
     return Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``path`` (created if missing): serializes builds,
+    model generation and client installs across processes (tests, CI, a second shell)."""
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
