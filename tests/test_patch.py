@@ -31,7 +31,7 @@ import xxhash
 from ocache import engine
 from ocache.server import LlamaServer
 
-from conftest import FIXTURES
+from conftest import load_fixture
 
 pytestmark = [pytest.mark.server]
 
@@ -100,10 +100,7 @@ def fixture_text() -> str:
     """System prompt, tool schemas and messages of captured opencode requests (real agent text)."""
     parts = []
     for name in ("opencode_agent_turn1.json", "opencode_run4_continue_turn2.json", "pi_turn1.json"):
-        path = FIXTURES / name
-        if not path.exists():
-            pytest.skip(f"fixture {path} not found")
-        body = json.loads(path.read_text())
+        body = load_fixture(name)  # skips the test, with the reason, when shared/ is absent
         for m in body.get("messages", []):
             parts.append(m["content"] if isinstance(m.get("content"), str) else json.dumps(m.get("content")))
         parts.append(json.dumps(body.get("tools", []), indent=1))
