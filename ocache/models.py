@@ -99,6 +99,8 @@ class ModelSpec:
     ssm_groups: int = 0
     ssm_v_heads: int = 0
     qk_norm: float = 3.0
+    weight_type: str = "f32"
+    logit_scale: float = 25.0
     seed: int = 1234
 
     @property
@@ -107,6 +109,8 @@ class ModelSpec:
 
     def validate(self) -> None:
         """Raise ValueError for a spec the pinned loader would reject or crash on."""
+        if self.weight_type not in ("f32", "f16"):
+            raise ValueError(f"weight_type {self.weight_type!r}: f32 or f16")
         if self.arch not in ("qwen3", "qwen35"):
             raise ValueError(f"unsupported arch {self.arch!r} (qwen3 or qwen35)")
         if self.n_head % self.n_head_kv:
@@ -213,9 +217,12 @@ def _rng(spec: ModelSpec, name: str) -> np.random.Generator:
 
 
 def _matrix(spec: ModelSpec, name: str, n_out: int, n_in: int, std: float | None = None,
-            dtype=np.float16) -> np.ndarray:
-    """A weight of ggml shape {n_in, n_out} (numpy (n_out, n_in)), stdev 1/sqrt(n_in) by default."""
+            dtype=None) -> np.ndarray:
+    """A weight of ggml shape {n_in, n_out} (numpy (n_out, n_in)), stdev 1/sqrt(n_in) by default,
+    stored as ``spec.weight_type`` unless ``dtype`` says otherwise."""
     std = (1.0 / np.sqrt(n_in)) if std is None else std
+    if dtype is None:
+        dtype = np.float32 if spec.weight_type == "f32" else np.float16
     x = _rng(spec, name).standard_normal((n_out, n_in), dtype=np.float32)
     x *= np.float32(std)
     return x.astype(dtype)
@@ -229,7 +236,7 @@ def _tensors(spec: ModelSpec, n_vocab: int):
     """Yield (name, array) for every tensor the loader of ``spec.arch`` reads, in file order."""
     E = spec.n_embd
     yield "token_embd.weight", _matrix(spec, "token_embd", n_vocab, E, std=EMBD_STD)
-    yield "output_norm.weight", _ones(E)
+    yield "output_norm.weight", _ones(E) * np.float32(spec.logit_scale)
     q_out = spec.n_head * spec.head_dim
     kv_out = spec.n_head_kv * spec.head_dim
     for il in range(spec.n_layer):
@@ -349,7 +356,8 @@ def _write(spec: ModelSpec, dest: Path, name: str, vocab: Path, vocab_sha256: st
             writer.add_ssm_state_size(spec.ssm_state)
             writer.add_ssm_time_step_rank(spec.ssm_v_heads)
             writer.add_ssm_group_count(spec.ssm_groups)
-        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32 if spec.weight_type == "f32"
+                             else gguf.LlamaFileType.MOSTLY_F16)
         n_vocab = _copy_tokenizer(gguf, writer, vocab, vocab_sha256)
         writer.add_chat_template(template)
         for tname, arr in _tensors(spec, n_vocab):
