@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .exact import TOL_NATS
 from .paths import repo_root
 import aiohttp
 
@@ -497,7 +498,10 @@ class Bench:
             "keeps states off the grid (ocache's head anchors) can score above 1; `oracle, no "
             "grid` is the bound without rounding, which nothing can beat. TTFT / cold "
             "= client TTFT divided by that of a cold run (`cache_prompt: false`) of the same "
-            "request; exact = greedy output equals that cold run's. "
+            "request; exact = the greedy tokens equal that cold run's (run alone, not streamed) "
+            "up to its first near-tie, with every compared token's log-probability within "
+            f"{TOL_NATS} nats (`ocache/exact.py`: past a near-tie the continuation is not defined "
+            "by the state, batching noise may flip it). "
             + ("Cold runs: on each configuration's own llama-server.\n"
                if p.cold == "per-config" else
                "Cold runs: once per distinct request body, on the first llama-server that sent "

@@ -62,6 +62,7 @@ from typing import Any, Awaitable, Callable, Iterable
 import aiohttp
 import yaml
 
+from .exact import PROBS_FIELDS, Generation, compare, describe
 from .oracle import Oracle, OracleResult
 
 log = logging.getLogger("ocache.replay")
@@ -278,14 +279,17 @@ def scenario_from_recording(path: str | Path, max_tokens: int = 16,
 
 
 def prepare_body(body: dict, max_tokens: int) -> dict:
-    """A deterministic copy of a client body: greedy (``temperature: 0``, ``seed: 0``) and the
-    generation limit set to ``max_tokens`` tokens (the client's own limit keys are removed)."""
+    """A deterministic copy of a client body: greedy (``temperature: 0``, ``seed: 0``), the
+    generation limit set to ``max_tokens`` tokens (the client's own limit keys are removed), and the
+    top-2 log-probabilities of every generated token asked for, so exactness is judged per token
+    (``ocache.exact``; these fields shape only the response, not the prompt or the cache)."""
     out = copy.deepcopy(body)
     for k in GEN_LIMIT_KEYS:
         out.pop(k, None)
     out["max_tokens"] = int(max_tokens)
     out["temperature"] = 0.0
     out["seed"] = 0
+    out.update(PROBS_FIELDS)
     return out
 
 
@@ -379,6 +383,7 @@ class Response:
     headers: dict
     error: str | None = None
     tokens: list[int] | None = None      # generated ids (cold runs: return_tokens + verbose)
+    generation: Generation | None = None  # per-token ids and top-2 log-probabilities (ocache.exact)
 
 
 def _merge_tool_deltas(calls: list[dict], deltas: list) -> None:
@@ -407,6 +412,8 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict,
     timings = usage = None
     ttft = None
     tokens = None
+    generation = None
+    events: list[dict] = []
     try:
         async with session.post(url, json=body, headers=headers or {}) as resp:
             rheaders = {k: v for k, v in resp.headers.items() if k.lower().startswith("x-ocache")}
@@ -427,6 +434,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict,
                         if data == b"[DONE]":
                             continue
                         ev = json.loads(data)
+                        events.append(ev)
                         if "error" in ev:
                             return Response(500, answer, timings, usage, ttft,
                                             time.monotonic() - t0, rheaders,
@@ -462,13 +470,18 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict,
                 verbose = data.get("__verbose") or {}
                 if isinstance(verbose.get("tokens"), list):
                     tokens = [int(x) for x in verbose["tokens"]]
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError) as exc:
+                generation = Generation.from_response(data)
+            if events:
+                generation = Generation.from_stream(events, (timings or {}).get("predicted_n"))
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError,
+            ValueError) as exc:
         return Response(0, answer, timings, usage, ttft, time.monotonic() - t0, {},
                         error=f"{type(exc).__name__}: {exc}")
     total = time.monotonic() - t0
     if ttft is None and body.get("stream"):
         ttft = total
-    return Response(200, answer, timings, usage, ttft, total, rheaders, tokens=tokens)
+    return Response(200, answer, timings, usage, ttft, total, rheaders, tokens=tokens,
+                    generation=generation)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -720,10 +733,24 @@ def describe_mismatch(got: Answer, cold: Answer) -> str:
     return "output differs from the cold run"
 
 
+def judge(cold: Response, got: Response) -> tuple[bool, str, int | None]:
+    """Whether ``got`` is exact against the cold run: per token with ``ocache.exact.compare`` when
+    both carry log-probabilities (the harness asks for them), else the parsed answers must be
+    equal. Returns (exact, what differs, tokens compared; None for the text comparison)."""
+    if cold.generation is not None and got.generation is not None:
+        v = compare(cold.generation, got.generation)
+        return v.exact, ("" if v.exact else f"{describe(v)} (tool calls and text: "
+                         f"{describe_mismatch(got.answer, cold.answer)})"), v.compared
+    same = got.answer.key() == cold.answer.key()
+    return same, "" if same else describe_mismatch(got.answer, cold.answer), None
+
+
 def cold_body(body: dict) -> dict:
     """``body`` as a cold reference run: no prompt cache (``cache_prompt: false`` = fresh prefill),
-    not streamed, with the generated token ids returned (``return_tokens`` + ``verbose``)."""
+    alone on the server (the harness sends cold runs one at a time), not streamed, with the
+    generated token ids (``return_tokens`` + ``verbose``) and their top-2 log-probabilities."""
     out = copy.deepcopy(body)
+    out.update(PROBS_FIELDS)
     out["stream"] = False
     out.pop("stream_options", None)
     out.pop("id_slot", None)
@@ -751,6 +778,7 @@ class Row:
     ttft_s: float | None
     cold_ttft_s: float | None
     exact: bool | None            # greedy output == cold run (None: could not compare)
+    exact_tokens: int | None      # tokens ocache.exact compared (None: compared as text)
     restart_before: bool
     ocache: dict                  # X-OCache-* response headers
     error: str | None = None
@@ -815,7 +843,7 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
             cold = await post(http, upstream_url + s.path, cold_body(s.body))
             cold_cache[key] = cold
         if (not here and not r.error and not cold.error
-                and r.answer.key() != cold.answer.key()):
+                and not judge(cold, r)[0]):
             # the shared reference came from another server (other flags): confirm a mismatch
             # against a cold run on this one before reporting it
             cold = await post(http, upstream_url + s.path, cold_body(s.body))
@@ -824,17 +852,18 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
         usage_n = (r.usage or {}).get("prompt_tokens")
         if usage_n is not None and int(usage_n) != len(tokens):
             note = f"tokenized {len(tokens)} != server prompt_tokens {usage_n}"
-        exact = None
+        exact = compared = None
         if not r.error and not cold.error:
-            exact = r.answer.key() == cold.answer.key()
+            exact, why, compared = judge(cold, r)
             if not exact:
-                note = ((note + "; ") if note else "") + describe_mismatch(r.answer, cold.answer)
+                note = ((note + "; ") if note else "") + why
         t = r.timings or {}
         rows.append(Row(index=s.index, label=s.label, n_tokens=len(tokens),
                         prompt_n=t.get("prompt_n"), server_prefill=s.server_prefill,
                         cache_n=t.get("cache_n"), oracle=verdict,
                         ttft_s=r.ttft_s, cold_ttft_s=None if cold.error else cold_ttft(cold),
-                        exact=exact, restart_before=s.restart_before, ocache=r.headers,
+                        exact=exact, exact_tokens=compared, restart_before=s.restart_before,
+                        ocache=r.headers,
                         error=r.error or (f"cold run: {cold.error}" if cold.error else None),
                         note=note,
                         oracle_exact=exact_oracle.min_prefill(tokens) if exact_oracle else verdict))

@@ -42,16 +42,28 @@ def _private_state(tmp_path, monkeypatch):
     monkeypatch.setenv("OCACHE_STATE_DIR", str(tmp_path / "ocache-state"))
 
 
+def _engine(stock: bool) -> engine.EngineBuild:
+    """The build from the cache, or the binary named by ``OCACHE_TEST_LLAMA_SERVER`` (patched) /
+    ``OCACHE_TEST_LLAMA_SERVER_STOCK``: the same suite against another build of the same source,
+    e.g. one compiled without AVX-512 (README, "Tests")."""
+    override = os.environ.get("OCACHE_TEST_LLAMA_SERVER_STOCK" if stock else "OCACHE_TEST_LLAMA_SERVER")
+    built = engine.build(stock=stock)
+    if not override:
+        return built
+    return engine.EngineBuild(Path(override), built.build_info, built.key + "-override",
+                              built.patched, built.patches)
+
+
 @pytest.fixture(scope="session")
 def engine_patched() -> engine.EngineBuild:
     """The patched llama-server (built once, then cached by its inputs)."""
-    return engine.build(stock=False)
+    return _engine(stock=False)
 
 
 @pytest.fixture(scope="session")
 def engine_stock() -> engine.EngineBuild:
     """The unpatched llama-server of the same source, for comparisons."""
-    return engine.build(stock=True)
+    return _engine(stock=True)
 
 
 @pytest.fixture(scope="session")

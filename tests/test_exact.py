@@ -39,8 +39,11 @@ def test_a_different_token_before_any_tie_fails():
     assert not v.exact and v.diverged_at == 1, describe(v)
 
 
-def test_comparison_stops_at_the_references_first_near_tie():
+def test_comparison_stops_where_a_near_tie_flipped():
     ref = gen([1, 2, 3, 4], [1.0, TOL_NATS / 2, 1.0, 1.0], top2=[(1, 0), (2, 7), (3, 0), (4, 0)])
+    # a near-tie resolved the same way is compared through
+    v = compare(ref, gen([1, 2, 3, 5], [1.0] * 4))
+    assert not v.exact and v.diverged_at == 3, describe(v)
     # the tie flipped to the runner-up and everything after differs: still exact
     v = compare(ref, gen([1, 7, 8, 9], [1.0] * 4))
     assert v.exact and v.tie_at == 1 and v.compared == 2, describe(v)

@@ -172,6 +172,9 @@ steps:
     assert rows[2].oracle.reuse >= agent.response.usage["prompt_tokens"]
     # a cold request on a fresh server is trivially exact
     assert rows[0].exact is True and rows[1].exact is True
+    # exactness was judged per token (ocache.exact), and over most of the generated tokens
+    assert all(r.exact_tokens is not None for r in rows), [(r.label, r.exact_tokens) for r in rows]
+    assert sum(r.exact_tokens for r in rows) >= 2 * len(rows), [(r.label, r.exact_tokens) for r in rows]
     # after the restart a plain llama-server has nothing: full prefill
     assert rows[3].cache_n == 0
     # the server's own counter agrees with what the clients saw (nobody else prefilled), across

@@ -30,7 +30,7 @@ from aiohttp.test_utils import TestServer
 
 from ocache.cache import OCacheLayer
 from ocache.config import Config
-from ocache.exact import OAI_LOGPROBS, Generation, compare, describe
+from ocache.exact import PROBS_FIELDS, Generation, compare, describe
 from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.tiers import spill as spill_mod
 from ocache.tiers import store as store_mod
@@ -206,7 +206,7 @@ def session_turn1(i: int) -> dict:
     text = " ".join(rng.choice(WORDS) for _ in range(260))
     return {"messages": [{"role": "system", "content": "You are a careful coding assistant."},
                          {"role": "user", "content": f"Session {i}. Summarise: {text}"}],
-            "tools": TOOLS, "max_tokens": 6, "temperature": 0, "stream": False, **OAI_LOGPROBS}
+            "tools": TOOLS, "max_tokens": 6, "temperature": 0, "stream": False, **PROBS_FIELDS}
 
 
 def session_turn2(i: int, first: dict, answer: dict) -> dict:
