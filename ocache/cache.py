@@ -66,7 +66,8 @@ class Decision:
 
 def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[Offer | None],
                  ctx: RequestContext, params: ServerParams, *, head_resident: bool = True,
-                 prefill_tps: float | None = None, forced_slot: int | None = None) -> Decision:
+                 prefill_tps: float | None = None, forced_slot: int | None = None,
+                 can_spill: bool = False) -> Decision:
     """Choose a slot and the steps for a request of ``tokens`` (pure).
 
     ``slots``: ``SlotTable.snapshot()``. ``offers``: non-resident tiers' ``lookup`` answers.
@@ -75,6 +76,13 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
     ``prefill_tps``: measured prefill rate (tokens/s) to weigh an offer's ``cost_s`` against the
     prefill it saves (None: an offer is taken when it saves at least one ubatch).
     ``forced_slot``: plan for this slot only (re-planning after waiting for its lock).
+    ``can_spill``: the session tier will save a conversation before it is evicted (its
+    ``before_evict`` hook). Then another conversation's slot is no longer protected against a
+    request that reuses more there than anywhere else (what an offer could bring included): the
+    server alone would pick that slot too (its longest-common-prefix choice), and the evicted
+    conversation comes back from the spill, so overwriting costs the spill's write, while keeping it
+    costs this request the difference in prefill (issue "Never worse than llama-server alone": a
+    new session in the same folder shares the previous session's start, more than the head).
     Raises ValueError when there is no slot.
     """
     ranked = rank_slots(tokens, slots, ctx, params)
@@ -83,6 +91,15 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
     if forced_slot is not None:
         ranked = [c for c in ranked if c.slot == forced_slot] or ranked
     choice = ranked[0]
+    if can_spill and forced_slot is None and not choice.protected:
+        def reach(c: SlotChoice) -> int:
+            brought = [o.tokens_usable for o in offers
+                       if o is not None and (o.slot is None or o.slot == c.slot)]
+            return max([c.reuse.cache_n, *brought])
+        best_free = max((reach(c) for c in ranked if not c.protected), default=0)
+        taken = [c for c in ranked if c.protected and not c.busy and c.reuse.cache_n > best_free]
+        if taken:
+            choice = max(taken, key=lambda c: (c.reuse.cache_n, -c.last_used))
     warnings: list[str] = []
     evicts = choice.protected
     if evicts and ctx.kind == "guest":
@@ -250,7 +267,7 @@ class OCacheLayer:
             "planned": 0, "plan_errors": 0, "observed": 0, "mispredictions": 0, "mispredict_low": 0,
             "mispredict_high": 0, "predicted_tokens": 0, "observed_cache_tokens": 0,
             "prompt_tokens": 0, "warmups": 0, "warmup_tokens": 0, "head_saves": 0, "head_restores": 0,
-            "origin_rebuilds": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
+            "origin_rebuilds": 0, "origin_skipped": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
             "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0,
         }
         self.by_tier: dict[str, int] = {}
@@ -419,7 +436,8 @@ class OCacheLayer:
             snap[held].busy = False
         return plan_request(view.tokens, snap, offers, ctx, table.params,
                             head_resident=head_resident, prefill_tps=self.prefill_tps,
-                            forced_slot=forced_slot)
+                            forced_slot=forced_slot,
+                            can_spill=getattr(self, "_session_tier", None) is not None)
 
     async def _execute(self, req: Any, view: Any, ctx: RequestContext, dec: Decision) -> PlanContext:
         """Run ``dec.steps`` on the locked slot and record the slot's new content."""
@@ -588,7 +606,15 @@ class OCacheLayer:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
     async def _maintain_origin(self) -> None:
-        """With ``-np >= 2``: keep the most recent harness head warm in one idle non-agent slot."""
+        """With ``-np >= 2``: keep the most recent harness head warm in one *empty* idle slot, by
+        restoring its saved head file.
+
+        Never over another state (a title request's slot holds what the next title reuses: the
+        server alone keeps it, issue "Never worse than llama-server alone" measured 541 tokens
+        prefilled per title when ocache overwrote it) and never by prefilling the head again (that
+        is prefill the server alone would not do). A slot without the head gets it restored on
+        demand from the same file (``HeadTier``). Skips are counted in ``origin_skipped``.
+        """
         table = self.table
         if not self.opt_keep_origin or self.origin_key is None or len(table) < 2:
             return
@@ -601,23 +627,20 @@ class OCacheLayer:
                 return  # only when the server is idle
             if any(s.origin and s.head_key == rec.key for s in snap):
                 return
-            free = [s for s in snap if not s.busy and (s.kind in (None, "guest") or s.foreign)
-                    and not s.origin]
-            if not free:
+            free = [s for s in snap if not s.busy and not s.tokens and not s.foreign
+                    and not s.n_total and not s.origin]
+            if not free or not rec.filename:
+                self.counters["origin_skipped"] += 1
                 return
-            target = min(free, key=lambda s: (bool(s.tokens), s.last_used))
+            target = min(free, key=lambda s: s.last_used)
             lock = table.lock(target.id)
             if lock.locked():
                 return
             async with lock:
                 try:
-                    if rec.filename:
-                        await table.restore(target.id, rec.filename, tokens=rec.tokens,
-                                            checkpoints=rec.checkpoints)
-                        self.counters["head_restores"] += 1
-                    else:
-                        await table.warm(target.id, rec.tokens)
-                        self.counters["warmups"] += 1
+                    await table.restore(target.id, rec.filename, tokens=rec.tokens,
+                                        checkpoints=rec.checkpoints)
+                    self.counters["head_restores"] += 1
                 except SlotError as exc:
                     log.warning("re-establishing head %s in slot %d failed: %s", rec.key, target.id, exc)
                     return

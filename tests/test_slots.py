@@ -322,6 +322,30 @@ def test_same_prompt_same_folder_other_session_is_not_a_continuation():
     assert d.slot == 1 and not d.evicts
 
 
+def test_a_new_session_sharing_more_with_a_conversation_than_the_head_takes_it_when_it_can_spill():
+    """Same folder, new session: it shares the previous session's start (head + system + first
+    user turn) beyond the head. With the session tier there (the conversation is spilled before
+    eviction) the planner takes that slot, as llama-server's own longest-prefix choice would;
+    without it, the conversation stays protected and the head is brought to a side slot."""
+    start = HEAD + toks(250, 9)                  # head + the folder's volatile system text
+    a = start + toks(400, 1)
+    slots = [slot(0, a, len(a) + 20, "agent", "A", last=3), slot(1, toks(300, 50), None, "guest", last=4)]
+    b = start + toks(300, 2)
+    head_offer = Offer("head", len(HEAD), 0.02)
+    ctx = RequestContext(kind="agent", session="B", head_key="h", head_len=len(HEAD))
+    d = plan_request(b, slots, [head_offer], ctx, DENSE, can_spill=True)
+    assert d.slot == 0 and d.evicts and d.steps[0] == "before_evict" and d.predicted == len(start)
+    d = plan_request(b, slots, [head_offer], ctx, DENSE, can_spill=False)
+    assert d.slot == 1 and not d.evicts and d.tier == "head"
+    # A's return: its own spill offers more than B's slot shares with it -> no overwrite
+    slots[0] = slot(0, b, len(b) + 20, "agent", "B", last=5)
+    back = a + toks(50, 3)
+    d = plan_request(back, slots, [head_offer, Offer("session", len(a), 0.05)],
+                     RequestContext(kind="agent", session="A", head_key="h", head_len=len(HEAD)),
+                     DENSE, can_spill=True)
+    assert d.slot == 1 and not d.evicts and d.tier == "session"
+
+
 def test_lru_breaks_ties():
     slots = [slot(0, toks(10, 1), None, "guest", last=9), slot(1, toks(10, 2), None, "guest", last=1)]
     assert rank_slots(toks(50, 3), slots, RequestContext(kind="guest"), DENSE)[0].slot == 1

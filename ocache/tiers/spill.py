@@ -9,7 +9,7 @@ the disk tier (``ocache.tiers.store``, kind ``"s"``, its own byte budget) at exa
 
 * **eviction** (``before_evict``; the cache layer holds the slot's lock and calls it when a request
   of another conversation is about to replace this one and no other slot can take it): the slot is
-  spilled when it holds at least ``min_tokens`` tokens (default 16,384, ``spill_min_tokens``), then
+  spilled when it holds at least ``min_tokens`` tokens (default 1,024, ``spill_min_tokens``), then
   the request is served. The request waits for the server's save only; hashing and the commit run
   in the background (the file is complete when the save returns).
 * **planned stop** (``ocache serve`` receiving SIGTERM, or ``ocache drain``): the proxy stops
@@ -126,7 +126,12 @@ class SpillError(RuntimeError):
 class SpillConfig:
     """Session tier settings (tokens, bytes/s as noted)."""
 
-    min_tokens: int = 16384          # eviction: shortest conversation worth a spill (seed 000 §13.8)
+    # eviction: shortest conversation worth a spill. By cost, not by size: writing a slot costs
+    # 2-3 orders of magnitude less than prefilling it (README "Measured": 16k tokens, bench models,
+    # save 0.16-0.23 s vs 56-103 s prefill; tiny models 53 ms vs 30-40 s), so every conversation a
+    # client may resume is worth it; below ~1k tokens a prefill is as fast as a save + restore
+    # round trip. Was 16,384: cache-pressure's 8k contexts were then lost (issue "Never worse").
+    min_tokens: int = 1024
     drain_min_tokens: int = 1024     # planned stop: shortest conversation worth a spill
     ubatch: int = 512                # server -ub: tolerance when confirming a restore by cache_n
     restore_bytes_s: float = 5e8     # initial guess until measured (server restore)
@@ -646,7 +651,7 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
         return None
     with contextlib.suppress(Exception):
         store.gc()  # TTL and budgets, as at every start
-    cfg = SpillConfig(min_tokens=int(_get(config, "spill_min_tokens", 16384)),
+    cfg = SpillConfig(min_tokens=int(_get(config, "spill_min_tokens", 1024)),
                       drain_min_tokens=int(scfg.get("drain_min_tokens", 1024)),
                       ubatch=int(_get(_get(table, "params"), "n_ubatch", 512) or 512),
                       resume=bool(scfg.get("resume", True)))
