@@ -399,3 +399,48 @@ def test_npm_error_code_parsing():
     assert clients.npm_error_code("npm error code ETARGET\n") == "ETARGET"
     assert clients.npm_error_code("added 3 packages") is None
     assert clients.is_unreachable("ECONNREFUSED") and not clients.is_unreachable("ETARGET")
+
+
+def _prompt_tokens_total(url: str) -> float:
+    """llama-server's own prefill counter (``llamacpp:prompt_tokens_total`` on ``/metrics``)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("llamacpp:prompt_tokens_total"):
+                return float(line.split()[-1])
+    raise AssertionError("no llamacpp:prompt_tokens_total on /metrics")
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_an_everyday_opencode_day_prefills_no_more_than_the_server_alone(opencode_bin, start_server,
+                                                                         tmp_path):
+    """Issue "Never worse than llama-server alone": three ``opencode run`` in one folder (each with
+    its title request) and one in another, through ocache and, side by side, through ``ocache
+    serve --no-cache`` (the server alone: forwarded untouched) on a second identical server. The
+    server's own prefill counter with ocache (its warm-ups and split prefills included) is at most
+    2 % above the server alone's."""
+    totals = {}
+    reports = []
+    for mode in ("direct", "ocache"):
+        side = tmp_path / mode[:6]          # equal path lengths on both sides: same prompt sizes
+        side.mkdir()
+        srv = start_server("dense", n_parallel=N_PARALLEL, ctx_size=CTX_TOTAL, ubatch=UBATCH,
+                           args=["-n", str(MAX_OUTPUT)], slot_save_path=side / "slots",
+                           log_path=side / "server.log")
+        proxy = OcacheProcess(srv.url, side, ("--no-cache",) if mode == "direct" else ())
+        try:
+            proxy.wait_ready()
+            before = _prompt_tokens_total(srv.url)
+            runs, records = _opencode_runs(opencode_bin, proxy, side,
+                                           ["proj-a", "proj-a", "proj-a", "proj-b"])
+            totals[mode] = _prompt_tokens_total(srv.url) - before
+            reports.append(f"{mode}: {totals[mode]:.0f} tokens prefilled over {len(records)} requests; "
+                           + ", ".join(f"{(r.get('obs') or {}).get('timings', {}).get('prompt_n')}"
+                                       for r in records))
+        finally:
+            proxy.stop()
+            srv.stop()
+    report = "\n".join(reports)
+    print("\n" + report)
+    assert totals["direct"] > 0, report
+    assert totals["ocache"] <= totals["direct"] * 1.02, report

@@ -315,10 +315,23 @@ def test_new_session_consumes_the_origin_not_another_conversation():
     assert rank_slots(toks(100, 5), slots, RequestContext(kind="guest"), HYBRID)[0].slot == 2
 
 
-def test_same_prompt_same_folder_other_session_is_not_a_continuation():
+def test_same_prompt_same_folder_other_session_takes_the_slot_it_shares_nearly_all_of():
+    """Not a continuation (another session key), but it reuses 3,799 tokens there and destroys
+    only A's 20-token answer (A, if it returns, reuses the shared prompt from B's content): the
+    server alone would choose that slot too. A long A is kept (the next test)."""
     a = conv(1)
     slots = [slot(0, a, len(a) + 20, "agent", "A", last=3), slot(1)]
     d = plan_request(a, slots, [], RequestContext(kind="agent", session="B"), DENSE)
+    assert d.slot == 0 and d.evicts and d.predicted == len(a) - 1
+
+
+def test_a_long_conversation_stays_protected_against_a_session_sharing_only_its_head():
+    a = conv(1, 3000)
+    slots = [slot(0, a, len(a) + 20, "agent", "A", last=3),
+             slot(1, HEAD, None, "head", None, origin=True, head_key="h", head_len=len(HEAD))]
+    b = conv(2, 300)
+    d = plan_request(b, slots, [], RequestContext(kind="agent", session="B", head_key="h",
+                                                  head_len=len(HEAD)), DENSE)
     assert d.slot == 1 and not d.evicts
 
 
@@ -335,6 +348,7 @@ def test_a_new_session_sharing_more_with_a_conversation_than_the_head_takes_it_w
     ctx = RequestContext(kind="agent", session="B", head_key="h", head_len=len(HEAD))
     d = plan_request(b, slots, [head_offer], ctx, DENSE, can_spill=True)
     assert d.slot == 0 and d.evicts and d.steps[0] == "before_evict" and d.predicted == len(start)
+    # without a spill, the overwrite loses A's 400-token tail: more than the 250 it saves
     d = plan_request(b, slots, [head_offer], ctx, DENSE, can_spill=False)
     assert d.slot == 1 and not d.evicts and d.tier == "head"
     # A's return: its own spill offers more than B's slot shares with it -> no overwrite
