@@ -416,6 +416,47 @@ class Bench:
                         f"| {'; '.join(notes)} |")
         return "\n".join(lines)
 
+    def never_worse_table(self) -> str:
+        """Per scenario: the server's own prefill under (a), (b), (c) and (c) / min((a), (b)), the
+        project's rule 2 (at most 1.02 passes)."""
+        lines = ["| model | scenario | (a) stock | (b) tuned | (c) ocache | (c) / min((a), (b)) |",
+                 "|---|---|---:|---:|---:|---:|"]
+        for model, per in self.results.items():
+            for sc, runs in per.items():
+                obs = {c: runs[c].observed for c in ("a", "b", "c") if c in runs}
+                base = min((obs[c] for c in ("a", "b") if c in obs), default=None)
+                ratio = (f"{obs['c'] / base:.3f}" if base and "c" in obs else "-")
+                if base and "c" in obs and obs["c"] > 1.02 * base:
+                    ratio = f"**{ratio}**"
+                lines.append(f"| {model} | {sc} | {obs.get('a', '-')} | {obs.get('b', '-')} "
+                             f"| {obs.get('c', '-')} | {ratio} |")
+        return "\n".join(lines)
+
+    def worse_requests(self) -> str:
+        """Every request where (c)'s server prefill exceeded both (a)'s and (b)'s for the same
+        request (rows aligned by send order), with ocache's headers: the reason to read."""
+        out = []
+        for model, per in self.results.items():
+            for sc, runs in per.items():
+                c = runs.get("c")
+                others = [runs[k] for k in ("a", "b") if k in runs]
+                if c is None or not others:
+                    continue
+                for i, r in enumerate(c.rows):
+                    mine = r.server_prefill if r.server_prefill is not None else (r.prompt_n or 0)
+                    theirs = []
+                    for o in others:
+                        if i < len(o.rows):
+                            rr = o.rows[i]
+                            theirs.append(rr.server_prefill if rr.server_prefill is not None
+                                          else (rr.prompt_n or 0))
+                    if theirs and mine > min(theirs):
+                        hdrs = ", ".join(f"{h}={v}" for h, v in sorted(r.ocache.items()))
+                        out.append(f"- {model}/{sc} #{i} {r.label}: (c) prefilled {mine}, "
+                                   f"min((a), (b)) {min(theirs)}; cache_n {r.cache_n}"
+                                   + (f"; ocache: {hdrs}" if hdrs else ""))
+        return "\n".join(out) if out else "(none)"
+
     def detail_tables(self) -> str:
         out = []
         for model, per in self.results.items():
@@ -512,6 +553,11 @@ class Bench:
         if self.notes:
             parts.append("Notes:\n" + "\n".join(f"- {n}" for n in self.notes) + "\n")
         parts.append("## Summary\n\n" + self.summary_table() + "\n")
+        parts.append("## Never worse than llama-server alone\n\nThe server's own prefill "
+                     "(`llamacpp:prompt_tokens_total`, ocache's own steps included) per "
+                     "scenario; rule 2 holds where (c) / min((a), (b)) <= 1.02.\n\n"
+                     + self.never_worse_table() + "\n\nRequests where (c) prefilled more "
+                     "than both (a) and (b):\n\n" + self.worse_requests() + "\n")
         if "c" in self.configs:
             parts.append(f"## Where (c) is below {GOAL} efficiency or not exact\n\n"
                          + self.shortfalls() + "\n")
@@ -634,6 +680,8 @@ def _cmd(args: argparse.Namespace) -> int:
     md, pngs = bench.write(wall, command.strip())
     print(bench.summary_table())
     if "c" in configs:
+        print(f"\nNever worse than llama-server alone:\n{bench.never_worse_table()}")
+        print(f"\nRequests where (c) prefilled more than (a) and (b):\n{bench.worse_requests()}")
         print(f"\nWhere (c) is below {GOAL} efficiency or not exact:\n{bench.shortfalls()}")
     print(f"\nwrote {md}" + "".join(f", {p}" for p in pngs) + f" ({wall / 60:.1f} min)")
     failed = any(run.error for per in bench.results.values() for runs in per.values()

@@ -156,20 +156,47 @@ def _check_edits(edits: Any, where: str) -> list:
     return edits
 
 
+SYNTHETIC_WORDS = ("cache slot token prefix model server client request answer file folder path "
+                   "build test agent session title tool result prompt state restore spill").split()
+
+
+def synthetic_body(seed: int, words: int) -> dict:
+    """A chat body whose one user message is ``words`` seeded random words: a context that shares
+    nothing with another seed's beyond the template's first tokens (the shape of cache-pressure's
+    retention contexts: unique word orders, byte-identical across runs)."""
+    import random
+
+    rng = random.Random(seed)
+    text = " ".join(rng.choice(SYNTHETIC_WORDS) for _ in range(words))
+    return {"messages": [{"role": "user", "content": f"Context {seed}. {text}\nSummarise it."}],
+            "stream": True}
+
+
 def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
     if not isinstance(raw, dict):
         raise ScenarioError(f"{where}: a step must be a mapping, got {raw!r}")
-    known = {"send", "turn", "restart", "parallel", "session", "user", "tool_result", "edit",
-             "gap_s", "delay_s", "repeat", "label", "path", "headers"}
+    known = {"send", "turn", "restart", "parallel", "synthetic", "session", "user", "tool_result",
+             "edit", "gap_s", "delay_s", "repeat", "label", "path", "headers"}
     unknown = set(raw) - known
     if unknown:
         raise ScenarioError(f"{where}: unknown keys {sorted(unknown)}")
-    kinds = [k for k in ("send", "turn", "restart", "parallel") if k in raw]
+    kinds = [k for k in ("send", "turn", "restart", "parallel", "synthetic") if k in raw]
     if len(kinds) != 1:
-        raise ScenarioError(f"{where}: a step needs exactly one of send/turn/restart/parallel")
+        raise ScenarioError(f"{where}: a step needs exactly one of "
+                            "send/turn/restart/parallel/synthetic")
     kind = kinds[0]
     common = dict(gap_s=raw.get("gap_s"), delay_s=float(raw.get("delay_s", 0.0)),
                   label=raw.get("label"))
+    if kind == "synthetic":
+        spec = raw["synthetic"]
+        if not isinstance(spec, dict) or set(spec) - {"words", "seed"} or "seed" not in spec:
+            raise ScenarioError(f"{where}: synthetic needs {{seed: N, words: N}}")
+        body = synthetic_body(int(spec["seed"]), int(spec.get("words", 1500)))
+        return Step("send", source=f"synthetic-{spec['seed']}", body=body,
+                    headers={k.lower(): v for k, v in (raw.get("headers") or {}).items()},
+                    path="/v1/chat/completions", session=raw.get("session"),
+                    edits=_check_edits(raw.get("edit"), where),
+                    **{**common, "label": common["label"] or f"context {spec['seed']}"})
     if kind == "send":
         src = raw["send"]
         p = Path(src).expanduser()

@@ -212,6 +212,12 @@ steps:
         # the server's own prefill counter (warm-ups included) never beats the ungridded oracle
         assert run.observed >= run.oracle_exact_total
     assert bench.results["hybrid"]["smoke"]["c"].layer
+    # the rule-2 table: each configuration's server prefill and (c) / min((a), (b))
+    runs = bench.results["hybrid"]["smoke"]
+    ratio = runs["c"].observed / min(runs["a"].observed, runs["b"].observed)
+    assert (f"| hybrid | smoke | {runs['a'].observed} | {runs['b'].observed} | "
+            f"{runs['c'].observed} |") in text and f"{ratio:.3f}" in text
+    assert "Requests where (c) prefilled more than both (a) and (b)" in text
     assert pngs and pngs[0].stat().st_size > 10_000
     data = json.loads((tmp_path / "out" / "bench-tiny.json").read_text())
     assert set(data["hybrid"]["smoke"]) == {"a", "b", "c"}
@@ -234,3 +240,18 @@ def test_server_prefill_is_split_by_step_and_prompt_n():
     assert reqs[1].server_prefill == 300 + 7000 * 7300 // 7800
     assert reqs[2].server_prefill == 500 + 7000 - 7000 * 7300 // 7800
     assert sum(r.server_prefill for r in reqs) == 8800
+
+
+def test_synthetic_contexts_are_seeded_and_distinct(tmp_path):
+    sc = load_scenario(write(tmp_path, """
+name: syn
+steps:
+  - synthetic: {seed: 1, words: 50}
+  - synthetic: {seed: 2, words: 50}
+  - synthetic: {seed: 1, words: 50}
+"""), FIXTURES)
+    bodies = [s.body for s in sc.steps]
+    assert bodies[0] == bodies[2] != bodies[1]
+    assert len(bodies[0]["messages"][0]["content"].split()) >= 50
+    with pytest.raises(ScenarioError, match="synthetic"):
+        load_scenario(write(tmp_path, "name: x\nsteps: [{synthetic: {words: 5}}]", "bad.yaml"), FIXTURES)
