@@ -583,7 +583,12 @@ class SlotTable:
         self._locks: list[asyncio.Lock] = []
         self.epoch: Any = None
         self.reconciled_at: float = 0.0
-        self.counters: dict[str, int] = {"reconcile_mismatch": 0, "foreign_busy": 0, "restarts": 0}
+        self.counters: dict[str, int] = {"reconcile_mismatch": 0, "foreign_busy": 0, "restarts": 0,
+                                         "restarts_seen_in_slots": 0}
+        # highest ``id_task`` each slot reported (GET /slots): within one server process it only
+        # grows and never disappears (``task_prev`` is kept, tools/server/server-context.cpp
+        # ``server_slot::to_json``), so a slot that loses or lowers it is on a new process
+        self._id_task: dict[int, int] = {}
         self._task_seq = 0
 
     # -- table ----------------------------------------------------------------------------------
@@ -674,6 +679,13 @@ class SlotTable:
         data = await self.fetch_slots()
         n_ctx = int(data[0].get("n_ctx") or 0) if data else 0
         self._ensure(len(data), n_ctx or None)
+        if self._restarted(data):
+            # a restart the upstream's probe has not seen yet (it polls every 2 s): a restored
+            # slot of the old process looks exactly like a fresh empty one, so trust nothing
+            log.warning("GET /slots shows a new llama-server process (a slot's id_task vanished "
+                        "or went back): every slot is empty")
+            self.counters["restarts_seen_in_slots"] += 1
+            self.reset_all(self.epoch)
         if data and (self.params.n_slots != len(data) or (n_ctx and self.params.n_ctx_slot != n_ctx)):
             self.params = replace(self.params, n_slots=len(data), n_ctx_slot=n_ctx or self.params.n_ctx_slot)
         for entry in data:
@@ -686,6 +698,19 @@ class SlotTable:
             self.reconcile_one(st, entry)
         self.reconciled_at = time.monotonic()
         return data
+
+    def _restarted(self, data: list[dict]) -> bool:
+        """Whether ``GET /slots`` comes from another process than the last one (see
+        ``_id_task``); records the ids either way."""
+        seen = {int(e.get("id", -1)): e.get("id_task") for e in data}
+        restarted = any(sid in self._id_task and (t is None or int(t) < self._id_task[sid])
+                        for sid, t in seen.items())
+        if restarted:
+            self._id_task.clear()
+        for sid, t in seen.items():
+            if t is not None:
+                self._id_task[sid] = max(int(t), self._id_task.get(sid, -1))
+        return restarted
 
     def reconcile_one(self, st: SlotState, entry: Mapping) -> None:
         """Reconcile one idle slot's belief with its ``GET /slots`` entry (notes §1.2 caveats)."""
