@@ -170,7 +170,7 @@ async def test_drain_then_restart_resumes_at_the_end(start_server, tmp_path, mod
     ha = session_headers("opencode_agent_turn1.json")
     na1, na2 = await n_prompt(srv.url, a1), await n_prompt(srv.url, a2)
     cache = tmp_path / "cache"
-    cfg = make_config(srv, cache, 16384)  # the default threshold: no eviction spill, only the drain
+    cfg = make_config(srv, cache, 16384)  # a threshold above the conversation: no eviction spill, only the drain
     async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
         await send(s, base, proxy, a1, ha)
         await proxy.drain(30)
