@@ -435,3 +435,17 @@ def test_identity_change_while_running_sweeps_the_old_entries(tmp_path):
     assert s.entries() == [] and oc_files(s) == []
     e = put(s, list(range(10, 60)))
     assert e.identity == "model-B" and s.find_prefixes(list(range(10, 70)))[0].key == e.key
+
+
+def test_grid_hashes_are_chained_prefix_identities():
+    """``grid_hashes``: one hash per full grid line, equal exactly while the prefixes are equal."""
+    from ocache.tiers.store import grid_hashes
+
+    a = list(range(10_000))
+    b = a[:5_000] + [7] + a[5_001:]
+    ha, hb = grid_hashes(a, 1024), grid_hashes(b, 1024)
+    assert len(ha) == 10_000 // 1024 == len(hb)
+    assert ha[:4] == hb[:4]                         # lines 1..4 end before token 5,000
+    assert all(x != y for x, y in zip(ha[4:], hb[4:]))
+    assert grid_hashes(a[:4096], 1024) == ha[:4]    # a prefix's chain is the chain's prefix
+    assert len(set(ha)) == len(ha)

@@ -71,7 +71,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from .base import Offer
 from .store import field_of as _get, sidecar_checkpoints
-from .store import BudgetError, IntegrityError, Store, entry_key, prefix_hash, shared_store
+from .store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, shared_store
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +215,11 @@ class DiskTier:
             want.setdefault(int(users[0]), "session")
         if self.cfg.repeat:
             g = self.cfg.grid
+            chain = grid_hashes(toks, g)
             for line in range((n - 1) // g * g, cached_n, -g):
-                if self._lines.get(prefix_hash(toks[:line]), 0) >= self.cfg.admit_after - 1:
+                if line <= 0:
+                    break
+                if self._lines.get(chain[line // g - 1], 0) >= self.cfg.admit_after - 1:
                     want.setdefault(line, "repeat")
                     break
         out = []
@@ -450,8 +453,9 @@ class DiskTier:
         toks = view.tokens
         g = self.cfg.grid
         start = (int(cache_n) // g + 1) * g
+        chain = grid_hashes(toks, g)
         for line in range(start, len(toks), g):
-            h = prefix_hash(toks[:line])
+            h = chain[line // g - 1]
             self._lines[h] = self._lines.get(h, 0) + 1
             self._lines.move_to_end(h)
         while len(self._lines) > self.cfg.line_memory:

@@ -121,6 +121,23 @@ def entry_key(identity: str, kind: str, tokens: Sequence[int]) -> str:
     return h.hexdigest()
 
 
+def grid_hashes(tokens: Sequence[int], grid: int) -> list[str]:
+    """Chained xxh3-64 (hex) of every full grid line of ``tokens``: ``out[k - 1]`` identifies
+    ``tokens[:k * grid]``, as ``xxh3(out[k - 2] digest + the line's token bytes)``. O(n) for all
+    lines together, where hashing each prefix again was O(n^2 / grid): at 131k tokens and a
+    1,024-token grid 5.8 ms instead of 305 ms on the event loop (measured on a loaded 2-core machine;
+    issue "The cache core,
+    re-founded"; the same chaining as vLLM's block hashes). Equal prefixes give equal chains."""
+    data = token_bytes(tokens)
+    step = 4 * grid
+    out: list[str] = []
+    prev = b""
+    for end in range(step, len(data) + 1, step):
+        prev = xxhash.xxh3_64_digest(prev + data[end - step:end])
+        out.append(prev.hex())
+    return out
+
+
 def prefix_hash(tokens: Sequence[int]) -> str:
     """xxh3-64 hex of a token list (used for counting grid lines and quick index lookups)."""
     return xxhash.xxh3_64_hexdigest(token_bytes(tokens))
