@@ -31,7 +31,8 @@ from .slots import (Checkpoint, ServerParams, common_prefix, SlotError, SlotNotS
                     params_from_argv, predict_reuse, simulate_prefill)
 from .tiers.base import Offer, Tier
 from .tokens import TokenViewError
-from .tiers.resident import RequestContext, SlotChoice, ram_swap_possible, rank_slots
+from .tiers.resident import (RequestContext, SlotChoice, overwrite_choice, ram_swap_possible,
+                             rank_slots)
 
 log = logging.getLogger("ocache.cache")
 
@@ -79,15 +80,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
     ``can_spill``: the session tier will save a conversation before it is evicted (its
     ``before_evict`` hook).
 
-    Another live conversation's slot is *protected* (``rank_slots``), but not at any price: it is
-    taken when the request reuses more there than anywhere else (what an offer could bring
-    included) by more than the overwrite destroys, the ``loss``: the slot's tokens beyond the common
-    prefix (its owner, if it returns, reuses the shared prefix from the new content and prefills
-    only those), or nothing when the session tier spills it first. That is llama-server's own
-    longest-common-prefix choice whenever protecting would cost more prefill now than it can save
-    later (issue "Never worse than llama-server alone": a new ``opencode run`` in the same folder
-    shares the previous run's whole first turn, 7,2xx tokens, against a 6,942-token head; its
-    loss is the previous answer, 64 tokens), and protection where it pays (A/B/A with a long A).
+    Another live conversation's slot is protected, but not at any price: see
+    ``ocache.tiers.resident.overwrite_choice`` (the protection rule).
     Raises ValueError when there is no slot.
     """
     ranked = rank_slots(tokens, slots, ctx, params)
@@ -96,24 +90,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
     if forced_slot is not None:
         ranked = [c for c in ranked if c.slot == forced_slot] or ranked
     choice = ranked[0]
-    if forced_slot is not None or choice.protected:
-        pass
-    else:
-        held = {s.id: (s.n_total if s.n_total is not None else len(s.tokens)) for s in slots}
-
-        def reach(c: SlotChoice) -> int:
-            brought = [o.tokens_usable for o in offers
-                       if o is not None and (o.slot is None or o.slot == c.slot)]
-            return max([c.reuse.cache_n, *brought])
-
-        def loss(c: SlotChoice) -> int:
-            return 0 if can_spill else max(held.get(c.slot, 0) - c.reuse.lcp, 0)
-
-        best_free = max((reach(c) for c in ranked if not c.protected), default=0)
-        taken = [c for c in ranked
-                 if c.protected and not c.busy and c.reuse.cache_n - best_free > loss(c)]
-        if taken:
-            choice = max(taken, key=lambda c: (c.reuse.cache_n - loss(c), -c.last_used))
+    if forced_slot is None and not choice.protected:
+        choice = overwrite_choice(ranked, slots, offers, can_spill) or choice
     warnings: list[str] = []
     evicts = choice.protected
     if evicts and ctx.kind == "guest":

@@ -155,8 +155,13 @@ MODELS = ["dense", "hybrid"]
 @pytest.mark.parametrize("model", MODELS)
 async def test_new_sessions_resume_from_the_warm_head(start_server, model):
     """A first opencode turn warms the harness head; a second session in the same folder and a
-    session in another folder resume from it: cache_n >= head tokens - one ubatch."""
+    session in another folder resume from it: cache_n >= head tokens - one ubatch. The second
+    session shares the first session's whole start (more than the head): it reuses that, as the
+    server alone would (the protection rule, ``overwrite_choice``: the first session's answer is
+    all the overwrite destroys)."""
     srv = start_server(model, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    shared = lcp(await n_tokens(srv.url, "opencode_agent_turn1.json"),
+                 await n_tokens(srv.url, "opencode_run2_agent_turn1.json"))
     async with ocache_client(srv) as c:
         first = await c.fixture("opencode_agent_turn1.json")
         heads = c.layer.head_tier.heads
@@ -166,8 +171,9 @@ async def test_new_sessions_resume_from_the_warm_head(start_server, model):
         assert first["timings"]["cache_n"] >= head_len - UB   # warmed in place, then extended
         assert c.layer.counters["warmups"] == 1
         second = await c.fixture("opencode_run2_agent_turn1.json")
-        assert second["timings"]["cache_n"] >= head_len - UB
-        assert second["slot"] != first["slot"]      # session 1's conversation is not replaced
+        assert shared > head_len
+        assert second["timings"]["cache_n"] >= shared - UB, (shared, second["timings"])
+        assert second["slot"] == first["slot"]
         other = await c.fixture("opencode_run3_proj2_agent_turn1.json")
         assert other["timings"]["cache_n"] >= head_len - UB
         c.assert_predictions()
@@ -193,7 +199,11 @@ async def test_title_request_does_not_push_the_agent_out(start_server, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
-async def test_two_conversations_alternating_never_evict_each_other(start_server, model):
+async def test_two_conversations_alternating_each_resume_their_own_turn(start_server, model):
+    """Two folders' sessions alternating on -np 2 (A1, B1, A2, B2): each follow-up prefills only
+    its new tokens (+ one ubatch), and B1 reuses what it shares with A's conversation (more than the
+    head here). Where B1 takes A's slot (the protection rule: the gain over the head beats what the
+    overwrite destroys, nothing once the session tier spilled A), A2 comes back from the spill."""
     srv = start_server(model, n_parallel=2, ctx_size=2 * 16384, **SERVER)
     pairs = [("opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json"),
              ("opencode_run3_proj2_agent_turn1.json", "opencode_run3_proj2_agent_turn1_after_tool.json")]
@@ -201,15 +211,17 @@ async def test_two_conversations_alternating_never_evict_each_other(start_server
     for a, b in pairs:
         ta, tb = await n_tokens(srv.url, a), await n_tokens(srv.url, b)
         news.append(len(tb) - lcp(ta, tb))
+    shared = lcp(await n_tokens(srv.url, pairs[0][0]), await n_tokens(srv.url, pairs[1][0]))
     async with ocache_client(srv) as c:
         r_a1 = await c.fixture(pairs[0][0])
         r_b1 = await c.fixture(pairs[1][0])
         r_a2 = await c.fixture(pairs[0][1])
         r_b2 = await c.fixture(pairs[1][1])
-        assert r_a1["slot"] == r_a2["slot"] != r_b1["slot"] == r_b2["slot"]
+        assert r_b1["timings"]["cache_n"] >= shared - UB, (shared, r_b1["timings"])
         assert r_a2["timings"]["prompt_n"] <= news[0] + UB
         assert r_b2["timings"]["prompt_n"] <= news[1] + UB
-        assert c.layer.counters["evictions"] == 0
+        if r_b1["slot"] == r_a1["slot"]:
+            assert r_a2["tier"] == "session", r_a2
         c.assert_predictions()
 
 
@@ -347,12 +359,13 @@ async def test_opencode_run_as_sent_title_in_parallel(start_server, model):
         a2 = await c.fixture("opencode_agent_turn1_after_tool.json", stream=True)
         assert a2["slot"] == a1["slot"] and a2["timings"]["prompt_n"] <= new + UB
         # a second `opencode run` in the same folder, again title and agent turn in parallel: the
-        # first session's slot is left alone and the new session starts from the head
+        # new session resumes at least from the head (from the first session's start where it
+        # shares more with it: the protection rule)
         head_len = len(next(iter(c.layer.head_tier.heads.values())).tokens)
         _, b1 = await asyncio.gather(c.fixture("opencode_run2_title.json", stream=True, settle=False),
                                      c.fixture("opencode_run2_agent_turn1.json", stream=True, settle=False))
         await c.settle()
-        assert b1["slot"] != a1["slot"] and b1["timings"]["cache_n"] >= head_len - UB
+        assert b1["timings"]["cache_n"] >= head_len - UB
         # two sessions and a title on two slots: the title replaces one conversation, and it must
         # be the idle first session's, never the turn its own session just started
         assert c.layer.table[b1["slot"]].kind == "agent", c.layer.stats()["slots"]
