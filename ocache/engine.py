@@ -45,6 +45,10 @@ LLAMA_COMMIT = "0c1e570"
 #: documented one-flag switch for users with a GPU (not exercised in CI).
 BACKENDS: dict[str, list[str]] = {
     "cpu": [],
+    # the CPU build without AVX-512 (and without tuning to this CPU): the same suite against it
+    # shows that exactness does not depend on the vector extensions (README "Tests")
+    "cpu-avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                 "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
     "cuda": ["-DGGML_CUDA=ON"],
     "hip": ["-DGGML_HIP=ON"],
     "metal": ["-DGGML_METAL=ON"],

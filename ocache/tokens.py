@@ -244,17 +244,28 @@ class TokenViewer:
             self._own_session = None
 
     async def _post(self, path: str, payload: dict) -> dict:
+        """POST to a read-only endpoint (``/tokenize``, ``/apply-template``); one retry when the
+        connection drops before an answer: after a llama-server restart on the same port the
+        session's pooled keep-alive connection still points at the dead process, and its first use
+        fails with "Server disconnected" (seen in ``tests/test_disk_tier.py`` under load). Both
+        endpoints are idempotent. Raises TokenViewError."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        try:
-            async with self._session().post(self.base_url + path, json=payload, headers=headers,
-                                            timeout=self.timeout) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise TokenViewError(f"{path}: HTTP {resp.status}: {raw[:500].decode('utf-8', 'replace')}",
-                                         resp.status)
-                return json.loads(raw)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise TokenViewError(f"{path}: upstream unreachable: {exc or type(exc).__name__}") from exc
+        for attempt in (0, 1):
+            try:
+                async with self._session().post(self.base_url + path, json=payload, headers=headers,
+                                                timeout=self.timeout) as resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        raise TokenViewError(f"{path}: HTTP {resp.status}: "
+                                             f"{raw[:500].decode('utf-8', 'replace')}", resp.status)
+                    return json.loads(raw)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 0:
+                    continue
+                raise TokenViewError(f"{path}: upstream unreachable: {exc or type(exc).__name__}") from exc
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise TokenViewError(f"{path}: upstream unreachable: {exc or type(exc).__name__}") from exc
+        raise AssertionError("unreachable")
 
     async def _tokenize_remote(self, content: Any, add_special: bool) -> list[int]:
         self.counters["tokenize_calls"] += 1

@@ -147,7 +147,7 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
     this request, or None. Pure.
 
     A protected slot is taken when the request reuses more there than at any unprotected slot
-    (what an offer could bring into it included: ``offers`` are ``Offer``\ s with ``tokens_usable``
+    (what an offer could bring into it included: ``offers`` are ``Offer`` values with ``tokens_usable``
     and ``slot``) by more than the overwrite destroys, its *loss*: the slot's tokens beyond the
     common prefix (its owner, if it returns, reuses the shared prefix from the new content and
     prefills only those), or nothing when ``can_spill`` (the session tier saves it before the
