@@ -534,6 +534,11 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
     ``disk_budget_gb``, ``disk_ttl_days``, ``disk_min_tokens`` and ``tiers["disk"]`` keys ``grid``,
     ``free_floor_gb``, ``admit_after``. Opens the store (sweeping other identities' files).
     """
+    tiers = _get(config, "tiers") or {}
+    dcfg = tiers.get("disk", {}) if isinstance(tiers, dict) else {}
+    if isinstance(dcfg, dict) and dcfg.get("enabled") is False:
+        log.info("disk tier off: tiers.disk.enabled is false")
+        return None
     data_dir = _slot_save_path(config)
     if data_dir is None:
         p = _get(_get(slots, "params"), "slot_save_path")
@@ -547,8 +552,6 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
     if not key:
         log.warning("disk tier off: no server identity")
         return None
-    tiers = _get(config, "tiers") or {}
-    dcfg = tiers.get("disk", {}) if isinstance(tiers, dict) else {}
     store = shared_store(store_meta_dir(config), data_dir, key, kind=KIND,
                          kind_budget_bytes=int(float(_get(config, "disk_budget_gb", 50.0)) * 1e9),
                          ttl_s=float(_get(config, "disk_ttl_days", 7.0)) * 86400.0,
