@@ -6,7 +6,7 @@ at ocache. The tiny generated model answers random text, so each run is one agen
 opencode's title request) and the client stops; what matters is the requests it sent and how much
 of each prompt llama-server found cached.
 
-Per issue 8 item 5: two runs in one project folder and one in another; the second and third runs'
+The README "Measured" row for opencode: two runs in one project folder and one in another; the second and third runs'
 agent turns must be served from the warm harness head: ``cache_n >= head tokens - one ubatch``.
 The head size is computed here independently of the cache layer, with the fingerprint module's
 ``harness_head`` and the token view (``/apply-template`` + ``/tokenize`` of the same server).
