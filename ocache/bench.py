@@ -70,7 +70,7 @@ GOAL = 0.95
 @dataclass(frozen=True)
 class Preset:
     """Bench sizes. ``threads``: llama-server ``-t``/``-tb``; ``ctx_per_slot`` tokens;
-    ``cache_ram_mib``: (b)/(c) ``--cache-ram``: the seed's 6000 MiB held ~290k tokens of a 27B
+    ``cache_ram_mib``: (b)/(c) ``--cache-ram``: a 6000 MiB RAM cache holds ~290k tokens of a 27B
     model's state (21 KiB/token); these hold a similar number of tokens of our models' state;
     ``time_scale`` multiplies the scenario gaps."""
 
