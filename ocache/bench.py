@@ -6,10 +6,10 @@ machine (never two heavy processes at once), each scenario on freshly started pr
 
 * **a** - the stock build with stock defaults: only model, address, context size, threads and
   ``--jinja`` are given (so ``-np`` auto = 4 slots with a unified KV cache, ``--cache-ram 8192``,
-  ``--ctx-checkpoints 32``, ``-cms 8192``; notes/llama-server-api.md §2.2, §3, §4);
-* **b** - the stock build with the seed plugin's recommended flags (seed 002, "Recommended
-  llama-server flags"): ``--ctx-checkpoints 32``, ``--checkpoint-min-step`` 4096 (below the ~7k-token
-  opencode prompt, as the seed advises), ``--cache-ram`` scaled to the model's state size, ``-np``
+  ``--ctx-checkpoints 32``, ``-cms 8192``; docs/llama-server.md §9, §10, §14);
+* **b** - the stock build with the flags a careful user sets for agents:
+  ``--ctx-checkpoints 32``, ``--checkpoint-min-step`` 4096 (below the ~7k-token
+  opencode prompt, docs/llama-server.md §14), ``--cache-ram`` scaled to the model's state size, ``-np``
   (2, or the scenario's ``n_parallel``);
 * **c** - ``ocache serve`` with its defaults in front of (b)'s flags on the patched build, plus what
   ocache needs from the server (``--slot-save-path``, ``--metrics``). When ``ocache serve`` cannot
@@ -63,14 +63,14 @@ CONFIG_TITLES = {
     "b": "stock llama-server, seed-recommended flags",
     "c": "ocache serve (defaults) in front of (b) on the patched build",
 }
-#: Efficiency goal for (c) (issue 8).
+#: Efficiency goal for (c) (README "Measured": where (c) stays under it, and why).
 GOAL = 0.95
 
 
 @dataclass(frozen=True)
 class Preset:
     """Bench sizes. ``threads``: llama-server ``-t``/``-tb``; ``ctx_per_slot`` tokens;
-    ``cache_ram_mib``: (b)/(c) ``--cache-ram``: the seed's 6000 MiB held ~290k tokens of a 27B
+    ``cache_ram_mib``: (b)/(c) ``--cache-ram``: a 6000 MiB RAM cache holds ~290k tokens of a 27B
     model's state (21 KiB/token); these hold a similar number of tokens of our models' state;
     ``time_scale`` multiplies the scenario gaps."""
 
@@ -98,7 +98,7 @@ PRESETS = {
     # the README's main command: the bench-sized hybrid (6 delta-net + 2 attention layers).
     # -t 1, not 2: in (c) the proxy process works beside the server, and with -t 2 any second
     # busy process collapses llama-server's prefill ~50x on 2 cores (measured here: 30-44 tok/s
-    # for this model under load; notes/measured-baseline.md "Threads on a 2-core machine")
+    # for this model under load; docs/decisions.md D6)
     # At -t 1 this model prefills ~185 tokens/s here, so a 7.3k-token opencode turn takes ~40 s
     # and every scenario costs ~6-8 minutes (replays + cold references): the default is the
     # four most telling ones (~30 min); --all-scenarios runs all eight (~1 h).

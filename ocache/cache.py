@@ -1,7 +1,7 @@
 """The cache layer behind the proxy: plan each completion (which slot, what to do first), observe
 what the server did, keep the slot table true.
 
-Request path (``shared/notes/architecture.md``): classify (``ocache.fingerprint``) -> token view
+Request path (``docs/architecture.md`` §1): classify (``ocache.fingerprint``) -> token view
 (``ocache.tokens``) -> ``plan_request`` (pure: resident ranking + other tiers' offers) -> execute
 the steps under the chosen slot's lock (``before_evict`` on every tier, warm the harness head,
 ``bring`` an offer) -> forward with ``id_slot`` pinned -> ``observe``: compare the predicted
@@ -307,8 +307,8 @@ class OCacheLayer:
             await self.table.refresh()
             self._epoch = epoch
             self._identity = None
-            await self._session_tier_ready()  # session tier (issue 7): register; resume after a drain
-            self._disk_tier_ready()           # disk tier (issue 6): anchors on disk
+            await self._session_tier_ready()  # session tier (tiers/spill.py): register; resume after a drain
+            self._disk_tier_ready()           # disk tier (tiers/disk.py): anchors on disk
             self._ready = True
             try:
                 from .doctor import check, probe_endpoints
@@ -463,7 +463,7 @@ class OCacheLayer:
         if "warm_head" in dec.steps:
             await self._warm_head_in(slot, tokens[:ctx.head_len], ctx.head_key, req.request_id)
         if self.disk_tier is not None:
-            # admission (issue 6): split the coming prefill at the anchor lines and save them; the
+            # admission (docs/decisions.md D2): split the coming prefill at the anchor lines and save them; the
             # slot then holds the last anchor, which this request strictly extends
             st = table[slot]
             before = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
@@ -602,7 +602,7 @@ class OCacheLayer:
         restoring its saved head file.
 
         Never over another state (a title request's slot holds what the next title reuses: the
-        server alone keeps it, issue "Never worse than llama-server alone" measured 541 tokens
+        server alone keeps it; measured 541 tokens (tests/test_e2e_clients.py, everyday day)
         prefilled per title when ocache overwrote it) and never by prefilling the head again (that
         is prefill the server alone would not do). A slot without the head gets it restored on
         demand from the same file (``HeadTier``). Skips are counted in ``origin_skipped``.
@@ -669,7 +669,7 @@ class OCacheLayer:
         return {"slot": dec.slot, "head_key": key, "head_tokens": len(head_tokens),
                 "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n")}
 
-    # -- session tier hooks (issue 7, ocache/tiers/spill.py) ----------------------------------------
+    # -- session tier hooks (ocache/tiers/spill.py) ------------------------------------------------
 
     async def _session_tier_ready(self) -> None:
         """Register the session tier once (when the server can save slots), then restore the
@@ -734,7 +734,7 @@ class OCacheLayer:
             self.table.reset_all(getattr(self.upstream, "epoch", None))
         self._ready = False
         self._identity = None
-        for tier in self.tiers:  # issue 7: tiers forget per-slot beliefs about the old process
+        for tier in self.tiers:  # tiers forget per-slot beliefs about the old process
             if hasattr(tier, "on_upstream_restart"):
                 try:
                     await tier.on_upstream_restart()
@@ -756,7 +756,7 @@ class OCacheLayer:
                         except Exception:
                             log.exception("tier %s before_evict(slot %d) on drain failed",
                                           getattr(tier, "name", tier), st.id)
-        for tier in self.tiers:  # issue 7: the session tier spills the rest, commits, writes its resume marker
+        for tier in self.tiers:  # the session tier spills the rest, commits, writes its resume marker
             if hasattr(tier, "on_drain"):
                 try:
                     await tier.on_drain()

@@ -74,8 +74,6 @@ class Config:
                            "child with them and restarts it if it dies (`serve --launch -- ARGS`)")
     launch_binary: str | None = _f(None, "llama-server binary for `launch`; default: the patched "
                                    "engine build (`ocache engine path`)")
-    n_parallel: int | None = _f(None, "llama-server -np (slots); read from `launch` if given there",
-                                min=1)
     disk_budget_gb: float = _f(50.0, "disk tier: most GB of anchors kept", min=0)
     disk_ttl_days: float = _f(7.0, "disk tier: anchors unused this many days are evicted", min=0)
     disk_min_tokens: int = _f(4096, "disk tier: shortest prefix (tokens) worth an anchor", min=0)
@@ -86,7 +84,8 @@ class Config:
     volatile_markers: list[str] | None = _f(None, "strings that start the volatile part of a system "
                                             "prompt (e.g. '<env>'); unset = the fingerprint "
                                             "module's defaults")
-    tiers: dict = _f({}, "free-form per-tier settings passed to the cache layer as is")
+    tiers: dict = _f({}, "per-tier settings: tiers.<tier>.<key>, the keys listed below (any other "
+                     "key is a config error)")
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -109,13 +108,19 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
 def describe() -> str:
-    """The schema as a text table: key, type, default, doc."""
+    """The schema as a text table: key, type, default, doc; then every ``tiers.<tier>.<key>``
+    (``TIER_DOCS``). ``ocache serve --help-config`` prints it; tests/test_config_keys.py checks that
+    every key listed here has an effect."""
     hints = typing.get_type_hints(Config)
     rows = []
     for name, f in FIELDS.items():
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         rows.append(f"{name:18} {_type_name(hints[name]):14} default={default!r}\n"
                     f"{'':18} {f.metadata['doc']}")
+    for tier, keys in TIER_DOCS.items():
+        for key, (tp, default, doc) in keys.items():
+            rows.append(f"{'tiers.' + tier + '.' + key:32} {tp:10} default={default}\n"
+                        f"{'':18} {doc}")
     return "\n".join(rows)
 
 
@@ -235,6 +240,9 @@ def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = 
     Raises ConfigError for unknown YAML or override keys and for bad values.
     """
     env = os.environ if env is None else env
+    for name, why in REMOVED.items():
+        if "OCACHE_" + name.upper() in env:
+            raise ConfigError(f"env OCACHE_{name.upper()}: the key {name!r} was removed: {why}")
     values: dict[str, Any] = {}
     if path is None:
         path = env.get("OCACHE_CONFIG") or None
@@ -242,6 +250,9 @@ def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = 
             path = "ocache.yaml"
     if path is not None:
         data = read_yaml(path)
+        for k in data:
+            if k in REMOVED:
+                raise ConfigError(f"{path}: the key {k!r} was removed: {REMOVED[k]}")
         unknown = sorted(set(map(str, data)) - set(FIELDS))
         if unknown:
             raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known keys: "
@@ -253,6 +264,8 @@ def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = 
         if key in env:
             values[name] = _coerce(name, env[key], f"env {key}", from_env=True)
     for k, v in (overrides or {}).items():
+        if k in REMOVED and v is not None:
+            raise ConfigError(f"the key {k!r} was removed: {REMOVED[k]}")
         if k not in FIELDS:
             raise ConfigError(f"unknown config key {k!r}")
         if v is None:
@@ -263,13 +276,48 @@ def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = 
     return cfg
 
 
-#: Keys each tier reads from ``tiers.<name>`` (ocache/cache.py, ocache/tiers/disk.py, spill.py);
-#: the resident tier also takes any ``ocache.slots.ServerParams`` field as an override.
-TIER_KEYS = {
-    "resident": {"server_args", "warm", "keep_origin", "reconcile"},
-    "disk": {"slot_save_path", "grid", "free_floor_gb", "admit_after", "enabled"},
-    "session": {"slot_save_path", "enabled", "drain_min_tokens", "resume"},
+#: Keys that were accepted once and are gone; naming one is a ConfigError with this advice.
+REMOVED = {
+    "n_parallel": "it was never read; the slot count comes from GET /slots, and the planner reads -np "
+                  "from `launch` or tiers.resident.server_args",
 }
+
+#: Keys each tier reads from ``tiers.<name>``: (type, default, what it does), printed by
+#: ``describe()``. Readers: ``OCacheLayer.__init__`` (ocache/cache.py), ``make_disk_tier``
+#: (ocache/tiers/disk.py), ``make_session_tier`` (ocache/tiers/spill.py).
+TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "resident": {
+        "server_args": ("list[str]", "the `launch` argv",
+                        "llama-server's argv when ocache did not launch it (the planner reads -np, "
+                        "-ub, the checkpoint flags and --slot-save-path from it)"),
+        "warm": ("bool", "true", "prefill the harness head on its own and keep it (head warm-up)"),
+        "keep_origin": ("bool", "true", "keep the head origin in a side slot: after a guest "
+                        "overwrote it, restore it there from the head's slot file"),
+        "reconcile": ("bool", "true", "GET /slots before each plan to correct the slot table"),
+        "<ServerParams.field>": ("any", "from the argv",
+                                 "override one field of ocache.slots.ServerParams (e.g. n_ubatch, "
+                                 "checkpoints, checkpoint_min_step)"),
+    },
+    "disk": {
+        "enabled": ("bool", "true", "false: no disk tier (no anchors written or restored)"),
+        "slot_save_path": ("str", "--slot-save-path of the argv",
+                           "the server's --slot-save-path, where anchor slot files are written"),
+        "grid": ("int", "1024", "tokens between the repeated-prefix grid lines that may get anchors"),
+        "free_floor_gb": ("float", "0", "GB the slot-save file system keeps free; no anchor is "
+                          "written below it"),
+        "admit_after": ("int", "2", "sightings of a grid line before it gets an anchor"),
+    },
+    "session": {
+        "enabled": ("bool", "true", "false: no session tier (no spills, no restores)"),
+        "slot_save_path": ("str", "--slot-save-path of the argv", "as tiers.disk.slot_save_path"),
+        "drain_min_tokens": ("int", "1024", "on a planned stop, shortest conversation (tokens) spilled"),
+        "resume": ("bool", "true", "after a drain, restore the last conversation at the next start"),
+    },
+}
+
+#: Keys each tier reads from ``tiers.<name>``; the resident tier also takes any
+#: ``ocache.slots.ServerParams`` field as an override.
+TIER_KEYS = {name: {k for k in keys if not k.startswith("<")} for name, keys in TIER_DOCS.items()}
 
 
 def check_tiers(tiers: Mapping[str, Any]) -> None:

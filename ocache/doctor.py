@@ -1,29 +1,29 @@
 """``ocache doctor``: the llama-server settings each cache tier needs, checked, with the reason.
 
-llama-server does not report its launch flags (``shared/notes/llama-server-api.md`` §5), so the
+llama-server does not report its launch flags (``docs/llama-server.md`` §16), so the
 checks read them from the launch argv (``ocache serve --launch`` / the config's ``launch``, or
 ``ocache doctor -- ARGS``) and from what the server does report (``/props``, ``/slots``, whether
 ``/metrics`` answers, whether ``POST /slots/0?action=...`` is enabled). The same ``check`` runs
 when the cache layer starts (its findings are logged as warnings and shown in the stats).
 
-What ocache needs and why (the seed plugin's "Recommended llama-server flags", turned into checks):
+What ocache needs and why (README "Flags ocache wants on llama-server", turned into checks):
 
 * ``-np N`` explicit: unset means 4 slots on a *unified* KV, where ``--cache-idle-slots`` (default
-  on) clears every idle slot as soon as another request starts (notes §2.2): nothing stays
+  on) clears every idle slot as soon as another request starts (docs/llama-server.md §9): nothing stays
   resident. ``N >= 2`` lets guests (title requests) use a side slot instead of the conversation.
-* ``--slot-save-path DIR``: save/restore are off without it (501, notes §1.1), so the disk and
+* ``--slot-save-path DIR``: save/restore are off without it (501, docs/llama-server.md §3), so the disk and
   session tiers and the saved harness head cannot work.
 * hybrid/recurrent models: ``--ctx-checkpoints > 0`` (with 0, any prompt that does not strictly
-  extend a slot re-prefills from token 0, notes §3.2) and a ``--checkpoint-min-step`` below the
+  extend a slot re-prefills from token 0, docs/llama-server.md §15) and a ``--checkpoint-min-step`` below the
   harness head (checkpoints at user messages are spaced by it; the stock 8192 is coarser than a
-  typical 7-8k head, seed 002).
+  typical 7-8k head, README "Measured").
 * ``--metrics``: the ``/metrics`` ``Process-Start-Time-Unix`` header is the restart signal.
 * the patched build (``build_info`` contains ``+ocache.``): a stock server restores a hybrid slot
-  without its checkpoints (notes §1.4), so only prompts that strictly extend it reuse anything.
+  without its checkpoints (docs/llama-server.md §6), so only prompts that strictly extend it reuse anything.
 * ``--cache-ram``: with a pinned slot whose content is replaced the server may swap in a RAM entry
-  (notes §2.2 step 4); harmless, but predictions get a wider band. With ``-kvu`` and idle-slot
+  (docs/llama-server.md §9 step 4); harmless, but predictions get a wider band. With ``-kvu`` and idle-slot
   caching the idle slots are cleared: warn.
-* ``-fa auto``: slot files depend on the resolved flash-attention setting (notes §1.4); pin it.
+* ``-fa auto``: slot files depend on the resolved flash-attention setting (docs/llama-server.md §6); pin it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The source is the ``vendor/llama.cpp`` tree of the PyPI sdist ``llama-cpp-python==0.3.36`` (llama.cpp
 build ``0c1e570``), fetched with pip and checked against a pinned sha256. Every ``patches/*.patch`` is
 applied in name order, then CMake builds the ``llama-server`` target with the offline recipe of
-``shared/notes/llama-server-api.md`` §7 (``LLAMA_USE_PREBUILT_UI=OFF``, ``LLAMA_OPENSSL=OFF``, tests
+``docs/llama-server.md`` §17 (``LLAMA_USE_PREBUILT_UI=OFF``, ``LLAMA_OPENSSL=OFF``, tests
 and examples off, static libraries so the binary is self-contained).
 
 Layout under ``cache_root()/engine``::

@@ -6,8 +6,8 @@ ubatches and which other sequences share them (llama-server batches slots togeth
 ``tools/server/server-context.cpp`` ``update_slots``), and on the CPU's kernels, so two correct
 runs of the same tokens give logits that differ by a little (*batching noise*). Where the reference's
 best and second-best next tokens are closer than that noise, the argmax of a correct run may flip,
-and every token after it differs. A text comparison then fails on noise (it did: issue "The suite
-passes on any machine") and a check loosened until it passes would also pass a wrong restore.
+and every token after it differs. A text comparison then fails on noise (it did, on some
+machines; docs/decisions.md D5) and a check loosened until it passes would also pass a wrong restore.
 
 So both runs ask for their top-2 log-probabilities (``n_probs: 2``, accepted on every completion
 route; the OpenAI spelling ``logprobs``/``top_logprobs`` is refused with tools + stream,

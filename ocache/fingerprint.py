@@ -3,7 +3,7 @@
 Pure functions over a parsed request body (no network I/O). The only file I/O is ``gguf_identity``,
 which reads a GGUF file's header once and is kept apart from everything else.
 
-Three parts (issue 5, seed 002 "How it works" steps 1-3):
+Three parts (the "fingerprint" step of docs/architecture.md §1):
 
 * ``classify(body)`` - *agent* turn (a tools array and a system message: opencode, pi), *guest* (no
   tools, short or a known side-task prompt: opencode's title generator, Open WebUI's ``### Task:``
@@ -12,11 +12,11 @@ Three parts (issue 5, seed 002 "How it works" steps 1-3):
   JSON of the parsed array, key order and tool order kept, because the template renders them as
   given) plus the first system message cut at the first *volatile marker* (``DEFAULT_MARKERS``;
   configuration, not code). Everything after the marker changes per folder, day, model alias, MCP
-  or skills set and must never be part of a fingerprint (seed 002 step 2). A system prompt in which
+  or skills set and must never be part of a fingerprint (docs/architecture.md §3). A system prompt in which
   no marker occurs is an unknown layout: ``None`` (fail open, the request is forwarded as is).
 * ``identity(...)`` - what makes a KV state reusable apart from the tokens: the GGUF file identity,
-  the server build, the chat template and the state-shaping launch flags. Seed 002's stated gap
-  was that its fingerprint covered neither the template nor the flags; this one covers both.
+  the server build, the chat template and the state-shaping launch flags (a state restored under
+  another template or other flags would not match the tokens' meaning, docs/llama-server.md §6).
 
 ``fingerprint(head, identity)`` combines both into 16 hex chars. All hashing is xxhash (xxh3).
 """
@@ -51,7 +51,7 @@ DEFAULT_MARKERS: tuple[str, ...] = (
     "<env>",
     # opencode: AGENTS.md blocks (global first), each "Instructions from: <abs path>".
     "Instructions from:",
-    # opencode: MCP server instructions; mutates every turn (seed 002 step 2).
+    # opencode: MCP server instructions; mutates every turn (tests/test_fingerprint.py).
     "<mcp_instructions>",
     # opencode: the skills block ("Skills provide specialized instructions ..." / <available_skills>).
     "Skills provide",
@@ -575,7 +575,7 @@ def state_flags(argv: Sequence[str] | None = None, props: Mapping | None = None,
 
     * ``argv``: the launch command line (when ocache launched the server), via ``parse_server_flags``;
     * ``config``: values from ocache's configuration for an external server (override argv; /props
-      does not expose launch flags, notes/llama-server-api.md §5);
+      does not expose launch flags, docs/llama-server.md §16);
     * ``props``: ``/props`` -> ``n_ctx_slot`` = ``default_generation_settings.n_ctx`` (per-slot
       context, server-context.cpp:4008-4016) and ``total_slots`` (the resolved ``-np``).
     """

@@ -84,7 +84,7 @@ class Observation:
 
     ``timings``: llama-server's ``timings`` object (``prompt_n``, ``cache_n``, ``prompt_ms``,
     ``predicted_n``, ... in tokens and milliseconds; top-level in a non-streamed response, on the
-    last SSE chunk that carries it in a stream; notes/llama-server-api.md §2.4). ``ttft_s``: seconds
+    last SSE chunk that carries it in a stream; docs/llama-server.md §12). ``ttft_s``: seconds
     from request receipt to the first response byte relayed to the client. ``total_s``: seconds
     from receipt to the end of the response. ``completed``: the whole response was relayed (False
     when the client disconnected or the upstream failed mid-response). ``content``: the assistant

@@ -1,4 +1,4 @@
-"""``ocache cache ls|gc|clear``: look after the store offline (issue 6 §5).
+"""``ocache cache ls|gc|clear``: look after the store offline (README "Commands").
 
 These commands work on the files directly (``ocache.tiers.store``), without a running ocache:
 

@@ -16,14 +16,14 @@ Weights are random (a fixed seed per tensor, so a given spec gives byte-identica
 matrix is drawn with stdev ``1/sqrt(fan_in)``: with one small stdev everywhere the residual stream
 is dominated by the current token's embedding and greedy decoding just repeats the last token,
 so output would not depend on the context and a broken cache would look like a working one
-(``shared/notes/measured-baseline.md``, "Model generation facts"). The token embedding is tied to
+(``docs/decisions.md`` D4). The token embedding is tied to
 the output (no ``output.weight``) and kept small (stdev ``EMBD_STD``) so the layers' outputs, which
 depend on the whole prompt, dominate the logits; the Q/K norm weights (``ModelSpec.qk_norm``) make
 attention peaked, so a change in the first tokens of a 7k-token prompt still changes the greedy
 continuation (``tests/test_models.py::test_greedy_output_depends_on_early_context``).
 
 Tensor shapes follow the loaders: ``src/models/qwen3.cpp`` and ``src/models/qwen35.cpp``
-(``load_arch_tensors``). Traps (same notes): a delta-net layer without ``attn_qkv``/``attn_gate``
+(``load_arch_tensors``). Traps (found while writing this generator; each file is loaded by a test): a delta-net layer without ``attn_qkv``/``attn_gate``
 segfaults at load (the loader marks them optional), ``ssm.inner_size`` must equal
 ``ssm.state_size * ssm.time_step_rank`` (``head_v_dim = d_inner / num_v_heads`` in the graph vs
 ``ssm_d_state`` in the loader) and ``ssm_conv1d`` must be F32 (F16 aborts in ``ggml_ssm_conv``).
@@ -147,7 +147,7 @@ class ModelSpec:
 
 #: The presets. ``tiny``: fast tests (loads in well under a second, prefills thousands of tokens a
 #: second on one thread). ``bench``: a 16k-token prefill takes tens of seconds on 2 cores, so
-#: cache effects are visible (shapes of shared/notes/measured-baseline.md: n_embd 1024, 8 layers,
+#: cache effects are visible (n_embd 1024, 8 layers,
 #: 2 KV heads of 128, hybrid = 6 delta-net + 2 attention layers).
 PRESETS: dict[str, dict[str, ModelSpec]] = {
     "tiny": {

@@ -9,9 +9,9 @@ server always evaluates one prompt token to get logits, ``llama-server-api.md`` 
 
 On a hybrid (recurrent) model a cached state can only be resumed at a position where a state was
 kept: the end of a source (its state existed when the server finished it) or a context
-checkpoint, and the server cuts checkpoints at ubatch boundaries (notes §3.1; seed 002
-"How --checkpoint-min-step and -ub decide how much is cacheable": "rounded down to a ubatch
-boundary"). So for a source the new prompt diverges *inside*, the reuse is rounded down to a
+checkpoint, and the server cuts checkpoints at ubatch boundaries (docs/llama-server.md §14,
+§15: a resume point is a checkpoint, and checkpoints sit where a batch starts). So for a source
+the new prompt diverges *inside*, the reuse is rounded down to a
 multiple of ``grid`` (the server's ``-ub``); a prompt that strictly extends a whole source reuses
 all of it. Dense models (``grid=None``) can truncate their KV cache at any position.
 

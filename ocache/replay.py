@@ -41,7 +41,7 @@ client's ``max_tokens``/``max_completion_tokens``/``n_predict`` replaced by the 
 :func:`measure` then takes the replayed requests and, directly on the llama-server: renders and
 tokenizes each prompt with the server's own template and tokenizer (``/apply-template`` +
 ``/tokenize``, or ``ocache.tokens.TokenViewer`` when present), runs each distinct request once
-more **cold** (``cache_prompt: false``: a fresh prefill, notes/llama-server-api.md §2.1, §2.3) to
+more **cold** (``cache_prompt: false``: a fresh prefill, docs/llama-server.md §8, §11) to
 get the reference greedy output, its generated token ids (``return_tokens`` + ``verbose``) and a
 cold TTFT, and computes the oracle (:mod:`ocache.oracle`) over the stream.
 """
@@ -705,7 +705,7 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
 async def prompt_tokens(http: aiohttp.ClientSession, base_url: str, path: str, body: dict,
                         viewer: Any = None) -> list[int]:
     """The token ids llama-server prefills for ``body``: its own chat template (``/apply-template``)
-    then ``/tokenize`` with ``add_special`` and ``parse_special`` (notes §2.1); for ``/completion``
+    then ``/tokenize`` with ``add_special`` and ``parse_special`` (docs/llama-server.md §8); for ``/completion``
     routes the ``prompt`` field (a string or token ids). Uses ``viewer.view(path, body, None)`` when
     a ``TokenViewer`` is given. Raises ReplayError on an HTTP error."""
     if viewer is not None:

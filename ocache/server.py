@@ -1,9 +1,9 @@
 """Run a llama-server child process: used by the test harness, benchmarks and ``serve --launch``.
 
 The server is started with explicit flags (nothing the cache depends on is left to defaults that
-nothing reports back, ``shared/notes/llama-server-api.md`` §8), on a loopback port, and is stopped
+nothing reports back, ``docs/llama-server.md`` §16), on a loopback port, and is stopped
 by PID. ``wait_ready`` polls ``/health`` until it answers 200 (while the model loads every route
-answers 503 "Loading model", notes §5).
+answers 503 "Loading model", docs/llama-server.md §16).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ class LlamaServer:
     """One llama-server process.
 
     ``args`` are extra command-line flags appended after the ones built here. ``n_parallel`` is ``-np``
-    (explicit, so the KV is non-unified per slot, notes §2.2); ``ctx_size`` is the *total* context in
+    (explicit, so the KV is non-unified per slot, docs/llama-server.md §9); ``ctx_size`` is the *total* context in
     tokens (``-c``; each slot gets ``ctx_size / n_parallel``). ``threads`` defaults to 1: on a 2-core
-    machine a second busy process makes ``-t 2`` collapse (``notes/measured-baseline.md``).
+    machine a second busy process makes ``-t 2`` collapse (``docs/decisions.md`` D6).
     """
 
     binary: Path

@@ -1,23 +1,23 @@
 """The slot table: what each llama-server slot holds, and every slot HTTP call ocache makes.
 
-llama-server reuses a prompt only against the slot it lands on (``shared/notes/llama-server-api.md``
-§2.2-2.3, cited below as "notes"), so ocache keeps its own belief of every slot:
+llama-server reuses a prompt only against the slot it lands on (``docs/llama-server.md``
+§9-§11; the § numbers below refer to that file), so ocache keeps its own belief of every slot:
 
 * ``tokens``: the prompt token ids ocache last sent to the slot (or warmed/restored into it). The
-  server holds these plus the generated tokens minus the last one (notes §1.5); ocache never sees
+  server holds these plus the generated tokens minus the last one (docs/llama-server.md §7); ocache never sees
   the generated ids, so they are only counted (``n_total``).
-* ``n_total``: tokens the server says the slot holds (``GET /slots`` ``n_prompt_tokens``, notes
-  §1.2) or ``len(prompt) + predicted_n - 1`` from a response's ``timings``; ``None`` = unknown
+* ``n_total``: tokens the server says the slot holds (``GET /slots`` ``n_prompt_tokens``,
+  docs/llama-server.md §4) or ``len(prompt) + predicted_n - 1`` from a response's ``timings``; ``None`` = unknown
   (a restored slot reports no ``n_prompt_tokens`` at all: unknown, not 0).
 * ``checkpoints``: the *predicted* context-checkpoint positions of a hybrid/recurrent model,
-  simulated with the server's own placement rules (notes §3.1, server-context.cpp:3501-3616 and
+  simulated with the server's own placement rules (docs/llama-server.md §14, server-context.cpp:3501-3616 and
   ``create_checkpoint`` :2290-2354). They decide how much of a slot a diverging prompt can reuse
-  (notes §3.2). The server never reports them; the prediction is checked against every response's
+  (docs/llama-server.md §15). The server never reports them; the prediction is checked against every response's
   ``cache_n`` by the cache layer.
 * owner session key, request kind (agent / guest / other / head), last use, one ``asyncio.Lock``.
 
 Only a slot whose lock ocache holds is ever pinned with ``id_slot`` (a pinned *busy* slot with the
-RAM cache on can be overwritten by the server, notes §2.2 "Hazard"). The table is reconciled with
+RAM cache on can be overwritten by the server, docs/llama-server.md §9 "Hazard"). The table is reconciled with
 ``GET /slots`` and voided on a new upstream epoch (a restart empties every slot).
 
 The pure functions (``common_prefix``, ``predict_reuse``, ``simulate_prefill``) carry the model of
@@ -69,7 +69,7 @@ class SlotError(RuntimeError):
 
 
 class SlotNotSupported(SlotError):
-    """501: the server runs without ``--slot-save-path`` (save/restore/erase are off, notes §1.1)
+    """501: the server runs without ``--slot-save-path`` (save/restore/erase are off, docs/llama-server.md §3)
     or without the ``/slots`` endpoint (``--no-slots``)."""
 
 
@@ -79,7 +79,7 @@ class SlotBusy(SlotError):
 
 class SlotFileError(SlotError):
     """400 on save/restore: invalid filename, or the file could not be restored (missing, corrupt,
-    another model, does not fit). **After a failed restore the slot is erased** (notes §1.3)."""
+    another model, does not fit). **After a failed restore the slot is erased** (docs/llama-server.md §5)."""
 
 
 class SlotInvalid(SlotError):
@@ -91,7 +91,7 @@ class UpstreamError(SlotError):
 
 
 def error_from_response(status: int, body: Any, slot: int | None, what: str) -> SlotError:
-    """Map a llama-server error response to the matching ``SlotError`` subclass (notes §1.3 table)."""
+    """Map a llama-server error response to the matching ``SlotError`` subclass (docs/llama-server.md §5 table)."""
     err = body.get("error") if isinstance(body, dict) else None
     msg = (err or {}).get("message") if isinstance(err, dict) else None
     typ = (err or {}).get("type") if isinstance(err, dict) else None
@@ -114,14 +114,14 @@ def error_from_response(status: int, body: Any, slot: int | None, what: str) -> 
 @dataclass(frozen=True)
 class ServerParams:
     """The llama-server settings that shape reuse. Launch flags are not reported by the server
-    (notes §5), so they come from the launch argv (``params_from_argv``) and ``/props``/``/slots``.
+    (docs/llama-server.md §16), so they come from the launch argv (``params_from_argv``) and ``/props``/``/slots``.
 
     ``n_batch``/``n_ubatch``: ``-b``/``-ub`` in tokens (checkpoints land on batch breaks; resume
     granularity is one ubatch). ``ctx_checkpoints``/``checkpoint_min_step``: ``--ctx-checkpoints`` /
     ``--checkpoint-min-step`` (defaults 32 / 8192, common/arg.cpp:1697-1714). ``checkpoints``:
     whether the model resumes from checkpoints (recurrent/hybrid arch); ``None`` = unknown.
     ``cache_ram``: ``--cache-ram`` MiB (0 = off; otherwise a pinned slot may be swapped with a RAM
-    entry, notes §2.2 step 4). ``n_slots``/``n_ctx_slot``: from ``/slots``.
+    entry, docs/llama-server.md §9 step 4). ``n_slots``/``n_ctx_slot``: from ``/slots``.
     """
 
     n_slots: int = 1
@@ -230,7 +230,7 @@ def params_from_argv(argv: Sequence[str] | None, props: Mapping | None = None,
         if flags["n_parallel"] > 0:
             kw.setdefault("kv_unified", False)
     elif argv is not None:
-        # -np unset ("auto") => 4 slots with a unified KV (server.cpp:156-161, notes §2.2)
+        # -np unset ("auto") => 4 slots with a unified KV (server.cpp:156-161, docs/llama-server.md §9)
         kw["n_parallel_explicit"] = False
         kw.setdefault("kv_unified", True)
     if "n_ubatch" in kw and "n_batch" not in kw:
@@ -330,7 +330,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 @dataclass(frozen=True)
 class Checkpoint:
     """A predicted context checkpoint: the state after the first ``n_tokens`` tokens
-    (pos_min = pos_max = n_tokens - 1 for a hybrid model, notes §3.2). ``task``: ocache's id of the
+    (pos_min = pos_max = n_tokens - 1 for a hybrid model, docs/llama-server.md §15). ``task``: ocache's id of the
     request that created it (the server evicts other tasks' close checkpoints first, :2298-2311)."""
 
     n_tokens: int
@@ -366,7 +366,7 @@ def predict_reuse(slot_tokens: Sequence[int], n_total: int | None, checkpoints: 
     to ``n_total`` tokens in all; None = unknown length ≥ ``len(slot_tokens)``), and the checkpoint
     list the request's prefill leaves behind.
 
-    Rules (server-context.cpp:3196-3395, notes §2.3, §3.2):
+    Rules (server-context.cpp:3196-3395, docs/llama-server.md §11, §15):
     * ``n_past = LCP(slot, new)``; the unknown tail is assumed not to match (``upper`` allows it);
     * hybrid/recurrent (``params.checkpoints``): if the prompt diverges inside the slot
       (``n_past < slot size``) or is identical, resume from the newest checkpoint with
@@ -375,7 +375,7 @@ def predict_reuse(slot_tokens: Sequence[int], n_total: int | None, checkpoints: 
     * checkpoints beyond the resume point are erased;
     * at least one token is evaluated: an identical prompt gives ``N - 1`` [TAG_PROMPT_LOGITS].
     ``ram_swap``: the server may swap in a RAM-cache entry (``--cache-ram`` on and the slot's
-    ``f_keep < 0.5``, notes §2.2 step 4): ``upper`` becomes ``N - 1``.
+    ``f_keep < 0.5``, docs/llama-server.md §9 step 4): ``upper`` becomes ``N - 1``.
     """
     N = len(new_tokens)
     held = len(slot_tokens)
@@ -633,7 +633,7 @@ class SlotTable:
         return out
 
     def reset_all(self, epoch: Any = None) -> None:
-        """A new upstream process: every slot is empty (notes §5 restart detection)."""
+        """A new upstream process: every slot is empty (docs/llama-server.md §16 restart detection)."""
         for s in self.slots:
             s.clear()
         self.epoch = epoch
@@ -665,7 +665,7 @@ class SlotTable:
         raise AssertionError("unreachable")
 
     async def fetch_slots(self) -> list[dict]:
-        """``GET /slots`` (notes §1.2). Raises SlotNotSupported (501, ``--no-slots``) or UpstreamError."""
+        """``GET /slots`` (docs/llama-server.md §4). Raises SlotNotSupported (501, ``--no-slots``) or UpstreamError."""
         status, body = await self._request("GET", "/slots", what="GET /slots")
         if status != 200 or not isinstance(body, list):
             raise error_from_response(status, body, None, "GET /slots")
@@ -713,7 +713,7 @@ class SlotTable:
         return restarted
 
     def reconcile_one(self, st: SlotState, entry: Mapping) -> None:
-        """Reconcile one idle slot's belief with its ``GET /slots`` entry (notes §1.2 caveats)."""
+        """Reconcile one idle slot's belief with its ``GET /slots`` entry (docs/llama-server.md §4 caveats)."""
         if entry.get("is_processing"):
             self.counters["foreign_busy"] += 1
             st.unknown(None)
@@ -765,7 +765,7 @@ class SlotTable:
 
     async def save(self, slot: int, filename: str) -> dict:
         """``POST /slots/{slot}?action=save`` -> ``{"n_saved": tokens, "n_written": bytes, ...}``
-        (notes §1.3). Does not change what the slot holds. Raises SlotNotSupported (no
+        (docs/llama-server.md §5). Does not change what the slot holds. Raises SlotNotSupported (no
         ``--slot-save-path``), SlotFileError, UpstreamError."""
         self._check_filename(filename)
         return await self._slot_action(slot, "save", {"filename": filename})
@@ -777,8 +777,8 @@ class SlotTable:
         ``tokens``: the token ids the file holds (the caller knows them from its index or the file
         header), recorded as the slot's content; ``checkpoints``: the checkpoints the slot had when
         the file was saved; the patched server's sidecar restores the newest ``n_checkpoints`` of
-        them, a stock build none (notes §1.4). On failure a stock server has erased the slot
-        (notes §1.3), the patched pre-check leaves it untouched; the table follows ``GET /slots``.
+        them, a stock build none (docs/llama-server.md §6). On failure a stock server has erased the slot
+        (docs/llama-server.md §5), the patched pre-check leaves it untouched; the table follows ``GET /slots``.
         """
         self._check_filename(filename)
         st = self.slots[slot]
@@ -802,7 +802,7 @@ class SlotTable:
             st.tokens = list(tokens)
             st.n_total = n
             # the patched build reports how many checkpoints its sidecar brought back (the newest
-            # ones); a stock build restores none (notes §1.4)
+            # ones); a stock build restores none (docs/llama-server.md §6)
             n_ck = data.get("n_checkpoints")
             ck = list(checkpoints or [])
             st.checkpoints = (ck[-int(n_ck):] if n_ck else []) if n_ck is not None else []
@@ -821,7 +821,7 @@ class SlotTable:
                    user_starts: Sequence[int] = ()) -> dict:
         """Prefill ``tokens`` into ``slot`` without generating: ``POST /completion`` with the token ids
         as prompt, ``n_predict: 0``, ``id_slot`` pinned, ``cache_prompt: true``. The server samples
-        one token but never decodes it, so the slot then holds exactly ``tokens`` (notes §2.5).
+        one token but never decodes it, so the slot then holds exactly ``tokens`` (docs/llama-server.md §13).
 
         Returns the response's ``timings`` (``cache_n``/``prompt_n`` tokens, ``prompt_ms``).
         Raises UpstreamError (e.g. 400 ``exceed_context_size_error``) with the slot left as the

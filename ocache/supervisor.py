@@ -8,7 +8,7 @@ stops it on shutdown (SIGTERM to its process group, SIGKILL after ``stop_timeout
 The binary is ``Config.launch_binary`` if set, else the first argument if it is an executable file
 (``--launch -- /path/llama-server -m ...``), else the patched engine build (``ocache.engine.find``).
 ``--metrics`` is added when absent so that restart detection can read the boot id
-(shared/notes/llama-server-api.md §5).
+(docs/llama-server.md §5).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 it is reachable, and which *process* it is (the epoch).
 
 Restart detection uses what the server itself reports, never timing guesses
-(shared/notes/llama-server-api.md §5):
+(docs/llama-server.md §5):
 
 * ``/metrics`` response header ``Process-Start-Time-Unix`` (server-context.cpp, handle_metrics):
   despite its name it is ``ggml_time_us()`` at init (CLOCK_MONOTONIC µs), an opaque boot id that

@@ -1,4 +1,4 @@
-"""``ocache warm DIR``: put a project folder's head into a slot before its first turn (issue 6 §5).
+"""``ocache warm DIR``: put a project folder's head into a slot before its first turn (README "Commands").
 
 The *folder head* is everything an agent's first request in that folder shares with the next one:
 tools + the whole system message (harness head, ``<env>`` with the folder and date, AGENTS.md

@@ -94,3 +94,15 @@ def start_server(tmp_path, engine_patched, models_tiny, request):
     yield _start
     for srv in started:
         srv.stop()
+
+
+#: Fixtures that build the engine or start llama-server. A test that uses one of them, directly
+#: or through another fixture, is marked ``server`` here, so ``pytest -m "not server"`` runs the
+#: tests that need no server (planner, tiers and store against fakes, config, parsers).
+SERVER_FIXTURES = frozenset({"engine_patched", "engine_stock", "start_server"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)

@@ -6,7 +6,7 @@ at ocache. The tiny generated model answers random text, so each run is one agen
 opencode's title request) and the client stops; what matters is the requests it sent and how much
 of each prompt llama-server found cached.
 
-Per issue 8 item 5: two runs in one project folder and one in another; the second and third runs'
+The README "Measured" row for opencode: two runs in one project folder and one in another; the second and third runs'
 agent turns must be served from the warm harness head: ``cache_n >= head tokens - one ubatch``.
 The head size is computed here independently of the cache layer, with the fingerprint module's
 ``harness_head`` and the token view (``/apply-template`` + ``/tokenize`` of the same server).
@@ -250,7 +250,7 @@ def _opencode_runs(opencode_bin: Path, proxy: OcacheProcess, tmp_path: Path, fol
 @pytest.mark.server
 @pytest.mark.slow
 def test_opencode_runs_are_served_from_the_warm_head(opencode_bin, stack, tmp_path):
-    """Issue 8.5: run 1 in folder A (cold), run 2 in A, run 3 in folder B: runs 2 and 3 reuse the
+    """The README "Measured" opencode row: run 1 in folder A (cold), run 2 in A, run 3 in folder B: runs 2 and 3 reuse the
     harness head (tools + base system prompt)."""
     srv, proxy = stack
     runs, records = _opencode_runs(opencode_bin, proxy, tmp_path, ["proj-a", "proj-a", "proj-b"])
@@ -414,7 +414,7 @@ def _prompt_tokens_total(url: str) -> float:
 @pytest.mark.slow
 def test_an_everyday_opencode_day_prefills_no_more_than_the_server_alone(opencode_bin, start_server,
                                                                          tmp_path):
-    """Issue "Never worse than llama-server alone": three ``opencode run`` in one folder (each with
+    """Never worse than llama-server alone: three ``opencode run`` in one folder (each with
     its title request) and one in another, through ocache and, side by side, through ``ocache
     serve --no-cache`` (the server alone: forwarded untouched) on a second identical server. The
     server's own prefill counter with ocache (its warm-ups and split prefills included) is at most

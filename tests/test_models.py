@@ -281,7 +281,7 @@ def _tokens(srv: LlamaServer, text: str) -> list[int]:
 @pytest.mark.parametrize("kind", models.KINDS)
 def test_greedy_output_depends_on_early_context(servers, kind):
     """Prompts of ~3,000 tokens that differ only in their first words continue differently (the
-    weight-scaling trap of measured-baseline.md: otherwise a broken cache looks like a working
+    weight-scaling trap of docs/decisions.md D4: otherwise a broken cache looks like a working
     one), while the same prompt repeats exactly (greedy is deterministic)."""
     srv = servers(kind)
     body = load_fixture("opencode_agent_turn1.json")

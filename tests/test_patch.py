@@ -5,7 +5,7 @@ Each test runs the same requests on the patched and the unpatched build of the p
 
 * 0001 (checkpoint sidecar): ``action=save`` writes the slot's context checkpoints to
   ``<file>.ckpt``, ``action=restore`` rebuilds them, so a restored hybrid slot resumes a prompt that
-  diverges inside the saved tokens (stock: full prefill, ``shared/notes/llama-server-api.md`` §3.2).
+  diverges inside the saved tokens (stock: full prefill, ``docs/llama-server.md`` §15).
   Bad sidecars are dropped, the restore is still served.
 * 0002 (restore pre-check): a restore of a missing or foreign file leaves the slot as it was.
 
@@ -36,7 +36,7 @@ from conftest import load_fixture
 
 pytestmark = [pytest.mark.server]
 
-#: Server flags: several checkpoints on a few-thousand-token prompt (notes §3.1: near-end checkpoints
+#: Server flags: several checkpoints on a few-thousand-token prompt (docs/llama-server.md §14: near-end checkpoints
 #: at N-4-ubatch and N-4 per turn; min-step only thins a full list).
 SRV = dict(ctx_size=8192, ubatch=128, batch=512, ctx_checkpoints=32, checkpoint_min_step=256)
 UBATCH = SRV["ubatch"]
@@ -91,7 +91,7 @@ def healthy(srv: LlamaServer) -> bool:
 
 
 def slot_tokens(srv: LlamaServer) -> int:
-    """Tokens slot 0 holds now (``/slots`` ``n_prompt_tokens``; absent for a never-used slot, notes §1.2)."""
+    """Tokens slot 0 holds now (``/slots`` ``n_prompt_tokens``; absent for a never-used slot, docs/llama-server.md §4)."""
     return ok(srv, "/slots")[0].get("n_prompt_tokens", 0)
 
 
@@ -137,7 +137,7 @@ def diverging(corpus: list[int], at: int, n_new: int = 100) -> list[int]:
 def build_conversation(srv: LlamaServer, corpus: list[int]) -> list[int]:
     """Grow slot 0 through TURNS (each turn strictly extends the last); return the final prompt.
 
-    ``n_predict: 0`` leaves exactly the prompt in the slot (notes §2.5).
+    ``n_predict: 0`` leaves exactly the prompt in the slot (docs/llama-server.md §13).
     """
     for n in TURNS:
         res = complete(srv, corpus[:n])
@@ -183,7 +183,7 @@ def parse_sidecar(data: bytes) -> Sidecar:
 
 
 def slot_file_tokens(path: Path) -> list[int]:
-    """Token ids of a slot file (notes §1.4: 12-byte header, then -1, 1, n_tokens, tokens, n_media)."""
+    """Token ids of a slot file (docs/llama-server.md §6: 12-byte header, then -1, 1, n_tokens, tokens, n_media)."""
     data = path.read_bytes()
     magic, version, n_words = struct.unpack_from("<III", data, 0)
     words = struct.unpack_from(f"<{n_words}i", data, 12)
@@ -192,7 +192,7 @@ def slot_file_tokens(path: Path) -> list[int]:
 
 
 def resume_point(sc: Sidecar, lcp: int) -> int:
-    """Where a hybrid slot resumes for a prompt sharing ``lcp`` tokens inside it (notes §3.2)."""
+    """Where a hybrid slot resumes for a prompt sharing ``lcp`` tokens inside it (docs/llama-server.md §15)."""
     return max((e["n_tokens"] for e in sc.entries if e["n_tokens"] <= lcp), default=0)
 
 
@@ -260,7 +260,7 @@ def test_restore_resumes_extension_identical_and_divergent(start_server, corpus,
     assert "saved %d tokens and %d context checkpoints" % (N_PROMPT, len(sc.entries)) in \
         (tmp_path / "server1.log").read_text()
 
-    # a strict extension reuses the restored tokens on both builds (notes/measured-baseline.md)
+    # a strict extension reuses the restored tokens on both builds (docs/llama-server.md §15)
     for r in (stock, patched):
         assert r["extend"]["cache_n"] >= N_PROMPT - UBATCH
     # an identical resend: stock re-prefills everything, patched resumes at the newest checkpoint < N

@@ -475,7 +475,7 @@ async def test_other_routes_forwarded(real):
                              ("POST", "/tokenize", {"json": {"content": "hello world",
                                                               "with_pieces": True}}),
                              ("GET", "/no/such/route", {}),
-                             # a save without a filename: llama-server answers 500 (notes §1.3)
+                             # a save without a filename: llama-server answers 500 (docs/llama-server.md §5)
                              ("POST", "/slots/0?action=save", {"json": {}}),
                              ("POST", "/slots/0?action=nonsense", {"json": {}})]:
         (ds, _, draw), (ps, ph, praw) = await both(c, srv.url, base, method, path, **kw)

@@ -12,7 +12,7 @@ make "within one ubatch" a tight bound on these ~7k-token prompts), ``-b 512``,
 ``--ctx-checkpoints 32 --checkpoint-min-step 256`` (the tiny conversations are a few thousand
 tokens: the default 8192-token spacing would leave no checkpoint at user messages at all), 16k
 tokens per slot (the opencode agent turn renders to ~7k tokens), ``--cache-ram 0`` (the RAM cache
-would swap entries into pinned slots and blur the prediction, notes §2.2), ``max_tokens`` 8
+would swap entries into pinned slots and blur the prediction, docs/llama-server.md §9), ``max_tokens`` 8
 (generation is irrelevant here and slow on one thread).
 """
 
@@ -284,7 +284,7 @@ async def test_hybrid_one_slot_turns_prefill_only_new_tokens_c1(start_server):
 @pytest.mark.parametrize("model", MODELS)
 async def test_slot_calls_on_the_real_server(start_server, model, tmp_path):
     """warm puts exactly the given tokens into a slot; save/restore/erase map errors to exceptions
-    and keep the table true (a failed restore erases the slot, notes §1.3)."""
+    and keep the table true (a failed restore erases the slot, docs/llama-server.md §5)."""
     srv = start_server(model, n_parallel=2, ctx_size=2 * 8192, **SERVER)
     tokens = (await n_tokens(srv.url, "opencode_title.json"))
     async with aiohttp.ClientSession() as s:
@@ -388,7 +388,7 @@ async def test_restart_voids_the_table(start_server, model):
         again = await c.fixture("opencode_agent_turn1.json")
         heads = c.layer.head_tier.heads
         head_len = len(next(iter(heads.values())).tokens)
-        # the head file (head tier) or a longer anchor of the same prompt (disk tier, issue 6)
+        # the head file (head tier) or a longer anchor of the same prompt (disk tier)
         assert again["tier"] in ("head", "disk") and again["timings"]["cache_n"] >= head_len
         c.assert_predictions()
 

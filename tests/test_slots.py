@@ -41,11 +41,11 @@ def test_common_prefix_matches_naive(n, cut):
     assert common_prefix(a, a[:cut]) == cut
 
 
-# --- checkpoint placement (notes §3.1) ----------------------------------------------------------
+# --- checkpoint placement (docs/llama-server.md §14) -------------------------------------------
 
 def test_cold_prefill_checkpoints_land_before_the_end():
-    # notes §3.1: "N=10000, n_batch=2048, n_ubatch=512, no spans, cold slot gives checkpoints at
-    # 9484 and 9996"
+    # docs/llama-server.md §14: a cold 10,000-token prompt, -b 2048 -ub 512, no user-turn marks:
+    # checkpoints after 9,484 and 9,996 tokens
     cps = simulate_prefill([], 0, 10000, (), HYBRID, task=1)
     assert [c.n_tokens for c in cps] == [9484, 9996]
 
@@ -112,7 +112,7 @@ def test_checkpoint_list_is_capped():
     assert cps[-1].n_tokens == 1996
 
 
-# --- reuse prediction (notes §2.3, §3.2) ----------------------------------------------------------
+# --- reuse prediction (docs/llama-server.md §11, §15) ------------------------------------------
 
 def test_dense_rules():
     a = toks(1000)
@@ -216,7 +216,7 @@ def test_errors_map_to_exceptions():
         SlotTable._check_filename("../etc")
 
 
-# --- reconciliation with GET /slots (notes §1.2 caveats) -------------------------------------------
+# --- reconciliation with GET /slots (docs/llama-server.md §4) ----------------------------------
 
 def test_reconcile():
     t = SlotTable(None, "http://x", DENSE)

@@ -1,6 +1,6 @@
 """Unit tests of the content-addressed store (ocache/tiers/store.py): no server needed.
 
-Slot files are written here in llama-server's own layout (notes §1.4: magic, version, n_words, then
+Slot files are written here in llama-server's own layout (docs/llama-server.md §6: magic, version, n_words, then
 the packed token list at byte 24, then state bytes), so the store's header checks run on the format
 the real server produces; the integration tests in test_disk_tier.py use real server files.
 """
@@ -32,7 +32,7 @@ class Clock:
 
 
 def write_slot_file(path: Path, tokens: list[int], state_bytes: int, seed: int = 0) -> None:
-    """A file in llama-server's slot save layout (notes §1.4) with random state bytes."""
+    """A file in llama-server's slot save layout (docs/llama-server.md §6) with random state bytes."""
     words = [-1, 1, len(tokens), *tokens, 0]
     head = struct.pack("<III", st.SLOT_MAGIC, 3, len(words)) + struct.pack(f"<{len(words)}i", *words)
     path.write_bytes(head + random.Random(seed).randbytes(state_bytes))

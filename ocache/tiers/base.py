@@ -4,8 +4,8 @@ A tier answers one question before a request (``lookup``: how many leading token
 can I put into a slot, and at what cost), does one thing when chosen (``bring``: make it
 resident), and gets three callbacks around the request's life: ``admit`` after it (decide what to
 keep), ``before_evict`` before a slot's conversation is replaced (the session tier spills it
-there), ``evict`` when the store needs bytes. The shape follows
-``shared/notes/architecture.md`` ("Tier interface") and the lead's interface note.
+there), ``evict`` when the store needs bytes. How to add a tier:
+``docs/architecture.md`` §4.
 
 The resident tier (``ocache.tiers.resident``) is the server's slots themselves: its ``bring`` is a
 no-op and its ``lookup`` is the routing decision. The disk and session tiers plug into the same
@@ -52,7 +52,7 @@ class Tier(Protocol):
 
     async def bring(self, offer: Offer, slot: int) -> None:
         """Make ``offer`` resident in ``slot`` (the caller holds the slot's lock). Raises on failure;
-        the slot must then be treated as cold (a failed restore erases it, notes §1.3)."""
+        the slot must then be treated as cold (a failed restore erases it, docs/llama-server.md §5)."""
         ...
 
     async def admit(self, view: Any, slot: int, obs: Any) -> None:

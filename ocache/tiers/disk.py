@@ -1,4 +1,4 @@
-"""The disk tier: prefix *anchors* on local disk that survive restarts (issue 6, seed 000 §13.7).
+"""The disk tier: prefix *anchors* on local disk that survive restarts (docs/decisions.md D2).
 
 An anchor is a slot file the (patched) server wrote with ``POST /slots/{id}?action=save`` (plus the
 ``<file>.ckpt`` checkpoint sidecar the patch writes) holding *exactly* a prefix of a prompt, and
@@ -10,15 +10,15 @@ Admission (which prefixes become anchors) is decided *before* the prefill, from 
 * **head**: the stable harness head (``view.head_end`` tokens: tools + system head + template glue)
   of every fingerprint — every new session in any folder parts after it;
 * **session start**: a session's first long request (one user turn) gets an anchor just below where
-  its user message starts — the next session in the same folder parts there (seed 000 §13.7);
+  its user message starts — the next session in the same folder parts there (docs/architecture.md §3);
 * **repeat**: a grid line (multiples of ``grid`` tokens) that was prefilled cold before and is about
   to be prefilled cold again (lines counted by prefix hash after each response, from ``cache_n``).
 
 Prompts shorter than ``min_tokens`` (default 4,096) get nothing. An anchor is written by splitting
 the coming prefill at its line: ``/completion`` of exactly ``tokens[:L]`` with ``n_predict: 0`` in the
-chosen slot (notes §2.5: the slot then holds exactly those tokens), ``action=save`` to a temporary
+chosen slot (docs/llama-server.md §13: the slot then holds exactly those tokens), ``action=save`` to a temporary
 name, then the real request continues from there (it strictly extends the anchor, which is what a
-hybrid model needs, notes §3.2). The prefill work is the same as without the split; the request is
+hybrid model needs, docs/llama-server.md §15). The prefill work is the same as without the split; the request is
 delayed by the save itself (measured: ``stats()["save_s"]``); hashing and the commit run afterwards in
 the background. That is :meth:`DiskTier.prepare`, which the cache layer calls after ``bring`` and
 before forwarding, holding the slot's lock.
@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 
 KIND = "a"
 #: ``message_delimiters`` for raw ``/completion`` warm-ups, so the server places context checkpoints
-#: at user-turn starts as it does on chat routes (notes §2.1, §3.1). ChatML (the Qwen templates).
+#: at user-turn starts as it does on chat routes (docs/llama-server.md §8, §14). ChatML (the Qwen templates).
 USER_DELIMITERS = [{"role": "user", "delimiter": "<|im_start|>user"}]
 
 
@@ -85,7 +85,7 @@ class DiskTierError(RuntimeError):
     """``bring`` failed (verification or the server's restore); the request must go cold.
 
     ``reason``: ``missing``/``size``/``hash``/``identity``/``tokens``/``header``/``record`` (a file
-    check, entry deleted), ``restore`` (the server refused it: the slot was erased, notes §1.3, and
+    check, entry deleted), ``restore`` (the server refused it: the slot was erased, docs/llama-server.md §5, and
     the entry deleted) or ``gone`` (the entry was evicted since ``lookup``)."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
@@ -96,7 +96,7 @@ class DiskTierError(RuntimeError):
 class SlotOps(Protocol):
     """What the disk tier needs from ``ocache.slots`` (the only module that talks to slots).
 
-    Each returns the server's JSON answer (notes §1.3: save → ``n_saved``, ``n_written``,
+    Each returns the server's JSON answer (docs/llama-server.md §5: save → ``n_saved``, ``n_written``,
     ``timings.save_ms``; restore → ``n_restored``, ``n_read``, ``timings.restore_ms``; warm → the
     ``/completion`` answer with ``timings``) and raises on an HTTP error.
     """
@@ -370,7 +370,7 @@ class DiskTier:
 
         ``ctx.resident_usable`` (tokens a resident slot already offers, default 0) must be beaten.
         ``tokens_usable``: the anchor's length when the request extends it, one less when the request
-        is identical (the server re-evaluates the last token, notes §2.3).
+        is identical (the server re-evaluates the last token, docs/llama-server.md §11).
         """
         self.counters["lookups"] += 1
         await asyncio.to_thread(self._check_identity)
@@ -392,7 +392,7 @@ class DiskTier:
 
     async def bring(self, offer: Offer, slot: int) -> None:
         """Verify the anchor, then restore it into ``slot``. Raises DiskTierError (entry deleted;
-        after a server-side failure the slot is empty, notes §1.3)."""
+        after a server-side failure the slot is empty, docs/llama-server.md §5)."""
         ref: AnchorRef = offer.ref
         t0 = time.monotonic()
         try:
@@ -527,13 +527,18 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
     """Build the disk tier from an ``ocache.config.Config``, or None when it cannot work.
 
     The slot-save-path is ``config.tiers["disk"]["slot_save_path"]`` or the ``--slot-save-path`` of
-    ``config.launch``; without one the server cannot save slots (notes §1.1) and the tier is off.
+    ``config.launch``; without one the server cannot save slots (docs/llama-server.md §3) and the tier is off.
     ``identity``: an ``ocache.fingerprint.Identity`` (its ``key``), a key string, or a callable
     returning either (e.g. ``OCacheLayer._ident``: re-read before every lookup/write, so a restarted
     server with another identity sweeps the old entries instead of receiving them). Other settings:
     ``disk_budget_gb``, ``disk_ttl_days``, ``disk_min_tokens`` and ``tiers["disk"]`` keys ``grid``,
     ``free_floor_gb``, ``admit_after``. Opens the store (sweeping other identities' files).
     """
+    tiers = _get(config, "tiers") or {}
+    dcfg = tiers.get("disk", {}) if isinstance(tiers, dict) else {}
+    if isinstance(dcfg, dict) and dcfg.get("enabled") is False:
+        log.info("disk tier off: tiers.disk.enabled is false")
+        return None
     data_dir = _slot_save_path(config)
     if data_dir is None:
         p = _get(_get(slots, "params"), "slot_save_path")
@@ -547,8 +552,6 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
     if not key:
         log.warning("disk tier off: no server identity")
         return None
-    tiers = _get(config, "tiers") or {}
-    dcfg = tiers.get("disk", {}) if isinstance(tiers, dict) else {}
     store = shared_store(store_meta_dir(config), data_dir, key, kind=KIND,
                          kind_budget_bytes=int(float(_get(config, "disk_budget_gb", 50.0)) * 1e9),
                          ttl_s=float(_get(config, "disk_ttl_days", 7.0)) * 86400.0,

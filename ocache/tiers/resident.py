@@ -1,6 +1,6 @@
 """The resident tier: the server's own slots. Routing = choosing which slot a request lands on.
 
-llama-server matches a prompt only against the slot it is given (notes §2.2-2.3), so the cheapest
+llama-server matches a prompt only against the slot it is given (docs/llama-server.md §9, §11), so the cheapest
 cache there is is sending a request to the slot that already holds most of it. For every slot the
 tier predicts the *usable* prefix (``ocache.slots.predict_reuse``: the common prefix, on a hybrid
 model rounded down to a context checkpoint unless the request strictly extends the slot) and ranks
@@ -18,7 +18,7 @@ the slots by what the request gains minus what it destroys:
 
 Ties go to the least recently used slot. Guests (opencode's title request, Open WebUI's title/tags
 requests) therefore land on a side slot when ``-np >= 2`` and never overwrite an agent conversation
-(seed 000 "Guests": "With --parallel N a guest takes an idle side slot first").
+(the guest rule, docs/architecture.md §3).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class SlotChoice:
 
 
 def ram_swap_possible(s: SlotState, lcp: int, n_prompt: int, params: ServerParams) -> bool:
-    """Whether the server may swap a RAM-cache entry into this pinned slot (notes §2.2 step 4:
+    """Whether the server may swap a RAM-cache entry into this pinned slot (docs/llama-server.md §9 step 4:
     ``--cache-ram`` on, slot non-empty, ``f_keep = LCP/len(slot) < 0.5`` or ``f_sim <= sps``)."""
     if not params.cache_ram:
         return False

@@ -1,5 +1,5 @@
 """The session tier: whole conversations spilled to disk before they are lost, restored when they
-come back (issue 7; seed 000 §13.4 "The parked session", §13.8 "Live conversations on the NVMe").
+come back (docs/architecture.md §3; why the server's RAM cache is off instead: docs/decisions.md D1).
 
 The disk tier keeps *heads* (prefixes shared by many sessions). Everything past a session's first
 answer is its own state, and two events throw it away: another session taking its slot (``-np 1``,
@@ -50,14 +50,14 @@ temp name → server write → fsync/hash/header check → rename → record (th
 without a record (a spill killed part way, ``kill -9``) is never served and is swept at the next
 start.
 
-``--cache-ram`` (the engine's own RAM parking, notes §4) — decision
+``--cache-ram`` (the engine's own RAM parking, docs/llama-server.md §10) — decision
     ocache turns it **off** (``--cache-ram 0``) for servers it plans for, and uses this tier for
     parking instead. Reasons: (1) with ``--cache-ram`` on, a request pinned to a *busy* slot can have
-    that slot's in-flight state saved and overwritten by another RAM entry (notes §2.2 "Hazard",
+    that slot's in-flight state saved and overwritten by another RAM entry (docs/llama-server.md §9 "Hazard",
     the reported "one conversation's state handed to another under concurrency"); ocache itself pins
     only slots whose lock it holds, but any request that reaches the server beside ocache reopens
     that path, and with the RAM cache off it does not exist; (2) a pinned request on an empty
-    slot never consults the RAM cache at all (notes §2.2, case C5), so it would not serve ocache's
+    slot never consults the RAM cache at all (docs/llama-server.md §9, "A pinned request on an empty slot"), so it would not serve ocache's
     A/B/A anyway, while an unpinned request's RAM swap makes ``cache_n`` unpredictable for the
     planner; (3) the RAM cache is lost on restart, the spill is not. Measured A/B/A on ``-np 1``
     (``scripts/bench-spill --aba --preset tiny --threads 1``, 2026-11-29, synthetic agent sessions of
@@ -130,7 +130,7 @@ class SpillConfig:
     # 2-3 orders of magnitude less than prefilling it (README "Measured": 16k tokens, bench models,
     # save 0.16-0.23 s vs 56-103 s prefill; tiny models 53 ms vs 30-40 s), so every conversation a
     # client may resume is worth it; below ~1k tokens a prefill is as fast as a save + restore
-    # round trip. Was 16,384: cache-pressure's 8k contexts were then lost (issue "Never worse").
+    # round trip. Was 16,384: cache-pressure's 8k contexts were then lost (docs/decisions.md D3).
     min_tokens: int = 1024
     drain_min_tokens: int = 1024     # planned stop: shortest conversation worth a spill
     ubatch: int = 512                # server -ub: tolerance when confirming a restore by cache_n
@@ -621,7 +621,7 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
     """Build the session tier for ``OCacheLayer``, or None when it cannot or should not work.
 
     Off when ``tiers.session.enabled`` is false, when no ``--slot-save-path`` is known (the server
-    cannot save slots, notes §1.1), without a server identity, or when the store is locked by another
+    cannot save slots, docs/llama-server.md §3), without a server identity, or when the store is locked by another
     process. Settings: ``spill_budget_gb``, ``spill_min_tokens`` and ``tiers.session`` keys
     ``drain_min_tokens``, ``resume``. The store is the one the disk tier uses (``shared_store``).
     """

@@ -8,7 +8,7 @@ What an entry is
 
 Where things live
     * data files: flat in the server's ``--slot-save-path`` (``data_dir``). llama-server refuses a
-      filename with ``/`` (``fs_validate_filename``, common/common.cpp:796-868, notes §1.3), so there
+      filename with ``/`` (``fs_validate_filename``, common/common.cpp:796-868, docs/llama-server.md §5), so there
       are no subdirectories; every name ocache owns starts with ``oc-`` and is built from a content
       hash, never from a client string: ``oc-<kind>-<key>.bin`` (+ ``.ckpt``), where ``key`` is the
       xxh3-128 of (identity key, kind, token ids). Files in ``data_dir`` that do not start with
@@ -17,8 +17,8 @@ Where things live
       source of truth), ``index.json`` (a checksummed summary for a fast start), ``store.json`` (where
       the data files live, for the offline ``ocache cache`` commands) and ``lock`` (one writer).
 
-Atomicity and trust (seed 000 §13.7, seed 002 "a corrupt index.json disables cleanup")
-    * The server writes a slot file in place (not atomically, notes §1.3), so it is asked to write a
+Atomicity and trust (a corrupt or stale index must never decide a deletion)
+    * The server writes a slot file in place (not atomically, docs/llama-server.md §5), so it is asked to write a
       temporary name ``oc-tmp-...``; :meth:`Store.commit` then fsyncs it, hashes it, checks the token
       ids in its header, renames it to the final name, fsyncs the directory, and only then writes the
       record (temp + fsync + rename). The record is the commit point: a file without a record is
@@ -29,10 +29,10 @@ Atomicity and trust (seed 000 §13.7, seed 002 "a corrupt index.json disables cl
       identity, unreadable records) are decided from the files and records themselves, and eviction
       runs only on entries whose record was read and parsed in this process.
     * Before a restore the caller runs :meth:`Store.verify`: every file exists with the recorded size
-      and xxh3, the identity matches, and the token ids in the slot file header (byte 24 on, notes
-      §1.4) equal the record's. A failure deletes the entry (:meth:`Store.delete`) and raises.
+      and xxh3, the identity matches, and the token ids in the slot file header (byte 24 on,
+      docs/llama-server.md §6) equal the record's. A failure deletes the entry (:meth:`Store.delete`) and raises.
 
-Budget and eviction (seed 000 §13.7)
+Budget and eviction (the disk eviction rule, docs/architecture.md §3)
     A byte budget over all entries (in-flight reservations included), a TTL for unused entries and a
     free-space floor on the data file system. When over, entries go in ascending *value*:
     ``(hits + 1) * n_tokens / bytes * 0.5 ** days_unused``.
@@ -70,7 +70,7 @@ TMP_PREFIX = "oc-tmp-"
 CKPT_SUFFIX = ".ckpt"
 CHUNK = 4 << 20
 
-#: Slot file header (notes §1.4, include/llama.h:43-49): u32 magic 'ggsq', u32 version, u32 n_words,
+#: Slot file header (docs/llama-server.md §6, include/llama.h:43-49): u32 magic 'ggsq', u32 version, u32 n_words,
 #: then the packed server_tokens [-1, 1, n_tokens, tokens...] for a text-only slot.
 SLOT_MAGIC = 0x67677371
 TOKENS_OFFSET = 24
@@ -160,7 +160,7 @@ def file_xxh3(path: Path) -> tuple[int, str]:
 def read_slot_tokens(path: Path, limit: int | None = None) -> list[int]:
     """The token ids stored in a llama-server slot file, read from its header only.
 
-    Layout (notes §1.4; tools/server/server-common.cpp:570-590): magic, version, n_words, then
+    Layout (docs/llama-server.md §6; tools/server/server-common.cpp:570-590): magic, version, n_words, then
     ``-1, 1, n_tokens, token[0..n_tokens)``. Raises ValueError for a file that is not a text-only
     slot file of that layout, OSError if it cannot be read. ``limit`` caps how many ids are read.
     """
@@ -290,7 +290,7 @@ class Entry:
         return self.files["bin"].name
 
     def value(self, now: float) -> float:
-        """Eviction value (seed 000 §13.7): (hits + 1) × tokens saved per byte, halved per day unused."""
+        """Eviction value (docs/architecture.md §3): (hits + 1) × tokens saved per byte, halved per day unused."""
         days = max(0.0, now - self.last_used) / DAY_S
         return (self.hits + 1) * self.n_tokens / max(1, self.bytes) * 0.5 ** days
 

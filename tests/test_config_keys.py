@@ -1,0 +1,455 @@
+"""Every config key that ``ocache serve --help-config`` lists has an effect (ocache/config.py).
+
+``test_help_config_keys_all_probed`` reads the key list from the command itself, so a key added to
+``Config`` or ``config.TIER_DOCS`` without a probe here fails. Each probe sets the key to a value other
+than its default and checks what the owning code does with it: the proxy's answers (guard, admin
+routes, body limit, 503 while the upstream is down), what ``serve()`` binds and launches, the tiers
+the factories build (ocache/tiers/disk.py ``make_disk_tier``, ocache/tiers/spill.py
+``make_session_tier``) and the cache layer's options (ocache/cache.py ``OCacheLayer.__init__``).
+No llama-server is needed: the upstream is a closed loopback port (nothing listens there), and the
+tier factories get a slot table stand-in that only carries ``params``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from ocache import config as cfg_mod
+from ocache import proxy as proxy_mod
+from ocache.config import Config
+from ocache.layer import NullLayer
+from ocache.proxy import RUNNER_KWARGS, Proxy
+from ocache.server import free_port
+
+IDENTITY = "test-identity-0123456789abcdef"
+
+
+def _closed_upstream() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # free = nothing listens: the upstream is down
+
+
+@asynccontextmanager
+async def _proxy(**kw):
+    """A Proxy with the NullLayer on a free loopback port; yields (base_url, proxy)."""
+    kw.setdefault("upstream", _closed_upstream())
+    proxy = Proxy(Config(**kw), layer_factory=NullLayer, monitor=False)
+    server = TestServer(proxy.make_app(), host="127.0.0.1")
+    await server.start_server(**RUNNER_KWARGS)
+    try:
+        async with aiohttp.ClientSession() as c:
+            yield f"http://127.0.0.1:{server.port}", proxy, c
+    finally:
+        await server.close()
+
+
+async def _get(c, url, **kw):
+    async with c.get(url, **kw) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def _post(c, url, **kw):
+    async with c.post(url, **kw) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+@asynccontextmanager
+async def _serve(config: Config, **kw):
+    """``proxy.serve(config)`` in a task until the block ends; yields (proxy, port)."""
+    stop = asyncio.Event()
+    got: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(proxy_mod.serve(config, stop=stop, handle_signals=False,
+                                               layer_factory=NullLayer,
+                                               ready=lambda p, port: got.set_result((p, port)), **kw))
+    try:
+        done, _ = await asyncio.wait({task, got}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+        assert got in done, f"serve() did not come up: {task.exception() if task.done() else 'timeout'}"
+        yield got.result()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+def _slots(save_dir: Path | None, n_ubatch: int = 512):
+    """The part of the slot table the tier factories read."""
+    return SimpleNamespace(params=SimpleNamespace(slot_save_path=str(save_dir) if save_dir else None,
+                                                  n_ubatch=n_ubatch))
+
+
+def _disk(tmp_path: Path, **kw):
+    from ocache.tiers.disk import make_disk_tier
+
+    save = tmp_path / "slots"
+    save.mkdir(exist_ok=True)
+    kw.setdefault("cache_dir", str(tmp_path / "state"))
+    return make_disk_tier(Config(**kw), _slots(save), IDENTITY)
+
+
+def _session(tmp_path: Path, **kw):
+    from ocache.tiers.spill import make_session_tier
+
+    save = tmp_path / "slots"
+    save.mkdir(exist_ok=True)
+    kw.setdefault("cache_dir", str(tmp_path / "state"))
+    return make_session_tier(Config(**kw), _slots(save), IDENTITY)
+
+
+def _layer(**kw):
+    from ocache.cache import OCacheLayer
+
+    return OCacheLayer(SimpleNamespace(epoch=0, session=None, base_url="http://127.0.0.1:1",
+                                       props={}), Config(**kw))
+
+
+# ------------------------------------------------------------------------------------ the probes
+# Each probe: async (tmp_path, monkeypatch) -> None; it asserts a difference the key makes.
+
+async def p_host(tmp_path, mp):
+    # the bound host's name passes the Host guard (a name nobody listed gets 403) ...
+    async with _proxy(host="127.0.0.2") as (base, _, c):
+        assert (await _get(c, base + "/health", headers={"Host": "127.0.0.2"}))[0] != 403
+    async with _proxy() as (base, _, c):
+        assert (await _get(c, base + "/health", headers={"Host": "127.0.0.2"}))[0] == 403
+    # ... and serve() listens on it (127.0.0.2 is loopback on Linux, a different address)
+    port = free_port()
+    async with _serve(Config(host="127.0.0.2", port=port, upstream=_closed_upstream())):
+        async with aiohttp.ClientSession() as c:
+            assert (await _get(c, f"http://127.0.0.2:{port}/health"))[0] == 503
+            with pytest.raises(aiohttp.ClientConnectionError):
+                await _get(c, f"http://127.0.0.1:{port}/health")
+
+
+async def p_port(tmp_path, mp):
+    port = free_port()
+    async with _serve(Config(port=port, upstream=_closed_upstream())) as (_, bound):
+        assert bound == port
+        async with aiohttp.ClientSession() as c:
+            assert (await _get(c, f"http://127.0.0.1:{port}/health"))[0] == 503
+
+
+async def p_upstream(tmp_path, mp):
+    up = _closed_upstream()
+    async with _proxy(upstream=up) as (base, proxy, c):
+        status, headers, _ = await _get(c, base + "/health")
+        assert proxy.upstream.base_url == up
+        assert status in (502, 503) and headers["X-OCache-Upstream"].startswith(up)
+
+
+async def p_upstream_api_key(tmp_path, mp):
+    async with _proxy(upstream_api_key="sekret") as (_, proxy, _c):
+        assert proxy.upstream._auth() == {"Authorization": "Bearer sekret"}
+    async with _proxy() as (_, proxy, _c):
+        assert proxy.upstream._auth() == {}
+
+
+async def p_admin_token(tmp_path, mp):
+    async with _proxy() as (base, _, c):
+        assert (await _post(c, base + "/v1/cache/clear"))[0] == 404
+    async with _proxy(admin_token="tok") as (base, _, c):
+        assert (await _post(c, base + "/v1/cache/clear"))[0] == 401
+
+
+async def p_allowed_hosts(tmp_path, mp):
+    async with _proxy() as (base, _, c):
+        assert (await _get(c, base + "/health", headers={"Host": "box.lan"}))[0] == 403
+    async with _proxy(allowed_hosts=["box.lan"]) as (base, _, c):
+        assert (await _get(c, base + "/health", headers={"Host": "box.lan"}))[0] != 403
+
+
+async def p_cache_dir(tmp_path, mp):
+    from ocache.tiers.disk import store_meta_dir
+
+    assert store_meta_dir(Config(cache_dir=str(tmp_path / "mine"))) == tmp_path / "mine" / "store"
+    assert store_meta_dir(Config()) != tmp_path / "mine" / "store"
+    tier = _disk(tmp_path, cache_dir=str(tmp_path / "mine"))
+    assert tier is not None and Path(tier.store.meta_dir).resolve() == (tmp_path / "mine" / "store").resolve()
+
+
+async def p_log_level(tmp_path, mp):
+    seen = []
+
+    async def fake_serve(config, **kw):
+        seen.append(logging.getLogger().level)
+
+    mp.setattr(proxy_mod, "serve", fake_serve)
+    (tmp_path / "ocache.yaml").write_text("log_level: error\n")
+    mp.chdir(tmp_path)
+    root = logging.getLogger()
+    old = root.level
+    try:
+        args = _serve_args()
+        assert await asyncio.to_thread(proxy_mod._cmd_serve, args) == 0
+        (tmp_path / "ocache.yaml").write_text("log_level: debug\n")
+        assert await asyncio.to_thread(proxy_mod._cmd_serve, args) == 0
+    finally:
+        root.setLevel(old)
+    assert seen == [logging.ERROR, logging.DEBUG]
+
+
+def _serve_args():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd")
+    proxy_mod.register(sub)
+    return parser.parse_args(["serve"])
+
+
+async def p_max_body_mb(tmp_path, mp):
+    body = b"x" * 4096
+    async with _proxy(max_body_mb=0.001) as (base, _, c):
+        assert (await _post(c, base + "/v1/chat/completions", data=body))[0] == 413
+    async with _proxy() as (base, _, c):
+        assert (await _post(c, base + "/v1/chat/completions", data=body))[0] != 413
+
+
+async def p_retry_after_s(tmp_path, mp):
+    async with _proxy(retry_after_s=7) as (base, proxy, c):
+        proxy.upstream.state = "down"
+        status, headers, _ = await _get(c, base + "/health")
+        assert status == 503 and headers["Retry-After"] == "7"
+
+
+async def p_probe_interval_s(tmp_path, mp):
+    async with _proxy(probe_interval_s=0.5) as (_, proxy, _c):
+        assert proxy.upstream.probe_interval_s == 0.5
+
+
+async def p_drain_timeout_s(tmp_path, mp):
+    seen = []
+
+    async def drain(self, timeout):
+        seen.append(timeout)
+        return True
+
+    mp.setattr(Proxy, "drain", drain)
+    async with _serve(Config(port=free_port(), upstream=_closed_upstream(), drain_timeout_s=3.5)):
+        pass
+    assert seen == [3.5]
+
+
+async def p_no_cache(tmp_path, mp):
+    assert Proxy(Config(no_cache=True))._layer_factory is NullLayer
+    assert Proxy(Config())._layer_factory is not NullLayer
+
+
+async def p_record_dir(tmp_path, mp):
+    async with _proxy(record_dir=str(tmp_path / "rec")) as (_, proxy, _c):
+        assert proxy.recorder is not None
+    async with _proxy() as (_, proxy, _c):
+        assert proxy.recorder is None
+
+
+async def p_record_redact(tmp_path, mp):
+    async with _proxy(record_dir=str(tmp_path / "a"), record_redact=True) as (_, proxy, _c):
+        assert proxy.recorder.redact is True
+    async with _proxy(record_dir=str(tmp_path / "b")) as (_, proxy, _c):
+        assert proxy.recorder.redact is False
+
+
+class _Launched(Exception):
+    pass
+
+
+def _capture_supervisor(mp, seen):
+    from ocache import supervisor
+
+    class Fake:
+        def __init__(self, args, binary=None, log_path=None):
+            seen.append((list(args), binary))
+            raise _Launched()
+
+    mp.setattr(supervisor, "Supervisor", Fake)
+
+
+async def p_launch(tmp_path, mp):
+    seen: list = []
+    _capture_supervisor(mp, seen)
+    with pytest.raises(_Launched):
+        await proxy_mod.serve(Config(launch=["-m", "x.gguf"]), handle_signals=False)
+    assert seen == [(["-m", "x.gguf"], None)]
+
+
+async def p_launch_binary(tmp_path, mp):
+    seen: list = []
+    _capture_supervisor(mp, seen)
+    with pytest.raises(_Launched):
+        await proxy_mod.serve(Config(launch=["-m", "x.gguf"], launch_binary="/opt/ls"),
+                              handle_signals=False)
+    assert seen == [(["-m", "x.gguf"], "/opt/ls")]
+
+
+async def p_disk_budget_gb(tmp_path, mp):
+    tier = _disk(tmp_path, disk_budget_gb=3)
+    assert tier.store.kind_budgets["a"] == 3 * 10**9
+
+
+async def p_disk_ttl_days(tmp_path, mp):
+    assert _disk(tmp_path, disk_ttl_days=2).store.ttl_s == 2 * 86400
+
+
+async def p_disk_min_tokens(tmp_path, mp):
+    assert _disk(tmp_path, disk_min_tokens=777).cfg.min_tokens == 777
+
+
+async def p_spill_budget_gb(tmp_path, mp):
+    from ocache.tiers.spill import KIND
+
+    assert _session(tmp_path, spill_budget_gb=0) is None
+    assert _session(tmp_path, spill_budget_gb=2).store.kind_budgets[KIND] == 2 * 10**9
+
+
+async def p_spill_min_tokens(tmp_path, mp):
+    assert _session(tmp_path, spill_min_tokens=99).cfg.min_tokens == 99
+
+
+async def p_volatile_markers(tmp_path, mp):
+    assert _layer(volatile_markers=["@@"]).markers == ["@@"]
+    assert _layer().markers != ["@@"]
+
+
+async def p_tiers(tmp_path, mp):
+    # tiers is a mapping of the keys below; anything else is refused
+    with pytest.raises(cfg_mod.ConfigError):
+        cfg_mod.check_tiers({"disk": {"enabld": False}})
+
+
+async def p_resident_server_args(tmp_path, mp):
+    assert _layer(tiers={"resident": {"server_args": ["-np", "3"]}}).argv == ["-np", "3"]
+    assert _layer(launch=["-np", "2"]).argv == ["-np", "2"]
+
+
+async def p_resident_warm(tmp_path, mp):
+    assert _layer(tiers={"resident": {"warm": False}}).opt_warm is False
+    assert _layer().opt_warm is True
+
+
+async def p_resident_keep_origin(tmp_path, mp):
+    assert _layer(tiers={"resident": {"keep_origin": False}}).opt_keep_origin is False
+    assert _layer().opt_keep_origin is True
+
+
+async def p_resident_reconcile(tmp_path, mp):
+    assert _layer(tiers={"resident": {"reconcile": False}}).opt_reconcile is False
+    assert _layer().opt_reconcile is True
+
+
+async def p_resident_server_params(tmp_path, mp):
+    from ocache.slots import params_from_argv
+
+    layer = _layer(tiers={"resident": {"n_ubatch": 256}})
+    assert layer.param_overrides == {"n_ubatch": 256}
+    assert params_from_argv(None, {}, [], **layer.param_overrides).n_ubatch == 256
+
+
+async def p_disk_enabled(tmp_path, mp):
+    assert _disk(tmp_path) is not None
+    assert _disk(tmp_path, tiers={"disk": {"enabled": False}}) is None
+
+
+async def p_disk_slot_save_path(tmp_path, mp):
+    from ocache.tiers.disk import make_disk_tier
+
+    other = tmp_path / "other"
+    other.mkdir()
+    c = Config(cache_dir=str(tmp_path / "state"), tiers={"disk": {"slot_save_path": str(other)}})
+    tier = make_disk_tier(c, _slots(None), IDENTITY)
+    assert tier is not None and Path(tier.store.data_dir) == other
+    assert make_disk_tier(Config(cache_dir=str(tmp_path / "s2")), _slots(None), IDENTITY) is None
+
+
+async def p_disk_grid(tmp_path, mp):
+    assert _disk(tmp_path, tiers={"disk": {"grid": 256}}).cfg.grid == 256
+
+
+async def p_disk_free_floor_gb(tmp_path, mp):
+    assert _disk(tmp_path, tiers={"disk": {"free_floor_gb": 1.5}}).store.free_floor_bytes == 1.5e9
+
+
+async def p_disk_admit_after(tmp_path, mp):
+    assert _disk(tmp_path, tiers={"disk": {"admit_after": 5}}).cfg.admit_after == 5
+
+
+async def p_session_enabled(tmp_path, mp):
+    assert _session(tmp_path) is not None
+    assert _session(tmp_path, tiers={"session": {"enabled": False}}) is None
+
+
+async def p_session_slot_save_path(tmp_path, mp):
+    from ocache.tiers.spill import make_session_tier
+
+    other = tmp_path / "other"
+    other.mkdir()
+    c = Config(cache_dir=str(tmp_path / "state"), tiers={"session": {"slot_save_path": str(other)}})
+    tier = make_session_tier(c, _slots(None), IDENTITY)
+    assert tier is not None and Path(tier.store.data_dir) == other
+    assert make_session_tier(Config(cache_dir=str(tmp_path / "s2")), _slots(None), IDENTITY) is None
+
+
+async def p_session_drain_min_tokens(tmp_path, mp):
+    assert _session(tmp_path, tiers={"session": {"drain_min_tokens": 10}}).cfg.drain_min_tokens == 10
+
+
+async def p_session_resume(tmp_path, mp):
+    assert _session(tmp_path, tiers={"session": {"resume": False}}).cfg.resume is False
+
+
+PROBES = {
+    "host": p_host, "port": p_port, "upstream": p_upstream, "upstream_api_key": p_upstream_api_key,
+    "admin_token": p_admin_token, "allowed_hosts": p_allowed_hosts, "cache_dir": p_cache_dir,
+    "log_level": p_log_level, "max_body_mb": p_max_body_mb, "retry_after_s": p_retry_after_s,
+    "probe_interval_s": p_probe_interval_s, "drain_timeout_s": p_drain_timeout_s,
+    "no_cache": p_no_cache, "record_dir": p_record_dir, "record_redact": p_record_redact,
+    "launch": p_launch, "launch_binary": p_launch_binary, "disk_budget_gb": p_disk_budget_gb,
+    "disk_ttl_days": p_disk_ttl_days, "disk_min_tokens": p_disk_min_tokens,
+    "spill_budget_gb": p_spill_budget_gb, "spill_min_tokens": p_spill_min_tokens,
+    "volatile_markers": p_volatile_markers, "tiers": p_tiers,
+    "tiers.resident.server_args": p_resident_server_args, "tiers.resident.warm": p_resident_warm,
+    "tiers.resident.keep_origin": p_resident_keep_origin,
+    "tiers.resident.reconcile": p_resident_reconcile,
+    "tiers.resident.<ServerParams.field>": p_resident_server_params,
+    "tiers.disk.enabled": p_disk_enabled, "tiers.disk.slot_save_path": p_disk_slot_save_path,
+    "tiers.disk.grid": p_disk_grid, "tiers.disk.free_floor_gb": p_disk_free_floor_gb,
+    "tiers.disk.admit_after": p_disk_admit_after, "tiers.session.enabled": p_session_enabled,
+    "tiers.session.slot_save_path": p_session_slot_save_path,
+    "tiers.session.drain_min_tokens": p_session_drain_min_tokens,
+    "tiers.session.resume": p_session_resume,
+}
+
+
+def _help_config_keys() -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "ocache", "serve", "--help-config"], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    return [line.split()[0] for line in out.splitlines() if line and not line[0].isspace()]
+
+
+def test_help_config_keys_all_probed():
+    keys = _help_config_keys()
+    assert "tiers.disk.enabled" in keys and "n_parallel" not in keys
+    assert sorted(keys) == sorted(PROBES)
+
+
+@pytest.mark.parametrize("key", sorted(PROBES))
+async def test_config_key_has_an_effect(key, tmp_path, monkeypatch):
+    from ocache.tiers import store
+
+    monkeypatch.setattr(store, "_SHARED", {})  # each probe opens its own store
+    await PROBES[key](tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("where", ["yaml", "env", "cli"])
+def test_removed_key_is_a_clear_error(tmp_path, where):
+    f = tmp_path / "ocache.yaml"
+    f.write_text("n_parallel: 2\n" if where == "yaml" else "")
+    with pytest.raises(cfg_mod.ConfigError, match="n_parallel.*removed.*-np"):
+        cfg_mod.load(f, env={"OCACHE_N_PARALLEL": "2"} if where == "env" else {},
+                     overrides={"n_parallel": 2} if where == "cli" else None)
