@@ -50,8 +50,9 @@ class Config:
     upstream_api_key: str | None = _f(None, "API key ocache itself uses for its probes of a server "
                                       "started with --api-key (/metrics, /props, /slots); clients' "
                                       "own Authorization headers are always forwarded as they are")
-    admin_token: str | None = _f(None, "bearer token for POST /v1/cache/clear; unset = the admin "
-                                 "routes answer 404")
+    admin_token: str | None = _f(None, "bearer token for POST /v1/cache/clear, /warm and /drain "
+                                 "(unset = those routes answer 404) and for the session ids in "
+                                 "GET /v1/cache/stats (ocache/admin.py)")
     allowed_hosts: list[str] = _f([], "extra Host header names accepted (DNS-rebinding guard); "
                                   "localhost, 127.0.0.1, ::1 and the bound host are always "
                                   "accepted; '*' accepts any")
@@ -66,6 +67,28 @@ class Config:
                                  "(restart detection); while it is down, probes run every 0.25 s",
                                  min=0.05)
     drain_timeout_s: float = _f(60.0, "on SIGTERM, seconds to wait for in-flight requests", min=0)
+    upstream_read_timeout_s: float = _f(1800.0, "a non-streamed forward fails with 504 when the "
+                                        "upstream sends no byte for this many seconds (its whole "
+                                        "prefill + generation: the default allows a 30-minute "
+                                        "prefill)", min=0.1)
+    stream_idle_timeout_s: float = _f(1800.0, "a streamed (SSE) forward is cut when the upstream "
+                                      "sends no chunk for this many seconds (the first chunk comes "
+                                      "after the prefill: the default allows a 30-minute prefill)",
+                                      min=0.1)
+    probe_timeout_s: float = _f(5.0, "seconds a /health probe of llama-server (ocache's own, or a "
+                                "client's /health through ocache) may take; longer counts as not "
+                                "answering (llama-server answers /health at once, even while busy)",
+                                min=0.1)
+    loading_wait_s: float = _f(120.0, "requests that arrive while llama-server loads its model are "
+                               "held until it is ready, at most this many seconds; then they get "
+                               "the server's 503 with Retry-After", min=0)
+    client_idle_timeout_s: float = _f(60.0, "a client that sends no byte of its request body for "
+                                      "this many seconds gets 408 (slow or stuck clients)", min=0.1)
+    client_keepalive_s: float = _f(75.0, "idle keep-alive client connections are closed after this "
+                                   "many seconds", min=0.1)
+    launch_max_failures: int = _f(5, "with `launch`: after this many exits in a row within 5 s of "
+                                  "a start, ocache stops restarting the child and exits with status 1",
+                                  min=1)
     no_cache: bool = _f(False, "forward everything untouched (the NullLayer), e.g. to compare")
     record_dir: str | None = _f(None, "if set, record each completion request (body, plan, "
                                 "timings) as JSON lines in this folder, for replay (ocache/record.py)")

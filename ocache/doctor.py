@@ -37,12 +37,21 @@ from typing import Any, Mapping, Sequence
 
 from .slots import ServerParams, params_from_argv
 
-OK, INFO, WARN, ERROR = "ok", "info", "warning", "error"
+OK, INFO, WARN, ERROR, UNKNOWN = "ok", "info", "warning", "error", "unknown"
+
+#: Every flag ``check`` reports on, in print order: each gets exactly one line.
+FLAGS = ("-np", "-kvu", "--slot-save-path", "--ctx-checkpoints", "--checkpoint-min-step", "-ub",
+         "--metrics", "--cache-ram", "-fa", "build", "model")
+
+
+class NotLlamaServer(RuntimeError):
+    """The URL answers HTTP but is not llama-server (the message says what it answered)."""
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One check result: ``level`` (ok/info/warning/error), ``flag`` it is about, ``message`` (why)."""
+    """One check result: ``level`` (ok/info/warning/error/unknown), ``flag`` it is about,
+    ``message`` (why)."""
 
     level: str
     flag: str
@@ -52,82 +61,150 @@ class Finding:
         return f"[{self.level}] {self.flag}: {self.message}"
 
 
-def check(params: ServerParams, props: Mapping, slots: Sequence[Mapping] | None = None, *,
+def check(params: ServerParams, props: Mapping | None, slots: Sequence[Mapping] | None = None, *,
           argv: Sequence[str] | None = None, metrics_ok: bool | None = None,
           slot_actions_ok: bool | None = None, head_tokens: int | None = None) -> list[Finding]:
-    """The findings for a server (pure). ``argv`` None = launch flags unknown (an external server):
-    flags the server does not report are then checked only where a probe answers
-    (``metrics_ok``: ``/metrics`` answered 200; ``slot_actions_ok``: ``POST /slots`` is enabled).
-    ``head_tokens``: a harness head length to compare ``--checkpoint-min-step`` with.
+    """The findings (pure): one per flag of ``FLAGS``, in that order, plus ``--slots`` when the
+    server has its slots endpoint off. ``argv`` None = launch flags unknown (an external server):
+    what the server does not report is then ``unknown`` (never a warning about a default it cannot
+    know); ``props`` None = no server queried (offline: the command line alone). ``metrics_ok``:
+    ``/metrics`` answered 200; ``slot_actions_ok``: ``POST /slots`` is enabled (both None = not
+    probed). ``head_tokens``: a harness head length to compare ``--checkpoint-min-step`` with.
     """
     out: list[Finding] = []
     known = argv is not None
+    server = props is not None
+    props = props or {}
     n_slots = len(slots) if slots else params.n_slots
     build = str(props.get("build_info", ""))
 
+    def add(level: str, flag: str, message: str) -> None:
+        out.append(Finding(level, flag, message))
+
     if slots is not None and props.get("endpoint_slots") is False:
-        out.append(Finding(ERROR, "--slots", "the /slots endpoint is off: ocache cannot reconcile slots"))
+        add(ERROR, "--slots", "the /slots endpoint is off: ocache cannot reconcile slots")
 
+    # -np
+    if known and not params.n_parallel_explicit:
+        add(ERROR, "-np", "not set: the server runs 4 slots on a unified KV and clears idle slots "
+            "when another request starts (--cache-idle-slots); nothing stays resident. Set -np N "
+            "(2 or more)")
+    elif (known or slots) and n_slots < 2:
+        add(WARN, "-np", "1 slot: a guest request (title, tags) replaces the conversation; use -np 2 "
+            "so guests get a side slot, or rely on the session tier to spill and restore it")
+    elif known or slots:
+        add(OK, "-np", f"{n_slots} slots" + ("" if known else " (from /slots)"))
+    else:
+        add(UNKNOWN, "-np", "not on the command line and no server to ask")
+
+    # -kvu / --cache-idle-slots
     if known:
-        if not params.n_parallel_explicit:
-            out.append(Finding(ERROR, "-np", "not set: the server runs 4 slots on a unified KV and "
-                               "clears idle slots when another request starts (--cache-idle-slots); "
-                               "nothing stays resident. Set -np N (2 or more)"))
-        elif n_slots < 2:
-            out.append(Finding(WARN, "-np", "1 slot: a guest request (title, tags) replaces the "
-                               "conversation; use -np 2 so guests get a side slot, or rely on the "
-                               "session tier to spill and restore it"))
-        else:
-            out.append(Finding(OK, "-np", f"{n_slots} slots"))
         if params.kv_unified and params.cache_idle_slots:
-            out.append(Finding(ERROR, "-kvu", "a unified KV with --cache-idle-slots clears every idle "
-                               "slot when a request starts; use --no-cache-idle-slots or drop -kvu"))
-    elif n_slots < 2:
-        out.append(Finding(WARN, "-np", "1 slot: guests replace the conversation (see -np 2)"))
+            add(ERROR, "-kvu", "a unified KV with --cache-idle-slots clears every idle slot when a "
+                "request starts; use --no-cache-idle-slots or drop -kvu")
+        else:
+            add(OK, "-kvu", "per-slot KV" if not params.kv_unified else "unified KV with "
+                "--no-cache-idle-slots")
+    else:
+        add(UNKNOWN, "-kvu", "the server does not report it: pass the command line after `--`")
 
+    # --slot-save-path
     save_ok = slot_actions_ok if slot_actions_ok is not None else (bool(params.slot_save_path) if known else None)
     if save_ok is False:
-        out.append(Finding(WARN, "--slot-save-path", "not set: slot save/restore is off, so the disk "
-                           "and session tiers and the saved harness head are disabled"))
+        add(WARN, "--slot-save-path", "not set: slot save/restore is off, so the disk and session "
+            "tiers and the saved harness head are disabled")
     elif save_ok:
-        out.append(Finding(OK, "--slot-save-path", "slot save/restore enabled"))
+        add(OK, "--slot-save-path", "slot save/restore enabled")
+    else:
+        add(UNKNOWN, "--slot-save-path", "not on the command line and no server to ask")
 
-    if params.checkpoints:
+    # checkpoints (hybrid/recurrent models only)
+    hybrid = params.checkpoints
+    step = params.checkpoint_min_step
+    limit = head_tokens if head_tokens else 4096
+    if hybrid is False:
+        add(OK, "--ctx-checkpoints", f"not used by a {params.arch or 'non-recurrent'} model")
+        add(OK, "--checkpoint-min-step", f"not used by a {params.arch or 'non-recurrent'} model")
+        add(OK, "-ub", f"{params.n_ubatch}" + ("" if "n_ubatch" in params.known else " (default)"))
+    elif hybrid is None:
+        for flag in ("--ctx-checkpoints", "--checkpoint-min-step", "-ub"):
+            add(UNKNOWN, flag, "model architecture unknown (model file not readable here): matters "
+                "for hybrid/recurrent models only")
+    else:
         if params.ctx_checkpoints <= 0:
-            out.append(Finding(ERROR, "--ctx-checkpoints", f"0 on a {params.arch or 'hybrid'} model: "
-                               "a prompt that does not strictly extend a slot re-prefills from token 0"))
-        elif known and "ctx_checkpoints" not in params.known:
-            out.append(Finding(INFO, "--ctx-checkpoints", "default 32 per slot"))
-        step = params.checkpoint_min_step
-        limit = head_tokens if head_tokens else 4096
-        if step > limit:
-            out.append(Finding(WARN, "--checkpoint-min-step", f"{step} tokens{'' if known and 'checkpoint_min_step' in params.known else ' (default)'}: "
-                               f"checkpoints at user messages are at least this far apart, so a hybrid "
-                               f"resume can land up to {step} tokens early; use <= {limit} "
-                               f"({'the harness head' if head_tokens else 'smaller than a typical harness head'})"))
-        if params.n_ubatch > 512:
-            out.append(Finding(INFO, "-ub", f"{params.n_ubatch}: a hybrid resume lands on ubatch "
-                               "boundaries; a smaller -ub re-reads fewer tokens"))
-        if "+ocache." not in build:
-            out.append(Finding(WARN, "build", f"{build or 'unknown build'} is not the patched build: "
-                               "restored hybrid slots have no checkpoints (only prompts that strictly "
-                               "extend them reuse anything); run `ocache engine build`"))
-    elif params.checkpoints is None:
-        out.append(Finding(INFO, "model", "architecture unknown (model file not readable here): "
-                           "set tiers.resident.checkpoints in the config for a hybrid model"))
-    if params.checkpoints is not None and "+ocache." in build:
-        out.append(Finding(OK, "build", build))
+            add(ERROR, "--ctx-checkpoints", f"0 on a {params.arch or 'hybrid'} model: a prompt that "
+                "does not strictly extend a slot re-prefills from token 0")
+        elif known or "ctx_checkpoints" in params.known:
+            add(OK, "--ctx-checkpoints", f"{params.ctx_checkpoints} per slot"
+                + ("" if "ctx_checkpoints" in params.known else " (default)"))
+        else:
+            add(UNKNOWN, "--ctx-checkpoints", "the server does not report it (default 32): pass "
+                "the command line after `--`")
+        if not known and "checkpoint_min_step" not in params.known:
+            add(UNKNOWN, "--checkpoint-min-step", f"the server does not report it (default 8192; "
+                f"ocache wants <= {limit}): pass the command line after `--`")
+        elif step > limit:
+            add(WARN, "--checkpoint-min-step", f"{step} tokens{'' if 'checkpoint_min_step' in params.known else ' (default)'}: "
+                f"checkpoints at user messages are at least this far apart, so a hybrid resume can "
+                f"land up to {step} tokens early; use <= {limit} "
+                f"({'the harness head' if head_tokens else 'smaller than a typical harness head'})")
+        else:
+            add(OK, "--checkpoint-min-step", f"{step} tokens")
+        if not known and "n_ubatch" not in params.known:
+            add(UNKNOWN, "-ub", "the server does not report it (default 512)")
+        elif params.n_ubatch > 512:
+            add(INFO, "-ub", f"{params.n_ubatch}: a hybrid resume lands on ubatch boundaries; a "
+                "smaller -ub re-reads fewer tokens")
+        else:
+            add(OK, "-ub", f"{params.n_ubatch}")
 
+    # --metrics
     metrics = metrics_ok if metrics_ok is not None else (params.metrics if known else None)
     if metrics is False:
-        out.append(Finding(WARN, "--metrics", "off: restarts are detected only from /props and "
-                           "/slots task ids (the /metrics Process-Start-Time-Unix header is the signal)"))
-    if known and params.cache_ram and n_slots >= 2:
-        out.append(Finding(INFO, "--cache-ram", f"{params.cache_ram} MiB: the server may swap a RAM "
-                           "entry into a slot ocache replaces; cache_n can then exceed the prediction"))
-    if known and (params.flash_attn in (None, "auto")):
-        out.append(Finding(WARN, "-fa", "auto: slot files depend on the resolved flash-attention "
-                           "setting; pin -fa on or -fa off"))
+        add(WARN, "--metrics", "off: restarts are detected only from /props and /slots task ids "
+            "(the /metrics Process-Start-Time-Unix header is the signal)")
+    elif metrics:
+        add(OK, "--metrics", "on (restart detection by boot id)")
+    else:
+        add(UNKNOWN, "--metrics", "not on the command line and no server to ask")
+
+    # --cache-ram
+    if known or "cache_ram" in params.known:
+        if params.cache_ram and n_slots >= 2:
+            add(INFO, "--cache-ram", f"{params.cache_ram} MiB: the server may swap a RAM entry into a "
+                "slot ocache replaces; cache_n can then exceed the prediction (0 = off)")
+        else:
+            add(OK, "--cache-ram", "off" if not params.cache_ram else f"{params.cache_ram} MiB, 1 slot")
+    else:
+        add(UNKNOWN, "--cache-ram", "the server does not report it (default 8192 MiB): pass the "
+            "command line after `--`")
+
+    # -fa
+    if known:
+        if params.flash_attn in (None, "auto"):
+            add(WARN, "-fa", "auto: slot files depend on the resolved flash-attention setting; pin "
+                "-fa on or -fa off")
+        else:
+            add(OK, "-fa", params.flash_attn)
+    else:
+        add(UNKNOWN, "-fa", "the server does not report it: pass the command line after `--`")
+
+    # the patched build
+    if not server:
+        add(UNKNOWN, "build", "no server queried (offline)")
+    elif "+ocache." in build:
+        add(OK, "build", build)
+    else:
+        add(WARN, "build", f"{build or 'unknown build'} is not the patched build: restored hybrid "
+            "slots have no checkpoints (only prompts that strictly extend them reuse anything); run "
+            "`ocache engine build`")
+
+    # the model
+    if hybrid is None:
+        add(UNKNOWN, "model", "architecture unknown (model file not readable here): set "
+            "tiers.resident.checkpoints in the config for a hybrid model")
+    else:
+        add(OK, "model", f"{params.arch or '?'}: {'hybrid/recurrent, resumes at checkpoints' if hybrid else 'resumes at any token'}")
     return out
 
 
@@ -154,24 +231,51 @@ async def probe_endpoints(session: Any, base_url: str, headers: Mapping[str, str
 
 async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None = None,
                 head_tokens: int | None = None) -> tuple[list[Finding], dict]:
-    """Query a running server (``/props``, ``/slots``, ``/metrics``, a harmless
+    """Query a running server (``/health``, ``/props``, ``/slots``, ``/metrics``, a harmless
     ``POST /slots/0?action=ocache-probe``: 501 without ``--slot-save-path``, 400 "Invalid action"
-    with it, server-context.cpp:4752-4783) and run ``check``."""
+    with it, server-context.cpp:4752-4783) and run ``check``. Raises ``NotLlamaServer`` when the
+    URL answers but not as llama-server does (``/health`` 200 ``{"status": "ok"}`` or 503 "Loading
+    model", tools/server/server-http.cpp:307-327; ``/props`` with ``build_info``), aiohttp errors
+    when it cannot be reached."""
     import aiohttp
+
+    from .upstream import _is_llama_props, _is_loading, _json_or_none
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = base_url.rstrip("/")
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async with s.get(base + "/health") as r:
+            health, body = r.status, _json_or_none(await r.read())
+            ctype = r.headers.get("Content-Type", "")
+        if health == 503 and _is_loading(body):
+            raise RuntimeError("llama-server is still loading its model (/health 503): try again "
+                               "in a moment")
+        if health != 200 or not (isinstance(body, dict) and body.get("status") == "ok"):
+            raise NotLlamaServer(f"GET /health answered {health} {ctype or ''}".strip()
+                                 + ", not llama-server's {\"status\": \"ok\"}")
         async with s.get(base + "/props") as r:
-            props = await r.json(content_type=None) if r.status == 200 else {}
+            props_status, props = r.status, _json_or_none(await r.read())
+        if props_status == 404 or (props_status == 200 and not _is_llama_props(props)):
+            raise NotLlamaServer(f"GET /props answered {props_status} without llama-server's "
+                                 "build_info / total_slots")
+        props = props if props_status == 200 and isinstance(props, dict) else {}
         async with s.get(base + "/slots") as r:
-            slots = await r.json(content_type=None) if r.status == 200 else None
+            data = _json_or_none(await r.read()) if r.status == 200 else None
+            slots = data if isinstance(data, list) else None
         metrics_ok, actions_ok = await probe_endpoints(s, base)
     params = params_from_argv(argv, props, slots)
     findings = check(params, props, slots, argv=argv, metrics_ok=metrics_ok, slot_actions_ok=actions_ok,
                      head_tokens=head_tokens)
     return findings, {"props_build": props.get("build_info"), "slots": len(slots or []),
                       "arch": params.arch, "checkpoints": params.checkpoints}
+
+
+def offline(argv: Sequence[str], head_tokens: int | None = None) -> tuple[list[Finding], dict]:
+    """``check`` on a command line alone (no server): the model's architecture is read from the
+    ``-m`` GGUF when it is readable here."""
+    params = params_from_argv(argv, None, None)
+    findings = check(params, None, None, argv=argv, head_tokens=head_tokens)
+    return findings, {"offline": True, "arch": params.arch, "checkpoints": params.checkpoints}
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -191,15 +295,31 @@ def _cmd(args: argparse.Namespace) -> int:
         except Exception as exc:  # no config: defaults
             print(f"(config not read: {exc})", file=sys.stderr)
             upstream = upstream or "http://127.0.0.1:8080"
-    try:
-        findings, info = asyncio.run(probe(upstream, argv, args.api_key, args.head_tokens))
-    except Exception as exc:
-        print(f"cannot query llama-server at {upstream}: {exc}", file=sys.stderr)
-        return 2
+    where = f"llama-server {upstream}"
+    if args.offline:
+        if argv is None:
+            print("ocache doctor --offline needs the llama-server command line after `--`", file=sys.stderr)
+            return 2
+        findings, info = offline(argv, args.head_tokens)
+        where = "command line (offline)"
+    else:
+        try:
+            findings, info = asyncio.run(probe(upstream, argv, args.api_key, args.head_tokens))
+        except NotLlamaServer as exc:
+            print(f"[error] upstream: {upstream} is not llama-server ({exc})")
+            return 2
+        except Exception as exc:
+            if argv is None:
+                print(f"cannot query llama-server at {upstream}: {exc}", file=sys.stderr)
+                return 2
+            print(f"(cannot query llama-server at {upstream}: {exc}; checking the command line "
+                  "only)", file=sys.stderr)
+            findings, info = offline(argv, args.head_tokens)
+            where = "command line (offline)"
     if args.json:
         print(json.dumps({"info": info, "findings": [f.__dict__ for f in findings]}, indent=1))
     else:
-        print(f"llama-server {upstream}: {info}")
+        print(f"{where}: {info}")
         if argv is None:
             print("  (launch flags unknown: pass them after `--` to check them too)")
         for f in findings:
@@ -215,6 +335,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--api-key", help="llama-server --api-key, if set")
     p.add_argument("--head-tokens", type=int, help="harness head length (tokens) to size --checkpoint-min-step")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--offline", action="store_true",
+                   help="check the command line after `--` alone, without querying a server")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="-- then the llama-server arguments")
     p.set_defaults(func=_doctor_entry)
 

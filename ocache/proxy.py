@@ -53,11 +53,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import itertools
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import sys
@@ -69,6 +69,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from . import admin
 from . import config as config_mod
 from .config import Config
 from .layer import COMPLETION_ROUTES, CacheLayer, NullLayer, Observation, ParsedRequest, Plan
@@ -96,6 +97,61 @@ _READ_WHOLE_MAX = 4 << 20
 RUNNER_KWARGS = dict(auto_decompress=False, access_log=None, max_field_size=65536)
 
 _PROBE_ROUTES = frozenset({"/health", "/v1/health", "/metrics", "/props", "/slots"})
+#: Routes llama-server answers at once, without its task queue (server-context.cpp:4635-4646):
+#: forwarded with ``probe_timeout_s`` as their read timeout.
+_HEALTH_ROUTES = frozenset({"/health", "/v1/health"})
+#: Seconds a request waits for the shared upstream probe when the upstream is not known ready
+#: (a refused connection answers in milliseconds; a hung one is not waited for at all).
+PROBE_WAIT_S = 1.0
+#: A JSON escape of a UTF-16 surrogate: only a body with one can hold a lone surrogate.
+_SURROGATE_ESC = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class Unparseable(ValueError):
+    """A request body ocache does not plan (it is forwarded byte for byte); the message says why."""
+
+
+def parse_body(body: bytes) -> dict | None:
+    """The JSON object of a completion body, or None for an empty body. Raises ``Unparseable``
+    for anything ocache must not re-encode: bytes that are not UTF-8 (RFC 8259 §8.1 requires UTF-8
+    between systems; Python's ``json.loads`` would silently accept UTF-16/32), a UTF-8 BOM, invalid
+    JSON, nesting deeper than Python's recursion limit (``RecursionError``), a JSON value that is not
+    an object, or a string with a lone surrogate (``"\\ud800"``: not encodable as UTF-8)."""
+    if not body:
+        return None
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Unparseable(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise Unparseable("JSON nested too deeply for the cache layer") from None
+    except ValueError as exc:
+        raise Unparseable(f"not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise Unparseable(f"JSON {type(obj).__name__}, not an object")
+    if _SURROGATE_ESC.search(body) and _has_lone_surrogate(obj):
+        raise Unparseable("a string holds a lone UTF-16 surrogate")
+    return obj
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    """Whether any key or string value holds a surrogate code point (``json.loads`` joins valid
+    pairs, so any that is left is lone). Iterative: no recursion limit."""
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _hop_names(headers) -> set[str]:
@@ -140,11 +196,7 @@ def host_name(host_header: str) -> str:
     return h
 
 
-def _json_error(status: int, message: str, type_: str, rid: str, **extra: Any) -> web.Response:
-    body = {"error": {"code": status, "message": message, "type": type_, **extra}}
-    resp = web.json_response(body, status=status)
-    resp.headers["X-OCache-Request-Id"] = rid
-    return resp
+_json_error = admin.error  # the one error shape (ocache/admin.py)
 
 
 class _SSEObserver:
@@ -178,7 +230,7 @@ class _SSEObserver:
     def _parse(self, data: bytes) -> None:
         try:
             obj = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             return
         if isinstance(obj, dict):
             if isinstance(obj.get("timings"), dict):
@@ -223,7 +275,8 @@ class Proxy:
                  monitor: bool = True) -> None:
         self.config = config
         self.upstream = Upstream(config.upstream, api_key=config.upstream_api_key,
-                                 probe_interval_s=config.probe_interval_s, pid_source=pid_source)
+                                 probe_interval_s=config.probe_interval_s, pid_source=pid_source,
+                                 probe_timeout_s=config.probe_timeout_s)
         self._layer_factory = layer_factory or default_layer_factory(config.no_cache)
         self.layer: Any = None
         self.stats = Stats(layer_stats=self._layer_stats)
@@ -260,7 +313,8 @@ class Proxy:
 
     # --- lifecycle ------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=int(self.config.max_body_mb * (1 << 20)))
+        app = web.Application(client_max_size=int(self.config.max_body_mb * (1 << 20)),
+                              middlewares=[self._guard])
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -342,21 +396,51 @@ class Proxy:
             return True  # HTTP/1.0 without Host: not a browser, nothing to rebind
         return host_name(host) in self._allowed
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        rid = self._new_id()
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """The one guard in front of every route (ocache/admin.py): a request id, the DNS-rebinding
+        guard, the admin token for ``POST /v1/cache/clear|warm|drain`` (404 when no token is set,
+        401 without the right one), ``request["ocache_admin"]`` for the stats' redaction, and 403
+        for a client's ``/slots/{id}?action=save|restore|erase`` while a cache layer owns the slots."""
+        rid = request[admin.RID] = self._new_id()
+        path = request.path
+        resp: web.StreamResponse | None = None
         if not self._host_ok(request):
             log.warning("[%s] rejected Host %r (DNS-rebinding guard; see allowed_hosts)", rid,
                         request.headers.get("Host"))
-            self.stats.request(request.path, 403)
-            return _json_error(403, f"Host {request.headers.get('Host')!r} is not allowed; add it "
+            resp = _json_error(403, f"Host {request.headers.get('Host')!r} is not allowed; add it "
                                "to allowed_hosts in the ocache config", "forbidden_error", rid)
+        elif path in admin.ADMIN_POST:
+            if request.method != "POST":
+                resp = _json_error(405, f"{request.method} not allowed on {path} (use POST)",
+                                   "invalid_request_error", rid)
+            else:
+                resp = admin.denied(request, self.config.admin_token, rid)
+            request[admin.ADMIN] = resp is None
+        elif path in admin.ADMIN_GET:
+            if request.method not in ("GET", "HEAD"):
+                resp = _json_error(405, f"{request.method} not allowed on {path} (use GET)",
+                                   "invalid_request_error", rid)
+            request[admin.ADMIN] = admin.token_ok(request, self.config.admin_token)
+        elif admin.is_slot_action(request) and not isinstance(self.layer, NullLayer):
+            log.warning("[%s] refused a client's %s %s (ocache owns the slots)", rid, request.method,
+                        request.path_qs)
+            resp = admin.slot_action_refused(request, self.upstream.base_url, rid)
+        if resp is not None:
+            self.stats.request(path, resp.status)
+            return resp
+        return await handler(request)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        rid = request.get(admin.RID) or self._new_id()
         path = request.path
         if path in ("/v1/cache/stats", "/v1/cache/metrics", "/v1/cache/clear"):
             resp = await self._admin(request, rid, path)
             self.stats.request(path, resp.status)
             return resp
-        if path in self._extra and request.method == "POST":
+        if path in self._extra:  # method and token already checked by _guard
             resp = await self._extra[path](request)
+            resp.headers.setdefault("X-OCache-Request-Id", rid)
             self.stats.request(path, resp.status)
             return resp
         self.inflight += 1
@@ -368,44 +452,116 @@ class Proxy:
             if self.inflight == 0:
                 self._idle.set()
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole request body; ``asyncio.TimeoutError`` when the client sends no byte for
+        ``client_idle_timeout_s``; ``web.HTTPRequestEntityTooLarge`` above ``max_body_mb``."""
+        limit = request.app._client_max_size
+        idle = self.config.client_idle_timeout_s
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            async with asyncio.timeout(idle):
+                chunk = await request.content.readany()
+            if not chunk:
+                break
+            size += len(chunk)
+            if limit and size > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _read_timeout(self, path: str, preq: ParsedRequest | None) -> aiohttp.ClientTimeout:
+        """The upstream read timeout of one forward: ``probe_timeout_s`` for /health,
+        ``stream_idle_timeout_s`` between chunks of a stream, ``upstream_read_timeout_s`` for the
+        rest (aiohttp ``sock_read``: the longest wait for the next byte)."""
+        if path in _HEALTH_ROUTES:
+            read = self.config.probe_timeout_s
+        elif preq is not None and preq.stream:
+            read = self.config.stream_idle_timeout_s
+        else:
+            read = self.config.upstream_read_timeout_s
+        return aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=read)
+
+    async def _plan(self, preq: ParsedRequest, body: bytes) -> tuple[Plan, bytes]:
+        plan = await self.layer.plan(preq)
+        out_body = body
+        if plan.body_updates:
+            try:
+                out_body = json.dumps({**preq.body, **plan.body_updates}, ensure_ascii=False,
+                                      separators=(",", ":")).encode()
+            except BaseException:
+                if plan.release is not None:
+                    self._spawn(self._release_only(preq.request_id, plan))
+                raise
+        return plan, out_body
+
     async def _proxy(self, request: web.Request, rid: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         method, path = request.method, request.path
         has_body = request.body_exists
-        body = await request.read()
+        try:
+            body = await self._read_body(request)
+        except asyncio.TimeoutError:
+            self.stats.request(path, 408)
+            return _json_error(408, f"the request body stalled: no byte for "
+                               f"{self.config.client_idle_timeout_s:g} s (client_idle_timeout_s)",
+                               "timeout_error", rid)
         is_completion = method == "POST" and path in COMPLETION_ROUTES
         preq: ParsedRequest | None = None
         if is_completion:
             preq = self._parse(request, rid, method, path, body)
 
+        plannable = True
         if self.upstream.state != "ready":
-            # Down or loading: look again now, so that a server that just came up is identified
-            # (epoch, restart callbacks) before the cache layer plans anything for it.
-            await self.upstream.probe()
-            if not self.upstream.up:
+            # Down, loading or foreign: one shared probe now, so that a server that just came up is
+            # identified (epoch, restart callbacks) before the cache layer plans anything for it.
+            state = await self._upstream_state(rid, path)
+            if state == "down":
                 self.stats.upstream_unavailable()
                 self.stats.request(path, 503)
                 return self._unavailable(rid)
+            plannable = state == "ready"
 
         plan: Plan | None = None
         fail_open = False
         out_body = body
-        if preq is not None and preq.body is not None:
+        if preq is not None and preq.body is not None and plannable:
+            epoch = self.upstream.epoch
             try:
-                plan = await self.layer.plan(preq)
-                if plan.body_updates:
-                    out_body = json.dumps({**preq.body, **plan.body_updates}, ensure_ascii=False,
-                                          separators=(",", ":")).encode()
+                plan, out_body = await self._plan(preq, body)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("[%s] cache layer plan() failed: forwarding untouched", rid)
-                self.stats.layer_error("plan")
-                fail_open = True
-                out_body = body
-                if plan is not None and plan.release is not None:
-                    self._spawn(self._release_only(rid, plan))
-                plan = None
+            except RecursionError:
+                log.warning("[%s] body nested too deeply for the cache layer: forwarded untouched", rid)
+                self.stats.unplannable("nesting")
+                preq.body = None
+            except Exception as exc:
+                # The upstream itself (restarted inside the probe window, loading its model) or
+                # ocache's own fault? Only the latter is a layer error.
+                state = await self.upstream.probe()
+                if state == "ready" and self.upstream.epoch == epoch:
+                    log.exception("[%s] cache layer plan() failed: forwarding untouched", rid)
+                    self.stats.layer_error("plan")
+                    fail_open = True
+                else:
+                    log.warning("[%s] llama-server changed while planning (%s, epoch %s -> %s: %s)",
+                                rid, state, epoch, self.upstream.epoch, type(exc).__name__)
+                    state = await self._upstream_state(rid, path)
+                    if state == "down":
+                        self.stats.upstream_unavailable()
+                        self.stats.request(path, 503)
+                        return self._unavailable(rid)
+                    if state == "ready":
+                        try:
+                            plan, out_body = await self._plan(preq, body)
+                        except asyncio.CancelledError:
+                            raise
+                        except Exception:
+                            log.exception("[%s] cache layer plan() failed: forwarding untouched", rid)
+                            self.stats.layer_error("plan")
+                            fail_open = True
+                if plan is None:
+                    out_body = body
 
         obs = Observation(status=0, completed=False)
         up_resp: aiohttp.ClientResponse | None = None
@@ -416,23 +572,20 @@ class Proxy:
             extra["X-OCache-Fail-Open"] = "plan"
         if plan is not None:
             extra.update(plan.headers)
+        timeout = self._read_timeout(path, preq)
         try:
-            try:
-                up_resp = await self._send_upstream(request, out_body, has_body)
-            except (aiohttp.ClientConnectorError, aiohttp.ClientConnectionResetError,
-                    aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                obs.status = 503 if isinstance(exc, aiohttp.ClientConnectorError) else 502
-                if obs.status == 503:
-                    self.upstream.notify_unreachable(f"{type(exc).__name__}: {exc}")
-                    self.stats.upstream_unavailable()
-                    return self._unavailable(rid)
-                self.upstream.poke()
-                return _json_error(502, f"upstream {self.upstream.base_url} closed the connection "
-                                   f"without answering ({type(exc).__name__})", "server_error",
-                                   rid, upstream=self.upstream.base_url)
+            up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs)
+            if not isinstance(up_resp, aiohttp.ClientResponse):
+                return up_resp  # ocache's own 502/503/504
+            if up_resp.status == 503 and path not in _PROBE_ROUTES and plannable:
+                up_resp = await self._held_503(request, rid, out_body, has_body, timeout, obs, up_resp)
+                if not isinstance(up_resp, aiohttp.ClientResponse):
+                    return up_resp
             obs.status = up_resp.status
             headers = forward_response_headers(up_resp.headers)
             headers.update(extra)
+            if up_resp.status == 503 and self.upstream.state == "loading":
+                headers["Retry-After"] = str(self.config.retry_after_s)
             ctype = up_resp.headers.get("Content-Type", "")
             if ctype.startswith("text/event-stream"):
                 sent = await self._relay_stream(request, up_resp, headers, obs, t0,
@@ -442,14 +595,11 @@ class Proxy:
                       and up_resp.content_length <= _READ_WHOLE_MAX)):
                 try:
                     data = await up_resp.read()
-                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
-                        aiohttp.ClientOSError) as exc:
-                    # The upstream died before its whole answer arrived (nothing sent yet).
-                    obs.status = 502
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    # The upstream failed before its whole answer arrived (nothing sent yet).
+                    obs.status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
                     self.upstream.poke()
-                    return _json_error(502, f"upstream {self.upstream.base_url} failed while "
-                                       f"answering ({type(exc).__name__}: {exc})", "server_error",
-                                       rid, upstream=self.upstream.base_url)
+                    return self._upstream_failed(rid, obs.status, "while answering", exc, timeout)
                 sent = web.Response(status=up_resp.status, reason=up_resp.reason, headers=headers,
                                     body=data)
                 obs.ttft_s = time.perf_counter() - t0
@@ -469,7 +619,7 @@ class Proxy:
             return sent or web.Response(status=499)
         finally:
             obs.total_s = time.perf_counter() - t0
-            if up_resp is not None:
+            if isinstance(up_resp, aiohttp.ClientResponse):
                 if obs.completed:
                     up_resp.release()
                 else:
@@ -484,13 +634,91 @@ class Proxy:
                 log.debug("[%s] %s %s %s %.1fms", rid, method, request.path_qs, obs.status,
                           obs.total_s * 1e3)
 
-    async def _send_upstream(self, request: web.Request, body: bytes,
-                             has_body: bool) -> aiohttp.ClientResponse:
+    async def _upstream_state(self, rid: str, path: str) -> str:
+        """The upstream state after the shared probe (waited for at most ``PROBE_WAIT_S``); while it
+        loads its model, the request is held until it is ready, at most ``loading_wait_s``."""
+        state = await self.upstream.check(PROBE_WAIT_S)
+        if state == "loading" and path not in _PROBE_ROUTES and self.config.loading_wait_s > 0:
+            self.stats.held_loading()
+            log.info("[%s] llama-server is loading its model: holding the request (up to %g s)",
+                     rid, self.config.loading_wait_s)
+            await self.upstream.wait_ready(self.config.loading_wait_s)
+            state = self.upstream.state
+        return state
+
+    async def _forward(self, request: web.Request, rid: str, body: bytes, has_body: bool,
+                       timeout: aiohttp.ClientTimeout, obs: Observation):
+        """Send the request upstream: the ``ClientResponse``, or ocache's own answer when there is
+        none: 503 (cannot connect / /health not answering), 504 (no answer in time), 502 (closed
+        without answering, or an answer that is not valid HTTP: any aiohttp client error)."""
+        try:
+            return await self._send_upstream(request, body, has_body, timeout)
+        except aiohttp.ClientConnectorError as exc:
+            obs.status = 503
+            self.upstream.notify_unreachable(f"{type(exc).__name__}: {exc}")
+            self.stats.upstream_unavailable()
+            return self._unavailable(rid)
+        except asyncio.TimeoutError as exc:
+            if request.path in _HEALTH_ROUTES:
+                obs.status = 503
+                self.upstream.notify_unreachable(
+                    f"no answer to {request.path} in {timeout.sock_read:g} s (stopped or hung)", hung=True)
+                self.stats.upstream_unavailable()
+                return self._unavailable(rid)
+            obs.status = 504
+            self.upstream.poke()
+            return self._upstream_failed(rid, 504, "before answering", exc, timeout)
+        except aiohttp.ClientError as exc:
+            obs.status = 502
+            self.upstream.poke()
+            return self._upstream_failed(rid, 502, "before answering", exc, timeout)
+
+    async def _held_503(self, request: web.Request, rid: str, body: bytes, has_body: bool,
+                        timeout: aiohttp.ClientTimeout, obs: Observation,
+                        up_resp: aiohttp.ClientResponse):
+        """The upstream answered 503: if it is loading its model (restarted since the last probe),
+        hold the request until it is ready (``loading_wait_s``) and send it again (a 503 "Loading
+        model" was answered before any work, server-http.cpp:307-327); else its 503 stands."""
+        state = await self.upstream.probe()
+        if state != "loading" or self.config.loading_wait_s <= 0:
+            return up_resp
+        try:
+            await up_resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        self.stats.held_loading()
+        log.info("[%s] llama-server answered 503 while loading its model: holding the request (up "
+                 "to %g s)", rid, self.config.loading_wait_s)
+        up_resp.release()
+        # ready: the request is served; still loading after the bound: the client gets the
+        # server's own 503, with Retry-After (added by the caller)
+        await self.upstream.wait_ready(self.config.loading_wait_s)
+        return await self._forward(request, rid, body, has_body, timeout, obs)
+
+    def _upstream_failed(self, rid: str, status: int, when: str, exc: BaseException,
+                         timeout: aiohttp.ClientTimeout) -> web.Response:
+        url = self.upstream.base_url
+        if isinstance(exc, asyncio.TimeoutError):
+            what = (f"sent no byte for {timeout.sock_read:g} s {when} (upstream_read_timeout_s / "
+                    "stream_idle_timeout_s)")
+        elif isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                              aiohttp.ClientConnectionResetError)) and when == "before answering":
+            what = f"closed the connection without answering ({type(exc).__name__})"
+        else:
+            what = f"failed {when}: {type(exc).__name__}: {exc}"
+        log.warning("[%s] upstream %s %s", rid, url, what)
+        return _json_error(status, f"upstream {url} {what}", "server_error" if status == 502
+                           else "timeout_error", rid, upstream=url)
+
+    async def _send_upstream(self, request: web.Request, body: bytes, has_body: bool,
+                             timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
         url = URL(self.upstream.base_url + request.raw_path, encoded=True)
         headers = forward_request_headers(request.headers)
         has_body = has_body or bool(body) or "Content-Length" in request.headers
         kw = dict(data=body if has_body else None, headers=headers, skip_auto_headers=_SKIP_AUTO,
                   allow_redirects=False, auto_decompress=False)
+        if timeout is not None:
+            kw["timeout"] = timeout
         try:
             return await self.upstream.session.request(request.method, url, **kw)
         except aiohttp.ClientConnectorError:
@@ -512,21 +740,30 @@ class Proxy:
         elif up_resp.content_length is not None:
             resp.content_length = up_resp.content_length
         await resp.prepare(request)
+        chunks = up_resp.content.iter_any()
         try:
-            async for chunk in up_resp.content.iter_any():
-                await resp.write(chunk)
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    # The upstream died, hung (stream_idle_timeout_s) or sent invalid framing
+                    # mid-response: end the client's connection without a clean end-of-stream so
+                    # it cannot mistake a truncated answer for a complete one.
+                    log.warning("[%s] upstream failed mid-response: %s", headers.get("X-OCache-Request-Id"),
+                                f"no chunk for {self.config.stream_idle_timeout_s:g} s "
+                                "(stream_idle_timeout_s)" if isinstance(exc, asyncio.TimeoutError)
+                                else f"{type(exc).__name__}: {exc}")
+                    self.upstream.poke()
+                    if request.transport is not None:
+                        request.transport.close()
+                    return resp
+                await resp.write(chunk)  # a client that went away raises here (not caught)
                 if obs.ttft_s is None:
                     obs.ttft_s = time.perf_counter() - t0
                 if observer is not None:
                     observer.feed(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError) as exc:
-            # The upstream died mid-response: end the client's connection without a clean
-            # end-of-stream so it cannot mistake a truncated answer for a complete one.
-            log.warning("upstream failed mid-response: %s", exc)
-            if request.transport is not None:
-                request.transport.close()
-            return resp
         finally:
             if observer is not None:
                 obs.timings, obs.usage = observer.timings, observer.usage
@@ -536,14 +773,13 @@ class Proxy:
 
     def _parse(self, request: web.Request, rid: str, method: str, path: str,
                body: bytes) -> ParsedRequest:
-        obj = None
-        if body:
-            try:
-                obj = json.loads(body)
-            except (ValueError, UnicodeDecodeError):
-                obj = None
-            if not isinstance(obj, dict):
-                obj = None
+        try:
+            obj = parse_body(body)
+        except Unparseable as exc:
+            # forwarded byte for byte: the upstream's answer, whatever it is (not a layer error)
+            log.debug("[%s] body not planned: %s", rid, exc)
+            self.stats.unplannable("body")
+            obj = None
         hint = request.headers.get("x-session-affinity") or request.headers.get("x-session-id")
         return ParsedRequest(request_id=rid, method=method, path=path, body=obj,
                              headers=request.headers, session_hint=hint,
@@ -553,7 +789,7 @@ class Proxy:
     def _observe_json(path: str, data: bytes, obs: Observation) -> None:
         try:
             obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return
         if not isinstance(obj, dict):
             return
@@ -631,7 +867,8 @@ class Proxy:
 
     # --- ocache's own routes --------------------------------------------------------------------
     async def _admin(self, request: web.Request, rid: str, path: str) -> web.Response:
-        if path == "/v1/cache/stats" and request.method == "GET":
+        """ocache's own routes; method and token were checked by ``_guard`` (ocache/admin.py)."""
+        if path == "/v1/cache/stats":
             try:
                 layer = self.layer.stats() if self.layer is not None else {}
             except Exception as exc:
@@ -640,22 +877,15 @@ class Proxy:
             body = {**self.stats.to_dict(), "inflight": self.inflight,
                     "upstream": self.upstream.to_dict(), "layer": layer,
                     "layer_class": type(self.layer).__name__}
+            if not request.get(admin.ADMIN):
+                body = admin.redact(body)
+                body["redacted"] = ("session ids and slot owners hidden: send Authorization: "
+                                    "Bearer <admin_token>")
             resp = web.json_response(body)
-        elif path == "/v1/cache/metrics" and request.method == "GET":
+        elif path == "/v1/cache/metrics":
             resp = web.Response(body=self.stats.prometheus(),
                                 headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-        elif path == "/v1/cache/clear" and request.method == "POST":
-            token = self.config.admin_token
-            if not token:
-                return _json_error(404, "admin routes are disabled: set admin_token in the ocache "
-                                   "config", "not_found_error", rid)
-            auth = request.headers.get("Authorization", "")
-            given = auth[7:] if auth.startswith("Bearer ") else ""
-            if not given or not hmac.compare_digest(given.encode(), token.encode()):
-                resp = _json_error(401, "admin token required: Authorization: Bearer <admin_token>",
-                                   "authentication_error", rid)
-                resp.headers["WWW-Authenticate"] = 'Bearer realm="ocache"'
-                return resp
+        else:  # POST /v1/cache/clear
             tier = request.query.get("tier", "all")
             try:
                 result = await self.layer.clear(tier)
@@ -668,9 +898,6 @@ class Proxy:
                                    "server_error", rid)
             log.info("[%s] cache cleared (tier=%s): %s", rid, tier, result)
             resp = web.json_response(result)
-        else:
-            return _json_error(405, f"{request.method} not allowed on {path}", "invalid_request_error",
-                               rid)
         resp.headers["X-OCache-Request-Id"] = rid
         return resp
 
@@ -684,7 +911,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     requests (``drain_timeout_s``), call ``layer.drain()``, and stop the launched child if any.
     ``ready(proxy, port)`` is called once listening. Raises OSError if the address is taken,
     ``supervisor.LaunchError`` if the child cannot be started."""
-    from .supervisor import Supervisor
+    from .supervisor import LaunchError, Supervisor
 
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
@@ -704,7 +931,9 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
 
             # the child's stdout+stderr: where a failed start explains itself (tail logged on exit)
             supervisor = Supervisor(config.launch, binary=config.launch_binary,
-                                    log_path=state_root() / "llama-server.log")
+                                    log_path=state_root() / "llama-server.log",
+                                    max_quick_failures=config.launch_max_failures)
+            supervisor.on_give_up = stop.set  # a child that cannot start: stop, exit non-zero
             config.upstream = supervisor.url
             await supervisor.start()
         proxy = Proxy(config, layer_factory=layer_factory,
@@ -713,7 +942,8 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         if supervisor:
             supervisor.on_start = proxy.upstream.poke
         runner = web.AppRunner(proxy.make_app(), handler_cancellation=True,
-                               shutdown_timeout=config.drain_timeout_s, **RUNNER_KWARGS)
+                               shutdown_timeout=config.drain_timeout_s,
+                               keepalive_timeout=config.client_keepalive_s, **RUNNER_KWARGS)
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
@@ -725,6 +955,9 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         if ready:
             ready(proxy, port)
         await stop.wait()
+        if supervisor is not None and supervisor.failed:
+            await site.stop()
+            raise LaunchError(supervisor.failed)
         log.info("stopping: no new connections, draining %d in-flight request(s)", proxy.inflight)
         await site.stop()
         await proxy.drain(config.drain_timeout_s)

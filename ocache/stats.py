@@ -15,6 +15,8 @@ Metric families (all prefixed ``ocache_``):
 | upstream_unavailable_total | counter | | requests answered 503 because llama-server was down |
 | upstream_restarts_total | counter | | new upstream processes detected (epoch changes) |
 | layer_errors_total | counter | stage | cache-layer exceptions (plan: request forwarded untouched) |
+| unplannable_total | counter | reason | completion bodies forwarded byte for byte, never planned (``body``: not UTF-8 JSON object / lone surrogate; ``nesting``: too deep for the layer) |
+| held_loading_total | counter | | requests held while llama-server loaded its model |
 | layer_stat | gauge | key | numeric leaves of ``layer.stats()`` (flattened with dots) |
 """
 
@@ -105,6 +107,10 @@ class Stats:
                                 "new upstream processes detected", registry=r)
         self.layer_errors = Counter("ocache_layer_errors_total", "cache-layer exceptions",
                                     ["stage"], registry=r)
+        self.unplannable_c = Counter("ocache_unplannable_total", "completion bodies forwarded byte "
+                                     "for byte without a plan", ["reason"], registry=r)
+        self.held_loading_c = Counter("ocache_held_loading_total", "requests held while "
+                                      "llama-server loaded its model", registry=r)
         if layer_stats is not None:
             r.register(_LayerCollector(layer_stats))
         # plain mirrors for the JSON view
@@ -175,6 +181,14 @@ class Stats:
         self.layer_errors.labels(stage).inc()
         self._misc[f"layer_errors.{stage}"] += 1
 
+    def unplannable(self, reason: str) -> None:
+        self.unplannable_c.labels(reason).inc()
+        self._misc[f"unplannable.{reason}"] += 1
+
+    def held_loading(self) -> None:
+        self.held_loading_c.inc()
+        self._misc["held_loading"] += 1
+
     # --- views --------------------------------------------------------------------------------
     def prometheus(self) -> bytes:
         return generate_latest(self.registry)
@@ -198,5 +212,8 @@ class Stats:
             "upstream_restarts": self._misc["upstream_restarts"],
             "layer_errors": layer_errors,
             "fail_open": layer_errors.get("plan", 0),
+            "unplannable": {k.split(".", 1)[1]: v for k, v in self._misc.items()
+                            if k.startswith("unplannable.")},
+            "held_loading": self._misc["held_loading"],
             "last_completions": list(self.last_completions),
         }

@@ -5,6 +5,12 @@ arguments name ``--host``/``--port``), restarts it when it dies (with a backoff 
 10 s, reset after 30 s of uptime), reports its PID to ``Upstream`` (a new PID is a new epoch), and
 stops it on shutdown (SIGTERM to its process group, SIGKILL after ``stop_timeout`` seconds).
 
+A child that cannot start (missing model, bad flag, port in use) exits within seconds each time:
+after ``max_quick_failures`` such exits in a row (``Config.launch_max_failures``, default 5) the
+supervisor gives up, sets ``failed`` and calls ``on_give_up``; ``ocache serve`` then stops and exits
+with status 1, printing the last child's log tail (each child's lines are told apart by the log
+offset at its start: earlier children's lines are never mixed in).
+
 The binary is ``Config.launch_binary`` if set, else the first argument if it is an executable file
 (``--launch -- /path/llama-server -m ...``), else the patched engine build (``ocache.engine.find``).
 ``--metrics`` is added when absent so that restart detection can read the boot id
@@ -58,7 +64,7 @@ class Supervisor:
     """One supervised llama-server child. ``url`` is where it listens."""
 
     def __init__(self, args: list[str], binary: str | None = None, log_path: Path | None = None,
-                 stop_timeout: float = 20.0) -> None:
+                 stop_timeout: float = 20.0, max_quick_failures: int | None = None) -> None:
         self.binary, self.args = resolve_binary(args, binary)
         host = _flag_value(self.args, "--host") or "127.0.0.1"
         port = _flag_value(self.args, "--port")
@@ -77,24 +83,35 @@ class Supervisor:
         self._stopping = False
         self._task: asyncio.Task | None = None
         self.on_start = None  # callable() run after each (re)start, e.g. Upstream.poke
+        self.on_give_up = None  # callable() run once when the supervisor stops restarting
+        self.failed: str | None = None  # why it gave up (with the last child's log tail)
+        self._log_offset = 0
+        if max_quick_failures is not None:
+            self.max_quick_failures = max_quick_failures
 
     #: consecutive exits within 5 s of a start after which the supervisor gives up (bad arguments)
     max_quick_failures = 5
 
     def log_tail(self, n: int = 8) -> str:
-        """The last ``n`` lines of the child's log (its stdout and stderr), or "" without a log."""
+        """The last ``n`` lines the *current* child wrote to the log (its stdout and stderr; not
+        those of earlier children), or "" without a log."""
         if not self.log_path:
             return ""
         try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        return "\n".join(text.splitlines()[-n:])
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
 
     async def _spawn(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else asyncio.subprocess.DEVNULL
+        if out is not asyncio.subprocess.DEVNULL:
+            self._log_offset = out.tell()  # this child's lines start here
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 self.binary, *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=out,
@@ -129,12 +146,23 @@ class Supervisor:
             quick = quick + 1 if up_s < 5 else 0
             tail = self.log_tail()
             if quick >= self.max_quick_failures:
-                log.error("llama-server exited with %s %d times in a row within 5 s of starting; not "
-                          "restarting it again (fix its arguments). Last log lines (%s):\n%s", rc, quick,
-                          self.log_path, tail)
+                self.failed = (f"llama-server exited with {rc} {quick} times in a row within 5 s of "
+                               f"starting; not restarting it again (fix its arguments: "
+                               f"{self.binary} {' '.join(self.args)}). Last log lines of the last "
+                               f"start ({self.log_path}):\n{tail}")
+                log.error("llama-server exited with %s %d times in a row within 5 s of starting; "
+                          "giving up", rc, quick)
+                if self.on_give_up:
+                    self.on_give_up()
                 return
-            log.warning("llama-server pid %d exited with %s after %.1f s; restarting in %.1f s. Last log "
-                        "lines (%s):\n%s", self.proc.pid, rc, up_s, backoff, self.log_path, tail)
+            if quick:  # a start that failed: its log tail is printed once, if the supervisor gives up
+                log.warning("llama-server pid %d exited with %s after %.1f s (%d of %d quick failures); "
+                            "restarting in %.1f s", self.proc.pid, rc, up_s, quick,
+                            self.max_quick_failures, backoff)
+            else:
+                log.warning("llama-server pid %d exited with %s after %.1f s; restarting in %.1f s. "
+                            "Its last log lines (%s):\n%s", self.proc.pid, rc, up_s, backoff,
+                            self.log_path, tail)
             await asyncio.sleep(backoff)  # restart backoff, not synchronisation
             backoff = min(backoff * 2, 10.0)
             if self._stopping:

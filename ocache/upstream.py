@@ -16,6 +16,18 @@ Restart detection uses what the server itself reports, never timing guesses
 If none of these is available and the server was seen unreachable in between, the reappearance is
 treated as a restart (the conservative choice: resident assumptions are dropped).
 
+Probing is *shared*: ``probe()`` starts one ``GET /health`` (bounded by ``probe_timeout_s``) and
+every caller that comes while it runs awaits that same probe; ``check(wait_s)`` waits for it at
+most ``wait_s`` and, while the upstream is known to be hung (its last probe timed out), not at all.
+llama-server answers ``/health`` without the task queue, even while it is busy or sleeping
+(tools/server/server-context.cpp:4635-4646, ``create_response(true)``), so a probe that times out
+means a stopped or hung process, not a long prefill.
+
+An upstream that answers HTTP but is not llama-server (``/health`` neither 200 ``{"status": "ok"}``
+nor 503 "Loading model", tools/server/server-http.cpp:307-327; or a ``/props`` that is not
+llama-server's) is in state ``"foreign"``: reported once in the log, and the proxy forwards to it
+without the cache layer.
+
 Epochs count from 1 (the first process seen); ``epoch == 0`` means the upstream has never been
 reachable. Each change after the first calls the registered restart callbacks.
 """
@@ -23,6 +35,7 @@ reachable. Each change after the first calls the registered restart callbacks.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -51,15 +64,18 @@ class Upstream:
     ``session`` is the shared aiohttp ClientSession (created by ``start()``; the cache layer uses it
     for its own calls; the proxy forwards through it with ``auto_decompress=False``). ``props`` is the
     last ``/props`` JSON (None before the first successful probe). ``state`` is ``"down"``
-    (connection refused / unreachable), ``"loading"`` (``/health`` answers 503 while the model
-    loads) or ``"ready"``.
+    (connection refused / unreachable / no answer to ``/health`` in ``probe_timeout_s``: then
+    ``hung`` is True), ``"loading"`` (``/health`` answers 503 while the model loads), ``"ready"``
+    or ``"foreign"`` (not llama-server; ``foreign_reason`` says why).
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, probe_interval_s: float = 2.0,
-                 pid_source: Callable[[], int | None] | None = None) -> None:
+                 pid_source: Callable[[], int | None] | None = None,
+                 probe_timeout_s: float = 5.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
         self.pid_source = pid_source
         self.session: aiohttp.ClientSession | None = None
         self.state = "down"
@@ -71,9 +87,13 @@ class Upstream:
         self.last_error: str | None = None
         self.last_probe: float | None = None
         self.epoch_started: float | None = None
+        self.hung = False
+        self.foreign_reason: str | None = None
+        self.probes = 0
         self._seen_down = False
         self._callbacks: list[Callable[[], Awaitable[None]]] = []
-        self._lock = asyncio.Lock()
+        self._probe_task: asyncio.Task | None = None
+        self._ready = asyncio.Event()
         self._wake = asyncio.Event()
         self._monitor: asyncio.Task | None = None
 
@@ -91,6 +111,12 @@ class Upstream:
             self._monitor = asyncio.create_task(self._run_monitor(), name="ocache-upstream-monitor")
 
     async def close(self) -> None:
+        if self._probe_task is not None and not self._probe_task.done():
+            self._probe_task.cancel()
+            try:
+                await self._probe_task
+            except (asyncio.CancelledError, Exception):
+                pass
         if self._monitor is not None:
             self._monitor.cancel()
             try:
@@ -113,14 +139,46 @@ class Upstream:
     def url(self, path: str) -> str:
         return self.base_url + path
 
-    def notify_unreachable(self, error: str) -> None:
-        """The proxy could not connect: mark down and let the monitor probe at the fast rate."""
-        if self.state != "down":
-            log.warning("upstream %s unreachable: %s", self.base_url, error)
-        self.state = "down"
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        if state == "ready":
+            self._ready.set()
+        else:
+            self._ready.clear()
+
+    def _set_down(self, error: str, hung: bool) -> None:
+        if self.state != "down" or self.hung != hung:
+            log.warning("upstream %s %s: %s", self.base_url, "not answering" if hung else "unreachable",
+                        error)
+        self._set_state("down")
+        self.hung = hung
         self._seen_down = True
         self.last_error = error
+
+    def notify_unreachable(self, error: str, hung: bool = False) -> None:
+        """The proxy could not connect (or, ``hung``, got no answer in time): mark down and let the
+        monitor probe at the fast rate."""
+        self._set_down(error, hung)
         self._wake.set()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until the state is ``"ready"``, at most ``timeout`` seconds; True if it is."""
+        if self.state == "ready":
+            return True
+        self._wake.set()
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.state == "ready"
+
+    async def check(self, wait_s: float) -> str:
+        """The state after the shared probe, waiting for it at most ``wait_s`` seconds (not at all
+        while the upstream is known hung: the probe then runs in the background)."""
+        task = self._shared_probe()
+        if not (self.state == "down" and self.hung):
+            await asyncio.wait({task}, timeout=wait_s)
+        return self.state
 
     def poke(self) -> None:
         """Probe soon (e.g. the supervisor just started a new child)."""
@@ -130,43 +188,76 @@ class Upstream:
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    async def probe(self) -> str:
-        """Check reachability and identity once; returns the state. Runs restart callbacks when the
-        process changed. Never raises for upstream problems (they set ``state``/``last_error``)."""
-        assert self.session is not None, "start() first"
-        async with self._lock:
-            self.last_probe = time.time()
-            try:
-                async with self.session.get(self.url("/health"),
-                                            timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    await r.read()
-                    health = r.status
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-                if self.state != "down":
-                    log.warning("upstream %s unreachable: %s", self.base_url, exc or type(exc).__name__)
-                self.state = "down"
-                self._seen_down = True
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                return self.state
-            if health != 200:
-                # 503 "Loading model": the process is there but not ready; identity comes later.
-                if self.state == "down":
-                    log.info("upstream %s is up, loading (health %d)", self.base_url, health)
-                self.state = "loading"
-                return self.state
-            boot, max_task = await self._identity()
-            was = self.state
-            self.state = "ready"
-            self.last_error = None
-            if was != "ready":
-                log.info("upstream %s ready (%s)", self.base_url, boot)
-            await self._check_epoch(boot, max_task)
-            return self.state
+    def _shared_probe(self) -> asyncio.Task:
+        task = self._probe_task
+        if task is None or task.done():
+            task = self._probe_task = asyncio.get_running_loop().create_task(
+                self._probe_once(), name="ocache-upstream-probe")
+        return task
 
-    async def _identity(self) -> tuple[BootId, int | None]:
+    async def probe(self) -> str:
+        """Check reachability and identity (one probe shared by every caller that comes while it
+        runs); returns the state. Runs restart callbacks when the process changed. Never raises for
+        upstream problems (they set ``state``/``last_error``); each step is bounded by
+        ``probe_timeout_s``."""
+        assert self.session is not None, "start() first"
+        return await asyncio.shield(self._shared_probe())
+
+    async def _probe_once(self) -> str:
+        self.last_probe = time.time()
+        self.probes += 1
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
+        try:
+            async with self.session.get(self.url("/health"), timeout=timeout) as r:
+                body = await r.read()
+                health = r.status
+                ctype = r.headers.get("Content-Type", "")
+        except asyncio.TimeoutError:
+            self._set_down(f"no answer to GET /health in {self.probe_timeout_s:g} s (stopped or hung; "
+                           "llama-server answers /health at once)", hung=True)
+            return self.state
+        except (aiohttp.ClientError, OSError) as exc:
+            self._set_down(f"{type(exc).__name__}: {exc}", hung=False)
+            return self.state
+        self.hung = False
+        health_json = _json_or_none(body)
+        if health == 503 and _is_loading(health_json):
+            # 503 "Loading model" (server-http.cpp:307-327): the process is there, not ready yet.
+            if self.state != "loading":
+                log.info("upstream %s is up, loading its model (health 503)", self.base_url)
+            self._set_state("loading")
+            return self.state
+        if health != 200 or not (isinstance(health_json, dict) and health_json.get("status") == "ok"):
+            return self._set_foreign(f"GET /health answered {health} {ctype or 'no content type'}, "
+                                     "not llama-server's {\"status\": \"ok\"}")
+        boot, max_task, props_status = await self._identity()
+        if props_status == 200 and not _is_llama_props(self.props):
+            return self._set_foreign("GET /props is not llama-server's (no build_info / total_slots)")
+        if props_status == 404:
+            return self._set_foreign("GET /props answered 404 (llama-server always has /props)")
+        was = self.state
+        self._set_state("ready")
+        self.last_error = None
+        self.foreign_reason = None
+        if was != "ready":
+            log.info("upstream %s ready (%s)", self.base_url, boot)
+        await self._check_epoch(boot, max_task)
+        return self.state
+
+    def _set_foreign(self, reason: str) -> str:
+        if self.state != "foreign":
+            log.error("upstream %s is not llama-server (%s): forwarding to it without the cache "
+                      "layer; check --upstream", self.base_url, reason)
+        self._set_state("foreign")
+        self.foreign_reason = reason
+        self.last_error = f"not llama-server: {reason}"
+        return self.state
+
+    async def _identity(self) -> tuple[BootId, int | None, int | None]:
+        """(boot id, max ``id_task`` or None, ``/props`` HTTP status or None)."""
         start_time = build_info = None
-        max_task = None
-        timeout = aiohttp.ClientTimeout(total=5)
+        max_task = props_status = None
+        timeout = aiohttp.ClientTimeout(total=max(self.probe_timeout_s, 5.0))
         try:
             async with self.session.get(self.url("/metrics"), headers=self._auth(),
                                         timeout=timeout) as r:
@@ -178,11 +269,15 @@ class Upstream:
         try:
             async with self.session.get(self.url("/props"), headers=self._auth(),
                                         timeout=timeout) as r:
+                props_status = r.status
+                data = await r.read()
                 if r.status == 200:
-                    self.props = await r.json(content_type=None)
-                    build_info = self.props.get("build_info")
-                else:
-                    await r.read()
+                    props = _json_or_none(data)
+                    if isinstance(props, dict):
+                        self.props = props
+                        build_info = props.get("build_info")
+                    else:
+                        self.props = None
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             pass
         if start_time is None:
@@ -199,7 +294,7 @@ class Upstream:
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
                 pass
         pid = self.pid_source() if self.pid_source else None
-        return BootId(start_time, build_info, pid), max_task
+        return BootId(start_time, build_info, pid), max_task, props_status
 
     async def _check_epoch(self, boot: BootId, max_task: int | None) -> None:
         prev, prev_task = self.boot, self.max_task
@@ -227,7 +322,8 @@ class Upstream:
 
     async def _run_monitor(self) -> None:
         while True:
-            interval = self.probe_interval_s if self.state == "ready" else DOWN_PROBE_INTERVAL_S
+            interval = (self.probe_interval_s if self.state in ("ready", "foreign")
+                        else DOWN_PROBE_INTERVAL_S)
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=interval)
             except asyncio.TimeoutError:
@@ -244,6 +340,9 @@ class Upstream:
         return {
             "url": self.base_url,
             "state": self.state,
+            "hung": self.hung,
+            "foreign": self.foreign_reason,
+            "probes": self.probes,
             "epoch": self.epoch,
             "restarts": self.restarts,
             "boot": asdict(self.boot) if self.boot else None,
@@ -252,6 +351,26 @@ class Upstream:
             "last_error": self.last_error,
             "epoch_started": self.epoch_started,
         }
+
+
+def _json_or_none(data: bytes):
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _is_loading(obj) -> bool:
+    """llama-server's 503 while it loads: ``{"error": {"message": "Loading model", "type":
+    "unavailable_error", "code": 503}}`` (tools/server/server-http.cpp:307-327)."""
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return isinstance(err, dict) and (err.get("message") == "Loading model"
+                                      or err.get("type") == "unavailable_error")
+
+
+def _is_llama_props(props) -> bool:
+    return isinstance(props, dict) and ("build_info" in props or "total_slots" in props
+                                        or "default_generation_settings" in props)
 
 
 def _restart_reason(prev: BootId, new: BootId, prev_task: int | None, new_task: int | None,

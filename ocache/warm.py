@@ -21,7 +21,8 @@ has for it; if that does not cover the whole head, prefill the rest (``/completi
 The running ocache serves it at ``POST /v1/cache/warm`` with body ``{"dir": "/abs/path"}``; the
 answer is ``application/x-ndjson``: one JSON object per stage (``{"stage": "render", ...}``), the
 last one ``{"done": true, "slot": n, "tokens": n, "source": "disk"|"prefill"|"resident", ...}`` or
-``{"done": true, "error": "..."}``. An unknown folder answers 404 ``{"error": ...}`` at once.
+``{"done": true, "error": "..."}``. An unknown folder answers 404, a ``dir`` that is not an absolute
+path (or holds a NUL byte) 400, both at once in ocache's error shape (``ocache/admin.py``).
 The handler is :func:`make_warm_handler`; the proxy mounts it (admin route).
 """
 
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
 import xxhash
+
+from . import admin
 
 log = logging.getLogger(__name__)
 
@@ -254,28 +257,31 @@ def make_warm_handler(get_deps: Callable[[], WarmDeps | None], admin_token: str 
     from aiohttp import web
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        if admin_token:  # warming replaces a slot's content: guarded like the other admin routes
-            import hmac
-
-            auth = request.headers.get("Authorization", "")
-            given = auth[7:] if auth.startswith("Bearer ") else ""
-            if not given or not hmac.compare_digest(given.encode(), admin_token.encode()):
-                return web.json_response({"error": "admin token required: Authorization: Bearer <admin_token>"},
-                                         status=401)
-        deps = get_deps()
-        if deps is None:
-            return web.json_response({"error": "the cache layer is off"}, status=503)
+        if admin_token and not request.get(admin.ADMIN):
+            # behind the proxy its guard checked already (request[admin.ADMIN]); mounted on its
+            # own with a token, the same check (ocache/admin.py): warming replaces a slot's content
+            refused = admin.denied(request, admin_token)
+            if refused is not None:
+                return refused
         try:
             body = await request.json()
             folder = body["dir"]
             if not isinstance(folder, str) or not folder:
                 raise ValueError
-        except (ValueError, KeyError, TypeError):
-            return web.json_response({"error": 'body must be {"dir": "/absolute/path"}'}, status=400)
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return admin.error(400, 'body must be {"dir": "/absolute/path"}', "invalid_request_error")
+        if "\x00" in folder or not os.path.isabs(folder):
+            return admin.error(400, f"dir must be an absolute path without NUL bytes, got {folder!r}",
+                               "invalid_request_error")
+        deps = get_deps()
+        if deps is None:
+            return admin.error(503, "the cache layer is off", "unavailable_error")
         try:
             deps.journal.get(folder)
         except NotSeenError as exc:
-            return web.json_response({"error": str(exc)}, status=404)
+            return admin.error(404, str(exc), "not_found_error")
+        except (OSError, ValueError) as exc:
+            return admin.error(400, f"dir {folder!r}: {exc}", "invalid_request_error")
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
 
@@ -312,7 +318,9 @@ def _cli(args: argparse.Namespace) -> int:
     except urllib.error.HTTPError as exc:
         try:
             msg = json.loads(exc.read()).get("error", "")
-        except ValueError:
+            if isinstance(msg, dict):  # ocache's error shape (ocache/admin.py)
+                msg = msg.get("message", "")
+        except (ValueError, AttributeError):
             msg = ""
         print(f"ocache warm: {msg or f'HTTP {exc.code} from {url}'}", file=sys.stderr)
         return 1

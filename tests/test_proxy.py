@@ -214,15 +214,17 @@ async def test_large_body_forwarded_intact():
 
 
 async def test_loading_upstream_is_forwarded_not_masked():
-    """While llama-server loads its model it answers 503 "Loading model" itself: that answer, not
-    ocache's "unreachable" 503, reaches the client."""
-    async with fake_upstream() as (up, fake), run_proxy(up) as (base, proxy), client() as c:
+    """While llama-server loads its model it answers 503 "Loading model" itself: once the request
+    was held for ``loading_wait_s``, that answer (with Retry-After), not ocache's "unreachable"
+    503, reaches the client (holding until ready: tests/test_hardening_proxy.py)."""
+    async with fake_upstream() as (up, fake), run_proxy(up, loading_wait_s=0.1) as (base, proxy), \
+            client() as c:
         fake.loading = True
         await proxy.upstream.probe()
         assert proxy.upstream.state == "loading" and proxy.upstream.up
         async with c.post(base + "/v1/chat/completions", json={"messages": []}) as r:
             assert r.status == 503 and await r.json() == FakeUpstream.LOADING
-            assert "Retry-After" not in r.headers and "X-OCache-Upstream" not in r.headers
+            assert r.headers["Retry-After"] and "X-OCache-Upstream" not in r.headers
 
 
 async def test_upstream_dies_mid_body_gives_502():

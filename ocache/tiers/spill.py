@@ -665,19 +665,14 @@ def make_drain_handler(stop: Callable[[], None], admin_token: str | None):
     (``Authorization: Bearer``; 404 when no token is configured, like the other admin routes), answers
     202 and calls ``stop()`` (the same event SIGTERM sets in ``ocache.proxy.serve``: stop accepting,
     finish in-flight requests, ``layer.drain()`` spills, then exit)."""
-    import hmac
-
     from aiohttp import web
 
+    from ..admin import denied
+
     async def handle(request: web.Request) -> web.Response:
-        if not admin_token:
-            return web.json_response({"error": {"message": "admin routes are disabled: set admin_token",
-                                                 "type": "not_found_error"}}, status=404)
-        auth = request.headers.get("Authorization", "")
-        given = auth[7:] if auth.startswith("Bearer ") else ""
-        if not given or not hmac.compare_digest(given.encode(), admin_token.encode()):
-            return web.json_response({"error": {"message": "admin token required",
-                                                 "type": "authentication_error"}}, status=401)
+        refused = denied(request, admin_token)  # the one admin check (ocache/admin.py)
+        if refused is not None:
+            return refused
         asyncio.get_running_loop().call_soon(stop)
         return web.json_response({"draining": True}, status=202)
 

@@ -1,0 +1,529 @@
+"""Issue 12, the proxy side: every bad input gets the upstream's answer, every wait is bounded.
+
+Each test reproduces one finding of the fault campaign (issue 12 §2, 3, 4, 6, 7, 9, 10, 11) and
+fails on the code before the fix. The real patched llama-server (tiny models) is used wherever it
+can produce the fault; a fake upstream only for what it cannot: a listener that never answers, a
+scripted "Loading model" phase. A plain ``python -m http.server`` is the "not llama-server" case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from ocache.config import Config
+from ocache.layer import NullLayer
+from ocache.proxy import RUNNER_KWARGS, Proxy, default_layer_factory, serve
+from ocache.server import free_port
+
+from test_proxy import FakeUpstream, client, fake_upstream, normalise, poll
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@asynccontextmanager
+async def proxy_on(upstream: str, layer: str = "ocache", monitor: bool = True, **cfg):
+    """A Proxy on a free loopback port in front of ``upstream``; ``layer``: ``ocache`` (the real
+    cache layer) or ``null``. Yields (base URL, proxy)."""
+    config = Config(upstream=upstream, **cfg)
+    factory = default_layer_factory() if layer == "ocache" else NullLayer
+    proxy = Proxy(config, layer_factory=factory, monitor=monitor)
+    server = TestServer(proxy.make_app(), host="127.0.0.1")
+    await server.start_server(**RUNNER_KWARGS)
+    try:
+        yield f"http://127.0.0.1:{server.port}", proxy
+    finally:
+        await server.close()
+
+
+def chat(content: str = "hello", max_tokens: int = 4, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, **kw}
+
+
+async def post_raw(c: aiohttp.ClientSession, url: str, raw: bytes, **kw):
+    async with c.post(url + "/v1/chat/completions", data=raw,
+                      headers={"Content-Type": "application/json"}, **kw) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+def errors_logged(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.fixture
+async def dense(start_server, tmp_path):
+    """(server, proxy base URL, proxy) with the real cache layer on the tiny dense model."""
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=2)
+    tiers = {"resident": {"server_args": ["-np", "2", "--slot-save-path", str(tmp_path / "slots")]}}
+    async with proxy_on(srv.url, admin_token="tok", probe_interval_s=0.2, tiers=tiers) as (base, proxy):
+        yield srv, base, proxy
+
+
+# --------------------------------------------------------------------------------------------------
+# §2 deeply nested JSON, §6 UTF-16 / undecodable / lone surrogates: the upstream's answer
+@pytest.mark.server
+async def test_deep_nesting_gets_the_upstreams_answer(dense, caplog):
+    """3,000 nested arrays: Python's json raises RecursionError, llama-server answers 200. The
+    client gets the server's 200 (the bytes forwarded as they are), not aiohttp's 500."""
+    srv, base, proxy = dense
+    raw = json.dumps(chat())[:-1].encode() + b', "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    async with client() as c:
+        ds, _, draw = await post_raw(c, srv.url, raw)
+        ps, ph, praw = await post_raw(c, base, raw)
+    assert ds == 200 and ps == ds
+    assert normalise(json.loads(praw)) == normalise(json.loads(draw))
+    assert "X-OCache-Fail-Open" not in ph
+    await proxy.wait_background()
+    st = proxy.stats.to_dict()
+    assert st["layer_errors"] == {} and st["unplannable"] == {"body": 1}
+    assert errors_logged(caplog) == []
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("case", ["utf16", "utf8-bom", "latin1", "lone-surrogate"])
+async def test_bodies_ocache_cannot_reencode_are_forwarded_byte_for_byte(dense, caplog, case):
+    """A body that is not plain UTF-8 JSON (UTF-16, a BOM, Latin-1 bytes) or holds a lone
+    surrogate: the server's own answer, never a re-encoded body; not a cache-layer error."""
+    srv, base, proxy = dense
+    text = json.dumps(chat("héllo wörld"), ensure_ascii=False)
+    raw = {"utf16": text.encode("utf-16"), "utf8-bom": b"\xef\xbb\xbf" + text.encode(),
+           "latin1": text.encode("latin-1"),
+           "lone-surrogate": text[:-1].encode() + b', "user": "x\\ud800y"}'}[case]
+    async with client() as c:
+        ds, _, draw = await post_raw(c, srv.url, raw)
+        ps, ph, praw = await post_raw(c, base, raw)
+    assert ps == ds, (case, ds, draw[:200], ps, praw[:200])
+    if ds == 200:
+        assert normalise(json.loads(praw)) == normalise(json.loads(draw))
+    else:
+        assert praw == draw
+    assert "X-OCache-Fail-Open" not in ph
+    await proxy.wait_background()
+    st = proxy.stats.to_dict()
+    assert st["layer_errors"] == {} and st["unplannable"] == {"body": 1}
+    assert errors_logged(caplog) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# §4 upstream protocol errors: 502 with the reason, never aiohttp's 500
+@pytest.mark.server
+async def test_upstream_protocol_error_is_502_with_reason(dense):
+    """llama-server answers a 60 KB request header with a 400 and data after ``Connection:
+    close``, which aiohttp's client cannot parse: ocache answers 502 naming the error, and keeps
+    serving."""
+    srv, base, proxy = dense
+    async with client() as c:
+        async with c.post(base + "/v1/chat/completions", json=chat(),
+                          headers={"X-Big": "a" * 60000}) as r:
+            body = await r.json()
+            assert r.status == 502, body
+            assert body["error"]["upstream"] == srv.url
+            assert "ClientResponseError" in body["error"]["message"]
+        async with c.post(base + "/v1/chat/completions", json=chat()) as r:
+            assert r.status == 200
+
+
+# --------------------------------------------------------------------------------------------------
+# §3 bounded waits
+class SilentListener:
+    """A TCP listener that accepts connections and never answers (a hung process's socket)."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def _on_conn(self, reader, writer) -> None:
+        self.connections += 1
+        self._writers.append(writer)
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._on_conn, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for w in self._writers:
+            w.close()
+        self.server.close()
+
+
+async def test_hung_listener_one_shared_probe_and_503_at_once():
+    """Against a listener that accepts and never answers, 6 concurrent /health all get 503 with
+    Retry-After, and they share the probe: the listener sees at most 3 connections in all (one
+    start-up probe, the forwards of none, one shared re-probe), not one probe per request."""
+    async with SilentListener() as hung, \
+            proxy_on(hung.url, layer="null", monitor=False, probe_timeout_s=0.5) as (base, proxy), \
+            client() as c:
+        assert proxy.upstream.state == "down" and proxy.upstream.hung
+        seen = hung.connections
+
+        async def health():
+            async with c.get(base + "/health") as r:
+                return r.status, r.headers.get("Retry-After"), await r.json()
+
+        results = await asyncio.wait_for(asyncio.gather(*[health() for _ in range(6)]), 30)
+        assert [s for s, _, _ in results] == [503] * 6
+        assert all(ra is not None and int(ra) >= 1 for _, ra, _ in results)
+        assert "no answer to GET /health" in results[0][2]["error"]["message"]
+        assert hung.connections - seen <= 1
+
+
+@pytest.mark.server
+async def test_stopped_upstream_bounded_then_recovers(start_server):
+    """llama-server stopped with SIGSTOP after it was ready: a non-streamed request in flight gets
+    504 after ``upstream_read_timeout_s``, a stream in flight is cut after
+    ``stream_idle_timeout_s``, ``/health`` answers 503 within ``probe_timeout_s``, later requests
+    get 503 + Retry-After at once; after SIGCONT everything is served again."""
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=2)
+    async with proxy_on(srv.url, layer="null", probe_interval_s=0.2, probe_timeout_s=1.0,
+                        upstream_read_timeout_s=2.0, stream_idle_timeout_s=2.0) as (base, proxy), \
+            client() as c:
+        long = chat("count", max_tokens=100000, ignore_eos=True)
+        plain = asyncio.create_task(c.post(base + "/v1/chat/completions", json=long))
+        stream = await c.post(base + "/v1/chat/completions", json={**long, "stream": True})
+        assert stream.status == 200
+        await stream.content.readline()  # the stream is running
+
+        async def both_busy():
+            async with c.get(srv.url + "/slots") as r:
+                return all(s["is_processing"] for s in await r.json())
+
+        await poll(both_busy, timeout=30, what="both slots busy")
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            r = await asyncio.wait_for(plain, 60)
+            assert r.status == 504 and "upstream_read_timeout_s" in (await r.json())["error"]["message"]
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(stream.read(), 60)
+            async with c.get(base + "/health") as r:
+                assert r.status == 503 and r.headers["Retry-After"]
+            await poll(lambda: proxy.upstream.hung, timeout=30, what="upstream known hung")
+            probes = proxy.upstream.probes
+            async with c.post(base + "/v1/chat/completions", json=chat()) as r:
+                assert r.status == 503 and r.headers["Retry-After"]
+            assert proxy.upstream.probes - probes <= 1
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        await poll(lambda: proxy.upstream.state == "ready", timeout=30, what="ready again")
+        async with c.post(base + "/v1/chat/completions", json=chat()) as r:
+            assert r.status == 200
+
+
+async def test_slow_client_body_gets_408():
+    """A client that announces a body and stops sending it gets 408 after
+    ``client_idle_timeout_s`` (before the fix it held the handler for ever)."""
+    async with fake_upstream() as (up, fake), \
+            proxy_on(up, layer="null", client_idle_timeout_s=0.5) as (base, proxy):
+        host, port = base[7:].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mess")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readline(), 30)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert fake.seen == []  # nothing was forwarded
+
+
+async def test_idle_keepalive_client_connection_closed():
+    """``ocache serve`` closes an idle keep-alive client connection after ``client_keepalive_s``."""
+    async with fake_upstream() as (up, fake):
+        port = free_port()
+        cfg = Config(upstream=up, port=port, client_keepalive_s=0.5, no_cache=True)
+        stop = asyncio.Event()
+        ready = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(serve(cfg, stop=stop, handle_signals=False,
+                                         layer_factory=lambda u, c: NullLayer(),
+                                         ready=lambda p, prt: ready.set_result(prt)))
+        try:
+            await asyncio.wait_for(ready, 30)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            assert head.startswith(b"HTTP/1.1 200")
+            n = int([ln for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0]
+                    .split(b":")[1])
+            await reader.readexactly(n)
+            assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by ocache
+            writer.close()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+
+
+# --------------------------------------------------------------------------------------------------
+# §9 requests while llama-server loads its model
+async def test_loading_request_held_until_ready():
+    async with fake_upstream() as (up, fake), \
+            proxy_on(up, layer="null", loading_wait_s=60) as (base, proxy), client() as c:
+        fake.loading = True
+        await proxy.upstream.probe()
+        assert proxy.upstream.state == "loading"
+        req = asyncio.create_task(c.post(base + "/v1/chat/completions", json={"messages": []}))
+        await poll(lambda: proxy.stats.to_dict()["held_loading"] == 1, timeout=30, what="held")
+        assert not req.done() and fake.seen == []
+        fake.loading = False
+        r = await asyncio.wait_for(req, 30)
+        assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "hi"
+        assert "X-OCache-Fail-Open" not in r.headers and len(fake.seen) == 1
+
+
+async def test_loading_past_the_bound_gets_503_with_retry_after():
+    async with fake_upstream() as (up, fake), \
+            proxy_on(up, layer="null", loading_wait_s=0.3, retry_after_s=7) as (base, proxy), \
+            client() as c:
+        fake.loading = True
+        await proxy.upstream.probe()
+        async with c.post(base + "/v1/chat/completions", json={"messages": []}) as r:
+            assert r.status == 503 and await r.json() == FakeUpstream.LOADING
+            assert r.headers["Retry-After"] == "7"
+        assert proxy.stats.to_dict()["held_loading"] == 1
+
+
+@pytest.mark.server
+async def test_request_during_real_model_load_is_held_not_fail_open(engine_patched, models_tiny,
+                                                                    tmp_path, caplog):
+    """ocache first, then llama-server: a request sent while the real server answers 503 "Loading
+    model" is held and served (200), with no fail-open mark and no ERROR. The load takes ~0.3 s on
+    the tiny model; a start whose window the client missed is retried (at most 5)."""
+    from ocache.server import LlamaServer
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    async with proxy_on(url, probe_interval_s=0.2) as (base, proxy), client() as c:
+        for attempt in range(5):
+            srv = LlamaServer(binary=engine_patched.binary, model=models_tiny["dense"], port=port,
+                              log_path=tmp_path / f"srv{attempt}.log", slot_save_path=tmp_path / "slots")
+            cmd = srv.command()
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                status = None
+                deadline = time.monotonic() + 60
+                while status is None and time.monotonic() < deadline:
+                    try:
+                        async with c.get(url + "/health") as r:
+                            status = r.status
+                    except aiohttp.ClientConnectorError:
+                        await asyncio.sleep(0.002)  # polling a child's listener, not synchronising
+                if status != 503:
+                    continue  # the load finished before the first answer: try another start
+                async with c.post(base + "/v1/chat/completions", json=chat()) as r:
+                    assert r.status == 200, await r.text()
+                    assert "X-OCache-Fail-Open" not in r.headers
+                if proxy.stats.to_dict()["held_loading"] >= 1:
+                    break
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+            await poll(lambda: proxy.upstream.state == "down", timeout=30, what="server gone")
+        assert proxy.stats.to_dict()["held_loading"] >= 1, "never caught the loading window"
+        await proxy.wait_background()
+        assert proxy.stats.to_dict()["layer_errors"] == {}
+        assert errors_logged(caplog) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# §7 the admin surface
+async def test_admin_routes_one_guard_one_shape():
+    async with fake_upstream() as (up, fake), proxy_on(up, layer="null") as (base, _), client() as c:
+        for path in ("/v1/cache/clear", "/v1/cache/warm", "/v1/cache/drain"):
+            async with c.post(base + path, json={"dir": "/tmp"}) as r:
+                body = await r.json()
+                assert r.status == 404, (path, body)  # no admin_token: every admin route is off
+                assert set(body["error"]) >= {"code", "message", "type"} and body["error"]["code"] == 404
+    async with fake_upstream() as (up, fake), proxy_on(up, layer="null", admin_token="tok") as (base, _), \
+            client() as c:
+        for path in ("/v1/cache/clear", "/v1/cache/warm", "/v1/cache/drain"):
+            for headers in ({}, {"Authorization": "Bearer nope"}):
+                async with c.post(base + path, json={"dir": "/tmp"}, headers=headers) as r:
+                    body = await r.json()
+                    assert r.status == 401, (path, body)
+                    assert body["error"]["type"] == "authentication_error" and body["error"]["code"] == 401
+                    assert r.headers["WWW-Authenticate"].startswith("Bearer")
+            async with c.get(base + path) as r:
+                assert r.status == 405 and (await r.json())["error"]["code"] == 405
+
+
+@pytest.mark.server
+async def test_warm_dir_with_nul_is_400(dense):
+    srv, base, proxy = dense
+    async with client() as c:
+        for d in ("/tmp/a\x00b", "relative/dir"):
+            async with c.post(base + "/v1/cache/warm", json={"dir": d},
+                              headers={"Authorization": "Bearer tok"}) as r:
+                body = await r.json()
+                assert r.status == 400, body
+                assert body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.server
+async def test_stats_without_token_hide_session_ids(dense):
+    srv, base, proxy = dense
+    secret = "ses_4f2a9c1b7e"
+    async with client() as c:
+        async with c.post(base + "/v1/chat/completions", json=chat(),
+                          headers={"x-session-id": secret, "x-session-affinity": secret}) as r:
+            assert r.status == 200
+        await proxy.wait_background()
+        async with c.get(base + "/v1/cache/stats", headers={"Authorization": "Bearer tok"}) as r:
+            assert secret in await r.text()  # the owner is known to the layer
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            async with c.get(base + "/v1/cache/stats", headers=headers) as r:
+                text = await r.text()
+                assert r.status == 200 and secret not in text
+                assert '"owner"' not in text and json.loads(text)["redacted"]
+
+
+@pytest.mark.server
+async def test_client_slot_actions_refused(dense):
+    """A client's POST /slots/{id}?action=save|restore|erase would change a slot behind ocache's
+    slot table: 403 with the reason; reads of /slots and unknown actions still reach the server."""
+    srv, base, proxy = dense
+    async with client() as c:
+        for action in ("erase", "save", "restore"):
+            async with c.post(base + f"/slots/0?action={action}", json={"filename": "x.bin"}) as r:
+                body = await r.json()
+                assert r.status == 403, body
+                assert "ocache owns" in body["error"]["message"]
+        async with c.post(srv.url + "/slots/0?action=erase") as r:
+            assert r.status == 200  # the server itself would have done it
+        async with c.get(base + "/slots") as r:
+            assert r.status == 200 and len(await r.json()) == 2
+        async with c.post(base + "/slots/0?action=nonsense") as r:
+            assert r.status == 400  # the server's own answer
+
+
+# --------------------------------------------------------------------------------------------------
+# §10 --launch that cannot start its child; an upstream that is not llama-server
+@pytest.mark.server
+def test_launch_that_cannot_start_exits_nonzero(engine_patched, tmp_path):
+    port = free_port()
+    env = {**os.environ, "OCACHE_STATE_DIR": str(tmp_path / "state"), "OCACHE_LAUNCH_MAX_FAILURES": "2",
+           "OCACHE_LAUNCH_BINARY": str(engine_patched.binary)}
+    missing = tmp_path / "no-such-model.gguf"
+    p = subprocess.run([sys.executable, "-m", "ocache", "serve", "--port", str(port), "--launch", "--",
+                        "-m", str(missing), "-t", "1"], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "2 times in a row" in p.stderr
+    # the last child's log tail, once: each child names the missing model in its own lines
+    tail = p.stderr[p.stderr.index("Last log lines"):]
+    assert str(missing) in tail
+    assert p.stderr.count("Last log lines") == 1
+    log = (tmp_path / "state" / "llama-server.log").read_text()
+    assert log.count("exiting due to model loading error") == 2  # two children wrote the log
+    assert tail.count("exiting due to model loading error") == 1  # only the last one's is shown
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    """A plain ``python -m http.server`` (not llama-server) on a free port."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url + "/", timeout=1).read()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # polling a child's listener, not synchronising
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+async def test_not_llama_server_reported_once_and_forwarded(http_server, caplog):
+    async with proxy_on(http_server, probe_interval_s=0.2) as (base, proxy), client() as c:
+        assert proxy.upstream.state == "foreign"
+        for _ in range(3):
+            (ds, _, draw) = await post_raw(c, http_server, json.dumps(chat()).encode())
+            (ps, ph, praw) = await post_raw(c, base, json.dumps(chat()).encode())
+            assert ps == ds == 501 and "X-OCache-Fail-Open" not in ph
+        await proxy.wait_background()
+        assert proxy.stats.to_dict()["layer_errors"] == {}
+        reports = [r for r in caplog.records if "is not llama-server" in r.getMessage()]
+        assert len(reports) == 1 and reports[0].exc_info is None
+        assert not [r for r in caplog.records if r.exc_info]
+
+
+# --------------------------------------------------------------------------------------------------
+# §11 ocache doctor
+DOCTOR_FLAGS = ("-np", "--slot-save-path", "--ctx-checkpoints", "--checkpoint-min-step", "--metrics",
+                "-fa", "--cache-ram", "-ub", "-kvu", "build")
+
+
+def doctor(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ocache", "doctor", *args], capture_output=True,
+                          text=True, timeout=120, cwd=cwd)
+
+
+def flag_lines(out: str) -> dict[str, list[str]]:
+    lines: dict[str, list[str]] = {}
+    for ln in out.splitlines():
+        ln = ln.strip()
+        if ln.startswith("["):
+            level, rest = ln[1:].split("]", 1)
+            lines.setdefault(rest.strip().split(":", 1)[0], []).append(level)
+    return lines
+
+
+def test_doctor_tells_not_llama_server(http_server, tmp_path):
+    p = doctor("--upstream", http_server, "--", "-np", "2", cwd=tmp_path)
+    assert p.returncode != 0, p.stdout
+    assert "not llama-server" in p.stdout + p.stderr
+    assert "[ok] -np" not in p.stdout
+
+
+def test_doctor_checks_a_command_line_offline(models_tiny, tmp_path):
+    """No server: the command line alone, one line for every flag doctor knows."""
+    p = doctor("--offline", "--", "-m", str(models_tiny["hybrid"]), "-np", "2", "-fa", "on",
+               "--slot-save-path", str(tmp_path), "--ctx-checkpoints", "32",
+               "--checkpoint-min-step", "1024", "--cache-ram", "0", "--metrics", cwd=tmp_path)
+    lines = flag_lines(p.stdout)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for flag in DOCTOR_FLAGS:
+        assert len(lines.get(flag, [])) == 1, (flag, p.stdout)
+        assert lines[flag][0] in ("ok", "warning", "unknown", "error", "info"), (flag, p.stdout)
+    for flag in ("-np", "--slot-save-path", "--ctx-checkpoints", "--checkpoint-min-step", "--metrics",
+                 "-fa", "--cache-ram"):
+        assert lines[flag] == ["ok"], (flag, p.stdout)
+    bad = doctor("--offline", "--", "-m", str(models_tiny["hybrid"]), cwd=tmp_path)
+    lines = flag_lines(bad.stdout)
+    assert bad.returncode == 1
+    assert lines["-np"] == ["error"] and lines["--metrics"] == ["warning"] and lines["-fa"] == ["warning"]
+    assert lines["--slot-save-path"] == ["warning"] and lines["--checkpoint-min-step"] == ["warning"]
+
+
+@pytest.mark.server
+def test_doctor_without_command_line_says_unknown_not_warning(start_server, tmp_path):
+    srv = start_server("dense", n_parallel=2)
+    p = doctor("--upstream", srv.url, cwd=tmp_path)
+    lines = flag_lines(p.stdout)
+    for flag in DOCTOR_FLAGS:
+        assert len(lines.get(flag, [])) == 1, (flag, p.stdout)
+    # what the server reports is checked; what only the command line can tell is unknown
+    assert lines["-np"] == ["ok"] and lines["--slot-save-path"] == ["ok"] and lines["--metrics"] == ["ok"]
+    for flag in ("-fa", "--cache-ram", "-kvu"):
+        assert lines[flag] == ["unknown"], (flag, p.stdout)
+    assert "warning" not in p.stdout
