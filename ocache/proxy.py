@@ -3,8 +3,10 @@
 Clients change only their base URL. Every route is forwarded (any method, path, query, body and
 headers); completion routes (``layer.COMPLETION_ROUTES``) with a JSON object body are first shown
 to the cache layer, which may set top-level body fields (e.g. ``id_slot``). Any exception in the
-cache layer is logged with the request id and the request is forwarded untouched; a body that is
-not a JSON object is forwarded byte for byte and never planned.
+cache layer is logged with the request id and the request is forwarded untouched; a body ocache
+cannot re-encode exactly (``parse_body``: not UTF-8 - UTF-16/32, a BOM, Latin-1 -, invalid JSON,
+nested too deeply, not an object, a lone surrogate) is forwarded byte for byte and never planned
+(counted as ``unplannable``, not as a layer error), so the client gets the upstream's own answer.
 
 Relay rules:
 
@@ -18,9 +20,23 @@ Relay rules:
   read ``timings``/``usage``, after the chunk was written. The upstream body is never modified.
 * A client disconnect cancels the handler (aiohttp ``handler_cancellation``) and closes the
   upstream connection at once; llama-server then cancels the task and the slot goes idle.
-* Upstream answers (400, 500, 503 "Loading model", ...) reach the client unchanged. When the
-  upstream cannot be reached ocache answers 503 with ``Retry-After`` and an error naming the URL;
-  when it closes the connection before answering, 502.
+* Upstream answers (400, 500, ...) reach the client unchanged. When the upstream cannot be
+  reached ocache answers 503 with ``Retry-After`` and an error naming the URL; when it closes the
+  connection before answering, or answers something that is not valid HTTP (any aiohttp client
+  error), 502 with the reason; when it sends no byte for ``upstream_read_timeout_s`` (non-streamed)
+  504; a stream that sends no chunk for ``stream_idle_timeout_s`` is cut (no clean end).
+* Bounded waits: while the upstream is not known ready, each request waits for the one shared
+  ``/health`` probe at most ``PROBE_WAIT_S``, and not at all while it is known hung (503 +
+  ``Retry-After`` at once); a client's ``/health`` is forwarded with ``probe_timeout_s``. When the
+  upstream becomes hung (a probe timed out: llama-server answers ``/health`` at once even while
+  busy), the forwards in flight end at once (503, or a cut stream). While llama-server loads its
+  model (``/health`` 503 "Loading model", after a start or a restart, even one inside the probe
+  window) requests are held until it is ready, at most ``loading_wait_s``; then they get the
+  server's 503 with ``Retry-After``. Client side: a request body that stalls for
+  ``client_idle_timeout_s`` gets 408, idle keep-alive connections close after
+  ``client_keepalive_s``, bodies above ``max_body_mb`` get 413.
+* An upstream that is not llama-server (``Upstream.state == "foreign"``) is reported once in the log;
+  requests are forwarded to it without the cache layer.
 
 Routes served by ocache itself (everything else, ``/metrics`` included, goes to llama-server):
 
@@ -28,9 +44,16 @@ Routes served by ocache itself (everything else, ``/metrics`` included, goes to 
 |---|---|
 | ``GET /v1/cache/stats`` | JSON: proxy counters, upstream state/epoch, ``layer.stats()`` |
 | ``GET /v1/cache/metrics`` | Prometheus text (``stats.py`` lists the metrics) |
-| ``POST /v1/cache/clear?tier=all`` | ``layer.clear(tier)``; needs ``Authorization: Bearer <admin_token>``: 401 without or with a wrong token, 404 when no admin_token is configured |
-| ``POST /v1/cache/warm`` ``{"dir": "/abs/path"}`` | ``ocache warm DIR``: warm that folder's head (NDJSON progress lines; 404 if the folder was never seen; ocache/warm.py) |
-| ``POST /v1/cache/drain`` | ``ocache drain``: planned stop, like SIGTERM (admin token as for clear; ocache/tiers/spill.py) |
+| ``POST /v1/cache/clear?tier=all`` | ``layer.clear(tier)`` |
+| ``POST /v1/cache/warm`` ``{"dir": "/abs/path"}`` | ``ocache warm DIR``: warm that folder's head (NDJSON progress lines; 404 if the folder was never seen, 400 for a dir that is not absolute or holds NUL; ocache/warm.py) |
+| ``POST /v1/cache/drain`` | ``ocache drain``: planned stop, like SIGTERM (ocache/tiers/spill.py) |
+
+One guard (``Proxy._guard``, rules in ``ocache/admin.py``) runs in front of every route: the
+DNS-rebinding guard, the admin token for clear/warm/drain (404 when no ``admin_token`` is configured,
+401 without the right ``Authorization: Bearer``), stats redacted (no session ids, no slot owners)
+without the token, and 403 for a client's ``POST /slots/{id}?action=save|restore|erase`` while a
+cache layer owns the slots. Every error ocache answers has one shape,
+``{"error": {"code", "message", "type"}}``.
 
 Response headers added by ocache (all ``X-OCache-*``):
 
@@ -38,7 +61,7 @@ Response headers added by ocache (all ``X-OCache-*``):
 |---|---|---|
 | ``X-OCache-Request-Id`` | every response | id of this request in ocache's log lines |
 | ``X-OCache-Fail-Open`` | completion, layer raised | ``plan``: the cache layer failed; request forwarded untouched |
-| ``X-OCache-Upstream`` | 503/502 from ocache | the upstream URL that could not be reached |
+| ``X-OCache-Upstream`` | 503 from ocache | the upstream URL that could not be reached |
 | ``X-OCache-Tier`` | set by the layer | which tier provided the prefix (``resident``/``head``/``disk``/``session``/``cold``) |
 | other ``X-OCache-*`` | set by the layer | see ``ocache/cache.py`` (e.g. ``X-OCache-Slot``) |
 
@@ -47,6 +70,9 @@ other routes at DEBUG.
 
 DNS-rebinding guard: a request whose ``Host`` header names neither localhost/127.0.0.1/::1, nor the
 bound host, nor a name in ``allowed_hosts`` gets 403 (``allowed_hosts: ['*']`` disables the guard).
+
+``ocache serve --launch`` whose child cannot start (``launch_max_failures`` exits in a row within 5 s
+of a start) stops and exits with status 1, printing the last child's log tail (ocache/supervisor.py).
 """
 
 from __future__ import annotations
@@ -106,6 +132,10 @@ PROBE_WAIT_S = 1.0
 #: A JSON escape of a UTF-16 surrogate: only a body with one can hold a lone surrogate.
 _SURROGATE_ESC = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class UpstreamHung(aiohttp.ClientConnectionError):
+    """The upstream stopped answering (its /health probe timed out) while a forward was in flight."""
 
 
 class Unparseable(ValueError):
@@ -293,6 +323,9 @@ class Proxy:
         #: set by ``serve()``: the event a planned stop (SIGTERM, ``POST /v1/cache/drain``) sets
         self.stop_event: asyncio.Event | None = None
         self._extra = self._extra_routes()
+        #: forwards in flight: sends still waiting for the answer's head, answers being relayed
+        self._sending: set[asyncio.Task] = set()
+        self._relaying: set[aiohttp.ClientResponse] = set()
 
     def _extra_routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:
         """Admin routes whose handlers live with their tier: ``POST /v1/cache/warm`` (``ocache warm
@@ -334,6 +367,7 @@ class Proxy:
         await self.upstream.start(monitor=self._monitor)
         self.layer = self._layer_factory(self.upstream, self.config)
         self.upstream.on_restart(self._on_upstream_restart)
+        self.upstream.on_hung(self._abort_forwards)
         log.info("ocache proxy -> %s (%s, layer %s)", self.upstream.base_url, self.upstream.state,
                  type(self.layer).__name__)
 
@@ -342,6 +376,17 @@ class Proxy:
         await self.upstream.close()
         if self.recorder is not None:
             self.recorder.close()
+
+    def _abort_forwards(self, reason: str) -> None:
+        """The upstream stopped answering: end every forward in flight now (their answers would
+        never come; without this they would wait for ``upstream_read_timeout_s``)."""
+        if self._sending or self._relaying:
+            log.warning("upstream stopped answering: ending %d forward(s) in flight",
+                        len(self._sending) + len(self._relaying))
+        for task in list(self._sending):
+            task.cancel(msg="upstream hung")
+        for resp in list(self._relaying):
+            resp.content.set_exception(UpstreamHung(f"stopped answering mid-response ({reason})"))
 
     async def _on_upstream_restart(self) -> None:
         self.stats.upstream_restart()
@@ -620,6 +665,7 @@ class Proxy:
         finally:
             obs.total_s = time.perf_counter() - t0
             if isinstance(up_resp, aiohttp.ClientResponse):
+                self._relaying.discard(up_resp)
                 if obs.completed:
                     up_resp.release()
                 else:
@@ -651,8 +697,19 @@ class Proxy:
         """Send the request upstream: the ``ClientResponse``, or ocache's own answer when there is
         none: 503 (cannot connect / /health not answering), 504 (no answer in time), 502 (closed
         without answering, or an answer that is not valid HTTP: any aiohttp client error)."""
+        send = asyncio.ensure_future(self._send_upstream(request, body, has_body, timeout))
+        self._sending.add(send)
         try:
-            return await self._send_upstream(request, body, has_body, timeout)
+            resp = await send
+            self._relaying.add(resp)
+            return resp
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this handler was cancelled: the client left
+                raise
+            # only the send was cancelled, by _abort_forwards: the upstream stopped answering
+            obs.status = 503
+            self.stats.upstream_unavailable()
+            return self._unavailable(rid)
         except aiohttp.ClientConnectorError as exc:
             obs.status = 503
             self.upstream.notify_unreachable(f"{type(exc).__name__}: {exc}")
@@ -672,6 +729,8 @@ class Proxy:
             obs.status = 502
             self.upstream.poke()
             return self._upstream_failed(rid, 502, "before answering", exc, timeout)
+        finally:
+            self._sending.discard(send)
 
     async def _held_503(self, request: web.Request, rid: str, body: bytes, has_body: bool,
                         timeout: aiohttp.ClientTimeout, obs: Observation,
@@ -690,6 +749,7 @@ class Proxy:
         log.info("[%s] llama-server answered 503 while loading its model: holding the request (up "
                  "to %g s)", rid, self.config.loading_wait_s)
         up_resp.release()
+        self._relaying.discard(up_resp)
         # ready: the request is served; still loading after the bound: the client gets the
         # server's own 503, with Retry-After (added by the caller)
         await self.upstream.wait_ready(self.config.loading_wait_s)

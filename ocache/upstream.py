@@ -21,7 +21,10 @@ every caller that comes while it runs awaits that same probe; ``check(wait_s)`` 
 most ``wait_s`` and, while the upstream is known to be hung (its last probe timed out), not at all.
 llama-server answers ``/health`` without the task queue, even while it is busy or sleeping
 (tools/server/server-context.cpp:4635-4646, ``create_response(true)``), so a probe that times out
-means a stopped or hung process, not a long prefill.
+means a stopped or hung process, not a long prefill (every request gets an HTTP thread: a pool of
+``n_threads_http`` fixed plus up to 1024 dynamic threads, server-http.cpp:150-152 and 526-528).
+When the upstream becomes hung, the ``on_hung`` callbacks run (the proxy ends the forwards in
+flight: their answers would never come).
 
 An upstream that answers HTTP but is not llama-server (``/health`` neither 200 ``{"status": "ok"}``
 nor 503 "Loading model", tools/server/server-http.cpp:307-327; or a ``/props`` that is not
@@ -92,6 +95,7 @@ class Upstream:
         self.probes = 0
         self._seen_down = False
         self._callbacks: list[Callable[[], Awaitable[None]]] = []
+        self._hung_callbacks: list[Callable[[str], None]] = []
         self._probe_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._wake = asyncio.Event()
@@ -147,6 +151,7 @@ class Upstream:
             self._ready.clear()
 
     def _set_down(self, error: str, hung: bool) -> None:
+        became_hung = hung and not (self.state == "down" and self.hung)
         if self.state != "down" or self.hung != hung:
             log.warning("upstream %s %s: %s", self.base_url, "not answering" if hung else "unreachable",
                         error)
@@ -154,6 +159,16 @@ class Upstream:
         self.hung = hung
         self._seen_down = True
         self.last_error = error
+        if became_hung:
+            for cb in list(self._hung_callbacks):
+                try:
+                    cb(error)
+                except Exception:
+                    log.exception("upstream hung callback failed")
+
+    def on_hung(self, callback: Callable[[str], None]) -> None:
+        """Register ``callback(reason)``, run (synchronously) when the upstream stops answering."""
+        self._hung_callbacks.append(callback)
 
     def notify_unreachable(self, error: str, hung: bool = False) -> None:
         """The proxy could not connect (or, ``hung``, got no answer in time): mark down and let the

@@ -181,27 +181,32 @@ async def test_hung_listener_one_shared_probe_and_503_at_once():
         assert hung.connections - seen <= 1
 
 
+async def _two_in_flight(c, srv, base):
+    """A non-streamed and a streamed long generation through ocache, both running on the server."""
+    long = chat("count", max_tokens=100000, ignore_eos=True)
+    plain = asyncio.create_task(c.post(base + "/v1/chat/completions", json=long))
+    stream = await c.post(base + "/v1/chat/completions", json={**long, "stream": True})
+    assert stream.status == 200
+    await stream.content.readline()  # the stream is running
+
+    async def both_busy():
+        async with c.get(srv.url + "/slots") as r:
+            return all(s["is_processing"] for s in await r.json())
+
+    await poll(both_busy, timeout=30, what="both slots busy")
+    return plain, stream
+
+
 @pytest.mark.server
-async def test_stopped_upstream_bounded_then_recovers(start_server):
-    """llama-server stopped with SIGSTOP after it was ready: a non-streamed request in flight gets
-    504 after ``upstream_read_timeout_s``, a stream in flight is cut after
-    ``stream_idle_timeout_s``, ``/health`` answers 503 within ``probe_timeout_s``, later requests
-    get 503 + Retry-After at once; after SIGCONT everything is served again."""
+async def test_stopped_upstream_read_timeouts(start_server):
+    """llama-server stopped (SIGSTOP) with two forwards in flight and no monitor to notice: the
+    non-streamed one gets 504 after ``upstream_read_timeout_s``, the stream is cut after
+    ``stream_idle_timeout_s``, ``/health`` answers 503 within ``probe_timeout_s``."""
     srv = await asyncio.to_thread(start_server, "dense", n_parallel=2)
-    async with proxy_on(srv.url, layer="null", probe_interval_s=0.2, probe_timeout_s=1.0,
+    async with proxy_on(srv.url, layer="null", monitor=False, probe_timeout_s=1.0,
                         upstream_read_timeout_s=2.0, stream_idle_timeout_s=2.0) as (base, proxy), \
             client() as c:
-        long = chat("count", max_tokens=100000, ignore_eos=True)
-        plain = asyncio.create_task(c.post(base + "/v1/chat/completions", json=long))
-        stream = await c.post(base + "/v1/chat/completions", json={**long, "stream": True})
-        assert stream.status == 200
-        await stream.content.readline()  # the stream is running
-
-        async def both_busy():
-            async with c.get(srv.url + "/slots") as r:
-                return all(s["is_processing"] for s in await r.json())
-
-        await poll(both_busy, timeout=30, what="both slots busy")
+        plain, stream = await _two_in_flight(c, srv, base)
         os.kill(srv.proc.pid, signal.SIGSTOP)
         try:
             r = await asyncio.wait_for(plain, 60)
@@ -210,10 +215,30 @@ async def test_stopped_upstream_bounded_then_recovers(start_server):
                 await asyncio.wait_for(stream.read(), 60)
             async with c.get(base + "/health") as r:
                 assert r.status == 503 and r.headers["Retry-After"]
-            await poll(lambda: proxy.upstream.hung, timeout=30, what="upstream known hung")
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.server
+async def test_stopped_upstream_ends_forwards_503_at_once_then_recovers(start_server):
+    """llama-server stopped (SIGSTOP) after it was ready, default (30 min) read timeouts: once the
+    monitor's /health probe times out, the forwards in flight end (503 / a cut stream), later
+    requests get 503 + Retry-After at once without a probe each; after SIGCONT all is served."""
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=2)
+    async with proxy_on(srv.url, layer="null", probe_interval_s=0.2, probe_timeout_s=1.0) as (base, proxy), \
+            client() as c:
+        plain, stream = await _two_in_flight(c, srv, base)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            r = await asyncio.wait_for(plain, 60)
+            assert r.status == 503 and "no answer to GET /health" in (await r.json())["error"]["message"]
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(stream.read(), 60)
+            assert proxy.upstream.hung
             probes = proxy.upstream.probes
-            async with c.post(base + "/v1/chat/completions", json=chat()) as r:
-                assert r.status == 503 and r.headers["Retry-After"]
+            for path in ("/health", "/v1/chat/completions"):
+                async with c.post(base + path, json=chat()) if path != "/health" else c.get(base + path) as r:
+                    assert r.status == 503 and r.headers["Retry-After"]
             assert proxy.upstream.probes - probes <= 1
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
