@@ -10,7 +10,8 @@ Routes and who may use them (``Config.admin_token``; ``Authorization: Bearer <ad
 | ``POST /slots/{id}?action=save|restore|erase`` (llama-server's own) | 403 while the cache layer is on | 403 | 403 |
 
 *Redacted* stats drop every value that names a client: the slot ``owner`` (the client's session id,
-``x-session-affinity``/``x-session-id``) and any ``session``/``session_id`` field, at any depth.
+``x-session-affinity``/``x-session-id``) and any string ``session``/``session_id``/``session_hint``
+field, at any depth.
 
 Slot actions from clients are refused, not forwarded: ocache's slot table (``ocache/slots.py``) is
 the one owner of what each slot holds; a client's save/restore/erase behind its back would make
@@ -107,8 +108,8 @@ def redact(obj: Any) -> Any:
         node = stack.pop()
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in list(items):
-            if isinstance(node, dict) and k in PRIVATE_KEYS:
-                del node[k]
+            if isinstance(node, dict) and k in PRIVATE_KEYS and (k == "owner" or isinstance(v, str)):
+                del node[k]  # "session" is also a tier's name (a counter key): only string values go
                 continue
             if isinstance(v, (dict, list)):
                 node[k] = _shallow(v)
