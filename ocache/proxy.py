@@ -500,7 +500,7 @@ class Proxy:
     async def _read_body(self, request: web.Request) -> bytes:
         """The whole request body; ``asyncio.TimeoutError`` when the client sends no byte for
         ``client_idle_timeout_s``; ``web.HTTPRequestEntityTooLarge`` above ``max_body_mb``."""
-        limit = request.app._client_max_size
+        limit = int(self.config.max_body_mb * (1 << 20))  # as the Application's client_max_size
         idle = self.config.client_idle_timeout_s
         parts: list[bytes] = []
         size = 0
@@ -801,10 +801,14 @@ class Proxy:
             resp.content_length = up_resp.content_length
         await resp.prepare(request)
         chunks = up_resp.content.iter_any()
+        # between chunks: the stream idle bound for any SSE answer (the request's sock_read knows
+        # only what the request body said), the read timeout for other bodies
+        idle = self.config.stream_idle_timeout_s if sse else self.config.upstream_read_timeout_s
         try:
             while True:
                 try:
-                    chunk = await chunks.__anext__()
+                    async with asyncio.timeout(idle):
+                        chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -812,8 +816,8 @@ class Proxy:
                     # mid-response: end the client's connection without a clean end-of-stream so
                     # it cannot mistake a truncated answer for a complete one.
                     log.warning("[%s] upstream failed mid-response: %s", headers.get("X-OCache-Request-Id"),
-                                f"no chunk for {self.config.stream_idle_timeout_s:g} s "
-                                "(stream_idle_timeout_s)" if isinstance(exc, asyncio.TimeoutError)
+                                f"no chunk for {idle:g} s (stream_idle_timeout_s / "
+                                "upstream_read_timeout_s)" if isinstance(exc, asyncio.TimeoutError)
                                 else f"{type(exc).__name__}: {exc}")
                     self.upstream.poke()
                     if request.transport is not None:
