@@ -557,8 +557,10 @@ class Proxy:
             preq = self._parse(request, rid, method, path, body)
 
         plannable = True
-        if self.upstream.state != "ready":
-            # Down, loading or foreign: one shared probe now, so that a server that just came up is
+        if self.upstream.state == "foreign":
+            plannable = False  # not llama-server: forwarded without the layer (the monitor re-probes)
+        elif self.upstream.state != "ready":
+            # Down or loading: one shared probe now, so that a server that just came up is
             # identified (epoch, restart callbacks) before the cache layer plans anything for it.
             state = await self._upstream_state(rid, path)
             if state == "down":
@@ -675,7 +677,7 @@ class Proxy:
             if disconnected:
                 self.stats.disconnect(path)
             if preq is not None:
-                self._finish(preq, plan, obs, disconnected)
+                self._finish(preq, plan, obs, disconnected, observe=plannable)
             elif log.isEnabledFor(logging.DEBUG):
                 log.debug("[%s] %s %s %s %.1fms", rid, method, request.path_qs, obs.status,
                           obs.total_s * 1e3)
@@ -875,7 +877,7 @@ class Proxy:
 
     # --- after the response ---------------------------------------------------------------------
     def _finish(self, preq: ParsedRequest, plan: Plan | None, obs: Observation,
-                disconnected: bool) -> None:
+                disconnected: bool, observe: bool = True) -> None:
         slot = None
         if plan is not None and isinstance(plan.body_updates.get("id_slot"), int):
             slot = plan.body_updates["id_slot"]
@@ -901,7 +903,7 @@ class Proxy:
                  "?" if slot is None else slot, tier, t.get("prompt_n"), t.get("cache_n"),
                  t.get("predicted_n"),
                  "-" if obs.ttft_s is None else f"{obs.ttft_s * 1e3:.0f}ms", obs.total_s * 1e3)
-        self._spawn(self._after(preq, plan, obs))
+        self._spawn(self._after(preq, plan, obs, observe))
 
     async def _release_only(self, rid: str, plan: Plan) -> None:
         try:
@@ -910,7 +912,10 @@ class Proxy:
             self.stats.layer_error("release")
             log.exception("[%s] cache layer release() failed", rid)
 
-    async def _after(self, preq: ParsedRequest, plan: Plan | None, obs: Observation) -> None:
+    async def _after(self, preq: ParsedRequest, plan: Plan | None, obs: Observation,
+                     observe: bool = True) -> None:
+        """Release the plan, then ``layer.observe`` (not for a request that was never shown to the
+        layer because the upstream was loading or not llama-server), then the recorder."""
         if plan is not None:
             if plan.release is not None:
                 await self._release_only(preq.request_id, plan)
@@ -919,7 +924,7 @@ class Proxy:
             except Exception:
                 self.stats.layer_error("observe")
                 log.exception("[%s] cache layer observe() failed", preq.request_id)
-        elif preq.body is not None:
+        elif preq.body is not None and observe:
             # Fail-open or no plan: the layer still learns what happened under an empty plan.
             try:
                 await self.layer.observe(preq, Plan(), obs)

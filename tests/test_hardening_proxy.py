@@ -437,6 +437,42 @@ async def test_request_during_real_model_load_is_held_not_fail_open(engine_patch
         assert errors_logged(caplog) == []
 
 
+@pytest.mark.server
+async def test_external_restart_inside_the_probe_window_is_held(start_server, engine_patched,
+                                                                tmp_path, caplog):
+    """llama-server restarted behind ocache between two probes (``probe_interval_s`` 60: ocache
+    still thinks it ready): a request that arrives while the new process loads its model is held
+    and served, not marked fail-open with an ERROR traceback. Retried (at most 5 restarts) when the
+    load finished before the request could see it."""
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=2)
+    async with proxy_on(srv.url, probe_interval_s=60) as (base, proxy), client() as c:
+        async with c.post(base + "/v1/chat/completions", json=chat()) as r:
+            assert r.status == 200
+        for attempt in range(5):
+            await asyncio.to_thread(srv.stop)
+            srv.proc = subprocess.Popen(srv.command(), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            status = None
+            deadline = time.monotonic() + 60
+            while status is None and time.monotonic() < deadline:
+                try:
+                    async with c.get(srv.url + "/health") as r:
+                        status = r.status
+                except aiohttp.ClientConnectorError:
+                    await asyncio.sleep(0.002)  # polling a child's listener, not synchronising
+            assert proxy.upstream.state == "ready"  # stale: the monitor has not probed since
+            async with c.post(base + "/v1/chat/completions", json=chat()) as r:
+                assert r.status == 200, await r.text()
+                assert "X-OCache-Fail-Open" not in r.headers
+            await asyncio.to_thread(srv.wait_ready)
+            if status == 503 and proxy.stats.to_dict()["held_loading"] >= 1:
+                break
+        assert proxy.stats.to_dict()["held_loading"] >= 1, "never caught the loading window"
+        await proxy.wait_background()
+        assert proxy.stats.to_dict()["layer_errors"] == {}
+        assert errors_logged(caplog) == []
+
+
 # --------------------------------------------------------------------------------------------------
 # §7 the admin surface
 async def test_admin_routes_one_guard_one_shape():
