@@ -6,6 +6,12 @@ checks read them from the launch argv (``ocache serve --launch`` / the config's 
 ``/metrics`` answers, whether ``POST /slots/0?action=...`` is enabled). The same ``check`` runs
 when the cache layer starts (its findings are logged as warnings and shown in the stats).
 
+Output: one line per flag of ``FLAGS`` (``ok`` / ``info`` / ``warning`` / ``error``, or ``unknown``
+when neither the command line nor the server tells: a default the server does not report is never
+warned about as if it were known). ``--offline`` checks a command line alone (no server; the model's
+architecture is read from the ``-m`` GGUF). A URL that answers but not as llama-server does (no
+``/health`` ``{"status": "ok"}``, no llama-server ``/props``) gets "not llama-server" and exit 2.
+
 What ocache needs and why (README "Flags ocache wants on llama-server", turned into checks):
 
 * ``-np N`` explicit: unset means 4 slots on a *unified* KV, where ``--cache-idle-slots`` (default
