@@ -324,7 +324,8 @@ class Proxy:
         self.stop_event: asyncio.Event | None = None
         self._extra = self._extra_routes()
         #: forwards in flight: sends still waiting for the answer's head, answers being relayed
-        self._sending: set[asyncio.Task] = set()
+        self._sending: set[asyncio.Task] = set()   # handler tasks awaiting an answer's head
+        self._aborted: set[asyncio.Task] = set()   # of those, the ones _abort_forwards cancelled
         self._relaying: set[aiohttp.ClientResponse] = set()
 
     def _extra_routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:
@@ -384,7 +385,9 @@ class Proxy:
             log.warning("upstream stopped answering: ending %d forward(s) in flight",
                         len(self._sending) + len(self._relaying))
         for task in list(self._sending):
-            task.cancel(msg="upstream hung")
+            if task not in self._aborted:
+                self._aborted.add(task)
+                task.cancel(msg="upstream hung")
         for resp in list(self._relaying):
             resp.content.set_exception(UpstreamHung(f"stopped answering mid-response ({reason})"))
 
@@ -500,6 +503,8 @@ class Proxy:
     async def _read_body(self, request: web.Request) -> bytes:
         """The whole request body; ``asyncio.TimeoutError`` when the client sends no byte for
         ``client_idle_timeout_s``; ``web.HTTPRequestEntityTooLarge`` above ``max_body_mb``."""
+        if not request.body_exists:
+            return b""
         limit = int(self.config.max_body_mb * (1 << 20))  # as the Application's client_max_size
         idle = self.config.client_idle_timeout_s
         parts: list[bytes] = []
@@ -636,7 +641,8 @@ class Proxy:
             ctype = up_resp.headers.get("Content-Type", "")
             if ctype.startswith("text/event-stream"):
                 sent = await self._relay_stream(request, up_resp, headers, obs, t0,
-                                                _SSEObserver() if preq is not None else None)
+                                                _SSEObserver() if preq is not None else None,
+                                                timed=timeout.sock_read != self.config.stream_idle_timeout_s)
             elif (is_completion or method == "HEAD"
                   or (up_resp.content_length is not None
                       and up_resp.content_length <= _READ_WHOLE_MAX)):
@@ -656,7 +662,7 @@ class Proxy:
                 await sent.write_eof()
                 obs.completed = True
             else:
-                sent = await self._relay_stream(request, up_resp, headers, obs, t0, None)
+                sent = await self._relay_stream(request, up_resp, headers, obs, t0, None, timed=False)
             return sent
         except asyncio.CancelledError:
             disconnected = True
@@ -699,16 +705,18 @@ class Proxy:
         """Send the request upstream: the ``ClientResponse``, or ocache's own answer when there is
         none: 503 (cannot connect / /health not answering), 504 (no answer in time), 502 (closed
         without answering, or an answer that is not valid HTTP: any aiohttp client error)."""
-        send = asyncio.ensure_future(self._send_upstream(request, body, has_body, timeout))
-        self._sending.add(send)
+        task = asyncio.current_task()
+        self._sending.add(task)
         try:
-            resp = await send
+            resp = await self._send_upstream(request, body, has_body, timeout)
             self._relaying.add(resp)
             return resp
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():  # this handler was cancelled: the client left
+            # _abort_forwards cancelled this handler once (the upstream stopped answering) and
+            # nothing else did (a client that left cancels it too: then it stays cancelled)
+            if task not in self._aborted or task.cancelling() != 1:
                 raise
-            # only the send was cancelled, by _abort_forwards: the upstream stopped answering
+            task.uncancel()
             obs.status = 503
             self.stats.upstream_unavailable()
             return self._unavailable(rid)
@@ -732,7 +740,8 @@ class Proxy:
             self.upstream.poke()
             return self._upstream_failed(rid, 502, "before answering", exc, timeout)
         finally:
-            self._sending.discard(send)
+            self._sending.discard(task)
+            self._aborted.discard(task)
 
     async def _held_503(self, request: web.Request, rid: str, body: bytes, has_body: bool,
                         timeout: aiohttp.ClientTimeout, obs: Observation,
@@ -794,7 +803,11 @@ class Proxy:
 
     async def _relay_stream(self, request: web.Request, up_resp: aiohttp.ClientResponse,
                             headers: CIMultiDict, obs: Observation, t0: float,
-                            observer: _SSEObserver | None) -> web.StreamResponse:
+                            observer: _SSEObserver | None, timed: bool = False) -> web.StreamResponse:
+        """Relay the body chunk by chunk as it arrives. Between chunks the upstream's silence is
+        bounded by the request's ``sock_read``; ``timed``: also by a per-chunk timer of
+        ``stream_idle_timeout_s`` (an SSE answer to a request whose body did not say
+        ``"stream": true``, so whose ``sock_read`` is the longer read timeout)."""
         sse = observer is not None or headers.get("Content-Type", "").startswith("text/event-stream")
         resp = web.StreamResponse(status=up_resp.status, reason=up_resp.reason, headers=headers)
         if sse:
@@ -803,14 +816,15 @@ class Proxy:
             resp.content_length = up_resp.content_length
         await resp.prepare(request)
         chunks = up_resp.content.iter_any()
-        # between chunks: the stream idle bound for any SSE answer (the request's sock_read knows
-        # only what the request body said), the read timeout for other bodies
-        idle = self.config.stream_idle_timeout_s if sse else self.config.upstream_read_timeout_s
+        idle = self.config.stream_idle_timeout_s if timed and sse else None
         try:
             while True:
                 try:
-                    async with asyncio.timeout(idle):
+                    if idle is None:
                         chunk = await chunks.__anext__()
+                    else:
+                        async with asyncio.timeout(idle):
+                            chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -818,8 +832,8 @@ class Proxy:
                     # mid-response: end the client's connection without a clean end-of-stream so
                     # it cannot mistake a truncated answer for a complete one.
                     log.warning("[%s] upstream failed mid-response: %s", headers.get("X-OCache-Request-Id"),
-                                f"no chunk for {idle:g} s (stream_idle_timeout_s / "
-                                "upstream_read_timeout_s)" if isinstance(exc, asyncio.TimeoutError)
+                                "no chunk in time (stream_idle_timeout_s / upstream_read_timeout_s)"
+                                if isinstance(exc, asyncio.TimeoutError)
                                 else f"{type(exc).__name__}: {exc}")
                     self.upstream.poke()
                     if request.transport is not None:
