@@ -61,6 +61,15 @@ DEFAULT_MARKERS: tuple[str, ...] = (
     "# Project Context",
     "Current date:",
     "Current working directory:",
+    # Claude Code 2.1.328 (/v1/messages, system blocks joined without a separator by the server's
+    # converter, ocache/convert.py): the first block is "x-anthropic-billing-header:
+    # cc_version=2.1.328.<3 hex>; cc_entrypoint=sdk-cli;" whose suffix changes with the *prompt*
+    # (fixtures/claude_run6_otherprompt_agent_turn1.json vs claude_run1_agent_turn1.json: first
+    # differing token 7,862); with a tools-first template the head is then the tools block alone.
+    "x-anthropic-billing-header:",
+    # Claude Code: "# Memory" + the memory folder, which holds HOME and the project path (other
+    # folder: first differing token 8,638; CLAUDE_CODE_ATTRIBUTION_HEADER=0 bodies cut here).
+    "# Memory",
 )
 
 #: Side-task prompts that mark a *guest* request however long it is (matched at the start of the
@@ -221,6 +230,9 @@ class Head:
     marker: str | None
     key: str
     knobs_json: str = "{}"
+    #: the head is the whole first message (Codex's base-instructions item, see ``harness_head``):
+    #: ``cut_body`` then drops the later messages instead of cutting the text
+    whole: bool = False
 
     @property
     def cut(self) -> int:
@@ -242,6 +254,14 @@ def harness_head(
     (with ``require_marker``, the default) no volatile marker starts a line of the system text -
     such a prompt may carry per-session text ocache does not know about, and a head that differs
     per session would only waste warm-ups.
+
+    One structural rule instead of a marker (Codex CLI 0.169.0 through ``/v1/responses``, converted
+    by ocache/convert.py): when ``messages[0]`` is a ``developer`` message with no marker and
+    ``messages[1]`` is another ``system``/``developer`` message, the whole first message is the
+    head (``Head.whole``). Codex sends its base instructions as that first item, byte-identical
+    across sessions, folders and days, and every volatile part as later items (skills with the
+    CODEX_HOME path, AGENTS.md with the cwd, ``<environment_context>`` with the date;
+    fixtures/codex_run1_turn1.json vs codex_run4_proj2_turn1.json).
     """
     msgs = _messages(body)
     if not msgs or not isinstance(msgs[0], Mapping) or msgs[0].get("role") not in ("system", "developer"):
@@ -255,8 +275,11 @@ def harness_head(
     if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
         return None
     found = find_marker(text, markers)
+    whole = False
     if found is None:
-        if require_marker:
+        whole = (msgs[0].get("role") == "developer" and len(msgs) > 1 and isinstance(msgs[1], Mapping)
+                 and msgs[1].get("role") in ("system", "developer"))
+        if require_marker and not whole:
             return None
         system_head, marker = text, None
     else:
@@ -267,7 +290,8 @@ def harness_head(
         del knobs["tool_choice"]
     knobs_json = _dumps_sorted(knobs)
     key = _xxh64(_dumps([tools_json, system_head, knobs_json]))
-    return Head(tools_json=tools_json, system_head=system_head, marker=marker, key=key, knobs_json=knobs_json)
+    return Head(tools_json=tools_json, system_head=system_head, marker=marker, key=key, knobs_json=knobs_json,
+                whole=whole)
 
 
 def cut_body(body: Mapping, head: Head) -> dict:
@@ -276,12 +300,17 @@ def cut_body(body: Mapping, head: Head) -> dict:
     Rendering it with the server's template and comparing with the full render shows where the
     head ends in the prompt text (``ocache.tokens``). A string content becomes the cut string; an
     array of text parts keeps the parts before the cut and shortens the one that holds it (parts
-    are joined with ``"\\n"``, see ``content_text``). Raises ValueError if ``body`` does not have
-    the head's layout.
+    are joined with ``"\\n"``, see ``content_text``). For a ``Head.whole`` head the first message
+    is kept whole and every later message is replaced by one empty user message, so the render
+    parts right after the head's text. Raises ValueError if ``body`` does not have the head's layout.
     """
     msgs = _messages(body)
     if not msgs or not isinstance(msgs[0], Mapping):
         raise ValueError("body has no system message to cut")
+    if head.whole:
+        if content_text(msgs[0].get("content")) != head.system_head:
+            raise ValueError("body's first message is not the head")
+        return {**body, "messages": [msgs[0], {"role": "user", "content": ""}]}
     content = msgs[0].get("content")
     text = content_text(content)
     if text is None or not text.startswith(head.system_head):
@@ -640,3 +669,34 @@ def identity(
 def fingerprint(head: Head, ident: Identity) -> str:
     """16 hex chars (xxh3_64) naming the prefix state of ``head`` under ``ident``."""
     return _xxh64(head.key + "/" + ident.key)
+
+
+# --------------------------------------------------------------------------------------------------
+# Session identity from request headers
+# --------------------------------------------------------------------------------------------------
+
+#: Request headers that name a client session, in the order they are tried (header names are
+#: case-insensitive). opencode: ``x-session-affinity`` / ``x-session-id`` (``ses_…``, kept by
+#: ``-c``); Claude Code 2.1.328: ``X-Claude-Code-Session-Id`` (kept by ``--continue``); Codex CLI
+#: 0.169.0: ``session-id`` = ``thread-id`` (kept by ``exec resume``). Sources: shared/fixtures/headers/.
+SESSION_HEADERS: tuple[str, ...] = ("x-session-affinity", "x-session-id", "x-claude-code-session-id",
+                                    "session-id", "thread-id")
+
+
+def session_key(headers: Mapping[str, str] | None) -> str | None:
+    """The client's session id from ``headers`` (``SESSION_HEADERS``, first non-empty), or None.
+
+    ``headers`` may be any mapping; names are compared case-insensitively. Values longer than 256
+    characters are ignored (an id, not a payload)."""
+    if not headers:
+        return None
+    getter = getattr(headers, "get", None)
+    for name in SESSION_HEADERS:
+        value = None
+        if getter is not None:
+            value = getter(name)
+            if value is None and not hasattr(headers, "getall"):  # a plain dict: try every case
+                value = next((v for k, v in headers.items() if isinstance(k, str) and k.lower() == name), None)
+        if isinstance(value, str) and value.strip() and len(value) <= 256:
+            return value.strip()
+    return None

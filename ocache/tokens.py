@@ -7,7 +7,11 @@ tokenized as the completion handler does (``POST /tokenize`` with ``add_special:
 parse_special: true``: the handler calls ``tokenize_input_prompts(..., add_special=true,
 parse_special=true)``, server-context.cpp:4280; ``/tokenize`` runs the same ``tokenize_mixed``,
 server-common.cpp:867-901). For ``/completion``-style routes the ``prompt`` is tokenized directly
-(string or mixed string/token array) or taken as is (token array).
+(string or mixed string/token array) or taken as is (token array). The Anthropic Messages and
+OpenAI Responses routes (``/v1/messages``, ``/v1/responses``) are first converted to the chat form
+exactly as the server converts them (``ocache.convert``), then rendered like a chat request; the
+token count equals the server's own ``/v1/messages/count_tokens`` and ``/v1/responses/input_tokens``
+(tests/test_convert.py).
 
 Costs are kept off the hot path by two bounded LRU caches:
 
@@ -51,6 +55,7 @@ from typing import Any
 import aiohttp
 import xxhash
 
+from .convert import CONVERTED_ROUTES, ConversionError, to_chat
 from .fingerprint import Head, cut_body
 
 #: Body fields that oaicompat_chat_params_parse reads to render the prompt (server-common.cpp:1224-1450).
@@ -430,6 +435,12 @@ class TokenViewer:
         self._check_epoch()
         t0 = time.perf_counter()
         c0 = dict(self.counters)
+        if path in CONVERTED_ROUTES:
+            try:
+                body = to_chat(path, body)
+            except ConversionError as exc:  # the server rejects it the same way (HTTP 400)
+                raise TokenViewError(f"{path}: {exc}", 400) from exc
+            path = "/v1/chat/completions"
         if path in CHAT_ROUTES:
             text = await self.render(body)
             tokens = await self.tokenize(text)
