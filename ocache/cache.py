@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
+from . import convert
 from . import fingerprint as fp_mod
 from .slots import (Checkpoint, ServerParams, common_prefix, SlotError, SlotNotSupported, SlotTable,
                     params_from_argv, predict_reuse, simulate_prefill)
@@ -260,7 +261,7 @@ class OCacheLayer:
             "mispredict_high": 0, "predicted_tokens": 0, "observed_cache_tokens": 0,
             "prompt_tokens": 0, "warmups": 0, "warmup_tokens": 0, "head_saves": 0, "head_restores": 0,
             "origin_rebuilds": 0, "origin_skipped": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
-            "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0,
+            "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0,
         }
         self.by_tier: dict[str, int] = {}
         self.recent_mispredictions: deque = deque(maxlen=20)
@@ -323,6 +324,18 @@ class OCacheLayer:
             except Exception:  # the checks are advice; never block serving
                 log.debug("setup checks failed", exc_info=True)
 
+    def _anthropic_pin_ok(self) -> bool:
+        """Whether a ``/v1/messages`` request can be pinned to a slot: one slot (nothing to pin),
+        or a server whose ``/props`` reports ``ocache.anthropic_id_slot`` (patches/0003: the stock
+        converter drops ``id_slot``, server-chat.cpp:592-597; the patched build reports the result
+        of running its own converter on a probe). Otherwise such requests are forwarded unplanned
+        (counted as ``unpinnable``) and ``GET /slots`` tells the table what they changed."""
+        props = getattr(self.upstream, "props", None) or {}
+        caps = props.get("ocache") if isinstance(props, Mapping) else None
+        if isinstance(caps, Mapping) and caps.get("anthropic_id_slot") is True:
+            return True
+        return self.table is not None and len(self.table) == 1
+
     def _ident(self) -> Any:
         if self._identity is None:
             props = getattr(self.upstream, "props", None) or {}
@@ -344,11 +357,25 @@ class OCacheLayer:
         table = self.table
         assert table is not None
         body = req.body or {}
-        chat = req.path in CHAT_ROUTES
+        path = req.path
+        if path in convert.CONVERTED_ROUTES:
+            # /v1/messages, /v1/responses: planned exactly like a chat request, on the chat body the
+            # server itself renders (ocache/convert.py)
+            if path in convert.ANTHROPIC_ROUTES and not self._anthropic_pin_ok():
+                self.counters["unpinnable"] += 1
+                return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": "other"})
+            try:
+                body = convert.to_chat(path, body)
+            except convert.ConversionError as exc:
+                self.counters["unrenderable"] += 1  # the server answers it with its own 400
+                log.debug("[%s] %s not converted: %s", req.request_id, path, exc)
+                return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": "other"})
+            path = "/v1/chat/completions"
+        chat = path in CHAT_ROUTES
         kind = fp_mod.classify(body, self.markers) if chat else "other"
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
         try:
-            view = await self._viewer.view(req.path, body, head)
+            view = await self._viewer.view(path, body, head)
         except TokenViewError as exc:
             if 400 <= exc.status < 500:
                 # the server rejects this body (it will answer the forwarded request the same way):
@@ -364,7 +391,7 @@ class OCacheLayer:
         head_len = view.head_end or 0
         head_key = fp_mod.fingerprint(head, self._ident()) if head is not None and head_len else None
         user_starts = tuple(view.user_starts) if (chat or body.get("message_delimiters")) else ()
-        if "id_slot" in body:
+        if "id_slot" in (req.body or {}):
             self.counters["client_pins_overridden"] += 1
         if self.opt_reconcile:
             try:
@@ -376,7 +403,8 @@ class OCacheLayer:
                 await asyncio.to_thread(self.journal.note, body, head_key)
             except OSError as exc:
                 log.warning("[%s] folder journal not written: %s", req.request_id, exc)
-        ctx = RequestContext(kind=kind, session=req.session_hint, head_key=head_key, head_len=head_len,
+        session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
+        ctx = RequestContext(kind=kind, session=session, head_key=head_key, head_len=head_len,
                              task=table.next_task(), user_starts=user_starts)
         dec = await self._decide(view, ctx)
         for attempt in range(3):
@@ -535,7 +563,10 @@ class OCacheLayer:
         st = table[pctx.slot]
         mine = st.seq == pctx.seq
         timings = obs.timings or {}
-        ok = obs.status == 200 and obs.completed and "cache_n" in timings
+        # the final timings arrived: the server finished, even if the client then closed the
+        # stream before its last bytes (Codex CLI closes as soon as it has response.completed)
+        ok = obs.status == 200 and (obs.completed or ("cache_n" in timings and req.path in
+                                                      convert.CONVERTED_ROUTES)) and "cache_n" in timings
         if not ok:
             self.counters["failed_responses"] += 1
             if mine and not table.lock(pctx.slot).locked():

@@ -400,7 +400,8 @@ def to_chat(path: str, body: Mapping) -> dict:
 
 
 def timings_from_usage(usage: Mapping | None) -> dict | None:
-    """``timings``-shaped ``{"cache_n", "prompt_n"}`` (tokens) from an Anthropic ``usage`` object,
+    """``timings``-shaped ``{"cache_n", "prompt_n"[, "predicted_n"]}`` (tokens) from an Anthropic
+    ``usage`` object (``output_tokens`` -> ``predicted_n``),
     whose ``cache_read_input_tokens`` is the server's ``n_prompt_tokens_cache`` and
     ``input_tokens`` the prompt tokens minus those (tools/server/server-task.cpp:787-790 final,
     1343-1346 ``message_start``). The Anthropic answers carry no ``timings`` of their own. None when
@@ -410,4 +411,7 @@ def timings_from_usage(usage: Mapping | None) -> dict | None:
     c, i = usage.get("cache_read_input_tokens"), usage.get("input_tokens")
     if not isinstance(c, int) or not isinstance(i, int):
         return None
-    return {"cache_n": c, "prompt_n": i}
+    out = {"cache_n": c, "prompt_n": i}
+    if isinstance(usage.get("output_tokens"), int):
+        out["predicted_n"] = usage["output_tokens"]
+    return out

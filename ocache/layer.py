@@ -34,13 +34,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Protocol, runtime_checkable
 
-#: POST routes that run a completion on llama-server (OpenAI chat/text and the native route).
+#: POST routes that run a completion on llama-server (OpenAI chat/text, the native route, and the
+#: Anthropic Messages / OpenAI Responses routes the server converts to chat: ocache/convert.py).
+#: Their token-counting siblings (``/v1/messages/count_tokens``, ``/v1/responses/input_tokens``)
+#: are not here: forwarded as they are, they never take or evict a slot.
 COMPLETION_ROUTES = frozenset({
     "/v1/chat/completions",
     "/chat/completions",
     "/v1/completions",
     "/completions",
     "/completion",
+    "/v1/messages",
+    "/v1/responses",
+    "/responses",
 })
 
 

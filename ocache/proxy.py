@@ -98,6 +98,7 @@ from yarl import URL
 from . import admin
 from . import config as config_mod
 from .config import Config
+from .convert import timings_from_usage
 from .layer import COMPLETION_ROUTES, CacheLayer, NullLayer, Observation, ParsedRequest, Plan
 from .stats import Stats
 from .upstream import Upstream
@@ -232,9 +233,10 @@ _json_error = admin.error  # the one error shape (ocache/admin.py)
 class _SSEObserver:
     """Reads ``timings``/``usage`` from SSE ``data:`` lines as chunks pass by (never delays them)."""
 
-    __slots__ = ("_buf", "timings", "usage", "events")
+    __slots__ = ("_buf", "timings", "usage", "events", "_anthropic")
 
     def __init__(self) -> None:
+        self._anthropic: dict | None = None
         self._buf = b""
         self.timings: dict | None = None
         self.usage: dict | None = None
@@ -267,6 +269,13 @@ class _SSEObserver:
                 self.timings = obj["timings"]
             if isinstance(obj.get("usage"), dict):
                 self.usage = obj["usage"]
+            # Anthropic stream (no timings): message_start's usage has the prompt counts, the final
+            # message_delta's the output count (ocache/convert.py timings_from_usage)
+            start = obj.get("message") if obj.get("type") == "message_start" else None
+            if isinstance(start, dict) and isinstance(start.get("usage"), dict):
+                self._anthropic = dict(start["usage"])
+            elif obj.get("type") == "message_delta" and self.timings is None and self._anthropic:
+                self.timings = timings_from_usage({**self._anthropic, **(self.usage or {})})
 
 
 def _content_of(path: str, obj: dict) -> str | None:
@@ -877,6 +886,8 @@ class Proxy:
             obs.timings = obj["timings"]
         if isinstance(obj.get("usage"), dict):
             obs.usage = obj["usage"]
+            if obs.timings is None:  # an Anthropic answer carries usage only
+                obs.timings = timings_from_usage(obs.usage)
         if obs.status == 200:
             obs.content = _content_of(path, obj)
 

@@ -51,7 +51,13 @@ SCHEMA_VERSION = 1
 
 #: Request headers worth keeping for a replay (session affinity, client identity). Authorization,
 #: cookies and anything else are never written.
-KEEP_HEADERS = ("user-agent", "x-session-affinity", "x-session-id", "content-type")
+KEEP_HEADERS = ("user-agent", "x-session-affinity", "x-session-id", "content-type",
+                # Claude Code (/v1/messages) and Codex CLI (/v1/responses): session ids, API version
+                "x-claude-code-session-id", "session-id", "thread-id", "anthropic-version",
+                "anthropic-beta")
+#: Kept headers that carry a session id (hashed by ``--redact``, like ``session``).
+SESSION_HEADERS = frozenset({"x-session-affinity", "x-session-id", "x-claude-code-session-id",
+                             "session-id", "thread-id"})
 
 #: Body keys whose string values are structure, not user text (kept by ``--redact``).
 STRUCTURAL_KEYS = frozenset({"role", "type", "model", "tool_choice", "finish_reason", "object"})
@@ -139,12 +145,13 @@ class Recorder:
         content = _field(obs, "content")
         obs_out = {k: _field(obs, k) for k in ("status", "completed", "ttft_s", "total_s",
                                                 "timings", "usage")}
-        session = getattr(req, "session_hint", None)
+        session = getattr(req, "session_hint", None) or next(
+            (headers[k] for k in KEEP_HEADERS if k in SESSION_HEADERS and headers.get(k)), None)
         if self.redact:
             body = redact(body, self._key)
             plan_d = redact(plan_d, self._key)
             # session ids are pseudonymous, but still hash them so files cannot be joined
-            kept = {k: (redact(v, self._key) if k.startswith("x-session") else v)
+            kept = {k: (redact(v, self._key) if k in SESSION_HEADERS else v)
                     for k, v in kept.items()}
             obs_out["content"] = None if content is None else {"chars": len(content)}
             session = redact(session, self._key) if session else None

@@ -34,7 +34,8 @@ from .layer import COMPLETION_ROUTES
 #: Paths that keep their own label; everything else is counted as ``other`` (bounded cardinality).
 KNOWN_ROUTES = COMPLETION_ROUTES | {
     "/health", "/v1/health", "/props", "/slots", "/metrics", "/models", "/v1/models",
-    "/tokenize", "/detokenize", "/apply-template", "/v1/messages", "/v1/cache/stats",
+    "/tokenize", "/detokenize", "/apply-template", "/v1/messages/count_tokens",
+    "/v1/responses/input_tokens", "/responses/input_tokens", "/v1/cache/stats",
     "/v1/cache/metrics", "/v1/cache/clear",
 }
 
