@@ -409,3 +409,22 @@ async def test_codex_resume_after_another_folder_used_the_slot(start_server, tmp
     # codex_run5_resume_turn2 carries run 3's tool output (its "Chunk ID: 59d819" line)
     await _resume_case(start_server, tmp_path, ["codex_run3_turn1.json", "codex_run3_after_tool.json"],
                        ["codex_run4_proj2_turn1.json"], "codex_run5_resume_turn2.json")
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+async def test_every_captured_claude_and_codex_request_is_predicted(start_server, model):
+    """Every Claude Code and Codex capture in ``index.json`` order (three sessions in one folder,
+    another folder, a continue/resume, another prompt, retries) through ocache on -np 2: each is
+    planned and its prediction is within one ubatch of the server's cache_n."""
+    index = json.loads((FIXTURES / "index.json").read_text()) if (FIXTURES / "index.json").exists() else None
+    if index is None:
+        pytest.skip("shared/fixtures/index.json not found")
+    names = [e["fixture"] for e in index if e["fixture"].startswith(("claude_", "codex_"))]
+    assert len(names) >= 25
+    srv = start_server(model, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    async with through_ocache(srv) as c:
+        for name in names:
+            await c.send(name, body_of(name, max_tokens=4))
+        c.assert_predictions()
+        assert c.layer.counters["observed"] == len(names)
