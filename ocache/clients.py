@@ -47,6 +47,10 @@ class NpmClient:
 
 OPENCODE = NpmClient("opencode", "opencode-ai", "1.18.33", "opencode")
 PI = NpmClient("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi")
+#: Claude Code (Anthropic Messages API, ``POST /v1/messages``) and Codex CLI (OpenAI Responses API,
+#: ``POST /v1/responses``), the versions of the captures in shared/fixtures.
+CLAUDE = NpmClient("claude", "@anthropic-ai/claude-code", "2.1.328", "claude")
+CODEX = NpmClient("codex", "@openai/codex", "0.169.0", "codex")
 
 #: npm error codes that mean "the registry could not be reached" (DNS, TCP, TLS transport, or the
 #: registry answering 5xx), as opposed to a bad package spec (ETARGET, E404) or a local failure.
@@ -344,3 +348,63 @@ def run_pi(binary: Path, project: Path, prompt: str, env: dict[str, str], model:
            timeout: float = 300.0) -> ClientRun:
     """``pi --model <model> -p <prompt>`` in ``project`` (one agent turn, no title request)."""
     return _run([str(binary), "--model", model, "-p", prompt], Path(project), env, timeout)
+
+
+# --- Claude Code and Codex CLI (shared/fixtures/README.md, "Claude Code and Codex CLI") ---------
+
+def claude_env(home: Path, base_url: str, *, api_key: str = "sk-local-ocache",
+               output_tokens: int | None = 64, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for ``claude -p`` against ``base_url`` (ocache or llama-server, no ``/v1``).
+
+    ``ANTHROPIC_BASE_URL`` is the server, any ``ANTHROPIC_API_KEY`` will do (llama-server without
+    ``--api-key`` ignores it), ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1`` and
+    ``DISABLE_TELEMETRY=1`` leave the base URL as the only host contacted (captures in
+    shared/fixtures), ``DISABLE_AUTOUPDATER=1``; ``output_tokens`` becomes the requests'
+    ``max_tokens`` (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``; Claude Code's default is 32000).
+    """
+    env = {"ANTHROPIC_BASE_URL": base_url.rstrip("/"), "ANTHROPIC_API_KEY": api_key,
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+           "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1"}
+    if output_tokens is not None:
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(output_tokens)
+    env.update(extra or {})
+    return isolated_env(home, env)
+
+
+def run_claude(binary: Path, project: Path, prompt: str, env: dict[str, str], *, model: str,
+               args: Sequence[str] = (), timeout: float = 300.0) -> ClientRun:
+    """``claude -p <prompt> --model <model> <args>`` in ``project`` (``args``: e.g. ``["--continue"]``).
+    One run sends one streamed ``POST /v1/messages?beta=true`` per model turn (no title request)."""
+    return _run([str(binary), "-p", prompt, "--model", model, *args], Path(project), env, timeout)
+
+
+def write_codex_config(codex_home: Path, base_url: str, *, model: str, env_key: str = "LOCAL_API_KEY") -> Path:
+    """Write ``codex_home/config.toml`` (the shape of shared/fixtures/configs/codex.config.toml): a
+    provider ``local`` at ``base_url`` (``http://host:port/v1``) with ``wire_api = "responses"``
+    (Codex 0.169.0 refuses ``"chat"``), no approvals, no sandbox, no update check, analytics off.
+    Returns the file written."""
+    codex_home = Path(codex_home)
+    codex_home.mkdir(parents=True, exist_ok=True)
+    text = (f'model = {json.dumps(model)}\nmodel_provider = "local"\napproval_policy = "never"\n'
+            f'sandbox_mode = "danger-full-access"\ncheck_for_update_on_startup = false\n\n'
+            f'[model_providers.local]\nname = "local"\nbase_url = {json.dumps(base_url)}\n'
+            f'wire_api = "responses"\nenv_key = {json.dumps(env_key)}\n\n[analytics]\nenabled = false\n')
+    path = codex_home / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def codex_env(home: Path, codex_home: Path, *, api_key: str = "sk-local-ocache",
+              env_key: str = "LOCAL_API_KEY") -> dict[str, str]:
+    """Environment for ``codex exec``: ``CODEX_HOME`` (its config and sessions), the provider key."""
+    return isolated_env(home, {"CODEX_HOME": str(codex_home), env_key: api_key})
+
+
+def run_codex(binary: Path, project: Path, prompt: str, env: dict[str, str], *, resume: bool = False,
+              timeout: float = 300.0) -> ClientRun:
+    """``codex exec --skip-git-repo-check <prompt>`` in ``project``; ``resume``: ``codex exec
+    --skip-git-repo-check resume --last <prompt>`` (the last session, its history resent)."""
+    argv = [str(binary), "exec", "--skip-git-repo-check"]
+    if resume:
+        argv += ["resume", "--last"]
+    return _run([*argv, prompt], Path(project), env, timeout)

@@ -848,11 +848,15 @@ class Proxy:
                     if request.transport is not None:
                         request.transport.close()
                     return resp
-                await resp.write(chunk)  # a client that went away raises here (not caught)
+                try:
+                    await resp.write(chunk)  # a client that went away raises here (not caught)
+                finally:
+                    # observed even when the client left during this write: it is what the server
+                    # did (Codex CLI closes right after response.completed, the chunk with timings)
+                    if observer is not None:
+                        observer.feed(chunk)
                 if obs.ttft_s is None:
                     obs.ttft_s = time.perf_counter() - t0
-                if observer is not None:
-                    observer.feed(chunk)
         finally:
             if observer is not None:
                 obs.timings, obs.usage = observer.timings, observer.usage

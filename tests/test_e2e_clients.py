@@ -410,6 +410,119 @@ def _prompt_tokens_total(url: str) -> float:
     raise AssertionError("no llamacpp:prompt_tokens_total on /metrics")
 
 
+# --- Claude Code and Codex CLI (issue 11) ---------------------------------------------------------
+#
+# The hybrid tiny model, ONE slot (so the second folder's session really takes the slot of the
+# first), the stock checkpoint spacing (--checkpoint-min-step 8192: plain llama-server then reuses
+# nothing of another folder's prompt on a hybrid model, shared/fixtures README), and a logit bias
+# that makes the random model end every answer at once with <|im_end|> (id 151645 in the tiny
+# models' vocab): a clean, empty answer, so each client run is one turn plus Claude Code's fixed
+# "no visible output" resend, the session history stays what the client itself sends back, and no
+# run ends on a max_tokens error. ocache runs with the settings in ``_write_agent_config``: the disk
+# tier off (its anchor splits prefill part of a request inside that request, so cache_n would count
+# tokens paid for; tests/test_clients_routes.py measures reuse with every tier on, from the
+# server's /metrics), and the session tier's threshold at 4,096 tokens (default 16,384; these
+# conversations are ~12k / ~6k tokens).
+
+AGENT_CTX = 16384
+EOS_BIAS = ["--logit-bias", "151645+100", "-n", str(MAX_OUTPUT)]
+
+
+@pytest.fixture(scope="module")
+def claude_bin() -> Path:
+    return _install(clients.CLAUDE)
+
+
+@pytest.fixture(scope="module")
+def codex_bin() -> Path:
+    return _install(clients.CODEX)
+
+
+def _write_agent_config(path: Path, srv) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "spill_min_tokens": 4096,
+        "tiers": {"resident": {"server_args": srv.command()[1:]}, "disk": {"enabled": False}},
+    }))
+    return path
+
+
+@pytest.fixture
+def agent_stack(start_server, tmp_path, request):
+    """(llama-server, ocache) for Claude Code / Codex; indirect ``"no-cache"`` as for ``stack``."""
+    srv = start_server("hybrid", n_parallel=1, ctx_size=AGENT_CTX, ubatch=UBATCH,
+                       checkpoint_min_step=8192, args=EOS_BIAS)
+    mode = getattr(request, "param", "cache")
+    cfg = _write_agent_config(tmp_path / "ocache.yaml", srv)
+    extra = ("--config", str(cfg)) + (("--no-cache",) if mode == "no-cache" else ())
+    proxy = OcacheProcess(srv.url, tmp_path, extra)
+    try:
+        proxy.wait_ready()
+        yield srv, proxy, mode
+    finally:
+        proxy.stop()
+        print(f"\n--- ocache log tail\n{proxy.log_tail(30)}")
+
+
+def _restart_upstream(srv, proxy: OcacheProcess) -> None:
+    before = proxy.stats()["upstream_restarts"]
+    srv.restart()
+    deadline = time.monotonic() + 30
+    while proxy.stats()["upstream_restarts"] <= before:  # the proxy's epoch probe
+        assert time.monotonic() < deadline, "ocache did not notice the upstream restart"
+        time.sleep(0.1)  # polling another process's state
+
+
+def _n_prompt(rec: dict) -> int:
+    t = rec["obs"]["timings"] or {}
+    return int(t.get("cache_n", 0)) + int(t.get("prompt_n", 0))
+
+
+def _agent_report(label: str, runs: list[clients.ClientRun], records: list[dict]) -> str:
+    lines = [f"{label}: run seconds " + ", ".join(f"{r.seconds:.1f}" for r in runs)]
+    for r in records:
+        t = r["obs"]["timings"] or {}
+        h = (r.get("plan") or {}).get("headers") or {}
+        lines.append(f"  {r['path']} session {str(r.get('session'))[:12]} tokens {_n_prompt(r)} "
+                     f"cache_n {t.get('cache_n')} prompt_n {t.get('prompt_n')} tier "
+                     f"{h.get('X-OCache-Tier')} predicted {h.get('X-OCache-Predicted-Cache')} "
+                     f"completed {r['obs'].get('completed')}")
+    return "\n".join(lines)
+
+
+def _first_of_each_run(records: list[dict], n_before: list[int]) -> list[dict]:
+    """The first record of each run (``n_before[i]``: records that existed before run i)."""
+    return [records[n] for n in n_before]
+
+
+def _agent_checks(mode: str, records: list[dict], firsts: list[dict], report: str,
+                  head_min: int, alone_b: int | None = 0) -> None:
+    """B's first request reuses the head (>= head_min; no-cache: the server alone reuses
+    ``alone_b`` tokens, None: not checked); the continued session after the restart reuses >= 95 %
+    of its previous prompt (no-cache: 0); with the cache every planned request's prediction is
+    within one ubatch of cache_n."""
+    for r in records:
+        assert r["obs"]["status"] == 200, report
+        assert r["obs"]["timings"], f"no timings observed for {r['request_id']}\n{report}"
+    a_last = max((r for r in records if r["session"] == firsts[0]["session"] and r["t"] < firsts[1]["t"]),
+                 key=lambda r: r["t"])
+    b, cont = firsts[1], firsts[2]
+    assert cont["session"] == firsts[0]["session"] != b["session"], report
+    b_cache, c_cache = b["obs"]["timings"]["cache_n"], cont["obs"]["timings"]["cache_n"]
+    if mode == "no-cache":
+        assert c_cache == 0, report
+        assert alone_b is None or b_cache == alone_b, report
+        return
+    assert b_cache >= head_min, report
+    assert c_cache >= 0.95 * _n_prompt(a_last), report
+    assert cont["plan"]["headers"]["X-OCache-Tier"] == "session", report
+    for r in records:
+        h = r["plan"]["headers"]
+        assert "X-OCache-Predicted-Cache" in h, f"{r['request_id']} was not planned\n{report}"
+        assert abs(int(h["X-OCache-Predicted-Cache"]) - r["obs"]["timings"]["cache_n"]) <= UBATCH, report
+
+
 @pytest.mark.server
 @pytest.mark.slow
 def test_an_everyday_opencode_day_prefills_no_more_than_the_server_alone(opencode_bin, start_server,
@@ -444,3 +557,82 @@ def test_an_everyday_opencode_day_prefills_no_more_than_the_server_alone(opencod
     print("\n" + report)
     assert totals["direct"] > 0, report
     assert totals["ocache"] <= totals["direct"] * 1.02, report
+
+
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.parametrize("agent_stack", ["cache", "no-cache"], indirect=True)
+def test_claude_code_two_folders_restart_continue(claude_bin, agent_stack, tmp_path, models_tiny):
+    """Real Claude Code 2.1.328: ``claude -p`` in folder A, in folder B, llama-server restarts,
+    ``claude --continue -p`` in A. B's first request starts from the tools block (>= 7,000 tokens;
+    llama-server alone: 0) and the continued session comes back from the session tier (>= 95 %)."""
+    srv, proxy, mode = agent_stack
+    home = tmp_path / "home"
+    home.mkdir()
+    env = clients.claude_env(home, proxy.url)
+    for name in ("proj-a", "proj-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "main.py").write_text("print('hello')\n")
+    model = str(models_tiny["hybrid"])
+    plan = [("proj-a", "list the files and explain main.py", ()),
+            ("proj-b", "list the files and explain main.py", ()),
+            ("proj-a", "now explain main.py again", ("--continue",))]
+    runs, n_before = [], []
+    for i, (folder, prompt, args) in enumerate(plan):
+        if i == 2:
+            _restart_upstream(srv, proxy)
+        n_before.append(len(proxy.records()))
+        runs.append(clients.run_claude(claude_bin, tmp_path / folder, prompt, env, model=model,
+                                       args=args, timeout=RUN_TIMEOUT_S))
+        _check_runs(runs[-1:])
+        _wait_recorded(proxy, lambda recs, n=n_before[-1]: len(recs) > n)
+    records = _wait_recorded(proxy, lambda recs: len(recs) >= n_before[-1] + 1)
+    report = _agent_report(f"claude code ({mode})", runs, records)
+    print("\n" + report)
+    assert all(r["path"] == "/v1/messages" for r in records), report
+    assert all(r["headers"].get("user-agent", "").startswith("claude-cli/2.1.328") for r in records), report
+    firsts = _first_of_each_run(records, n_before)
+    _agent_checks(mode, records, firsts, report, head_min=7000)
+
+
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.parametrize("agent_stack", ["cache", "no-cache"], indirect=True)
+def test_codex_two_folders_restart_resume(codex_bin, agent_stack, tmp_path, models_tiny):
+    """Real Codex CLI 0.169.0 (``wire_api = "responses"``): ``codex exec`` in A, in B, restart,
+    ``codex exec resume --last`` in A. B's first request starts from the base instructions
+    (>= 5,000 tokens; alone: 0), the resumed session from the session tier (>= 95 %). Codex closes
+    each stream right after ``response.completed``: the request still counts as observed."""
+    srv, proxy, mode = agent_stack
+    home = tmp_path / "home"
+    home.mkdir()
+    codex_home = home / ".codex"
+    clients.write_codex_config(codex_home, proxy.url + "/v1", model=str(models_tiny["hybrid"]))
+    env = clients.codex_env(home, codex_home)
+    for name in ("proj-a", "proj-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "main.py").write_text("print('hello')\n")
+    plan = [("proj-a", "list the files and explain main.py", False),
+            ("proj-b", "list the files and explain main.py", False),
+            ("proj-a", "now explain main.py again", True)]
+    runs, n_before = [], []
+    for i, (folder, prompt, resume) in enumerate(plan):
+        if i == 2:
+            _restart_upstream(srv, proxy)
+        n_before.append(len(proxy.records()))
+        runs.append(clients.run_codex(codex_bin, tmp_path / folder, prompt, env, resume=resume,
+                                      timeout=RUN_TIMEOUT_S))
+        _check_runs(runs[-1:])
+        _wait_recorded(proxy, lambda recs, n=n_before[-1]: len(recs) > n)
+    records = _wait_recorded(proxy, lambda recs: len(recs) >= n_before[-1] + 1)
+    report = _agent_report(f"codex ({mode})", runs, records)
+    print("\n" + report)
+    assert all(r["path"] == "/v1/responses" for r in records), report
+    assert all(r["headers"].get("user-agent", "").startswith("codex_exec/0.169.0") for r in records), report
+    firsts = _first_of_each_run(records, n_before)
+    # llama-server alone keeps a checkpoint at the first user item of A (~5,950 tokens, below the
+    # other folder's divergence): Codex's prompt is short enough that no 8192 spacing applies
+    _agent_checks(mode, records, firsts, report, head_min=5000, alone_b=None)
+    if mode == "cache":
+        stats = proxy.stats()["layer"]
+        assert stats["observed"] == len(records) and stats["failed_responses"] == 0, report
