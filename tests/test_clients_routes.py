@@ -227,7 +227,7 @@ class Client:
         # also counts what ocache prefilled itself in this request: a head warm-up, an anchor split)
         rec["n_prompt"] = cache_n + prompt_n
         rec["reused"] = rec["n_prompt"] - (await self.prefilled_total() - before)
-        print(f"{name:44} slot {rec['slot']} {rec['kind']:6} {rec['tier']:8} predicted {rec['predicted']} "
+        print(f"{name:44} slot {rec['slot']} {rec['kind']!s:6} {rec['tier']!s:8} predicted {rec['predicted']} "
               f"cache_n {cache_n} prompt_n {prompt_n} reused {rec['reused']} of {rec['n_prompt']}")
         self.log.append(rec)
         return rec
