@@ -3,7 +3,7 @@
 llama-server serves ``POST /v1/messages`` (Claude Code) and ``POST /v1/responses`` (Codex CLI) by
 converting the body to a chat-completions body and then running the same
 ``oaicompat_chat_params_parse`` + template as ``/v1/chat/completions``
-(tools/server/server-context.cpp:4968-4984 and 5017-5034 of the pinned source, src-832db069). The
+(tools/server/server-context.cpp:4968-4984 and 5018-5034 of the pinned source, src-832db069, unpatched). The
 token view of such a request is therefore: this module's conversion, then the usual
 ``/apply-template`` + ``/tokenize`` (``ocache.tokens``). The conversions are faithful ports of the
 server's own functions, field for field and in the same key order (the template renders tools
