@@ -62,13 +62,16 @@ from typing import Any, Awaitable, Callable, Iterable
 import aiohttp
 import yaml
 
+from .convert import timings_from_usage
 from .exact import PROBS_FIELDS, Generation, compare, describe
 from .oracle import Oracle, OracleResult
 
 log = logging.getLogger("ocache.replay")
 
 #: Request headers replayed from a fixture's ``headers/*.headers.json`` or a recording.
-REPLAY_HEADERS = ("user-agent", "x-session-affinity", "x-session-id")
+REPLAY_HEADERS = ("user-agent", "x-session-affinity", "x-session-id",
+                  # Claude Code and Codex CLI session ids (ocache.fingerprint.SESSION_HEADERS)
+                  "x-claude-code-session-id", "session-id", "thread-id", "anthropic-version")
 
 GEN_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "n_predict")
 
@@ -428,6 +431,43 @@ def _merge_tool_deltas(calls: list[dict], deltas: list) -> None:
             c["arguments"] += fn["arguments"]
 
 
+def _other_api_event(ev: dict, answer: "Answer") -> bool:
+    """Fold one Anthropic or Responses stream event's generated text into ``answer``; True when it
+    carried text, reasoning or tool-call arguments."""
+    etype = ev.get("type")
+    if etype == "content_block_delta":
+        d = ev.get("delta") or {}
+        if d.get("type") == "text_delta" and d.get("text"):
+            answer.content += d["text"]
+            return True
+        if d.get("type") == "thinking_delta" and d.get("thinking"):
+            answer.reasoning += d["thinking"]
+            return True
+        if d.get("type") == "input_json_delta" and d.get("partial_json"):
+            idx = int(ev.get("index") or 0)
+            _merge_tool_deltas(answer.tool_calls, [{"index": idx, "function": {"arguments": d["partial_json"]}}])
+            return True
+    elif etype == "content_block_start" and (ev.get("content_block") or {}).get("type") == "tool_use":
+        cb = ev["content_block"]
+        _merge_tool_deltas(answer.tool_calls, [{"index": int(ev.get("index") or 0), "id": cb.get("id", ""),
+                                                "function": {"name": cb.get("name", "")}}])
+    elif etype == "response.output_text.delta" and ev.get("delta"):
+        answer.content += ev["delta"]
+        return True
+    elif etype == "response.reasoning_text.delta" and ev.get("delta"):
+        answer.reasoning += ev["delta"]
+        return True
+    elif etype == "response.function_call_arguments.delta" and ev.get("delta"):
+        item = str(ev.get("item_id") or "")
+        call = next((c for c in answer.tool_calls if c.get("item") == item), None)
+        if call is None:
+            call = {"id": "", "name": "", "arguments": "", "item": item}
+            answer.tool_calls.append(call)
+        call["arguments"] += ev["delta"]
+        return True
+    return False
+
+
 async def post(session: aiohttp.ClientSession, url: str, body: dict,
                headers: dict | None = None) -> Response:
     """POST a completion body; read an SSE stream or a JSON answer. TTFT = time to the first event
@@ -437,6 +477,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict,
     t0 = time.monotonic()
     answer = Answer()
     timings = usage = None
+    anthropic_usage: dict | None = None
     ttft = None
     tokens = None
     generation = None
@@ -480,10 +521,19 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict,
                                 got = True
                             if got and ttft is None:
                                 ttft = time.monotonic() - t0
+                        # Anthropic Messages and OpenAI Responses streams (/v1/messages,
+                        # /v1/responses; event shapes: tools/server/server-task.cpp:800-980, 1171-1310)
+                        got = _other_api_event(ev, answer)
+                        if got and ttft is None:
+                            ttft = time.monotonic() - t0
+                        if ev.get("type") == "message_start" and isinstance(ev.get("message"), dict):
+                            anthropic_usage = dict(ev["message"].get("usage") or {})
                         if ev.get("timings"):
                             timings = ev["timings"]
                         if ev.get("usage"):
                             usage = ev["usage"]
+                if timings is None and anthropic_usage:
+                    timings = timings_from_usage({**anthropic_usage, **(usage or {})})
             else:
                 data = await resp.json(content_type=None)
                 msg = ((data.get("choices") or [{}])[0].get("message") or {})
@@ -494,6 +544,13 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict,
                     answer.tool_calls.append({"id": t.get("id", ""), "name": fn.get("name", ""),
                                               "arguments": fn.get("arguments", "")})
                 timings, usage = data.get("timings"), data.get("usage")
+                if data.get("type") == "message":  # an Anthropic answer: content blocks, usage only
+                    for block in data.get("content") or []:
+                        if block.get("type") == "text":
+                            answer.content += block.get("text") or ""
+                        elif block.get("type") == "thinking":
+                            answer.reasoning += block.get("thinking") or ""
+                    timings = timings or timings_from_usage(usage)
                 verbose = data.get("__verbose") or {}
                 if isinstance(verbose.get("tokens"), list):
                     tokens = [int(x) for x in verbose["tokens"]]
@@ -787,6 +844,23 @@ def cold_body(body: dict) -> dict:
     return out
 
 
+def cold_request(upstream_url: str, path: str, body: dict) -> tuple[str, dict]:
+    """(url, body) of the cold reference run of a request to ``path``. ``/v1/messages`` and
+    ``/v1/responses`` bodies go to ``/v1/chat/completions`` in the chat form the server itself
+    renders (ocache/convert.py): the Anthropic converter drops ``cache_prompt`` (the run would not
+    be cold) and both answer in shapes ``post`` does not read when not streamed. The prompt and
+    the sampling are the same, so is the greedy output."""
+    from .convert import CONVERTED_ROUTES, to_chat
+
+    if path in CONVERTED_ROUTES:
+        chat = to_chat(path, body)
+        for k in ("temperature", "seed", "max_tokens"):  # Anthropic keeps temperature only
+            if k in body:
+                chat[k] = body[k]
+        return upstream_url + "/v1/chat/completions", cold_body(chat)
+    return upstream_url + path, cold_body(body)
+
+
 def body_key(path: str, body: dict) -> str:
     return hashlib.sha256((path + "\0" + json.dumps(body, sort_keys=True)).encode()).hexdigest()
 
@@ -867,13 +941,13 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
         cold = cold_cache.get(key)
         here = cold is None
         if here:
-            cold = await post(http, upstream_url + s.path, cold_body(s.body))
+            cold = await post(http, *cold_request(upstream_url, s.path, s.body))
             cold_cache[key] = cold
         if (not here and not r.error and not cold.error
                 and not judge(cold, r)[0]):
             # the shared reference came from another server (other flags): confirm a mismatch
             # against a cold run on this one before reporting it
-            cold = await post(http, upstream_url + s.path, cold_body(s.body))
+            cold = await post(http, *cold_request(upstream_url, s.path, s.body))
         verdict = oracle.min_prefill(tokens)
         note = None
         usage_n = (r.usage or {}).get("prompt_tokens")
