@@ -421,8 +421,7 @@ def _prompt_tokens_total(url: str) -> float:
 # run ends on a max_tokens error. ocache runs with the settings in ``_write_agent_config``: the disk
 # tier off (its anchor splits prefill part of a request inside that request, so cache_n would count
 # tokens paid for; tests/test_clients_routes.py measures reuse with every tier on, from the
-# server's /metrics), and the session tier's threshold at 4,096 tokens (default 16,384; these
-# conversations are ~12k / ~6k tokens).
+# server's /metrics); everything else at its default.
 
 AGENT_CTX = 16384
 EOS_BIAS = ["--logit-bias", "151645+100", "-n", str(MAX_OUTPUT)]
@@ -442,7 +441,6 @@ def _write_agent_config(path: Path, srv) -> Path:
     import yaml
 
     path.write_text(yaml.safe_dump({
-        "spill_min_tokens": 4096,
         "tiers": {"resident": {"server_args": srv.command()[1:]}, "disk": {"enabled": False}},
     }))
     return path
