@@ -261,7 +261,7 @@ class OCacheLayer:
             "mispredict_high": 0, "predicted_tokens": 0, "observed_cache_tokens": 0,
             "prompt_tokens": 0, "warmups": 0, "warmup_tokens": 0, "head_saves": 0, "head_restores": 0,
             "origin_rebuilds": 0, "origin_skipped": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
-            "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0,
+            "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0, "user_splits": 0,
         }
         self.by_tier: dict[str, int] = {}
         self.recent_mispredictions: deque = deque(maxlen=20)
@@ -490,6 +490,7 @@ class OCacheLayer:
                 table[slot].clear()
         if "warm_head" in dec.steps:
             await self._warm_head_in(slot, tokens[:ctx.head_len], ctx.head_key, req.request_id)
+            await self._split_at_first_user(slot, tokens, ctx, req.request_id)
         if self.disk_tier is not None:
             # admission (docs/decisions.md D2): split the coming prefill at the anchor lines and save them; the
             # slot then holds the last anchor, which this request strictly extends
@@ -523,6 +524,33 @@ class OCacheLayer:
                   req.request_id, slot, decision.tier, ctx.kind, len(tokens), reuse.lcp, reuse.cache_n,
                   reuse.upper, reuse.reason, ",".join(dec.steps))
         return pctx
+
+    async def _split_at_first_user(self, slot: int, tokens: list[int], ctx: RequestContext, rid: str) -> None:
+        """After a head warm-up in ``slot``, prefill on to the first user message after the head
+        (``tokens[:u]``, no generation) when the model resumes only at checkpoints.
+
+        Why: llama-server takes a checkpoint at the first user message of a prompt only while the
+        slot holds none (tools/server/server-context.cpp:3530-3537 of the pinned source); the
+        warm-up left some at the head's end, so without this split the request would keep none
+        between the head and ``len - 4 - ubatch``, and a later session that shares more than the
+        head (Codex in another folder: up to its AGENTS.md item) would fall back to the head. The
+        split's own prompt end gets the server's near-end checkpoints (``u - 4 - ubatch``,
+        ``u - 4``). It prefills nothing extra (those tokens are the request's own) and costs one
+        round trip; it is skipped on dense models, within one ubatch of the head or of the
+        prompt's end. A failure is logged and the request goes on from whatever the slot holds."""
+        table = self.table
+        ub = table.params.n_ubatch
+        if not table.params.checkpoints or not ctx.head_len:
+            return
+        u = next((u for u in ctx.user_starts if u > ctx.head_len), None)
+        if u is None or u - ctx.head_len < ub or len(tokens) - u < ub:
+            return
+        try:
+            await table.warm(slot, tokens[:u])
+            self.counters["user_splits"] += 1
+        except SlotError as exc:
+            log.warning("[%s] split at the first user message (token %d) in slot %d failed: %s",
+                        rid, u, slot, exc)
 
     async def _warm_head_in(self, slot: int, head_tokens: list[int], key: str | None, rid: str = "-") -> dict:
         """Prefill ``head_tokens`` into the locked ``slot`` and save them to a head file if the server

@@ -323,7 +323,8 @@ async def test_stock_server_anthropic_route_is_forwarded_unplanned(start_server)
 async def test_claude_code_new_folder_and_new_prompt_resume_from_the_tools_block(start_server):
     """Claude Code in folder A, then folder B, then another prompt: B's and the other prompt's first
     requests reuse the tools block (>= 7,000 tokens) on the hybrid model with the stock
-    checkpoint spacing, and the next turn of A extends its own conversation."""
+    checkpoint spacing, and the next turn of A goes on from its own conversation (wherever the
+    planner kept it: its slot or the session tier)."""
     srv = start_server("hybrid", n_parallel=2, ctx_size=2 * 16384, **STOCK_SPACING)
     async with through_ocache(srv) as c:
         a = await c.send("claude_run1_agent_turn1.json")
@@ -331,8 +332,8 @@ async def test_claude_code_new_folder_and_new_prompt_resume_from_the_tools_block
         assert head_len >= 7000 and a["tier"] == "head"
         b = await c.send("claude_run4_proj2_agent_turn1.json")
         assert b["reused"] >= 7000 and b["reused"] >= head_len - UB
-        a2 = await c.send("claude_run1_after_tool.json")
-        assert a2["slot"] == a["slot"] and a2["reused"] > b["reused"]
+        a2 = await c.send("claude_run1_after_tool.json")   # A goes on from its own conversation
+        assert a2["reused"] >= 0.95 * a2["n_prompt"]
         o = await c.send("claude_run6_otherprompt_agent_turn1.json")   # a third session, 2 slots
         assert o["reused"] >= 7000
         c.assert_predictions()
@@ -349,8 +350,11 @@ async def test_codex_new_folder_resumes_from_the_base_instructions(start_server)
         assert head_len >= 5000 and a["tier"] == "head"
         b = await c.send("codex_run4_proj2_turn1.json")
         assert b["reused"] >= 5000 and b["reused"] >= head_len - UB
+        # and up to A's first user item (AGENTS.md, where the folders part), as llama-server alone
+        # would keep it: the split at the first user message after the head warm-up
+        assert b["reused"] > head_len + UB and c.layer.counters["user_splits"] >= 1
         a2 = await c.send("codex_run1_after_tool.json")
-        assert a2["slot"] == a["slot"]
+        assert a2["reused"] >= 0.95 * a2["n_prompt"]
         c.assert_predictions()
 
 
