@@ -536,14 +536,14 @@ class OCacheLayer:
         head (Codex in another folder: up to its AGENTS.md item) would fall back to the head. The
         split's own prompt end gets the server's near-end checkpoints (``u - 4 - ubatch``,
         ``u - 4``). It prefills nothing extra (those tokens are the request's own) and costs one
-        round trip; it is skipped on dense models, within one ubatch of the head or of the
-        prompt's end. A failure is logged and the request goes on from whatever the slot holds."""
+        round trip; it is skipped on dense models, within one ubatch of the head, or when the
+        user message starts in the prompt's last 4 tokens. A failure is logged and the request goes on from whatever the slot holds."""
         table = self.table
         ub = table.params.n_ubatch
         if not table.params.checkpoints or not ctx.head_len:
             return
         u = next((u for u in ctx.user_starts if u > ctx.head_len), None)
-        if u is None or u - ctx.head_len < ub or len(tokens) - u < ub:
+        if u is None or u - ctx.head_len < ub or len(tokens) - u <= 4:
             return
         try:
             await table.warm(slot, tokens[:u])
