@@ -201,6 +201,8 @@ class PlanContext:
     upper: int
     checkpoints_before: list[Checkpoint]
     t_plan: float
+    #: seconds the tier's ``bring`` (restore into the slot) took, None when nothing was restored
+    restore_s: float | None = None
 
 
 def _mk_plan(**kw: Any) -> Any:
@@ -435,6 +437,8 @@ class OCacheLayer:
         self.by_tier[pctx.decision.tier] = self.by_tier.get(pctx.decision.tier, 0) + 1
         headers = {"X-OCache-Slot": str(dec.slot), "X-OCache-Predicted-Cache": str(pctx.predicted),
                    "X-OCache-Tier": pctx.decision.tier, "X-OCache-Kind": kind}
+        if pctx.restore_s is not None:
+            headers["X-OCache-Restore-Ms"] = f"{pctx.restore_s * 1e3:.1f}"
         return _mk_plan(body_updates={"id_slot": dec.slot}, headers=headers, context=pctx, release=release)
 
     async def _decide(self, view: Any, ctx: RequestContext, forced_slot: int | None = None,
@@ -476,11 +480,14 @@ class OCacheLayer:
                 except Exception:
                     log.exception("[%s] tier %s before_evict(slot %d) failed", req.request_id,
                                   getattr(tier, "name", tier), slot)
+        restore_s = None
         if "bring" in dec.steps and dec.offer is not None:
             tier = self.head_tier if dec.offer.tier == "head" else next(
                 (t for t in self.tiers if t.name == dec.offer.tier), None)
             try:
+                t_bring = time.monotonic()
                 await tier.bring(dec.offer, slot)
+                restore_s = time.monotonic() - t_bring
                 if dec.offer.tier == "head":
                     self.counters["head_restores"] += 1
             except Exception as exc:
@@ -506,7 +513,7 @@ class OCacheLayer:
         tier_name = dec.tier if dec.steps else ("resident" if reuse.cache_n > 0 else "cold")
         decision = replace(dec, predicted=reuse.cache_n, upper=reuse.upper, tier=tier_name)
         pctx = PlanContext(req.request_id, slot, decision, view, ctx, 0, len(tokens), reuse.cache_n,
-                           reuse.upper, list(st.checkpoints), time.monotonic())
+                           reuse.upper, list(st.checkpoints), time.monotonic(), restore_s)
         keep_head = st.head_key if (st.head_key == ctx.head_key) else None
         st.clear()
         st.tokens = list(tokens)
@@ -831,7 +838,9 @@ class OCacheLayer:
         if table is not None:
             out["slots"] = [{"id": s.id, "tokens": len(s.tokens), "n_total": s.n_total, "kind": s.kind,
                              "owner": s.owner, "origin": s.origin, "checkpoints": len(s.checkpoints),
-                             "busy": table.lock(s.id).locked()} for s in table.slots]
+                             "busy": table.lock(s.id).locked(), "head_len": s.head_len,
+                             "idle_s": round(time.monotonic() - s.last_used, 1) if s.last_used else None}
+                            for s in table.slots]
             out["table"] = dict(table.counters)
             out["heads"] = {k: {"tokens": len(r.tokens), "file": r.filename}
                             for k, r in self.head_tier.heads.items()}

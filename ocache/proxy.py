@@ -370,6 +370,9 @@ class Proxy:
         await self.close()
 
     async def start(self) -> None:
+        from .dashboard import install_event_log
+
+        install_event_log()  # the dashboard's event list (ocache/dashboard.py)
         if self.config.record_dir:
             from .record import Recorder
 
@@ -479,6 +482,8 @@ class Proxy:
                 resp = _json_error(405, f"{request.method} not allowed on {path} (use GET)",
                                    "invalid_request_error", rid)
             request[admin.ADMIN] = admin.token_ok(request, self.config.admin_token)
+        elif path == "/ocache" or path.startswith("/ocache/"):  # the dashboard: like the stats
+            request[admin.ADMIN] = admin.token_ok(request, self.config.admin_token)
         elif admin.is_slot_action(request) and not isinstance(self.layer, NullLayer):
             log.warning("[%s] refused a client's %s %s (ocache owns the slots)", rid, request.method,
                         request.path_qs)
@@ -493,6 +498,13 @@ class Proxy:
         path = request.path
         if path in ("/v1/cache/stats", "/v1/cache/metrics", "/v1/cache/clear"):
             resp = await self._admin(request, rid, path)
+            self.stats.request(path, resp.status)
+            return resp
+        if path == "/ocache" or path.startswith("/ocache/"):  # the dashboard (ocache/dashboard.py)
+            from .dashboard import handle as dashboard
+
+            resp = await dashboard(request, self.stats_body, bool(request.get(admin.ADMIN)))
+            resp.headers.setdefault("X-OCache-Request-Id", rid)
             self.stats.request(path, resp.status)
             return resp
         if path in self._extra:  # method and token already checked by _guard
@@ -913,25 +925,22 @@ class Proxy:
         elif preq.body is not None and isinstance(preq.body.get("id_slot"), int) \
                 and preq.body["id_slot"] >= 0:
             slot = preq.body["id_slot"]
-        tier = (plan.headers.get("X-OCache-Tier") if plan is not None else None) or "none"
+        headers = plan.headers if plan is not None else {}
+        tier = headers.get("X-OCache-Tier") or "none"
         t = obs.timings or {}
+        restore_ms = headers.get("X-OCache-Restore-Ms")
         record = {
             "request_id": preq.request_id, "path": preq.path, "status": obs.status,
-            "stream": preq.stream, "slot": slot, "tier": tier,
+            "stream": preq.stream, "slot": slot, "tier": tier, "kind": headers.get("X-OCache-Kind"),
             "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n"),
             "prompt_ms": t.get("prompt_ms"), "predicted_n": t.get("predicted_n"),
+            "restore_ms": float(restore_ms) if restore_ms else None,
             "ttft_s": obs.ttft_s, "total_s": round(obs.total_s, 6), "completed": obs.completed,
-            "epoch": self.upstream.epoch,
+            "epoch": self.upstream.epoch, "time": time.time(),
         }
         if obs.completed or disconnected:
             self.stats.completion(preq.path, tier, obs.timings, obs.ttft_s, record)
-        log.info("[%s] %s %s%s %d%s slot=%s tier=%s prompt_n=%s cache_n=%s predicted_n=%s "
-                 "ttft=%s total=%.0fms", preq.request_id, preq.method, preq.path,
-                 " stream" if preq.stream else "", obs.status,
-                 " DISCONNECTED" if disconnected else ("" if obs.completed else " INCOMPLETE"),
-                 "?" if slot is None else slot, tier, t.get("prompt_n"), t.get("cache_n"),
-                 t.get("predicted_n"),
-                 "-" if obs.ttft_s is None else f"{obs.ttft_s * 1e3:.0f}ms", obs.total_s * 1e3)
+        log.info("[%s] %s", preq.request_id, request_line(record, preq.method, disconnected))
         self._spawn(self._after(preq, plan, obs, observe))
 
     async def _release_only(self, rid: str, plan: Plan) -> None:
@@ -964,17 +973,21 @@ class Proxy:
             await asyncio.to_thread(self.recorder.record, preq, plan, obs)
 
     # --- ocache's own routes --------------------------------------------------------------------
+    def stats_body(self) -> dict:
+        """The ``GET /v1/cache/stats`` JSON (also what the dashboard, ocache/dashboard.py, reads)."""
+        try:
+            layer = self.layer.stats() if self.layer is not None else {}
+        except Exception as exc:
+            self.stats.layer_error("stats")
+            layer = {"error": f"{type(exc).__name__}: {exc}"}
+        return {**self.stats.to_dict(), "inflight": self.inflight,
+                "upstream": self.upstream.to_dict(), "layer": layer,
+                "layer_class": type(self.layer).__name__}
+
     async def _admin(self, request: web.Request, rid: str, path: str) -> web.Response:
         """ocache's own routes; method and token were checked by ``_guard`` (ocache/admin.py)."""
         if path == "/v1/cache/stats":
-            try:
-                layer = self.layer.stats() if self.layer is not None else {}
-            except Exception as exc:
-                self.stats.layer_error("stats")
-                layer = {"error": f"{type(exc).__name__}: {exc}"}
-            body = {**self.stats.to_dict(), "inflight": self.inflight,
-                    "upstream": self.upstream.to_dict(), "layer": layer,
-                    "layer_class": type(self.layer).__name__}
+            body = self.stats_body()
             if not request.get(admin.ADMIN):
                 body = admin.redact(body)
                 body["redacted"] = ("session ids and slot owners hidden: send Authorization: "
@@ -998,6 +1011,35 @@ class Proxy:
             resp = web.json_response(result)
         resp.headers["X-OCache-Request-Id"] = rid
         return resp
+
+
+def request_line(rec: dict, method: str, disconnected: bool = False) -> str:
+    """The per-request log line, from a ``last_completions`` record (``_finish``), e.g.
+    ``POST /v1/chat/completions 200 agent slot 0: prefilled 77, reused 7,251 from resident,
+    restore 18.2 ms; generated 4; ttft 329 ms, total 329 ms``. ``prefilled`` is the server's
+    ``timings.prompt_n``, ``reused`` its ``cache_n`` (tokens), ``from`` the X-OCache-Tier; without
+    timings (an error, a non-llama-server answer) only status and times are shown."""
+    def n(v: Any) -> str:
+        return f"{int(v):,}" if isinstance(v, (int, float)) else "?"
+
+    state = " DISCONNECTED" if disconnected else ("" if rec.get("completed") else " INCOMPLETE")
+    head = (f"{method} {rec['path']}{' stream' if rec.get('stream') else ''} {rec['status']}{state}"
+            f" {rec.get('kind') or 'other'}"
+            f" slot {'?' if rec.get('slot') is None else rec['slot']}")
+    parts = []
+    if rec.get("prompt_n") is not None or rec.get("cache_n") is not None:
+        reuse = f"prefilled {n(rec.get('prompt_n'))}, reused {n(rec.get('cache_n'))}"
+        if rec.get("tier") not in (None, "none", "cold"):
+            reuse += f" from {rec['tier']}"
+        if rec.get("restore_ms") is not None:
+            reuse += f", restore {rec['restore_ms']:.1f} ms"
+        parts.append(reuse)
+        if rec.get("predicted_n") is not None:
+            parts.append(f"generated {n(rec['predicted_n'])}")
+    ttft = rec.get("ttft_s")
+    parts.append(f"ttft {'-' if ttft is None else f'{ttft * 1e3:.0f} ms'}, "
+                 f"total {rec['total_s'] * 1e3:.0f} ms")
+    return f"{head}: {'; '.join(parts)}"
 
 
 # --- ocache serve ---------------------------------------------------------------------------------

@@ -877,9 +877,25 @@ class Store:
             return len(keys)
 
     def stats(self) -> dict:
+        """Counts and bytes; ``by_kind``: ``{kind: {"entries", "bytes", "hits"}}`` (bytes of the
+        committed files, without reservations); ``next_eviction``: the entry :meth:`evict` would
+        remove first (lowest value), or None."""
         with self._lock:
+            now = self.clock()
+            by_kind: dict[str, dict[str, int]] = {}
+            for e in self._entries.values():
+                k = by_kind.setdefault(e.kind, {"entries": 0, "bytes": 0, "hits": 0})
+                k["entries"] += 1
+                k["bytes"] += e.bytes
+                k["hits"] += e.hits
+            low = min(self._entries.values(), key=lambda e: e.value(now), default=None)
+            nxt = None if low is None else {
+                "key": low.key[:16], "kind": low.kind, "n_tokens": low.n_tokens, "bytes": low.bytes,
+                "hits": low.hits, "idle_s": round(max(0.0, now - low.last_used), 1),
+                "meta": {k: v for k, v in low.meta.items() if k != "checkpoints"}}
             return {"entries": len(self._entries), "bytes": self.used_bytes(),
-                    "budget_bytes": self.budget_bytes, "index": self.report.index, **self.counters}
+                    "budget_bytes": self.budget_bytes, "index": self.report.index, **self.counters,
+                    "by_kind": by_kind, "next_eviction": nxt}
 
 
 def data_dir_of(meta_dir: Path) -> Path | None:

@@ -1,0 +1,208 @@
+"""The live view of a running ocache: ``GET /ocache/`` (a page), ``GET /ocache/api/view`` (its JSON).
+
+One source of figures: :func:`view` turns the ``GET /v1/cache/stats`` body (``Proxy.stats_body``)
+into the shape the page, ``ocache top`` and ``ocache stats`` (ocache/top.py) show; nothing here counts
+anything itself. The page (``ocache/data/dashboard/``: plain HTML + JS + the vendored Chart.js, see
+its README) polls ``/ocache/api/view`` once a second; it works offline.
+
+Routes (all GET, loopback like the rest of ocache):
+
+| route | answer |
+|---|---|
+| ``/ocache`` | 308 to ``/ocache/`` |
+| ``/ocache/`` | ``index.html`` |
+| ``/ocache/static/NAME`` | a file of ``ocache/data/dashboard/`` (only names listed there) |
+| ``/ocache/api/view`` | JSON: :func:`view` of the current stats; session ids (slot owners) only with ``Authorization: Bearer <admin_token>`` (as ``GET /v1/cache/stats``: without it, or with a wrong one, redacted and ``token_rejected`` true when one was sent; no token configured: always hidden) |
+
+Events: :func:`install_event_log` keeps the last :data:`EVENTS_KEPT` INFO+ lines of the ``ocache``
+loggers (anchors, spills, restores, evictions, restarts) for the page's event list; it is process
+wide (several proxies in one process share it).
+
+Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` seconds, ``*_ms`` ms):
+
+* ``totals``: ``completions``, ``prefilled`` (Σ ``timings.prompt_n``: tokens the server computed),
+  ``reused`` (Σ ``timings.cache_n``: tokens it took from the slot's KV cache), ``own_prefill``
+  (tokens ocache prefilled itself to warm harness heads, ``layer.warmup_tokens``; they show up
+  in a later ``cache_n``), ``saved`` = ``reused - own_prefill`` (at least 0), ``prefill_tok_s`` (the
+  measured prefill rate, ``layer.prefill_tokens_per_s``), ``saved_s`` = ``saved / prefill_tok_s``
+  (None before a rate is measured), ``disk_bytes`` (the store's files), ``fail_open``,
+  ``mispredictions``;
+* ``upstream``: ``state``, ``epoch``, ``restarts``, ``build_info``, ``url``;
+* ``slots``: per slot ``id``, ``kind``, ``tokens``, ``head_len``, ``checkpoints``, ``busy``, ``origin``,
+  ``idle_s``, ``owner`` (None when hidden or none) and ``owner_hidden``;
+* ``requests``: the last completions (at most 20, oldest first): ``request_id``, ``time``,
+  ``kind``, ``slot``, ``tier``, ``prefilled``, ``reused``, ``restore_ms``, ``ttft_ms``, ``status``;
+* ``tiers``: ``head`` (saves, restores), ``disk`` (anchors, restores, hits, save/restore p50 s),
+  ``session`` (spills, restores, hits, spill/restore p50 s, entries, bytes);
+* ``store``: ``entries``, ``bytes``, ``budget_bytes``, ``by_kind`` (``anchor``/``spill`` →
+  entries, bytes, hits), ``next_eviction`` (the entry eviction would take first).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from importlib import resources
+from typing import Any, Callable
+
+from aiohttp import web
+
+#: Lines kept for the page's event list.
+EVENTS_KEPT = 100
+KIND_NAMES = {"a": "anchor", "s": "spill"}
+
+_events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
+_handler: logging.Handler | None = None
+
+
+class _EventHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # a bad format string must not break logging
+            return
+        if record.name == "ocache.proxy" and msg.startswith("["):
+            return  # per-request lines: the page has them as ``requests``
+        _events.append({"time": record.created, "level": record.levelname.lower(),
+                        "source": record.name.removeprefix("ocache."), "message": msg})
+
+
+def install_event_log() -> None:
+    """Keep INFO+ lines of the ``ocache.*`` loggers for the page (idempotent)."""
+    global _handler
+    if _handler is None:
+        _handler = _EventHandler(level=logging.INFO)
+        logging.getLogger("ocache").addHandler(_handler)
+
+
+def events() -> list[dict]:
+    return list(_events)
+
+
+def _int(v: Any) -> int:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+
+def view(stats: dict, admin: bool = False) -> dict:
+    """The dashboard's figures from a ``/v1/cache/stats`` body (see the module docstring).
+    ``admin``: show slot owners (session ids)."""
+    layer = stats.get("layer") or {}
+    tok = stats.get("tokens") or {}
+    disk = layer.get("tier_disk") or {}
+    sess = layer.get("tier_session") or {}
+    store = dict(disk.get("store") or {})
+    if not store and sess:  # no disk tier: the session tier's own share of the store
+        store = {"entries": sess.get("entries", 0), "bytes": sess.get("bytes", 0),
+                 "budget_bytes": sess.get("budget_bytes"),
+                 "by_kind": {"s": {"entries": sess.get("entries", 0), "bytes": sess.get("bytes", 0)}}}
+    reused, prefilled = _int(tok.get("cache_n")), _int(tok.get("prompt_n"))
+    own = _int(layer.get("warmup_tokens"))
+    saved = max(0, reused - own)
+    rate = layer.get("prefill_tokens_per_s")
+    rate = float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
+    completions = sum(_int(n) for by_tier in (stats.get("completions") or {}).values()
+                      for n in by_tier.values())
+    up = stats.get("upstream") or {}
+    slots = []
+    for s in layer.get("slots") or []:
+        owner = s.get("owner")
+        slots.append({"id": s.get("id"), "kind": s.get("kind"), "tokens": _int(s.get("tokens")),
+                      "head_len": _int(s.get("head_len")), "checkpoints": _int(s.get("checkpoints")),
+                      "busy": bool(s.get("busy")), "origin": bool(s.get("origin")),
+                      "idle_s": s.get("idle_s"),
+                      "owner": owner if admin else None,
+                      "owner_hidden": bool(owner) and not admin})
+    requests = []
+    for r in stats.get("last_completions") or []:
+        ttft = r.get("ttft_s")
+        requests.append({"request_id": r.get("request_id"), "time": r.get("time"),
+                         "kind": r.get("kind"), "slot": r.get("slot"), "tier": r.get("tier"),
+                         "prefilled": _int(r.get("prompt_n")), "reused": _int(r.get("cache_n")),
+                         "restore_ms": r.get("restore_ms"),
+                         "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
+                         "status": r.get("status")})
+    by_kind = {KIND_NAMES.get(k, k): v for k, v in (store.get("by_kind") or {}).items()}
+    return {
+        "time": time.time(),
+        "uptime_s": stats.get("uptime_s"),
+        "admin": admin,
+        "totals": {
+            "completions": completions, "prefilled": prefilled, "reused": reused,
+            "own_prefill": own, "saved": saved, "prefill_tok_s": rate,
+            "saved_s": None if rate is None else round(saved / rate, 3),
+            "disk_bytes": _int(store.get("bytes")),
+            "fail_open": _int(stats.get("fail_open")),
+            "mispredictions": _int(layer.get("mispredictions")),
+            "inflight": _int(stats.get("inflight")),
+        },
+        "upstream": {"state": up.get("state"), "epoch": up.get("epoch"),
+                     "restarts": _int(up.get("restarts")), "build_info": up.get("build_info"),
+                     "url": up.get("url")},
+        "slots": slots,
+        "requests": requests,
+        "tiers": {
+            "head": {"saves": _int(layer.get("head_saves")), "restores": _int(layer.get("head_restores"))},
+            "disk": {"enabled": bool(disk), "anchors": _int(disk.get("anchors_written")),
+                     "restores": _int(disk.get("restores")), "hits": _int(disk.get("hits")),
+                     "save_s_p50": disk.get("save_s_p50"), "restore_s_p50": disk.get("restore_s_p50")},
+            "session": {"enabled": bool(sess), "spills": _int(sess.get("spills")),
+                        "restores": _int(sess.get("restores")), "hits": _int(sess.get("hits")),
+                        "entries": _int(sess.get("entries")), "bytes": _int(sess.get("bytes")),
+                        "spill_s_p50": sess.get("spill_s_p50"),
+                        "restore_s_p50": sess.get("restore_s_p50")},
+        },
+        "store": {"entries": _int(store.get("entries")), "bytes": _int(store.get("bytes")),
+                  "budget_bytes": store.get("budget_bytes"), "by_kind": by_kind,
+                  "by_folder": store.get("by_folder") or [],
+                  "next_eviction": store.get("next_eviction")},
+        "setup_warnings": list(layer.get("setup_warnings") or []),
+    }
+
+
+# ---------------------------------------------------------------------- routes
+
+def _static_names() -> dict[str, str]:
+    files = resources.files("ocache") / "data" / "dashboard"
+    types = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".md": "text/markdown"}
+    return {p.name: types.get("." + p.name.rsplit(".", 1)[-1], "application/octet-stream")
+            for p in files.iterdir() if p.is_file()}
+
+
+def _static(name: str) -> web.Response:
+    names = _static_names()
+    if name not in names:
+        raise web.HTTPNotFound(text=f"no dashboard file {name!r}")
+    data = (resources.files("ocache") / "data" / "dashboard" / name).read_bytes()
+    return web.Response(body=data, content_type=names[name], charset="utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+
+async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bool) -> web.StreamResponse:
+    """Answer a request under ``/ocache`` (see the module docstring). ``admin``: the request carried
+    the admin token (the proxy's guard decided, ocache/admin.py); without it the stats are redacted
+    (``admin.redact``) before :func:`view`, and ``token_rejected`` says whether a token was sent."""
+    from . import admin as admin_mod
+
+    path = request.path
+    if request.method not in ("GET", "HEAD"):
+        return admin_mod.error(405, f"{request.method} not allowed on {path} (use GET)",
+                               "invalid_request_error")
+    try:
+        if path == "/ocache":
+            raise web.HTTPPermanentRedirect("/ocache/")
+        if path == "/ocache/":
+            return _static("index.html")
+        if path.startswith("/ocache/static/"):
+            return _static(path.removeprefix("/ocache/static/"))
+        if path == "/ocache/api/view":
+            stats = stats_body()
+            if not admin:
+                stats = admin_mod.redact(stats)
+            body = view(stats, admin=admin)
+            body["token_rejected"] = not admin and request.headers.get("Authorization", "").startswith("Bearer ")
+            body["events"] = events()
+            return web.json_response(body, headers={"Cache-Control": "no-store"})
+        raise web.HTTPNotFound(text=f"no dashboard route {path}")
+    except web.HTTPException as exc:
+        return exc
