@@ -1029,7 +1029,9 @@ def request_line(rec: dict, method: str, disconnected: bool = False) -> str:
     parts = []
     if rec.get("prompt_n") is not None or rec.get("cache_n") is not None:
         reuse = f"prefilled {n(rec.get('prompt_n'))}, reused {n(rec.get('cache_n'))}"
-        if rec.get("tier") not in (None, "none", "cold"):
+        if rec.get("tier") == "head":  # README "X-OCache response headers": paid for right here
+            reuse += " (the harness head, prefilled by ocache in this request)"
+        elif rec.get("tier") not in (None, "none", "cold"):
             reuse += f" from {rec['tier']}"
         if rec.get("restore_ms") is not None:
             reuse += f", restore {rec['restore_ms']:.1f} ms"

@@ -60,6 +60,15 @@ class BootId:
     build_info: str | None = None     # /props build_info
     pid: int | None = None            # launched child's PID
 
+    def __str__(self) -> str:
+        """For log lines: ``build b1-0c1e570+ocache.4c2c8b9c, started 1796120425, pid 27309``."""
+        parts = [f"build {self.build_info}" if self.build_info else "build unknown"]
+        if self.start_time:
+            parts.append(f"started {self.start_time}")
+        if self.pid is not None:
+            parts.append(f"pid {self.pid}")
+        return ", ".join(parts)
+
 
 class Upstream:
     """One llama-server behind the proxy.

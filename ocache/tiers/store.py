@@ -342,6 +342,15 @@ class OpenReport:
     orphans: int = 0             # data/temp files without a record removed
     orphan_bytes: int = 0
 
+    def __str__(self) -> str:
+        """For log lines: ``3 entries (index ok)``, plus what was removed, when anything was."""
+        text = f"{self.entries} entries (index {self.index})"
+        done = [f"{n} {what}" for n, what in ((self.swept_identity, "of another model/build swept"),
+                                               (self.bad_records, "unreadable records removed"),
+                                               (self.orphans, f"orphan files removed ({self.orphan_bytes} bytes)"))
+                if n]
+        return text + ("; " + ", ".join(done) if done else "")
+
 
 class Store:
     """The content-addressed store (see the module docstring).

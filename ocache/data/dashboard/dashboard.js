@@ -58,7 +58,8 @@
     type: "bar",
     data: {labels: [], datasets: [
       {label: "prefilled", data: [], backgroundColor: COLORS.prefilled, stack: "t"},
-      ...TIERS.map((t) => ({label: `reused from ${t}`, data: [], backgroundColor: COLORS[t], stack: "t"})),
+      ...TIERS.map((t) => ({label: t === "head" ? "head (ocache prefilled it in this request)" : `reused from ${t}`,
+                            data: [], backgroundColor: COLORS[t], stack: "t"})),
     ]},
     options: {
       animation: false, maintainAspectRatio: false,

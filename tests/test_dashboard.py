@@ -1,0 +1,313 @@
+"""The live view (issue 14): ``GET /ocache/`` + ``/ocache/api/view`` (ocache/dashboard.py), the
+per-request log line, ``ocache stats`` / ``ocache top`` (ocache/top.py).
+
+The integration tests run ``python -m ocache serve`` as a child in front of the real tiny
+llama-server (2 slots), send captured opencode requests, and compare what the page (in Debian's
+headless chromium, driven by selenium) and the JSON show with ``GET /v1/cache/stats``. The browser
+comes from ``scripts/setup-browser`` (apt); the browser test skips with its reason where that fails.
+The screenshot is kept as ``out/dashboard.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import load_fixture
+from ocache import dashboard
+from ocache.proxy import request_line
+from ocache.server import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "dash-token"
+SESSION = "ses_dashboard_test_1"
+server = pytest.mark.server
+
+
+# ---------------------------------------------------------------------- pure: view() and the log line
+
+def _stats(**layer) -> dict:
+    return {
+        "uptime_s": 12.0, "completions": {"/v1/chat/completions": {"head": 1, "resident": 2}},
+        "tokens": {"cache_n": 20_000, "prompt_n": 900}, "fail_open": 1, "inflight": 0,
+        "last_completions": [{"request_id": "r1", "tier": "disk", "prompt_n": 30, "cache_n": 7000,
+                              "restore_ms": 21.5, "ttft_s": 0.25, "status": 200, "slot": 0,
+                              "kind": "agent", "time": 1.0}],
+        "upstream": {"state": "ready", "epoch": 3, "restarts": 2, "build_info": "b1+ocache.x"},
+        "layer": {"warmup_tokens": 6000, "prefill_tokens_per_s": 2000.0, "mispredictions": 4,
+                  "slots": [{"id": 0, "tokens": 7030, "kind": "agent", "owner": SESSION,
+                             "head_len": 6000, "checkpoints": 2, "busy": False, "origin": False,
+                             "idle_s": 3.0}],
+                  "tier_disk": {"anchors_written": 5, "restores": 1, "hits": 1,
+                                "store": {"entries": 2, "bytes": 5_000_000,
+                                          "by_kind": {"a": {"entries": 2, "bytes": 5_000_000, "hits": 1}}}},
+                  **layer},
+    }
+
+
+def test_view_totals_are_made_from_the_stats():
+    v = dashboard.view(_stats())
+    t = v["totals"]
+    assert (t["completions"], t["reused"], t["prefilled"]) == (3, 20_000, 900)
+    assert t["saved"] == 20_000 - 6000 and t["saved_s"] == pytest.approx(14_000 / 2000.0)
+    assert t["disk_bytes"] == 5_000_000 and t["fail_open"] == 1 and t["mispredictions"] == 4
+    assert v["upstream"]["epoch"] == 3 and v["store"]["by_kind"]["anchor"]["entries"] == 2
+    assert v["requests"][0] == {"request_id": "r1", "time": 1.0, "kind": "agent", "slot": 0,
+                                "tier": "disk", "prefilled": 30, "reused": 7000, "restore_ms": 21.5,
+                                "ttft_ms": 250.0, "status": 200}
+    # no rate measured yet: no seconds claimed
+    assert dashboard.view(_stats(prefill_tokens_per_s=None))["totals"]["saved_s"] is None
+
+
+def test_view_shows_session_ids_only_to_the_admin():
+    hidden = dashboard.view(_stats(), admin=False)["slots"][0]
+    assert hidden["owner"] is None and hidden["owner_hidden"] is True
+    assert SESSION not in json.dumps(dashboard.view(_stats(), admin=False))
+    assert dashboard.view(_stats(), admin=True)["slots"][0]["owner"] == SESSION
+
+
+def test_request_line_says_what_was_prefilled_and_reused_from_where():
+    rec = {"request_id": "r1", "path": "/v1/chat/completions", "status": 200, "stream": True,
+           "slot": 1, "tier": "disk", "kind": "agent", "prompt_n": 1234, "cache_n": 7000,
+           "predicted_n": 12, "restore_ms": 21.46, "ttft_s": 0.3, "total_s": 1.2, "completed": True}
+    line = request_line(rec, "POST")
+    assert line == ("POST /v1/chat/completions stream 200 agent slot 1: prefilled 1,234, reused "
+                    "7,000 from disk, restore 21.5 ms; generated 12; ttft 300 ms, total 1200 ms")
+    cold = dict(rec, tier="cold", cache_n=0, restore_ms=None, completed=False)
+    assert "from" not in request_line(cold, "POST") and "INCOMPLETE" in request_line(cold, "POST")
+    assert "(" not in request_line(dict(rec, prompt_n=None, cache_n=None), "POST")
+    assert "prefilled by ocache in this request" in request_line(dict(rec, tier="head"), "POST")
+
+
+# ---------------------------------------------------------------------- a running ocache
+
+class Ocache:
+    """``python -m ocache serve --config FILE`` as a child (stopped by PID with SIGTERM)."""
+
+    def __init__(self, srv, workdir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = {"upstream": srv.url, "port": self.port, "admin_token": TOKEN,
+               "tiers": {"resident": {"server_args": srv.command()[1:]}}}
+        (workdir / "ocache.yaml").write_text(yaml.safe_dump(cfg))
+        self.log_path = workdir / "ocache.log"
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ocache", "serve", "--config",
+                                      str(workdir / "ocache.yaml")], stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     cwd=workdir, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ocache serve exited {self.proc.returncode}\n{self.log_tail()}")
+            try:
+                if self.get("/health", auth=False).get("status") == "ok":
+                    return
+            except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ocache not ready after 60 s\n{self.log_tail()}")
+            time.sleep(0.1)  # polling a child's readiness, not synchronising the test
+
+    def get(self, path: str, auth: bool = True, token: str = TOKEN) -> dict:
+        req = urllib.request.Request(self.url + path,
+                                     headers={"Authorization": f"Bearer {token}"} if auth else {})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def complete(self, fixture: str, session: str | None = None) -> None:
+        body = dict(load_fixture(fixture), stream=False, max_tokens=4)
+        body.pop("stream_options", None)
+        headers = {"Content-Type": "application/json"}
+        if session:
+            headers["x-session-affinity"] = session
+        req = urllib.request.Request(self.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert r.status == 200
+            r.read()
+
+    def settled_stats(self, timeout: float = 60.0) -> dict:
+        """/v1/cache/stats once two reads in a row agree on every figure the page shows (the
+        anchors' commits and observe() run after the response)."""
+        deadline = time.monotonic() + timeout
+        prev = None
+        while time.monotonic() < deadline:
+            cur = self.get("/v1/cache/stats")
+            key = _figures(cur)
+            if key == prev:
+                return cur
+            prev = key
+            time.sleep(0.2)  # polling for quiescence of background work, bounded
+        raise AssertionError("stats never settled")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def _figures(s: dict) -> str:
+    v = dashboard.view(s, admin=True)
+    for slot in v["slots"]:
+        slot.pop("idle_s")
+    v.pop("time")
+    v.pop("uptime_s")
+    if v["store"]["next_eviction"]:
+        v["store"]["next_eviction"].pop("idle_s")
+    return json.dumps(v, sort_keys=True)
+
+
+@pytest.fixture
+def running(start_server, tmp_path):
+    """ocache in front of the tiny dense model, after an opencode session's turns and a title."""
+    srv = start_server("dense", n_parallel=2, ctx_size=32768)
+    oc = Ocache(srv, tmp_path)
+    try:
+        oc.complete("opencode_agent_turn1.json", SESSION)
+        oc.complete("opencode_title.json")
+        oc.complete("opencode_agent_turn1_after_tool.json", SESSION)
+        yield oc
+    finally:
+        oc.stop()
+
+
+@server
+def test_view_json_matches_the_stats_and_guards_session_ids(running):
+    stats = running.settled_stats()
+    v = running.get("/ocache/api/view")
+    assert v["admin"] is True
+    assert v["totals"]["reused"] == stats["tokens"]["cache_n"] > 0
+    assert v["totals"]["prefilled"] == stats["tokens"]["prompt_n"]
+    assert [r["request_id"] for r in v["requests"]] == [r["request_id"] for r in stats["last_completions"]]
+    assert SESSION in [s["owner"] for s in v["slots"]]
+    anon = running.get("/ocache/api/view", auth=False)
+    assert anon["admin"] is False and SESSION not in json.dumps(anon)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        running.get("/ocache/api/view", token="wrong")
+    assert err.value.code == 401
+    # the static files come from the package, and nothing outside it
+    with urllib.request.urlopen(running.url + "/ocache/static/chart.umd.min.js", timeout=10) as r:
+        assert r.read(40).startswith(b"/*!\n * Chart.js v4")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(running.url + "/ocache/static/..%2Fdashboard.py", timeout=10)
+    assert err.value.code == 404
+    # the per-request log line: prefilled/reused, no Python reprs
+    log = running.log_tail(200)
+    assert "prefilled" in log and "reused" in log
+    assert "BootId(" not in log and "OpenReport(" not in log and "Traceback" not in log
+
+
+# ---------------------------------------------------------------------- the page in a real browser
+
+@pytest.fixture(scope="module")
+def browser_paths() -> tuple[str, str]:
+    """(chromium, chromedriver), installed by scripts/setup-browser; skip with its reason."""
+    pytest.importorskip("selenium", reason="selenium not installed (pip install -e '.[test]')")
+    r = subprocess.run([str(ROOT / "scripts" / "setup-browser")], capture_output=True, text=True,
+                       timeout=900)
+    if r.returncode != 0:
+        pytest.skip(f"chromium not available: {r.stderr.strip() or r.stdout.strip()}")
+    chromium, driver = r.stdout.split()[-2:]
+    return chromium, driver
+
+
+def _driver(paths):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = paths[0]
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--no-first-run", "--disable-quic", "--window-size=1400,1500"):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service(executable_path=paths[1]), options=opts)
+
+
+def _human(n: float) -> str:  # the page's byte format (dashboard.js bytes())
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{round(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+@server
+def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    stats = running.settled_stats()
+    layer = stats["layer"]
+    drv = _driver(browser_paths)
+    try:
+        drv.get(f"{running.url}/ocache/#token={TOKEN}")
+        text = lambda id_: drv.find_element(By.ID, id_).text  # noqa: E731
+        num = lambda id_: int(text(id_).replace(",", ""))  # noqa: E731
+        # the page has rendered a view fetched after the stats above settled
+        t_stats = time.time()
+        WebDriverWait(drv, 30).until(
+            lambda d: float(d.find_element(By.TAG_NAME, "body").get_attribute("data-view-time") or 0) > t_stats)
+        assert text("status") == "live (admin)"
+        assert num("t-completions") == sum(n for r in stats["completions"].values() for n in r.values()) == 3
+        assert num("t-reused") == stats["tokens"]["cache_n"]
+        assert num("t-prefilled") == stats["tokens"]["prompt_n"]
+        assert num("t-saved") == stats["tokens"]["cache_n"] - layer["warmup_tokens"]
+        assert num("t-rate") == round(layer["prefill_tokens_per_s"])
+        assert text("t-disk-bytes") == _human(layer["tier_disk"]["store"]["bytes"])
+        assert num("t-disk-entries") == layer["tier_disk"]["store"]["entries"] > 0
+        assert num("t-fail-open") == stats["fail_open"]
+        assert text("up-state") == stats["upstream"]["state"] == "ready"
+        assert num("up-epoch") == stats["upstream"]["epoch"]
+        for s in layer["slots"]:
+            row = drv.find_element(By.CSS_SELECTOR, f"#slot-table tr[data-slot='{s['id']}']")
+            assert int(row.find_element(By.CSS_SELECTOR, "td.tokens").text.replace(",", "")) == s["tokens"]
+            if s["owner"]:
+                assert s["owner"] in row.text
+        assert SESSION in drv.find_element(By.ID, "slot-table").text
+        for r in stats["last_completions"]:
+            row = drv.find_element(By.CSS_SELECTOR, f"#req-table tr[data-rid='{r['request_id']}']")
+            assert int(row.find_element(By.CSS_SELECTOR, "td.prefilled").text.replace(",", "")) == r["prompt_n"]
+            assert int(row.find_element(By.CSS_SELECTOR, "td.reused").text.replace(",", "")) == r["cache_n"]
+            assert r["tier"] in row.text
+        disk_row = drv.find_element(By.ID, "tier-disk")
+        assert int(disk_row.find_element(By.CSS_SELECTOR, ".saves").text) == layer["tier_disk"]["anchors_written"]
+        # the chart drew one bar group per request (Chart.js's own data, read back)
+        labels = drv.execute_script("return Chart.getChart('chart').data.labels")
+        assert labels == [r["request_id"] for r in stats["last_completions"]]
+        out = ROOT / "out"
+        out.mkdir(exist_ok=True)
+        drv.save_screenshot(str(out / "dashboard.png"))
+        assert (out / "dashboard.png").stat().st_size > 10_000
+        # without the token: the same figures, no session ids
+        drv.get(f"{running.url}/ocache/")
+        drv.execute_script("sessionStorage.clear()")
+        drv.refresh()
+        t2 = time.time()
+        WebDriverWait(drv, 30).until(
+            lambda d: float(d.find_element(By.TAG_NAME, "body").get_attribute("data-view-time") or 0) > t2)
+        assert text("status") == "live"
+        assert SESSION not in drv.find_element(By.TAG_NAME, "body").text
+        assert "(admin token)" in drv.find_element(By.ID, "slot-table").text
+        assert running.settled_stats()["tokens"] == stats["tokens"]  # nothing moved meanwhile
+    finally:
+        drv.quit()
