@@ -17,6 +17,7 @@ from . import __version__
 #: Modules that contribute subcommands, in help order. A module missing a ``register`` is skipped.
 COMMAND_MODULES = [
     "ocache.proxy",
+    "ocache.top",
     "ocache.warm",
     "ocache.tiers.spill",
     "ocache.engine_cli",

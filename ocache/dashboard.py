@@ -26,7 +26,7 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
   in a later ``cache_n``), ``saved`` = ``reused - own_prefill`` (at least 0), ``prefill_tok_s`` (the
   measured prefill rate, ``layer.prefill_tokens_per_s``), ``saved_s`` = ``saved / prefill_tok_s``
   (None before a rate is measured), ``disk_bytes`` (the store's files), ``fail_open``,
-  ``mispredictions``;
+  ``mispredictions``, ``reused_by_tier`` (Σ ``cache_n`` per X-OCache-Tier);
 * ``upstream``: ``state``, ``epoch``, ``restarts``, ``build_info``, ``url``;
 * ``slots``: per slot ``id``, ``kind``, ``tokens``, ``head_len``, ``checkpoints``, ``busy``, ``origin``,
   ``idle_s``, ``owner`` (None when hidden or none) and ``owner_hidden``;
@@ -135,6 +135,8 @@ def view(stats: dict, admin: bool = False) -> dict:
             "fail_open": _int(stats.get("fail_open")),
             "mispredictions": _int(layer.get("mispredictions")),
             "inflight": _int(stats.get("inflight")),
+            "reused_by_tier": {k.split(".")[1]: _int(n) for k, n in tok.items()
+                               if k.startswith("tier.") and k.endswith(".cache_n")},
         },
         "upstream": {"state": up.get("state"), "epoch": up.get("epoch"),
                      "restarts": _int(up.get("restarts")), "build_info": up.get("build_info"),

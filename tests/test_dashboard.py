@@ -191,7 +191,7 @@ def running(start_server, tmp_path):
 
 
 @server
-def test_view_json_matches_the_stats_and_guards_session_ids(running):
+def test_view_json_stats_and_top_match_the_stats_and_guard_session_ids(running):
     stats = running.settled_stats()
     v = running.get("/ocache/api/view")
     assert v["admin"] is True
@@ -210,6 +210,29 @@ def test_view_json_matches_the_stats_and_guards_session_ids(running):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(running.url + "/ocache/static/..%2Fdashboard.py", timeout=10)
     assert err.value.code == 404
+    # `ocache stats` and `ocache top --once`: the same figures, readable
+    def cli(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "ocache", *args, "--url", running.url],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "140"})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    t = v["totals"]
+    out = cli("stats", "--token", TOKEN)
+    assert f"saved   {t['saved']:,} tokens" in out
+    assert f"prefilled {stats['tokens']['prompt_n']:,}, reused {stats['tokens']['cache_n']:,} tokens" in out
+    assert f"head {stats['tokens']['tier.head.cache_n']:,}" in out
+    for s in stats["layer"]["slots"]:
+        assert f"slot {s['id']}  {s['kind']:7} {s['tokens']:>8,} tokens" in out
+    assert SESSION in out and SESSION not in cli("stats")
+    assert "{" not in out  # not JSON
+    top = cli("top", "--once", "--token", TOKEN)
+    assert f"saved {t['saved']:,} tokens" in top and SESSION in top
+    for r in stats["last_completions"]:
+        assert r["request_id"] in top
+    bad = subprocess.run([sys.executable, "-m", "ocache", "stats", "--url", running.url, "--token", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "wrong admin token" in bad.stderr and "Traceback" not in bad.stderr
     # the per-request log line: prefilled/reused, no Python reprs
     log = running.log_tail(200)
     assert "prefilled" in log and "reused" in log
