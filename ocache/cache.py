@@ -205,6 +205,20 @@ class PlanContext:
     restore_s: float | None = None
 
 
+def _labels(body: Any, headers: Any, kind: str) -> tuple[tuple[str, str | None], ...]:
+    """``RequestContext.labels``: folder (agent requests), client, model. Never raises."""
+    from .fingerprint import client_of
+    from .warm import folder_of
+
+    try:
+        folder = folder_of(body) if kind == "agent" and isinstance(body, dict) else None
+        model = body.get("model") if isinstance(body, dict) else None
+        return (("folder", folder), ("client", client_of(headers)),
+                ("model", model if isinstance(model, str) else None))
+    except Exception:  # noqa: BLE001 - labels are for display only
+        return ()
+
+
 def _mk_plan(**kw: Any) -> Any:
     from .layer import Plan
 
@@ -407,7 +421,8 @@ class OCacheLayer:
                 log.warning("[%s] folder journal not written: %s", req.request_id, exc)
         session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
         ctx = RequestContext(kind=kind, session=session, head_key=head_key, head_len=head_len,
-                             task=table.next_task(), user_starts=user_starts)
+                             task=table.next_task(), user_starts=user_starts,
+                             labels=_labels(body, getattr(req, "headers", None), kind))
         dec = await self._decide(view, ctx)
         for attempt in range(3):
             lock = table.lock(dec.slot)
@@ -523,6 +538,7 @@ class OCacheLayer:
         st.user_starts = list(ctx.user_starts)
         st.owner = ctx.session
         st.kind = ctx.kind
+        st.labels = dict(ctx.labels)
         st.head_key = ctx.head_key or keep_head
         st.head_len = ctx.head_len if ctx.head_key else 0
         st.last_used = time.monotonic()

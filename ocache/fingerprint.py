@@ -91,6 +91,17 @@ HEAD_RENDER_FIELDS: tuple[str, ...] = (
 )
 
 
+def client_of(headers: Mapping[str, str] | None) -> str | None:
+    """The client program named by a request's ``User-Agent`` (its first product token), e.g.
+    ``opencode`` (``opencode/1.18.33 ai-sdk/...``), ``claude-cli``, ``codex_exec``, ``OpenAI`` (pi,
+    through the OpenAI JS SDK): the captured headers in ``shared/fixtures/headers``. None without one."""
+    ua = (headers or {}).get("User-Agent") or (headers or {}).get("user-agent")
+    if not ua:
+        return None
+    token = ua.strip().split(" ", 1)[0].split("/", 1)[0]
+    return token[:40] or None
+
+
 def _dumps(obj: Any) -> str:
     """Canonical compact JSON that keeps key order (the template renders keys in the given order)."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

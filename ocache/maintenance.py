@@ -2,7 +2,8 @@
 
 These commands work on the files directly (``ocache.tiers.store``), without a running ocache:
 
-* ``ls``   a table of entries (kind, tokens, size, hits, last use, value, reason, key), read-only
+* ``ls``   a table of entries (kind, project folder, client, model, tokens, size, hits, last use,
+  eviction order, reason, key), read-only
   (safe next to a running ocache: no lock taken, nothing written);
 * ``gc``   remove entries past the TTL, evict by value down to the budget, remove orphan files
   (takes the store's lock: refuses while ocache runs, use the admin route then);
@@ -27,8 +28,20 @@ KIND_NAMES = {"a": "anchor", "s": "spill"}
 
 
 def _meta_dir(args: argparse.Namespace) -> Path:
+    """``<root>/store``, the root resolved as ``ocache serve`` does: ``--cache-dir``, else
+    ``cache_dir`` of the config (``--config`` / ``$OCACHE_CONFIG`` / ``./ocache.yaml``), else
+    ``$OCACHE_STATE_DIR``, ``$OCACHE_CACHE_DIR``, ``~/.cache/ocache`` (ocache/paths.py)."""
     if args.cache_dir:
         return Path(args.cache_dir).expanduser() / "store"
+    from . import config as config_mod
+
+    try:
+        cfg = config_mod.load(getattr(args, "config", None))
+    except config_mod.ConfigError as exc:
+        print(f"ocache cache: config ignored ({exc})", file=sys.stderr)
+        cfg = None
+    if cfg is not None and cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser() / "store"
     from .paths import state_root
 
     return state_root() / "store"
@@ -64,16 +77,25 @@ def _open(args: argparse.Namespace, readonly: bool) -> Store | None:
     return s
 
 
+COLUMNS = ("KIND", "FOLDER", "CLIENT", "MODEL", "TOKENS", "SIZE", "HITS", "CREATED", "USED",
+           "EVICT", "REASON", "KEY")
+_LEFT = {0, 1, 2, 3, 10, 11}
+
+
 def table(entries: list, now: float) -> str:
-    """The ``ls`` table (one line per entry, most valuable first)."""
-    head = ("KIND", "TOKENS", "SIZE", "HITS", "CREATED", "USED", "VALUE", "REASON", "KEY")
-    rows = [head]
-    for e in sorted(entries, key=lambda e: -e.value(now)):
-        rows.append((KIND_NAMES.get(e.kind, e.kind), str(e.n_tokens), _human(e.bytes), str(e.hits),
-                     _ago(e.created, now), _ago(e.last_used, now), f"{e.value(now) * 1e6:.2f}",
-                     str(e.meta.get("reason", "")), e.key[:16]))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) if i in (0, 7, 8) else c.rjust(w)
+    """The ``ls`` table: one line per entry, in eviction order (``EVICT`` 1 goes first: lowest
+    value, ``Entry.value``). FOLDER/CLIENT/MODEL come from the entry's meta (the request that
+    made it; ``-`` for entries written before ocache recorded them); MODEL falls back to the
+    server identity key."""
+    rows = [COLUMNS]
+    for rank, e in enumerate(sorted(entries, key=lambda e: e.value(now)), 1):
+        m = e.meta
+        rows.append((KIND_NAMES.get(e.kind, e.kind), str(m.get("folder") or "-"),
+                     str(m.get("client") or "-"), str(m.get("model") or f"id {e.identity[:8]}"),
+                     f"{e.n_tokens:,}", _human(e.bytes), str(e.hits), _ago(e.created, now),
+                     _ago(e.last_used, now), str(rank), str(m.get("reason", "")), e.key[:16]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) if i in _LEFT else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
@@ -87,7 +109,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if entries:
         print(table(entries, now))
     total = sum(e.bytes for e in entries)
-    print(f"{len(entries)} entries, {_human(total)}  (value = (hits+1) x tokens/byte x 0.5^days unused, x1e6)")
+    print(f"{len(entries)} entries, {_human(total)}; eviction takes EVICT 1 first (lowest (hits+1) x "
+          f"tokens/byte x 0.5^days unused)")
     return 0
 
 
@@ -124,12 +147,16 @@ def cmd_clear(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("cache", help="list, collect or clear the on-disk cache (offline)",
-                              description=__doc__.split("\n\n")[0])
+                              description="List, collect or clear ocache's on-disk store (disk anchors "
+                              "and spilled sessions) without a running ocache.")
     sub = p.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
 
     def common(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--cache-dir", default=None, help="ocache cache root (default: $OCACHE_CACHE_DIR "
-                       "or ~/.cache/ocache)")
+        q.add_argument("--cache-dir", default=None, help="ocache's state root, as `cache_dir` in "
+                       "ocache.yaml (default: cache_dir of --config, else $OCACHE_STATE_DIR, "
+                       "$OCACHE_CACHE_DIR, ~/.cache/ocache)")
+        q.add_argument("--config", metavar="FILE", default=None,
+                       help="the ocache.yaml whose cache_dir to use (default ./ocache.yaml)")
         q.add_argument("--slot-dir", default=None, help="the server's --slot-save-path (default: as "
                        "recorded by the store)")
         q.add_argument("--kind", choices=sorted(KINDS), default="all", help="which entries (default all)")

@@ -538,6 +538,8 @@ class SlotState:
     busy: bool = False
     pending: bool = False   # a request is in flight: n_total will be known after it
     foreign: bool = False
+    #: ``RequestContext.labels`` of the conversation held (folder, client, model), for spills
+    labels: dict = field(default_factory=dict)
 
     def clear(self) -> None:
         """The slot is empty (erase, restart, failed restore)."""
@@ -552,6 +554,7 @@ class SlotState:
         self.origin = False
         self.foreign = False
         self.pending = False
+        self.labels = {}
         self.seq += 1
 
     def unknown(self, n_total: int | None) -> None:

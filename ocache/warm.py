@@ -233,7 +233,9 @@ async def warm_folder(folder: str, *, journal: FolderJournal, viewer: Any, tier:
     await say(stage="prefilled", cache_n=timings.get("cache_n"), prompt_n=timings.get("prompt_n"),
               seconds=round(time.monotonic() - t1, 3))
     if tier is not None:
-        saved = await tier.save_slot(slot, head, fingerprint=entry.get("fingerprint"), reason="warm")
+        saved = await tier.save_slot(slot, head, fingerprint=entry.get("fingerprint"), reason="warm",
+                                     labels=(("folder", entry.get("folder")), ("client", "ocache warm"),
+                                             ("model", entry.get("model"))))
         await tier.flush()
         await say(stage="saved" if saved else "not_saved", tokens=n)
     return {"slot": slot, "tokens": n, "source": "prefill", "seconds": time.monotonic() - t0,

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import load_fixture
+from conftest import load_fixture, load_headers
 from ocache import dashboard
 from ocache.proxy import request_line
 from ocache.server import free_port
@@ -128,7 +128,8 @@ class Ocache:
     def complete(self, fixture: str, session: str | None = None) -> None:
         body = dict(load_fixture(fixture), stream=False, max_tokens=4)
         body.pop("stream_options", None)
-        headers = {"Content-Type": "application/json"}
+        ua = dict((k.lower(), v) for k, v in load_headers(fixture)["headers"]).get("user-agent")
+        headers = {"Content-Type": "application/json", "User-Agent": ua}
         if session:
             headers["x-session-affinity"] = session
         req = urllib.request.Request(self.url + "/v1/chat/completions", data=json.dumps(body).encode(),
@@ -233,6 +234,22 @@ def test_view_json_stats_and_top_match_the_stats_and_guard_session_ids(running):
     bad = subprocess.run([sys.executable, "-m", "ocache", "stats", "--url", running.url, "--token", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "wrong admin token" in bad.stderr and "Traceback" not in bad.stderr
+    # the store by project folder, client and model: in the view and in `ocache cache ls`
+    folder = load_fixture("opencode_agent_turn1.json")
+    by_folder = v["store"]["by_folder"]
+    assert {(f["folder"], f["client"], f["model"]) for f in by_folder} == {("/home/user/proj", "opencode", folder["model"])}
+    assert sum(f["bytes"] for f in by_folder) == stats["layer"]["tier_disk"]["store"]["bytes"]
+    ls = cli_ls = subprocess.run([sys.executable, "-m", "ocache", "cache", "ls", "--cache-dir",
+                                  os.environ["OCACHE_STATE_DIR"]], capture_output=True, text=True, timeout=60)
+    assert cli_ls.returncode == 0, ls.stderr
+    lines = [ln.split() for ln in ls.stdout.splitlines()[1:-1]]
+    assert ls.stdout.splitlines()[1].split()[:4] == ["KIND", "FOLDER", "CLIENT", "MODEL"]
+    rows = lines[1:]
+    assert len(rows) == stats["layer"]["tier_disk"]["store"]["entries"]
+    assert all(r[:4] == ["anchor", "/home/user/proj", "opencode", folder["model"]] for r in rows)
+    assert sorted(int(r[-3]) for r in rows) == list(range(1, len(rows) + 1))  # EVICT: eviction order
+    nxt = v["store"]["next_eviction"]
+    assert [r for r in rows if r[-3] == "1"][0][-1] == nxt["key"]
     # the per-request log line: prefilled/reused, no Python reprs
     log = running.log_tail(200)
     assert "prefilled" in log and "reused" in log

@@ -246,7 +246,7 @@ class DiskTier:
             # the slot holds exactly a wanted prefix already (e.g. the layer's head warm-up): the
             # prefill will not pass that line, so save it as it is (costs the save only)
             if await self.save_slot(slot, list(held), fingerprint=_get(ctx, "fingerprint") or _get(ctx, "head_key"),
-                                    reason=self._save_held(view, held)):
+                                    reason=self._save_held(view, held), labels=_get(ctx, "labels")):
                 done.append(len(held))
         for length, reason in self.plan_anchors(view, cached_n, ctx):
             prefix = list(view.tokens[:length])
@@ -258,7 +258,7 @@ class DiskTier:
                 self.counters["save_failed"] += 1
                 break
             fpr = _get(ctx, "fingerprint") or _get(ctx, "head_key")
-            if await self.save_slot(slot, prefix, fingerprint=fpr, reason=reason):
+            if await self.save_slot(slot, prefix, fingerprint=fpr, reason=reason, labels=_get(ctx, "labels")):
                 done.append(length)
         return done
 
@@ -290,10 +290,11 @@ class DiskTier:
         return None
 
     async def save_slot(self, slot: int, tokens: list[int], *, fingerprint: str | None = None,
-                        reason: str = "") -> bool:
+                        reason: str = "", labels: Any = None) -> bool:
         """Save ``slot`` (which must hold exactly ``tokens``) as an anchor: reserve room, ``action=save``
         to a temp name, then hash + commit in the background. Returns True if the save call succeeded
-        (the commit may still fail; counted). Never raises."""
+        (the commit may still fail; counted). Never raises. ``labels``: ``RequestContext.labels``
+        (folder, client, model), kept in the entry's meta for ``ocache cache ls`` and the dashboard."""
         key = entry_key(self.store.identity or "", KIND, tokens)
         if self.store.get(key):
             return True
@@ -321,17 +322,19 @@ class DiskTier:
             self.store.release(key)
             self.store.discard_temp(tmp)
             return False
-        task = asyncio.create_task(self._commit(tokens, tmp, fingerprint, reason, int(_get(resp, "n_written", 0))))
+        meta = {"reason": reason, **{k: v for k, v in dict(labels or ()).items() if v}}
+        task = asyncio.create_task(self._commit(tokens, tmp, fingerprint, meta, int(_get(resp, "n_written", 0))))
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
         return True
 
-    async def _commit(self, tokens: list[int], tmp: str, fingerprint: str | None, reason: str,
+    async def _commit(self, tokens: list[int], tmp: str, fingerprint: str | None, meta: dict,
                       n_written: int) -> None:
         t0 = time.monotonic()
+        reason = meta.get("reason", "")
         try:
             e = await asyncio.to_thread(self.store.commit, KIND, tokens, tmp, fingerprint=fingerprint,
-                                        meta={"reason": reason})
+                                        meta=meta)
         except Exception as exc:  # noqa: BLE001
             log.warning("disk: commit of a %d-token anchor failed: %s", len(tokens), exc)
             self.counters["save_failed"] += 1

@@ -50,6 +50,10 @@ class RequestContext:
     head_len: int = 0
     task: int = -1
     user_starts: tuple[int, ...] = ()
+    #: what the request is about, for the store's entries and the dashboard: ``folder`` (the
+    #: project folder named in the system prompt, agent requests only), ``client``
+    #: (``fingerprint.client_of``), ``model`` (the body's ``model`` alias); values may be None
+    labels: tuple[tuple[str, str | None], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -331,7 +331,8 @@ class SessionTier:
             return None
         key = entry_key(self.store.identity or "", KIND, tokens)
         meta = {"session": seen.session, "owner": seen.owner, "kind": seen.kind, "slot": slot,
-                "prompt_n": seen.prompt_n, "reason": reason, "head_key": seen.head_key}
+                "prompt_n": seen.prompt_n, "reason": reason, "head_key": seen.head_key,
+                **{k: v for k, v in (getattr(st, "labels", None) or {}).items() if v}}
         task = asyncio.create_task(self._commit(pkey, tmp, tokens, meta, slot, seen.head_key))
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)

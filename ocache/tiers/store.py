@@ -887,16 +887,27 @@ class Store:
 
     def stats(self) -> dict:
         """Counts and bytes; ``by_kind``: ``{kind: {"entries", "bytes", "hits"}}`` (bytes of the
-        committed files, without reservations); ``next_eviction``: the entry :meth:`evict` would
-        remove first (lowest value), or None."""
+        committed files, without reservations); ``by_folder``: the same per (project folder,
+        client, model) of the entries' meta (None where not recorded), largest first, with the
+        latest ``last_used``; ``next_eviction``: the entry :meth:`evict` would remove first
+        (lowest value), or None."""
         with self._lock:
             now = self.clock()
             by_kind: dict[str, dict[str, int]] = {}
+            by_folder: dict[tuple, dict[str, Any]] = {}
             for e in self._entries.values():
                 k = by_kind.setdefault(e.kind, {"entries": 0, "bytes": 0, "hits": 0})
                 k["entries"] += 1
                 k["bytes"] += e.bytes
                 k["hits"] += e.hits
+                labels = (e.meta.get("folder"), e.meta.get("client"), e.meta.get("model"))
+                f = by_folder.setdefault(labels, {"folder": labels[0], "client": labels[1],
+                                                  "model": labels[2], "entries": 0, "bytes": 0,
+                                                  "hits": 0, "last_used": 0.0})
+                f["entries"] += 1
+                f["bytes"] += e.bytes
+                f["hits"] += e.hits
+                f["last_used"] = max(f["last_used"], e.last_used)
             low = min(self._entries.values(), key=lambda e: e.value(now), default=None)
             nxt = None if low is None else {
                 "key": low.key[:16], "kind": low.kind, "n_tokens": low.n_tokens, "bytes": low.bytes,
@@ -904,7 +915,8 @@ class Store:
                 "meta": {k: v for k, v in low.meta.items() if k != "checkpoints"}}
             return {"entries": len(self._entries), "bytes": self.used_bytes(),
                     "budget_bytes": self.budget_bytes, "index": self.report.index, **self.counters,
-                    "by_kind": by_kind, "next_eviction": nxt}
+                    "by_kind": by_kind, "next_eviction": nxt,
+                    "by_folder": sorted(by_folder.values(), key=lambda f: -f["bytes"])}
 
 
 def data_dir_of(meta_dir: Path) -> Path | None:
