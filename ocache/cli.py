@@ -51,7 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the (sub)subcommand's usage, not the top-level one (`ocache serve --bogus`)
+        target = parser
+        while True:
+            sub = next((a for a in target._actions if isinstance(a, argparse._SubParsersAction)), None)
+            name = getattr(args, sub.dest, None) if sub is not None else None
+            if name not in (sub.choices if sub is not None else {}):
+                break
+            target = sub.choices[name]
+        target.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

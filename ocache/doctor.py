@@ -325,7 +325,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"info": info, "findings": [f.__dict__ for f in findings]}, indent=1))
     else:
-        print(f"{where}: {info}")
+        print(f"{where}: " + ", ".join(f"{k} {v}" for k, v in info.items()))
         if argv is None:
             print("  (launch flags unknown: pass them after `--` to check them too)")
         for f in findings:

@@ -324,11 +324,12 @@ def _cli(args: argparse.Namespace) -> int:
                 msg = msg.get("message", "")
         except (ValueError, AttributeError):
             msg = ""
-        print(f"ocache warm: {msg or f'HTTP {exc.code} from {url}'}", file=sys.stderr)
+        hint = ": pass --token TOKEN or set OCACHE_ADMIN_TOKEN" if exc.code == 401 else ""
+        print(f"ocache warm: {msg or f'HTTP {exc.code} from {url}'}{hint}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as exc:
-        print(f"ocache warm: cannot reach ocache at {args.url} ({exc}); is `ocache serve` running?",
-              file=sys.stderr)
+        print(f"ocache warm: cannot reach ocache at {args.url} ({getattr(exc, 'reason', exc)}); is "
+              "`ocache serve` running?", file=sys.stderr)
         return 2
     rc = 1
     with resp:

@@ -351,3 +351,32 @@ def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
         assert running.settled_stats()["tokens"] == stats["tokens"]  # nothing moved meanwhile
     finally:
         drv.quit()
+
+
+# ---------------------------------------------------------------------- first-hour messages
+
+def test_a_subcommand_error_prints_that_subcommands_usage(capsys):
+    from ocache.cli import main
+
+    for argv, prog in ((["serve", "--bogus"], "ocache serve"), (["cache", "ls", "--bogus"], "ocache cache ls")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"usage: {prog} ") and f"{prog}: error: unrecognized arguments: --bogus" in err
+
+
+@server
+def test_admin_commands_name_the_token_flag_and_speak_plainly(running, tmp_path):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "OCACHE_ADMIN_TOKEN"}
+        return subprocess.run([sys.executable, "-m", "ocache", *args, "--url", running.url],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    warm = cli("warm", "/home/user/proj")
+    assert warm.returncode == 1 and "--token" in warm.stderr and "{" not in warm.stderr
+    drain = cli("drain", "--wait", "0")
+    assert drain.returncode == 1 and "--admin-token" in drain.stderr and "{" not in drain.stderr
+    drain = cli("drain", "--admin-token", TOKEN, "--wait", "60")
+    assert drain.returncode == 0, drain.stderr
+    assert "is draining" in drain.stdout and "ocache stopped" in drain.stdout and "{" not in drain.stdout

@@ -694,16 +694,26 @@ def _cmd_drain(args: argparse.Namespace) -> int:
             body = r.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
         msg = exc.read().decode(errors="replace")[:300]
-        if exc.code == 404:
+        try:  # the route's JSON error: print its message, not the JSON
+            err = json.loads(msg).get("error")
+            msg = (err.get("message") if isinstance(err, dict) else err) or msg
+        except (ValueError, AttributeError):
+            pass
+        if exc.code == 401:
+            print(f"ocache drain: {msg}: pass --admin-token TOKEN or set OCACHE_ADMIN_TOKEN", file=sys.stderr)
+        elif exc.code == 404:
             print(f"ocache drain: {url} answered 404 (no admin_token configured, or an ocache without "
                   f"the drain route; send SIGTERM to the ocache process instead): {msg}", file=sys.stderr)
         else:
             print(f"ocache drain: HTTP {exc.code}: {msg}", file=sys.stderr)
         return 1
     except (urllib.error.URLError, OSError) as exc:
-        print(f"ocache drain: cannot reach ocache at {args.url}: {exc}", file=sys.stderr)
+        print(f"ocache drain: cannot reach ocache at {args.url}: {getattr(exc, 'reason', exc)}",
+              file=sys.stderr)
         return 2
-    print(f"ocache drain: {body.strip()}")
+    log.debug("drain answer: %s", body.strip())
+    print(f"ocache drain: {args.url} is draining: in-flight requests finish, every conversation "
+          "is spilled to disk, then it exits")
     if args.wait <= 0:
         return 0
     deadline = time.monotonic() + args.wait
