@@ -380,3 +380,9 @@ def test_admin_commands_name_the_token_flag_and_speak_plainly(running, tmp_path)
     drain = cli("drain", "--admin-token", TOKEN, "--wait", "60")
     assert drain.returncode == 0, drain.stderr
     assert "is draining" in drain.stdout and "ocache stopped" in drain.stdout and "{" not in drain.stdout
+    # the drain spilled the opencode conversation: the spill names its folder, client and model
+    ls = subprocess.run([sys.executable, "-m", "ocache", "cache", "ls", "--kind", "spills", "--cache-dir",
+                         os.environ["OCACHE_STATE_DIR"]], capture_output=True, text=True, timeout=60)
+    rows = [ln.split() for ln in ls.stdout.splitlines()[2:-1]]
+    model = load_fixture("opencode_agent_turn1.json")["model"]
+    assert ["spill", "/home/user/proj", "opencode", model] in [r[:4] for r in rows], ls.stdout
