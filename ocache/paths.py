@@ -11,8 +11,9 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 def cache_root() -> Path:
@@ -51,11 +52,30 @@ def repo_root() -> Path:
 
 
 @contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path, waiting: Callable[[float], None] | None = None,
+              every_s: float = 30.0) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path`` (created if missing): serializes builds,
-    model generation and client installs across processes (tests, CI, a second shell)."""
+    model generation and client installs across processes (tests, CI, a second shell).
+
+    ``waiting(seconds_waited)``: called at once when another process holds the lock, then every
+    ``every_s`` seconds until it is ours (so a user sees why nothing happens); never when the lock
+    is free."""
     with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        if waiting is None:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        else:
+            t0 = time.monotonic()
+            next_note = 0.0
+            while True:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    waited = time.monotonic() - t0
+                    if waited >= next_note:
+                        waiting(waited)
+                        next_note = waited + every_s
+                    time.sleep(0.5)  # polling another process's lock; no event to wait on
         try:
             yield
         finally:

@@ -350,3 +350,37 @@ def test_batching_noise_is_far_below_the_margin(start_server, kind):
     assert median > 5 * TOL_NATS, median
     assert ties < 0.10, ties
     assert compared >= len(margins) // 2
+
+
+def test_a_waiter_for_a_held_build_lock_is_told_and_then_gets_it(tmp_path):
+    """``file_lock(waiting=...)``: `ocache engine build` says it waits on another build's lock
+    (issue 14: silent for minutes before), and goes on once the holder lets go."""
+    import threading
+
+    from ocache.paths import file_lock
+
+    lock = tmp_path / ".build.lock"
+    held, release, told = threading.Event(), threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with file_lock(lock):
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert held.wait(30)
+    notes: list[float] = []
+
+    def waiting(s: float) -> None:
+        notes.append(s)
+        told.set()
+        release.set()  # the other build finishes once we were told
+
+    with file_lock(lock, waiting=waiting):
+        got = True
+    t.join(30)
+    assert got and told.is_set() and notes[0] == pytest.approx(0, abs=1)
+    with file_lock(lock, waiting=lambda s: notes.append(-1)):  # free: no note
+        pass
+    assert -1 not in notes
