@@ -255,3 +255,41 @@ steps:
     assert len(bodies[0]["messages"][0]["content"].split()) >= 50
     with pytest.raises(ScenarioError, match="synthetic"):
         load_scenario(write(tmp_path, "name: x\nsteps: [{synthetic: {words: 5}}]", "bad.yaml"), FIXTURES)
+
+
+def test_bench_plots_keep_title_and_labels_inside_and_one_plot_per_scenario(tmp_path):
+    """The bench PNGs (issue 14 §6): the title (wrapped) and axis labels lie inside the figure, the
+    axes name their units, and each scenario gets a plot of its own besides the combined one."""
+    from types import SimpleNamespace as NS
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ocache.bench import Bench
+
+    def run(prefills, oracle):
+        rows = [NS(index=i, server_prefill=p, prompt_n=p, oracle=NS(prefill=o), restart_before=(i == 2))
+                for i, (p, o) in enumerate(zip(prefills, oracle))]
+        return NS(rows=rows)
+
+    per = {sc: {"a": run([7000, 300, 7000], [7000, 300, 0]), "b": run([7000, 300, 7000], [7000, 300, 0]),
+                "c": run([7000, 300, 20], [7000, 300, 0])} for sc in ("restart mid-session", "growth", "A/B/A")}
+    bench = Bench.__new__(Bench)
+    bench.results, bench.preset_name, bench.out = {"hybrid": per}, "tiny", tmp_path
+    figs = [bench._figure("hybrid", per)] + [bench._scenario_figure("hybrid", sc, r) for sc, r in per.items()]
+    for fig in figs:
+        fig.canvas.draw()
+        box = fig.bbox
+        texts = [fig._suptitle] + [t for ax in fig.axes for t in (ax.xaxis.label, ax.yaxis.label, ax.title)
+                                   if t.get_text()]
+        for t in texts:
+            bb = t.get_window_extent()
+            assert box.x0 <= bb.x0 and bb.x1 <= box.x1 and box.y0 <= bb.y0 and bb.y1 <= box.y1, t.get_text()
+        assert all("log scale" in ax.get_ylabel() for ax in fig.axes if ax.get_ylabel())
+        plt.close(fig)
+    paths = bench.plot()
+    assert [p.name for p in paths] == ["prefill-tiny-hybrid.png", "prefill-tiny-hybrid-restart mid-session.png",
+                                       "prefill-tiny-hybrid-growth.png", "prefill-tiny-hybrid-A_B_A.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
