@@ -44,7 +44,7 @@ class Config:
 
     host: str = _f("127.0.0.1", "address to listen on; loopback by default, anything else is an "
                    "explicit choice (the proxy has no client authentication)")
-    port: int = _f(8081, "TCP port to listen on (1-65535)", min=1, max=65535)
+    port: int = _f(8081, "TCP port to listen on (1-65535; 0: any free port, logged)", min=0, max=65535)
     upstream: str = _f("http://127.0.0.1:8080", "base URL of llama-server (http://host:port); with "
                        "`launch`, the launched server's URL replaces it")
     upstream_api_key: str | None = _f(None, "API key ocache itself uses for its probes of a server "
@@ -56,8 +56,10 @@ class Config:
     allowed_hosts: list[str] = _f([], "extra Host header names accepted (DNS-rebinding guard); "
                                   "localhost, 127.0.0.1, ::1 and the bound host are always "
                                   "accepted; '*' accepts any")
-    cache_dir: str | None = _f(None, "root for ocache's private files (anchors, spills); default "
-                               "$XDG_CACHE_HOME/ocache")
+    cache_dir: str | None = _f(None, "root of ocache's private state (store/: anchors and spills; "
+                               "journal/); unset: $OCACHE_STATE_DIR, else ~/.cache/ocache "
+                               "(ocache/paths.py); its env form OCACHE_CACHE_DIR also moves the "
+                               "build cache")
     log_level: str = _f("info", "logging level: debug, info, warning or error", choices=LOG_LEVELS)
     max_body_mb: float = _f(512.0, "largest request body accepted, in MiB (a 130k-token prompt "
                             "is a few MB)", min=0.001)

@@ -1089,7 +1089,8 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
-        port = site.port
+        # the bound port (differs from config.port when that is 0: the OS picked one)
+        port = next((a[1] for a in runner.addresses if isinstance(a, tuple)), config.port)
         log.info("ocache listening on http://%s:%d -> %s", config.host, port, config.upstream)
         if config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s, not loopback: anyone who can reach this port can use the "

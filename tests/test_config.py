@@ -46,7 +46,7 @@ def test_config_file_from_env(tmp_path):
 
 @pytest.mark.parametrize("text, needle", [
     ("prot: 9000\n", "unknown key(s) prot"),
-    ("port: 0\n", "below the minimum"),
+    ("port: -1\n", "below the minimum"),
     ("port: high\n", "port"),
     ("port: 1.5\n", "expected an integer"),
     ("log_level: loud\n", "not one of"),

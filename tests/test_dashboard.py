@@ -386,3 +386,28 @@ def test_admin_commands_name_the_token_flag_and_speak_plainly(running, tmp_path)
     rows = [ln.split() for ln in ls.stdout.splitlines()[2:-1]]
     model = load_fixture("opencode_agent_turn1.json")["model"]
     assert ["spill", "/home/user/proj", "opencode", model] in [r[:4] for r in rows], ls.stdout
+
+
+async def test_port_0_listens_on_a_free_port_and_reports_it():
+    """``ocache serve --port 0`` (refused before): the OS picks the port and ``ready``/the log get
+    the bound one, where ocache answers (503: no llama-server behind it here)."""
+    import asyncio
+
+    import aiohttp
+
+    from ocache.config import load
+    from ocache.proxy import serve
+
+    cfg = load(None, env={}, overrides={"port": 0, "upstream": f"http://127.0.0.1:{free_port()}"})
+    stop, bound = asyncio.Event(), asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(cfg, stop=stop, ready=lambda p, port: bound.set_result(port),
+                                     handle_signals=False))
+    try:
+        port = await asyncio.wait_for(bound, 30)
+        assert port > 0
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{port}/ocache/api/view") as r:
+                assert r.status == 200 and (await r.json())["upstream"]["state"] == "down"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

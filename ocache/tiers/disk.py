@@ -547,7 +547,8 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
         p = _get(_get(slots, "params"), "slot_save_path")
         data_dir = Path(p) if p else None
     if data_dir is None:
-        log.warning("disk tier off: no --slot-save-path known (set tiers.disk.slot_save_path)")
+        log.warning("disk tier off: no --slot-save-path known (give llama-server's flags as "
+                    "tiers.resident.server_args in ocache.yaml, or use serve --launch)")
         return None
     ident_fn = identity if callable(identity) else None
     cur = identity() if ident_fn else identity
