@@ -62,7 +62,7 @@ class _EventHandler(logging.Handler):
             msg = record.getMessage()
         except Exception:  # a bad format string must not break logging
             return
-        if record.name == "ocache.proxy" and msg.startswith("["):
+        if record.name == "ocache.proxy" and record.levelno == logging.INFO and msg.startswith("["):
             return  # per-request lines: the page has them as ``requests``
         _events.append({"time": record.created, "level": record.levelname.lower(),
                         "source": record.name.removeprefix("ocache."), "message": msg})
