@@ -7,6 +7,7 @@ Routes and who may use them (``Config.admin_token``; ``Authorization: Bearer <ad
 | ``POST /v1/cache/clear``, ``/warm``, ``/drain`` | 404 (the routes are off) | 401 | served |
 | ``GET /v1/cache/stats`` | served, redacted | served, redacted | served in full |
 | ``GET /v1/cache/metrics`` | served (counters only, no ids) | served | served |
+| ``GET /ocache/``, ``/ocache/api/view`` (the dashboard, ocache/dashboard.py) | served, redacted | served, redacted (``token_rejected``) | served in full |
 | ``POST /slots/{id}?action=save|restore|erase`` (llama-server's own) | 403 while the cache layer is on | 403 | 403 |
 
 *Redacted* stats drop every value that names a client: the slot ``owner`` (the client's session id,

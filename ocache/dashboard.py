@@ -182,8 +182,9 @@ def _static(name: str) -> web.Response:
 
 async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bool) -> web.StreamResponse:
     """Answer a request under ``/ocache`` (see the module docstring). ``admin``: the request carried
-    the admin token (the proxy's guard decided, ocache/admin.py); without it the stats are redacted
-    (``admin.redact``) before :func:`view`, and ``token_rejected`` says whether a token was sent."""
+    the admin token (the proxy's guard decided, ocache/admin.py); without it the view is redacted
+    (``admin.redact``: slot owners and session strings dropped; ``owner_hidden`` stays), and
+    ``token_rejected`` says whether a (wrong) token was sent."""
     from . import admin as admin_mod
 
     path = request.path
@@ -198,10 +199,9 @@ async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bo
         if path.startswith("/ocache/static/"):
             return _static(path.removeprefix("/ocache/static/"))
         if path == "/ocache/api/view":
-            stats = stats_body()
-            if not admin:
-                stats = admin_mod.redact(stats)
-            body = view(stats, admin=admin)
+            body = view(stats_body(), admin=admin)
+            if not admin:  # view() already drops owners; redact() also drops any session string
+                body = admin_mod.redact(body)
             body["token_rejected"] = not admin and request.headers.get("Authorization", "").startswith("Bearer ")
             body["events"] = events()
             return web.json_response(body, headers={"Cache-Control": "no-store"})

@@ -26,21 +26,22 @@ class FetchError(RuntimeError):
 
 
 def fetch_view(url: str, token: str | None, timeout: float = 10.0) -> dict:
-    """``GET {url}/ocache/api/view``. Raises FetchError (unreachable, 401, not an ocache)."""
+    """``GET {url}/ocache/api/view``. Raises FetchError (unreachable, a wrong token, not an ocache)."""
     req = urllib.request.Request(url.rstrip("/") + "/ocache/api/view",
                                  headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            v = json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        if exc.code == 401:
-            raise FetchError(f"{url}: wrong admin token (--token / OCACHE_ADMIN_TOKEN)") from None
         raise FetchError(f"{url}: HTTP {exc.code} from /ocache/api/view (is this an ocache?)") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise FetchError(f"no ocache at {url} ({reason}); start it with `ocache serve` or pass --url") from None
     except ValueError:
         raise FetchError(f"{url}: /ocache/api/view did not answer JSON (is this an ocache?)") from None
+    if v.get("token_rejected"):  # the guard serves a redacted view to a wrong token (ocache/admin.py)
+        raise FetchError(f"{url}: wrong admin token (--token / OCACHE_ADMIN_TOKEN)")
+    return v
 
 
 def n(v: Any) -> str:
@@ -95,7 +96,7 @@ def summary_lines(v: dict, url: str) -> list[str]:
         lines.append(f"        evicted first: {'anchor' if nx['kind'] == 'a' else 'spill'} {nx['key']} "
                      f"({n(nx['n_tokens'])} tokens, {human_bytes(nx['bytes'])}, {nx['hits']} hits)")
     for s in v["slots"]:
-        who = s["owner"] or ("(session: --token)" if s["owner_hidden"] else "")
+        who = s.get("owner") or ("(session: --token)" if s["owner_hidden"] else "")
         lines.append(f"slot {s['id']}  {(s['kind'] or ('empty' if not s['tokens'] else 'unknown')):7} "
                      f"{n(s['tokens']):>8} tokens  idle {secs(s['idle_s'])}  {who}".rstrip())
     lines.append(f"fail-open {n(t['fail_open'])}, mispredictions {n(t['mispredictions'])}, "
@@ -122,7 +123,7 @@ def top_renderable(v: dict, url: str, rows: int = 12) -> Group:
     for s in v["slots"]:
         slots.add_row(str(s["id"]), ("busy " if s["busy"] else "") + (s["kind"] or ("empty" if not s["tokens"] else "unknown")),
                       n(s["tokens"]), n(s["head_len"]),
-                      s["owner"] or ("(--token)" if s["owner_hidden"] else "–"), secs(s["idle_s"]))
+                      s.get("owner") or ("(--token)" if s["owner_hidden"] else "–"), secs(s["idle_s"]))
     reqs = Table(title="last requests", title_justify="left", expand=True)
     for c in ("request", "kind", "slot", "from", "prefilled", "reused", "restore", "ttft"):
         reqs.add_column(c, justify="right" if c in ("slot", "prefilled", "reused", "restore", "ttft") else "left")

@@ -152,11 +152,10 @@
     try {
       const r = await fetch("/ocache/api/view", {cache: "no-store",
         headers: token ? {Authorization: `Bearer ${token}`} : {}});
-      if (r.status === 401) throw new Error("wrong admin token");
       if (!r.ok) throw new Error(`HTTP ${r.status}`);
       const v = await r.json();
       render(v);
-      set("status", v.admin ? "live (admin)" : "live");
+      set("status", v.admin ? "live (admin)" : (v.token_rejected ? "live (wrong admin token: sessions hidden)" : "live"));
       $("status").className = "";
     } catch (err) {
       set("status", `not connected: ${err.message}`);
