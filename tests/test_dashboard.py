@@ -331,6 +331,8 @@ def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
             assert r["tier"] in row.text
         disk_row = drv.find_element(By.ID, "tier-disk")
         assert int(disk_row.find_element(By.CSS_SELECTOR, ".saves").text) == layer["tier_disk"]["anchors_written"]
+        folders = drv.find_element(By.ID, "folder-table").text
+        assert "/home/user/proj" in folders and "opencode" in folders
         # the chart drew one bar group per request (Chart.js's own data, read back)
         labels = drv.execute_script("return Chart.getChart('chart').data.labels")
         assert labels == [r["request_id"] for r in stats["last_completions"]]
