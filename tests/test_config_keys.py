@@ -264,9 +264,13 @@ def _capture_supervisor(mp, seen):
     from ocache import supervisor
 
     class Fake:
-        def __init__(self, args, binary=None, log_path=None):
+        def __init__(self, args, binary=None, log_path=None, max_quick_failures=None, **kw):
             seen.append((list(args), binary))
+            if max_quick_failures is not None:
+                seen_failures.append(max_quick_failures)
             raise _Launched()
+
+    seen_failures = mp.seen_failures = []
 
     mp.setattr(supervisor, "Supervisor", Fake)
 
@@ -286,6 +290,87 @@ async def p_launch_binary(tmp_path, mp):
         await proxy_mod.serve(Config(launch=["-m", "x.gguf"], launch_binary="/opt/ls"),
                               handle_signals=False)
     assert seen == [(["-m", "x.gguf"], "/opt/ls")]
+
+
+async def p_launch_max_failures(tmp_path, mp):
+    seen: list = []
+    _capture_supervisor(mp, seen)
+    with pytest.raises(_Launched):
+        await proxy_mod.serve(Config(launch=["-m", "x.gguf"], launch_max_failures=2),
+                              handle_signals=False)
+    assert mp.seen_failures == [2]
+
+
+def _timeouts(**kw):
+    from ocache.proxy import ParsedRequest  # noqa: F401  (the type the proxy passes)
+
+    proxy = Proxy(Config(upstream=_closed_upstream(), **kw), layer_factory=NullLayer, monitor=False)
+    streamed = type("P", (), {"stream": True})()
+    plain = type("P", (), {"stream": False})()
+    return (proxy._read_timeout("/health", None).sock_read,
+            proxy._read_timeout("/v1/chat/completions", streamed).sock_read,
+            proxy._read_timeout("/v1/chat/completions", plain).sock_read)
+
+
+async def p_upstream_read_timeout_s(tmp_path, mp):
+    assert _timeouts(upstream_read_timeout_s=12.5)[2] == 12.5
+
+
+async def p_stream_idle_timeout_s(tmp_path, mp):
+    assert _timeouts(stream_idle_timeout_s=9.5)[1] == 9.5
+
+
+async def p_probe_timeout_s(tmp_path, mp):
+    assert _timeouts(probe_timeout_s=1.5)[0] == 1.5
+    async with _proxy(probe_timeout_s=1.5) as (_, proxy, _c):
+        assert proxy.upstream.probe_timeout_s == 1.5
+
+
+async def p_loading_wait_s(tmp_path, mp):
+    """A request while the upstream loads its model waits for it at most ``loading_wait_s``."""
+    waits = []
+
+    async with _proxy(loading_wait_s=0.2) as (base, proxy, c):
+        async def wait_ready(timeout):
+            waits.append(timeout)
+            return False
+
+        async def check(bound):
+            return "loading"
+
+        mp.setattr(proxy.upstream, "wait_ready", wait_ready)
+        mp.setattr(proxy.upstream, "check", check)
+        proxy.upstream.state = "loading"
+        await _get(c, base + "/v1/models")
+    assert waits and waits[0] == 0.2
+
+
+async def p_client_idle_timeout_s(tmp_path, mp):
+    """A body that stalls longer than ``client_idle_timeout_s`` gets 408."""
+    async with _proxy(client_idle_timeout_s=0.3) as (base, proxy, c):
+        async def slow():
+            yield b'{"messages": ['
+            await asyncio.sleep(2)   # the stall under test (longer than the 0.3 s bound)
+            yield b']}'
+
+        async with c.post(base + "/v1/chat/completions", data=slow(),
+                          headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 408
+
+
+async def p_client_keepalive_s(tmp_path, mp):
+    seen = {}
+    real = proxy_mod.web.AppRunner
+
+    class Runner(real):
+        def __init__(self, app, **kw):
+            seen.update(kw)
+            super().__init__(app, **kw)
+
+    mp.setattr(proxy_mod.web, "AppRunner", Runner)
+    async with _serve(Config(port=free_port(), upstream=_closed_upstream(), client_keepalive_s=3.5)):
+        pass
+    assert seen["keepalive_timeout"] == 3.5
 
 
 async def p_disk_budget_gb(tmp_path, mp):
@@ -409,7 +494,11 @@ PROBES = {
     "log_level": p_log_level, "max_body_mb": p_max_body_mb, "retry_after_s": p_retry_after_s,
     "probe_interval_s": p_probe_interval_s, "drain_timeout_s": p_drain_timeout_s,
     "no_cache": p_no_cache, "record_dir": p_record_dir, "record_redact": p_record_redact,
-    "launch": p_launch, "launch_binary": p_launch_binary, "disk_budget_gb": p_disk_budget_gb,
+    "launch": p_launch, "launch_binary": p_launch_binary,
+    "launch_max_failures": p_launch_max_failures, "upstream_read_timeout_s": p_upstream_read_timeout_s,
+    "stream_idle_timeout_s": p_stream_idle_timeout_s, "probe_timeout_s": p_probe_timeout_s,
+    "loading_wait_s": p_loading_wait_s, "client_idle_timeout_s": p_client_idle_timeout_s,
+    "client_keepalive_s": p_client_keepalive_s, "disk_budget_gb": p_disk_budget_gb,
     "disk_ttl_days": p_disk_ttl_days, "disk_min_tokens": p_disk_min_tokens,
     "spill_budget_gb": p_spill_budget_gb, "spill_min_tokens": p_spill_min_tokens,
     "volatile_markers": p_volatile_markers, "tiers": p_tiers,
