@@ -6,7 +6,7 @@ These commands work on the files directly (``ocache.tiers.store``), without a ru
   (safe next to a running ocache: no lock taken, nothing written);
 * ``gc``   remove entries past the TTL, evict by value down to the budget, remove orphan files
   (takes the store's lock: refuses while ocache runs, use the admin route then);
-* ``clear`` delete every entry (or one kind: ``--kind anchors|spills``).
+* ``clear`` delete every entry (or one kind: ``--kind anchors|spills|heads``).
 
 The store lives in ``<cache dir>/store`` (records, index); the slot files in the server's
 ``--slot-save-path``, which the store recorded in ``store.json``.
@@ -22,8 +22,8 @@ from typing import Any
 
 from .tiers.store import DAY_S, LockedError, Store, StoreError, data_dir_of
 
-KINDS = {"anchors": "a", "spills": "s", "all": None}
-KIND_NAMES = {"a": "anchor", "s": "spill"}
+KINDS = {"anchors": "a", "spills": "s", "heads": "h", "all": None}
+KIND_NAMES = {"a": "anchor", "s": "spill", "h": "head"}
 
 
 def _meta_dir(args: argparse.Namespace) -> Path:
