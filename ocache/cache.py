@@ -813,11 +813,12 @@ class OCacheLayer:
         task.add_done_callback(self._bg.discard)
 
     async def idle(self) -> None:
-        """Wait for background work (origin re-establishment) to finish."""
+        """Wait for background work (origin re-establishment, the tiers' commits) to finish."""
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
-        if self.head_tier is not None:
-            await self.head_tier.flush()
+        for tier in (self.head_tier, *self.tiers):
+            if tier is not None and hasattr(tier, "flush"):
+                await tier.flush()
 
     async def _maintain_origin(self) -> None:
         """With ``-np >= 2``: keep the most recent harness head warm in one *empty* idle slot, by

@@ -57,9 +57,10 @@ def _open(args: argparse.Namespace, readonly: bool) -> Store | None:
     if data is None or not (meta / "records").is_dir():
         print(f"ocache cache: no store at {meta} (nothing saved yet)", file=sys.stderr)
         return None
-    s = Store(meta, data, None, lock=not readonly, budget_bytes=int(args.budget_gb * 1e9) if
-              getattr(args, "budget_gb", None) else 50 * 10**9,
-              ttl_s=args.ttl_days * DAY_S if getattr(args, "ttl_days", None) else 7 * DAY_S)
+    budget_gb, ttl_days = getattr(args, "budget_gb", None), getattr(args, "ttl_days", None)
+    s = Store(meta, data, None, lock=not readonly,  # 0 is a value here (`gc --ttl-days 0`), not "unset"
+              budget_bytes=int(budget_gb * 1e9) if budget_gb is not None else 50 * 10**9,
+              ttl_s=ttl_days * DAY_S if ttl_days is not None else 7 * DAY_S)
     s.open(readonly=readonly)
     return s
 

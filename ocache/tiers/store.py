@@ -927,15 +927,23 @@ class Store:
 
 async def reserve_async(store: Store, key: str, nbytes: int, kind: str | None = None) -> None:
     """:meth:`Store.reserve` off the event loop (it may delete evicted files). A caller cancelled
-    while it runs never leaves the reservation behind: it is released as soon as the thread is done.
-    Raises BudgetError as ``reserve`` does."""
+    while it runs never leaves the reservation behind: the cancellation waits for the thread (a
+    dictionary update and a few unlinks), releases, then propagates; cancelled again meanwhile, the
+    release runs when the thread is done. Raises BudgetError as ``reserve`` does."""
     import asyncio
 
     fut = asyncio.ensure_future(asyncio.to_thread(store.reserve, key, nbytes, kind))
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
-        fut.add_done_callback(lambda f: store.release(key))
+        try:
+            await asyncio.shield(fut)
+        except BaseException:  # noqa: BLE001 - BudgetError, or cancelled again
+            pass
+        if fut.done():
+            store.release(key)
+        else:
+            fut.add_done_callback(lambda f: store.release(key))
         raise
 
 
