@@ -10,7 +10,8 @@ the steps under the chosen slot's lock (``before_evict`` on every tier, warm the
 Warm-up: the first agent request of a new harness fingerprint prefills its stable head
 (``tokens[:head_end]``) with a no-generation request in the slot it will use anyway (it costs the
 request nothing: it would prefill the same tokens), and the head's state is saved to a slot file
-(``ocache-head-<fingerprint>.bin``) when the server has ``--slot-save-path``. With ``-np >= 2`` one
+(``oc-h-<key>.bin``, an entry of the verified store, ``HeadTier``) when the server has
+``--slot-save-path`` and the store is open. With ``-np >= 2`` one
 idle non-agent slot keeps the head as the shared *origin*: when a conversation consumed it, it is
 re-established in the background (a restore of the head file, or a re-prefill) once the server is
 idle, so a new session in any folder resumes from the head. A request that lands on a slot without

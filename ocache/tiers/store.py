@@ -1,4 +1,6 @@
-"""One content-addressed store for saved slot states, shared by the disk tier and the session tier.
+"""One content-addressed store for saved slot states, shared by the disk tier (kind ``"a"``), the
+session tier (``"s"``) and the cache layer's head tier (``"h"``, ``ocache.cache.HeadTier``): every
+slot file ocache restores is an entry here.
 
 What an entry is
     A group of data files that llama-server wrote with ``POST /slots/{id}?action=save`` (the slot
@@ -35,7 +37,11 @@ Atomicity and trust (a corrupt or stale index must never decide a deletion)
 Budget and eviction (the disk eviction rule, docs/architecture.md §3)
     A byte budget over all entries (in-flight reservations included), a TTL for unused entries and a
     free-space floor on the data file system. When over, entries go in ascending *value*:
-    ``(hits + 1) * n_tokens / bytes * 0.5 ** days_unused``.
+    ``(hits + 1) * n_tokens / bytes * 0.5 ** days_unused``. The budget is checked *before* the server
+    writes: a tier reserves :meth:`Store.estimate_bytes` (a line through the sizes of every file
+    measured so far: entries, the ``n_written`` of each save, and files the commit refused) and
+    the reservation makes room by eviction or raises BudgetError, so nothing is written to be thrown
+    away once a size is known; :meth:`Store.commit` checks the real size again.
 
 Every method is synchronous and thread-safe (a re-entrant lock); hashing large files should be run
 off the event loop by async callers (``asyncio.to_thread``).
@@ -271,7 +277,7 @@ class Entry:
     """One stored slot state. Times are Unix seconds; ``tokens`` may be None when not loaded."""
 
     key: str
-    kind: str                       # "a" anchor (disk tier), "s" spilled session (session tier)
+    kind: str                       # "a" anchor (disk tier), "s" spilled session (session tier), "h" head
     identity: str
     fingerprint: str | None
     n_tokens: int
