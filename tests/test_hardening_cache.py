@@ -496,6 +496,8 @@ async def test_budgets_smaller_than_a_file_write_nothing_to_discard(start_server
         assert layer.counters["evictions"] == 2
         await proxy.drain(30)
         store = session.store
+        print("saves:", saves.names, "refused:", session.counters["spill_skipped_budget"],
+              layer.disk_tier.counters["skipped_budget"], layer.head_tier.counters["skipped_budget"])
         assert len(saves.names) <= 1, saves.names
         assert store.counters["commit_failed"] == len(saves.names)
         assert session.counters["spill_skipped_budget"] == 3, session.stats()   # 2 evictions + drain
