@@ -227,8 +227,11 @@ async def test_head_files_are_store_entries(start_server, tmp_path, capsys):
         assert args.func(args) == 0
         return capsys.readouterr().out
 
+    legacy = Path(srv.slot_save_path) / "ocache-head-0123456789abcdef.bin"   # an earlier version's
+    legacy.write_bytes(b"unverified head state")
     async with through_ocache(make_config(srv, cache)) as (base, proxy), aiohttp.ClientSession() as s:
         await send(s, base, proxy, a, hdrs(A1))
+        assert not legacy.exists()
         ht = proxy.layer.head_tier
         [e] = ht.store.entries("h")
         files = heads_on_disk()
