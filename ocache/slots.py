@@ -95,8 +95,8 @@ def file_refused(exc: BaseException) -> bool:
     could not be asked or failed for another reason (keep it: the file is still valid).
 
     Only the server's own answer about the file counts: ``SlotFileError`` (400 ``Unable to restore
-    slot: ...`` from the patched pre-check or the stock restore, 400 ``Invalid filename``; notes
-    §1.3). A refused or reset connection, a timeout (``UpstreamError`` with status 0: llama-server
+    slot: ...`` from the patched pre-check or the stock restore, 400 ``Invalid filename``;
+    docs/llama-server.md §5). A refused or reset connection, a timeout (``UpstreamError`` with status 0: llama-server
     killed or restarting), a 5xx/503 (loading), ``SlotInvalid`` and ``SlotNotSupported`` say
     nothing about the file."""
     return isinstance(exc, SlotFileError)

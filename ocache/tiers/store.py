@@ -714,7 +714,7 @@ class Store:
         nothing of this identity was ever measured (then the first write measures it).
 
         A slot file is a fixed part (header, recurrent state of a hybrid model, the sidecar's
-        checkpoints) plus the KV cache of each token (llama_state_seq_save_file, notes §1.4), so the
+        checkpoints) plus the KV cache of each token (llama_state_seq_save_file, docs/llama-server.md §6), so the
         estimate is the least-squares line ``a + b * n_tokens`` (a, b >= 0) through the sizes of this
         identity's entries and of the files :meth:`commit` measured (also the ones it refused); one
         point gives ``b = bytes / tokens``. The slot files of one identity share one KV layout, so
