@@ -541,10 +541,8 @@ async def test_a_sidecar_write_killed_part_way_leaves_no_temp_file(start_server,
     srv = start_server("hybrid", n_parallel=1, ctx_size=16384, **SERVER)
     killed: list[int] = []
 
-    def stall_and_kill(fifo: Path) -> None:
-        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    def stall_and_kill(fd: int, cap: int) -> None:
         try:
-            cap = fcntl.fcntl(fd, 1031, 4096)   # F_SETPIPE_SZ: the smallest pipe, one page
             deadline = time.monotonic() + 60
             buf = bytearray(4)
             while time.monotonic() < deadline:  # bounded wait for the condition "pipe full"
@@ -561,7 +559,11 @@ async def test_a_sidecar_write_killed_part_way_leaves_no_temp_file(start_server,
         if filename.startswith("oc-tmp-s-"):
             fifo = Path(srv.slot_save_path) / (filename + ".ckpt.tmp")
             os.mkfifo(fifo, 0o600)
-            asyncio.get_running_loop().run_in_executor(None, stall_and_kill, fifo)
+            # opened read-write (Linux: never blocks) and shrunk to one page *before* the server is
+            # asked to save, so its write blocks on a full pipe and never meets a closed reader
+            fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+            cap = fcntl.fcntl(fd, 1031, 4096)   # F_SETPIPE_SZ
+            asyncio.get_running_loop().run_in_executor(None, stall_and_kill, fd, cap)
 
     SaveLog(monkeypatch, before)
     cfg = make_config(srv, tmp_path / "cache", spill_min=2000, head={"budget_gb": 0})
