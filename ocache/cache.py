@@ -10,7 +10,8 @@ the steps under the chosen slot's lock (``before_evict`` on every tier, warm the
 Warm-up: the first agent request of a new harness fingerprint prefills its stable head
 (``tokens[:head_end]``) with a no-generation request in the slot it will use anyway (it costs the
 request nothing: it would prefill the same tokens), and the head's state is saved to a slot file
-(``ocache-head-<fingerprint>.bin``) when the server has ``--slot-save-path``. With ``-np >= 2`` one
+(``oc-h-<key>.bin``, an entry of the verified store, ``HeadTier``) when the server has
+``--slot-save-path`` and the store is open. With ``-np >= 2`` one
 idle non-agent slot keeps the head as the shared *origin*: when a conversation consumed it, it is
 re-established in the background (a restore of the head file, or a re-prefill) once the server is
 idle, so a new session in any folder resumes from the head. A request that lands on a slot without
@@ -20,6 +21,7 @@ the head gets it restored first when that is cheaper than prefilling it (the ``h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -106,8 +108,10 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
     tier = "resident" if reuse.cache_n > 0 else "cold"
     predicted, upper = reuse.cache_n, reuse.upper
     ub = params.n_ubatch
+    # the longest offer; on a tie the verified one (its file is checked before the restore), then
+    # the cheaper one
     best = max((o for o in offers if o is not None and (o.slot is None or o.slot == choice.slot)),
-               key=lambda o: o.tokens_usable, default=None)
+               key=lambda o: (o.tokens_usable, o.verified, -o.cost_s), default=None)
     take_offer = False
     if best is not None and best.tokens_usable > predicted:
         gain = best.tokens_usable - predicted
@@ -131,46 +135,196 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
 # ----------------------------------------------------------------------------------------------
 # the head tier: warmed harness heads saved to slot files
 
+#: store kind of the head tier's entries (``oc-h-<key>.bin``; ``ocache.tiers.store``)
+HEAD_KIND = "h"
+
+
+class HeadTierError(RuntimeError):
+    """A head restore failed; the request goes cold. ``reason``: a store check word (``missing``,
+    ``size``, ``hash``, ``identity``, ``tokens``, ``header``, ``record``: the entry was deleted),
+    ``restore`` (the server refused the file: deleted), ``upstream`` (the server could not be asked:
+    the entry is kept) or ``gone`` (the entry was evicted or cleared)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"head tier: {reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+
 
 @dataclass
 class HeadRecord:
-    """A warmed harness head: its token ids, the slot file holding its state (None: not saved),
+    """A warmed harness head: its token ids, the store entry holding its state (None: not saved),
     and the checkpoints a restore brings back (the patched build's sidecar; [] on a stock build)."""
 
     key: str
     tokens: list[int]
-    filename: str | None = None
+    entry: str | None = None
     checkpoints: list[Checkpoint] = field(default_factory=list)
     restore_s: float = 0.05
     last_used: float = 0.0
 
 
 class HeadTier:
-    """Offers a known harness head to any slot by restoring its slot file (a Tier)."""
+    """Offers a known harness head to any slot by restoring its slot file (a Tier).
+
+    The files go through the verified store (``ocache.tiers.store``, kind ``"h"``) like anchors and
+    spills: the server saves to a temp name, the store fsyncs, hashes, checks the token header and
+    commits (mode 0600, within the ``tiers.head.budget_gb`` budget, TTL ``disk_ttl_days``, listed by
+    ``ocache cache ls``, deleted by ``clear``/``gc``), and every restore is verified first (size,
+    xxh3, token header, identity); a failed check deletes the entry and the request goes cold.
+    ``store``: None while no store is open (no ``--slot-save-path`` known, the store cannot open, or
+    a budget of 0): heads are then kept warm by prefill only and nothing is saved.
+    """
 
     name = "head"
 
-    def __init__(self, table: SlotTable) -> None:
+    def __init__(self, table: SlotTable, store: Any = None) -> None:
         self.table = table
+        self.store = store
         self.heads: dict[str, HeadRecord] = {}
+        self._bg: set[asyncio.Task] = set()
+        self.counters: dict[str, int] = {
+            "saves": 0, "save_failed": 0, "skipped_budget": 0, "restores": 0, "verify_failed": 0,
+            "restore_failed": 0, "restore_upstream_failed": 0,
+        }
+
+    def _entry(self, rec: HeadRecord) -> Any:
+        if self.store is None or rec.entry is None:
+            return None
+        e = self.store.get(rec.entry)
+        if e is None:
+            rec.entry = None  # evicted, expired or cleared since
+        return e
 
     async def lookup(self, view: Any, ctx: RequestContext) -> Offer | None:
         rec = self.heads.get(ctx.head_key or "")
-        if rec is None or rec.filename is None:
+        if rec is None or self._entry(rec) is None:
             return None
         n = len(rec.tokens)
         if len(view.tokens) <= n or view.tokens[:n] != rec.tokens:
             return None
-        return Offer("head", n, rec.restore_s, ref=rec)
+        return Offer("head", n, rec.restore_s, ref=rec, verified=True)
 
     async def bring(self, offer: Offer, slot: int) -> None:
+        await self.restore_into(slot, offer.ref)
         rec: HeadRecord = offer.ref
-        t0 = time.monotonic()
-        await self.table.restore(slot, rec.filename, tokens=rec.tokens, checkpoints=rec.checkpoints)
-        rec.restore_s = time.monotonic() - t0
-        rec.last_used = time.monotonic()
         st = self.table[slot]
         st.head_key, st.head_len = rec.key, len(rec.tokens)
+
+    async def restore_into(self, slot: int, rec: HeadRecord) -> None:
+        """Verify the head's entry, then restore it into ``slot`` (the caller holds the slot's lease).
+        Raises HeadTierError (see there for what is deleted and what is kept)."""
+        from .slots import file_refused
+        from .tiers.store import IntegrityError
+
+        if self._entry(rec) is None:
+            raise HeadTierError("gone", rec.key)
+        t0 = time.monotonic()
+        try:
+            e = await asyncio.to_thread(self.store.verify, rec.entry, rec.tokens)
+        except KeyError as exc:
+            rec.entry = None
+            raise HeadTierError("gone", rec.key) from exc
+        except IntegrityError as exc:  # the store deleted the entry and logged it
+            self.counters["verify_failed"] += 1
+            rec.entry = None
+            raise HeadTierError(exc.reason, str(exc)) from exc
+        try:
+            resp = await self.table.restore(slot, e.bin_name, tokens=rec.tokens, checkpoints=rec.checkpoints)
+        except SlotError as exc:
+            self.counters["restore_failed"] += 1
+            if not file_refused(exc):
+                self.counters["restore_upstream_failed"] += 1
+                raise HeadTierError("upstream", str(exc)) from exc
+            rec.entry = None
+            await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")
+            raise HeadTierError("restore", str(exc)) from exc
+        if int(resp.get("n_restored", -1)) != len(rec.tokens):
+            self.counters["restore_failed"] += 1
+            self.table[slot].unknown(None)
+            rec.entry = None
+            await asyncio.to_thread(self.store.delete, e.key, "restored token count differs")
+            raise HeadTierError("restore", f"n_restored={resp.get('n_restored')} != {len(rec.tokens)}")
+        rec.restore_s = time.monotonic() - t0
+        rec.last_used = time.monotonic()
+        self.counters["restores"] += 1
+        await asyncio.to_thread(self.store.touch, e.key, True)
+
+    async def save_from(self, slot: int, rec: HeadRecord, rid: str = "-") -> bool:
+        """Save the head the locked ``slot`` holds exactly (``rec.tokens``) as a store entry: the
+        budget first (room made for the estimated size, or refused: nothing is written), then the
+        server's ``action=save`` to a temp name; hashing and the commit run in the background
+        (:meth:`flush`). Returns True when the save call succeeded or the entry exists already.
+        Raises SlotNotSupported (no ``--slot-save-path``); other failures are logged and counted."""
+        from .tiers.store import BudgetError, entry_key, reserve_async
+
+        store = self.store
+        if store is None or store.identity is None:
+            return False
+        key = entry_key(store.identity, HEAD_KIND, rec.tokens)
+        if store.get(key) is not None:
+            rec.entry = key
+            e = store.get(key)
+            rec.checkpoints = [Checkpoint(int(n)) for n in (e.meta.get("checkpoints") or [])] if e else []
+            return True
+        est = store.estimate_bytes(len(rec.tokens)) or 0
+        try:
+            await reserve_async(store, key, est, HEAD_KIND)
+        except BudgetError as exc:
+            self.counters["skipped_budget"] += 1
+            log.info("[%s] no room for head %s (%d tokens): %s", rid, rec.key, len(rec.tokens), exc)
+            return False
+        tmp = store.temp_name(HEAD_KIND, key)
+        try:
+            saved = await self.table.save(slot, tmp)
+        except BaseException as exc:
+            store.release(key)
+            store.discard_temp(tmp)
+            if isinstance(exc, SlotError) and not isinstance(exc, SlotNotSupported):
+                self.counters["save_failed"] += 1
+                log.warning("[%s] saving head %s failed: %s", rid, rec.key, exc)
+                return False
+            raise
+        if int(saved.get("n_saved", -1)) != len(rec.tokens):
+            self.counters["save_failed"] += 1
+            store.release(key)
+            store.discard_temp(tmp)
+            log.warning("[%s] head %s: slot %d saved %s tokens, expected %d; discarded", rid, rec.key,
+                        slot, saved.get("n_saved"), len(rec.tokens))
+            return False
+        store.note_size(len(rec.tokens), int(saved.get("n_written", 0) or 0))  # the .bin's bytes
+        n_ck = saved.get("n_checkpoints")  # patched build: checkpoints in the sidecar
+        st = self.table[slot]
+        cps = (list(st.checkpoints)[-int(n_ck):] if n_ck else []) if n_ck is not None else []
+        task = asyncio.get_running_loop().create_task(self._commit(rec, key, tmp, cps, rid))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        return True
+
+    async def _commit(self, rec: HeadRecord, key: str, tmp: str, cps: list[Checkpoint], rid: str) -> None:
+        try:
+            e = await asyncio.to_thread(self.store.commit, HEAD_KIND, rec.tokens, tmp, fingerprint=rec.key,
+                                        meta={"reason": "head", "checkpoints": [c.n_tokens for c in cps]})
+        except Exception as exc:  # noqa: BLE001 - the head stays warm by prefill
+            self.counters["save_failed"] += 1
+            log.warning("[%s] commit of head %s failed: %s", rid, rec.key, exc)
+            return
+        if rec.tokens == self.heads.get(rec.key, rec).tokens:
+            rec.entry, rec.checkpoints = e.key, cps
+        self.counters["saves"] += 1
+
+    async def flush(self) -> None:
+        """Wait for background commits."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    async def clear(self) -> int:
+        """Forget every head and delete the head entries. Returns how many heads and entries."""
+        await self.flush()
+        n = len(self.heads)
+        self.heads.clear()
+        if self.store is not None:
+            n += await asyncio.to_thread(self.store.clear, HEAD_KIND)
+        return n
 
     async def admit(self, view: Any, slot: int, obs: Any) -> None:
         return None
@@ -180,6 +334,12 @@ class HeadTier:
 
     async def evict(self, bytes_needed: int) -> int:
         return 0
+
+    def stats(self) -> dict:
+        return {**self.counters, "heads": len(self.heads),
+                "entries": len(self.store.entries(HEAD_KIND)) if self.store is not None else 0,
+                "bytes": self.store.kind_bytes(HEAD_KIND) if self.store is not None else 0,
+                "budget_bytes": self.store.kind_budgets.get(HEAD_KIND) if self.store is not None else None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,6 +486,7 @@ class OCacheLayer:
             self._identity = None
             await self._session_tier_ready()  # session tier (tiers/spill.py): register; resume after a drain
             self._disk_tier_ready()           # disk tier (tiers/disk.py): anchors on disk
+            self._head_store_ready()          # head files through the same verified store (tiers/store.py)
             self._ready = True
             try:
                 from .doctor import check, probe_endpoints
@@ -424,29 +585,34 @@ class OCacheLayer:
                              task=table.next_task(), user_starts=user_starts,
                              labels=_labels(body, getattr(req, "headers", None), kind))
         dec = await self._decide(view, ctx)
-        for attempt in range(3):
-            lock = table.lock(dec.slot)
-            await lock.acquire()
-            # the table may have changed while we waited for the lock (another request took the
-            # slot): plan again; move to a better idle slot rather than evict a conversation
-            fresh = await self._decide(view, ctx, held=dec.slot)
-            if fresh.slot == dec.slot or fresh.choice.busy or attempt == 2:
-                break
-            lock.release()
-            dec = fresh
+        # the slot's lease is released on every path out of here but the success one (which hands
+        # it to the proxy's release()): an exception or a cancellation (the client went away) at any
+        # await below must never leave the slot locked
+        lease = await table.lease(dec.slot)
+        executing = False
         try:
+            for attempt in range(3):
+                # the table may have changed while we waited for the lock (another request took the
+                # slot): plan again; move to a better idle slot rather than evict a conversation
+                fresh = await self._decide(view, ctx, held=dec.slot)
+                if fresh.slot == dec.slot or fresh.choice.busy or attempt == 2:
+                    break
+                lease.release()
+                dec = fresh
+                lease = await table.lease(dec.slot)
             dec = await self._decide(view, ctx, forced_slot=dec.slot, held=dec.slot)
+            executing = True
             pctx = await self._execute(req, view, ctx, dec)
         except BaseException:
-            lock.release()
+            if executing and lease.held:
+                # stopped part way through the slot's steps (a restore, a warm-up, a save): what the
+                # slot holds is unknown until GET /slots says
+                table[lease.slot].unknown(None)
+            lease.release()
             raise
-        released = False
 
         async def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                lock.release()
+            lease.release()
 
         self.counters["planned"] += 1
         self.by_tier[pctx.decision.tier] = self.by_tier.get(pctx.decision.tier, 0) + 1
@@ -496,6 +662,7 @@ class OCacheLayer:
                     log.exception("[%s] tier %s before_evict(slot %d) failed", req.request_id,
                                   getattr(tier, "name", tier), slot)
         restore_s = None
+        brought = True
         if "bring" in dec.steps and dec.offer is not None:
             tier = self.head_tier if dec.offer.tier == "head" else next(
                 (t for t in self.tiers if t.name == dec.offer.tier), None)
@@ -506,6 +673,7 @@ class OCacheLayer:
                 if dec.offer.tier == "head":
                     self.counters["head_restores"] += 1
             except Exception as exc:
+                brought = False
                 self.counters["bring_failures"] += 1
                 log.warning("[%s] %s bring into slot %d failed (%s); serving cold", req.request_id,
                             dec.offer.tier, slot, exc)
@@ -525,7 +693,7 @@ class OCacheLayer:
                               user_starts=ctx.user_starts, task=ctx.task,
                               ram_swap=st.foreign or ram_swap_possible(st, common_prefix(st.tokens, tokens), len(tokens),
                                                                table.params))
-        tier_name = dec.tier if dec.steps else ("resident" if reuse.cache_n > 0 else "cold")
+        tier_name = dec.tier if dec.steps and brought else ("resident" if reuse.cache_n > 0 else "cold")
         decision = replace(dec, predicted=reuse.cache_n, upper=reuse.upper, tier=tier_name)
         pctx = PlanContext(req.request_id, slot, decision, view, ctx, 0, len(tokens), reuse.cache_n,
                            reuse.upper, list(st.checkpoints), time.monotonic(), restore_s)
@@ -591,19 +759,13 @@ class OCacheLayer:
         rec.last_used = time.monotonic()
         self.head_tier.heads[key] = rec
         self.origin_key = key
-        if rec.filename is None and not self._no_save:
-            name = f"ocache-head-{key}.bin"
+        if rec.entry is None and not self._no_save and self.head_tier.store is not None:
             try:
-                saved = await table.save(slot, name)
-                rec.filename = name
-                n_ck = saved.get("n_checkpoints")  # patched build: checkpoints in the sidecar
-                rec.checkpoints = (list(st.checkpoints)[-int(n_ck):] if n_ck else []) if n_ck is not None else []
-                self.counters["head_saves"] += 1
+                if await self.head_tier.save_from(slot, rec, rid):
+                    self.counters["head_saves"] += 1
             except SlotNotSupported:
                 self._no_save = True
                 log.info("[%s] no --slot-save-path: heads are kept warm by prefill only", rid)
-            except SlotError as exc:
-                log.warning("[%s] saving head %s failed: %s", rid, key, exc)
         return t
 
     async def observe(self, req: Any, plan: Any, obs: Any) -> None:
@@ -675,9 +837,12 @@ class OCacheLayer:
         task.add_done_callback(self._bg.discard)
 
     async def idle(self) -> None:
-        """Wait for background work (origin re-establishment) to finish."""
+        """Wait for background work (origin re-establishment, the tiers' commits) to finish."""
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
+        for tier in (self.head_tier, *self.tiers):
+            if tier is not None and hasattr(tier, "flush"):
+                await tier.flush()
 
     async def _maintain_origin(self) -> None:
         """With ``-np >= 2``: keep the most recent harness head warm in one *empty* idle slot, by
@@ -703,7 +868,7 @@ class OCacheLayer:
                 return
             free = [s for s in snap if not s.busy and not s.tokens and not s.foreign
                     and not s.n_total and not s.origin]
-            if not free or not rec.filename:
+            if not free or self.head_tier._entry(rec) is None:
                 self.counters["origin_skipped"] += 1
                 return
             target = min(free, key=lambda s: s.last_used)
@@ -712,10 +877,9 @@ class OCacheLayer:
                 return
             async with lock:
                 try:
-                    await table.restore(target.id, rec.filename, tokens=rec.tokens,
-                                        checkpoints=rec.checkpoints)
+                    await self.head_tier.restore_into(target.id, rec)   # verified first
                     self.counters["head_restores"] += 1
-                except SlotError as exc:
+                except (HeadTierError, SlotError) as exc:
                     log.warning("re-establishing head %s in slot %d failed: %s", rec.key, target.id, exc)
                     return
                 st = table[target.id]
@@ -790,6 +954,50 @@ class OCacheLayer:
             self.disk_tier = tier
             self.add_tier(tier)
 
+    def _head_store_ready(self) -> None:
+        """Open the store for the head tier's files once (kind ``"h"``; budget ``tiers.head.budget_gb``,
+        default 10 GB; TTL ``disk_ttl_days``), where the server's ``--slot-save-path`` is known. Off
+        (heads kept warm by prefill only, nothing saved) without it, with a budget of 0, or when the
+        store cannot be opened. Files of the unverified head tier of earlier versions
+        (``ocache-head-*.bin``) are removed once."""
+        ht = self.head_tier
+        if ht is not None and ht.store is not None:
+            key = getattr(self._ident(), "key", None)
+            if key and key != ht.store.identity:  # the server came back with another identity
+                ht.store.set_identity(key)
+            return
+        if ht is None or getattr(self, "_head_store_off", False):
+            return
+        self._head_store_off = True
+        from .tiers.disk import store_meta_dir
+        from .tiers.spill import slot_save_path
+        from .tiers.store import StoreError, field_of, shared_store
+
+        tiers = field_of(self.config, "tiers") or {}
+        hcfg = dict(tiers.get("head") or {}) if isinstance(tiers, dict) else {}
+        budget = int(float(hcfg.get("budget_gb", 10.0)) * 1e9)
+        data_dir = slot_save_path(self.config, self.table)
+        key = getattr(self._ident(), "key", None)
+        if data_dir is None or not key or budget <= 0:
+            log.info("head files off (%s): heads are kept warm by prefill only",
+                     "no --slot-save-path known" if data_dir is None else "no identity" if not key
+                     else "tiers.head.budget_gb is 0")
+            return
+        try:
+            store = shared_store(store_meta_dir(self.config), data_dir, key, kind=HEAD_KIND,
+                                 kind_budget_bytes=budget,
+                                 ttl_s=float(field_of(self.config, "disk_ttl_days", 7.0)) * 86400.0)
+        except (StoreError, OSError) as exc:
+            log.warning("head files off: the store cannot be opened (%s); heads are kept warm by "
+                        "prefill only", exc)
+            return
+        for p in data_dir.glob("ocache-head-*.bin*"):
+            with contextlib.suppress(OSError):
+                p.unlink()
+                log.info("removed unverified head file %s of an earlier version", p.name)
+        ht.store = store
+        self._head_store_off = False
+
     def warm_deps(self) -> Any:
         """What ``POST /v1/cache/warm`` (``ocache warm DIR``) needs: ocache/warm.py ``WarmDeps``."""
         from .warm import WarmDeps
@@ -829,10 +1037,13 @@ class OCacheLayer:
         await self.idle()
         if self.table is None:
             return
+        # a tier with its own drain step (the session tier) spills there, once per conversation:
+        # calling its before_evict too would write every long conversation twice
+        evict_tiers = [t for t in self.tiers if not hasattr(t, "on_drain")]
         for st in self.table.slots:
-            if st.tokens and st.kind in ("agent", "other"):
+            if st.tokens and st.kind in ("agent", "other") and evict_tiers:
                 async with self.table.lock(st.id):
-                    for tier in self.tiers:
+                    for tier in evict_tiers:
                         try:
                             await tier.before_evict(st.id)
                         except Exception:
@@ -858,8 +1069,9 @@ class OCacheLayer:
                              "idle_s": round(time.monotonic() - s.last_used, 1) if s.last_used else None}
                             for s in table.slots]
             out["table"] = dict(table.counters)
-            out["heads"] = {k: {"tokens": len(r.tokens), "file": r.filename}
+            out["heads"] = {k: {"tokens": len(r.tokens), "entry": r.entry}
                             for k, r in self.head_tier.heads.items()}
+            out["tier_head"] = self.head_tier.stats()
         for tier in self.tiers:
             try:
                 out[f"tier_{tier.name}"] = tier.stats()
@@ -884,8 +1096,7 @@ class OCacheLayer:
                         continue
                     cleared += 1
         if tier in ("head", "all") and self.head_tier is not None:
-            cleared += len(self.head_tier.heads)
-            self.head_tier.heads.clear()
+            cleared += await self.head_tier.clear()   # and the head files (store kind "h")
             self.origin_key = None
         for t in self.tiers:  # disk anchors, spilled sessions (their own store entries)
             if tier in (t.name, "all") and hasattr(t, "clear"):

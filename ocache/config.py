@@ -332,6 +332,10 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
                           "written below it"),
         "admit_after": ("int", "2", "sightings of a grid line before it gets an anchor"),
     },
+    "head": {
+        "budget_gb": ("float", "10", "most GB of saved harness heads (oc-h-* files); 0: no head "
+                      "files, heads kept warm by prefill only"),
+    },
     "session": {
         "enabled": ("bool", "true", "false: no session tier (no spills, no restores)"),
         "slot_save_path": ("str", "--slot-save-path of the argv", "as tiers.disk.slot_save_path"),

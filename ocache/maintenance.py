@@ -7,7 +7,7 @@ These commands work on the files directly (``ocache.tiers.store``), without a ru
   (safe next to a running ocache: no lock taken, nothing written);
 * ``gc``   remove entries past the TTL, evict by value down to the budget, remove orphan files
   (takes the store's lock: refuses while ocache runs, use the admin route then);
-* ``clear`` delete every entry (or one kind: ``--kind anchors|spills``).
+* ``clear`` delete every entry (or one kind: ``--kind anchors|spills|heads``).
 
 The store lives in ``<cache dir>/store`` (records, index); the slot files in the server's
 ``--slot-save-path``, which the store recorded in ``store.json``.
@@ -23,8 +23,8 @@ from typing import Any
 
 from .tiers.store import DAY_S, LockedError, Store, StoreError, data_dir_of
 
-KINDS = {"anchors": "a", "spills": "s", "all": None}
-KIND_NAMES = {"a": "anchor", "s": "spill"}
+KINDS = {"anchors": "a", "spills": "s", "heads": "h", "all": None}
+KIND_NAMES = {"a": "anchor", "s": "spill", "h": "head"}
 
 
 def _meta_dir(args: argparse.Namespace) -> Path:
@@ -70,9 +70,10 @@ def _open(args: argparse.Namespace, readonly: bool) -> Store | None:
     if data is None or not (meta / "records").is_dir():
         print(f"ocache cache: no store at {meta} (nothing saved yet)", file=sys.stderr)
         return None
-    s = Store(meta, data, None, lock=not readonly, budget_bytes=int(args.budget_gb * 1e9) if
-              getattr(args, "budget_gb", None) else 50 * 10**9,
-              ttl_s=args.ttl_days * DAY_S if getattr(args, "ttl_days", None) else 7 * DAY_S)
+    budget_gb, ttl_days = getattr(args, "budget_gb", None), getattr(args, "ttl_days", None)
+    s = Store(meta, data, None, lock=not readonly,  # 0 is a value here (`gc --ttl-days 0`), not "unset"
+              budget_bytes=int(budget_gb * 1e9) if budget_gb is not None else 50 * 10**9,
+              ttl_s=ttl_days * DAY_S if ttl_days is not None else 7 * DAY_S)
     s.open(readonly=readonly)
     return s
 

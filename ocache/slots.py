@@ -90,6 +90,18 @@ class UpstreamError(SlotError):
     """The server answered with an unexpected status (5xx, 503 while loading) or not at all."""
 
 
+def file_refused(exc: BaseException) -> bool:
+    """True when a failed restore means the *file* is bad (delete the entry), False when the server
+    could not be asked or failed for another reason (keep it: the file is still valid).
+
+    Only the server's own answer about the file counts: ``SlotFileError`` (400 ``Unable to restore
+    slot: ...`` from the patched pre-check or the stock restore, 400 ``Invalid filename``;
+    docs/llama-server.md §5). A refused or reset connection, a timeout (``UpstreamError`` with status 0: llama-server
+    killed or restarting), a 5xx/503 (loading), ``SlotInvalid`` and ``SlotNotSupported`` say
+    nothing about the file."""
+    return isinstance(exc, SlotFileError)
+
+
 def error_from_response(status: int, body: Any, slot: int | None, what: str) -> SlotError:
     """Map a llama-server error response to the matching ``SlotError`` subclass (docs/llama-server.md §5 table)."""
     err = body.get("error") if isinstance(body, dict) else None
@@ -564,6 +576,31 @@ class SlotState:
         self.foreign = True
 
 
+class SlotLease:
+    """Ownership of one slot: holds the slot's ``asyncio.Lock`` from :meth:`SlotTable.lease` until
+    :meth:`release`, which is idempotent and synchronous, so every exit path (a return, an
+    exception, ``asyncio.CancelledError`` at any await) can release it without awaiting; also an
+    async context manager. ``held``: the lock is still owned by this lease."""
+
+    __slots__ = ("slot", "_lock", "held")
+
+    def __init__(self, slot: int, lock: asyncio.Lock) -> None:
+        self.slot = slot
+        self._lock = lock
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._lock.release()
+
+    async def __aenter__(self) -> "SlotLease":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.release()
+
+
 class SlotTable:
     """One entry and one ``asyncio.Lock`` per llama-server slot, plus the slot HTTP calls.
 
@@ -612,6 +649,13 @@ class SlotTable:
     def lock(self, slot: int) -> asyncio.Lock:
         self._check(slot)
         return self._locks[slot]
+
+    async def lease(self, slot: int) -> SlotLease:
+        """Wait for ``slot``'s lock and return the lease that owns it. A cancellation while waiting
+        leaves the lock as it was (``asyncio.Lock.acquire`` takes it only when the wait succeeded)."""
+        lock = self.lock(slot)
+        await lock.acquire()
+        return SlotLease(slot, lock)
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < len(self.slots):

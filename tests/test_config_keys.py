@@ -373,6 +373,29 @@ async def p_client_keepalive_s(tmp_path, mp):
     assert seen["keepalive_timeout"] == 3.5
 
 
+async def p_head_budget_gb(tmp_path, mp):
+    """``tiers.head.budget_gb`` is the head store's byte budget (0: no head files)."""
+    import types
+
+    from ocache import cache
+    from ocache.tiers import store
+
+    seen = []
+    mp.setattr(store, "shared_store", lambda *a, **kw: seen.append(kw["kind_budget_bytes"]) or
+               types.SimpleNamespace(identity="id"))
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    for gb, want in ((2, [2 * 10**9]), (0, [])):
+        seen.clear()
+        layer = types.SimpleNamespace(
+            head_tier=types.SimpleNamespace(store=None),
+            config=Config(cache_dir=str(tmp_path / "state"),
+                          tiers={"head": {"budget_gb": gb}, "session": {"slot_save_path": str(slots)}}),
+            table=None, _ident=lambda: types.SimpleNamespace(key="k"))
+        cache.OCacheLayer._head_store_ready(layer)
+        assert seen == want
+
+
 async def p_disk_budget_gb(tmp_path, mp):
     tier = _disk(tmp_path, disk_budget_gb=3)
     assert tier.store.kind_budgets["a"] == 3 * 10**9
@@ -508,7 +531,7 @@ PROBES = {
     "tiers.resident.<ServerParams.field>": p_resident_server_params,
     "tiers.disk.enabled": p_disk_enabled, "tiers.disk.slot_save_path": p_disk_slot_save_path,
     "tiers.disk.grid": p_disk_grid, "tiers.disk.free_floor_gb": p_disk_free_floor_gb,
-    "tiers.disk.admit_after": p_disk_admit_after, "tiers.session.enabled": p_session_enabled,
+    "tiers.disk.admit_after": p_disk_admit_after, "tiers.head.budget_gb": p_head_budget_gb, "tiers.session.enabled": p_session_enabled,
     "tiers.session.slot_save_path": p_session_slot_save_path,
     "tiers.session.drain_min_tokens": p_session_drain_min_tokens,
     "tiers.session.resume": p_session_resume,

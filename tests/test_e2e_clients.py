@@ -69,12 +69,17 @@ def pi_bin() -> Path:
 class OcacheProcess:
     """``python -m ocache serve`` as a child process (stopped by PID with SIGTERM)."""
 
-    def __init__(self, upstream: str, workdir: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(self, upstream: str, workdir: Path, extra_args: tuple[str, ...] = (),
+                 server_args: list[str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.record_dir = workdir / "record"
         self.log_path = workdir / "ocache.log"
         env = {**os.environ, "OCACHE_CACHE_DIR": str(workdir / "cache")}  # anchors stay in tmp
+        if server_args is not None:
+            # the server's flags, as a user tells them in ocache.yaml (README): the slot-save path
+            # is what lets ocache verify the files it restores (head files included)
+            env["OCACHE_TIERS"] = json.dumps({"resident": {"server_args": server_args}})
         cmd = [sys.executable, "-m", "ocache", "serve", "--upstream", upstream,
                "--port", str(self.port), "--record", str(self.record_dir), *extra_args]
         self.log = open(self.log_path, "ab")
@@ -127,7 +132,8 @@ def stack(start_server, tmp_path, request):
     srv = start_server("dense", n_parallel=N_PARALLEL, ctx_size=CTX_TOTAL, ubatch=UBATCH,
                        args=["-n", str(MAX_OUTPUT)])
     mode = getattr(request, "param", "cache")
-    proxy = OcacheProcess(srv.url, tmp_path, ("--no-cache",) if mode == "no-cache" else ())
+    proxy = OcacheProcess(srv.url, tmp_path, ("--no-cache",) if mode == "no-cache" else (),
+                          server_args=srv.command()[1:])
     try:
         proxy.wait_ready()
         yield srv, proxy

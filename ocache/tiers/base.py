@@ -28,7 +28,9 @@ class Offer:
     comparable with the server's ``cache_n``). ``cost_s``: estimated seconds ``bring`` takes
     (0 for resident). ``ref``: opaque to the planner, handed back to the same tier's ``bring``.
     ``slot``: the slot the offer is tied to (resident: the slot holding the prefix), or None when
-    the tier can bring it into any slot (disk, session).
+    the tier can bring it into any slot (disk, session). ``verified``: ``bring`` checks the file
+    against the store's record (size, xxh3, token header, identity) before any byte reaches the
+    engine; on a tie in ``tokens_usable`` the planner prefers a verified offer, then the cheaper one.
     """
 
     tier: str
@@ -36,6 +38,7 @@ class Offer:
     cost_s: float = 0.0
     ref: Any = None
     slot: int | None = None
+    verified: bool = False
 
 
 @runtime_checkable

@@ -71,7 +71,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 from .base import Offer
 from .store import field_of as _get, sidecar_checkpoints
-from .store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, shared_store
+from .store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, reserve_async, shared_store
+from ..slots import file_refused
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,10 @@ class DiskTierError(RuntimeError):
     """``bring`` failed (verification or the server's restore); the request must go cold.
 
     ``reason``: ``missing``/``size``/``hash``/``identity``/``tokens``/``header``/``record`` (a file
-    check, entry deleted), ``restore`` (the server refused it: the slot was erased, docs/llama-server.md §5, and
-    the entry deleted) or ``gone`` (the entry was evicted since ``lookup``)."""
+    check, entry deleted), ``restore`` (the server refused the file: the slot was erased,
+    docs/llama-server.md §5, and the entry deleted), ``upstream`` (the server could not be asked or
+    failed otherwise: connection refused or reset, timeout, 5xx; the entry is kept) or ``gone`` (the
+    entry was evicted since ``lookup``)."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"disk tier: {reason}{': ' + detail if detail else ''}")
@@ -187,7 +190,7 @@ class DiskTier:
         self.counters: dict[str, int] = {
             "lookups": 0, "offers": 0, "restores": 0, "hits": 0, "unconfirmed": 0,
             "verify_failed": 0, "restore_failed": 0, "anchors_written": 0, "save_failed": 0,
-            "skipped_budget": 0, "skipped_short": 0,
+            "skipped_budget": 0, "skipped_short": 0, "restore_upstream_failed": 0,
         }
         self.save_s: list[float] = []       # seconds each save delayed its request (the save call)
         self.restore_s: list[float] = []    # seconds of each verify + restore
@@ -298,9 +301,13 @@ class DiskTier:
         key = entry_key(self.store.identity or "", KIND, tokens)
         if self.store.get(key):
             return True
-        est = int(self.fixed_bytes + (self.bytes_per_token or 0) * len(tokens))
+        # the budget is checked before the server writes anything: room is made for the estimated
+        # size, or the anchor is refused (Store.estimate_bytes learns from every file it measured)
+        est = self.store.estimate_bytes(len(tokens))
+        if est is None:
+            est = int(self.fixed_bytes + (self.bytes_per_token or 0) * len(tokens))
         try:
-            await asyncio.to_thread(self.store.reserve, key, est, KIND)
+            await reserve_async(self.store, key, est, KIND)
         except BudgetError as exc:
             log.info("disk: no room for a %d-token anchor: %s", len(tokens), exc)
             self.counters["skipped_budget"] += 1
@@ -309,13 +316,16 @@ class DiskTier:
         t0 = time.monotonic()
         try:
             resp = await self.slots.save(slot, tmp)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("disk: save of slot %d failed: %s", slot, exc)
-            self.counters["save_failed"] += 1
+        except BaseException as exc:  # cancelled too: nothing reserved or written is left behind
             self.store.release(key)
             self.store.discard_temp(tmp)
+            if not isinstance(exc, Exception):
+                raise
+            log.warning("disk: save of slot %d failed: %s", slot, exc)
+            self.counters["save_failed"] += 1
             return False
         self.save_s.append(time.monotonic() - t0)
+        self.store.note_size(len(tokens), int(_get(resp, "n_written", 0) or 0))  # the .bin's bytes
         if int(_get(resp, "n_saved", -1)) != len(tokens):
             log.warning("disk: slot %d saved %s tokens, expected %d; discarded", slot, _get(resp, "n_saved"), len(tokens))
             self.counters["save_failed"] += 1
@@ -389,7 +399,7 @@ class DiskTier:
             if cost >= saved:
                 continue
             self.counters["offers"] += 1
-            return Offer(tier=self.name, tokens_usable=usable, cost_s=cost,
+            return Offer(tier=self.name, tokens_usable=usable, cost_s=cost, verified=True,
                          ref=AnchorRef(e.key, e.n_tokens, e.bytes, list(toks[:e.n_tokens])))
         return None
 
@@ -419,6 +429,11 @@ class DiskTier:
             resp = await self.slots.restore(slot, e.bin_name, tokens=ref.expect, checkpoints=cps)
         except Exception as exc:  # noqa: BLE001
             self.counters["restore_failed"] += 1
+            if not file_refused(exc):
+                # llama-server gone, restarting or failing for another reason: the file is still
+                # valid (it was just verified), keep it for the next request
+                self.counters["restore_upstream_failed"] += 1
+                raise DiskTierError("upstream", str(exc)) from exc
             await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")
             raise DiskTierError("restore", str(exc)) from exc
         if int(_get(resp, "n_restored", -1)) != e.n_tokens:

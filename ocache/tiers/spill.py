@@ -104,7 +104,8 @@ import xxhash
 from .base import Offer
 from .store import field_of as _get, sidecar_checkpoints
 from .store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
-                    prefix_hash, read_slot_tokens, shared_store)
+                    prefix_hash, read_slot_tokens, reserve_async, shared_store)
+from ..slots import file_refused
 
 log = logging.getLogger("ocache.spill")
 
@@ -115,7 +116,9 @@ RESUME_MARKER = "session-resume.json"
 class SpillError(RuntimeError):
     """``bring`` failed: ``reason`` is a store check word (``missing``, ``size``, ``hash``,
     ``identity``, ``tokens``, ``header``, ``record``; the entry was deleted), ``restore`` (the server
-    refused the file; entry deleted) or ``gone`` (evicted since ``lookup``). The request goes cold."""
+    refused the file; entry deleted), ``upstream`` (the server could not be asked: refused or reset
+    connection, timeout, 5xx; entry kept) or ``gone`` (evicted since ``lookup``). The request goes
+    cold."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"session tier: {reason}{': ' + detail if detail else ''}")
@@ -240,6 +243,7 @@ class SessionTier:
             "verify_failed": 0, "restore_failed": 0, "spills": 0, "spill_failed": 0,
             "spill_skipped_short": 0, "spill_skipped_unsafe": 0, "spill_skipped_budget": 0,
             "spill_dedup": 0, "superseded": 0, "resumed": 0, "resume_failed": 0,
+            "restore_upstream_failed": 0,
         }
         self.spill_s: list[float] = []     # seconds each spill held its request (the server's save)
         self.commit_s: list[float] = []    # seconds of each background commit (fsync + hash + rename)
@@ -300,9 +304,13 @@ class SessionTier:
             self._recent.append((time.time(), cached, slot))
             return cached
         pkey = "p" + prefix_hash(list(st.tokens) + [n, slot])[:15] + os.urandom(4).hex()
-        est = int(self.bytes_per_token * n)
+        # the budget is checked before the server writes anything (Store.estimate_bytes: sizes of
+        # every file of this identity measured so far); room is made for it, or the spill refused
+        est = self.store.estimate_bytes(n)
+        if est is None:
+            est = int(self.bytes_per_token * n)
         try:
-            await asyncio.to_thread(self.store.reserve, pkey, est, KIND)
+            await reserve_async(self.store, pkey, est, KIND)
         except BudgetError as exc:
             self.counters["spill_skipped_budget"] += 1
             log.warning("session: no room to spill slot %d (%d tokens): %s", slot, n, exc)
@@ -311,18 +319,25 @@ class SessionTier:
         t0 = time.monotonic()
         try:
             resp = await self.table.save(slot, tmp)
-        except Exception as exc:  # noqa: BLE001 - the request proceeds; the conversation is lost
-            self.counters["spill_failed"] += 1
-            log.warning("session: save of slot %d failed: %s", slot, exc)
+        except BaseException as exc:  # cancelled too: nothing reserved or written is left behind
             self.store.release(pkey)
             self.store.discard_temp(tmp)
+            if not isinstance(exc, Exception):
+                raise
+            self.counters["spill_failed"] += 1  # the request proceeds; the conversation is lost
+            log.warning("session: save of slot %d failed: %s", slot, exc)
             return None
         self.spill_s.append(time.monotonic() - t0)
+        self.store.note_size(n, int(resp.get("n_written", 0) or 0))  # the .bin's bytes
         try:
             tokens = await asyncio.to_thread(read_slot_tokens, self.store.path(tmp))
         except (OSError, ValueError) as exc:
             tokens = None
             log.warning("session: slot %d file unreadable: %s", slot, exc)
+        except BaseException:
+            self.store.release(pkey)
+            self.store.discard_temp(tmp)
+            raise
         if tokens is None or tokens[:len(st.tokens)] != list(st.tokens) or len(tokens) != int(resp.get("n_saved", -1)):
             self.counters["spill_failed"] += 1
             log.warning("session: slot %d holds other tokens than ocache sent it; not spilled", slot)
@@ -402,6 +417,9 @@ class SessionTier:
             if k:
                 keys.append(k)
         await self.flush()
+        # what was kept, not what was attempted: a spill the commit refused (budget, header) is gone
+        kept = [k for k in keys if self.store.get(k) is not None]
+        lost = len(keys) - len(kept)
         committed = [(t, k, s) for t, k, s in self._recent if self.store.get(k) is not None]
         resume = None
         if committed:
@@ -415,8 +433,9 @@ class SessionTier:
                 atomic_write(self.resume_path, json.dumps(doc).encode())
             except OSError as exc:
                 log.warning("session: could not write the resume marker: %s", exc)
-        log.info("session: drain spilled %d conversation(s); resume %s", len(keys), resume)
-        return {"spilled": keys, "resume": resume}
+        log.info("session: drain spilled %d conversation(s)%s; resume %s", len(kept),
+                 f" ({lost} not kept)" if lost else "", resume)
+        return {"spilled": kept, "resume": resume}
 
     # ------------------------------------------------------------------ start-up
     async def after_start(self) -> int | None:
@@ -505,7 +524,7 @@ class SessionTier:
             usable, e, lcp = best
             self.counters["offers"] += 1
             offer = Offer(tier=self.name, tokens_usable=usable, cost_s=self.read_cost_s(e.bytes),
-                          ref=SpillRef(e.key, e.n_tokens, e.bytes, lcp))
+                          ref=SpillRef(e.key, e.n_tokens, e.bytes, lcp), verified=True)
         self._memo = (view, keyset, offer)
         return offer
 
@@ -531,6 +550,11 @@ class SessionTier:
             resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=self._entry_checkpoints(e))
         except Exception as exc:  # noqa: BLE001
             self.counters["restore_failed"] += 1
+            if not file_refused(exc):
+                # llama-server gone, restarting or failing for another reason: the verified file is
+                # still the conversation, keep it for its return
+                self.counters["restore_upstream_failed"] += 1
+                raise SpillError("upstream", str(exc)) from exc
             await asyncio.to_thread(self.store.delete, key, f"server refused the restore: {exc}")
             raise SpillError("restore", str(exc)) from exc
         if int(_get(resp, "n_restored", -1)) != e.n_tokens:

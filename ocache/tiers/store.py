@@ -1,4 +1,6 @@
-"""One content-addressed store for saved slot states, shared by the disk tier and the session tier.
+"""One content-addressed store for saved slot states, shared by the disk tier (kind ``"a"``), the
+session tier (``"s"``) and the cache layer's head tier (``"h"``, ``ocache.cache.HeadTier``): every
+slot file ocache restores is an entry here.
 
 What an entry is
     A group of data files that llama-server wrote with ``POST /slots/{id}?action=save`` (the slot
@@ -35,7 +37,11 @@ Atomicity and trust (a corrupt or stale index must never decide a deletion)
 Budget and eviction (the disk eviction rule, docs/architecture.md §3)
     A byte budget over all entries (in-flight reservations included), a TTL for unused entries and a
     free-space floor on the data file system. When over, entries go in ascending *value*:
-    ``(hits + 1) * n_tokens / bytes * 0.5 ** days_unused``.
+    ``(hits + 1) * n_tokens / bytes * 0.5 ** days_unused``. The budget is checked *before* the server
+    writes: a tier reserves :meth:`Store.estimate_bytes` (a line through the sizes of every file
+    measured so far: entries, the ``n_written`` of each save, and files the commit refused) and
+    the reservation makes room by eviction or raises BudgetError, so nothing is written to be thrown
+    away once a size is known; :meth:`Store.commit` checks the real size again.
 
 Every method is synchronous and thread-safe (a re-entrant lock); hashing large files should be run
 off the event loop by async callers (``asyncio.to_thread``).
@@ -68,6 +74,7 @@ STORE_VERSION = 1
 PREFIX = "oc-"
 TMP_PREFIX = "oc-tmp-"
 CKPT_SUFFIX = ".ckpt"
+SIDECAR_TMP_SUFFIX = ".tmp"   # the patched server's own temp name for a sidecar being written
 CHUNK = 4 << 20
 
 #: Slot file header (docs/llama-server.md §6, include/llama.h:43-49): u32 magic 'ggsq', u32 version, u32 n_words,
@@ -270,7 +277,7 @@ class Entry:
     """One stored slot state. Times are Unix seconds; ``tokens`` may be None when not loaded."""
 
     key: str
-    kind: str                       # "a" anchor (disk tier), "s" spilled session (session tier)
+    kind: str                       # "a" anchor (disk tier), "s" spilled session (session tier), "h" head
     identity: str
     fingerprint: str | None
     n_tokens: int
@@ -381,6 +388,7 @@ class Store:
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
         self._reserved: dict[str, tuple[str | None, int]] = {}  # key -> (kind, bytes)
+        self._sizes: list[tuple[int, int]] = []  # (tokens, bytes) of files commit measured
         self._tok_cache: OrderedDict[str, bytes] = OrderedDict()
         self._lock_fd: int | None = None
         self._want_lock = lock
@@ -492,6 +500,7 @@ class Store:
                 return 0
             log.warning("store: identity %s -> %s: sweeping entries of other identities", self.identity, identity)
             self.identity = identity
+            self._sizes.clear()  # another model or KV layout: old sizes say nothing
             gone = [e.key for e in self._entries.values() if e.identity != identity]
             for k in gone:
                 self._delete_locked(k, "foreign identity")
@@ -701,6 +710,44 @@ class Store:
         with self._lock:
             self._reserved.pop(key, None)
 
+    def note_size(self, n_tokens: int, nbytes: int) -> None:
+        """Record the bytes a saved slot state of ``n_tokens`` tokens took (``.bin`` + ``.ckpt``), for
+        :meth:`estimate_bytes`. Called by :meth:`commit` for every file it sees, kept or not."""
+        if n_tokens > 0 and nbytes > 0:
+            with self._lock:
+                self._sizes.append((int(n_tokens), int(nbytes)))
+                del self._sizes[:-64]
+
+    def estimate_bytes(self, n_tokens: int) -> int | None:
+        """Estimated bytes of a slot state of ``n_tokens`` tokens before it is written, or None when
+        nothing of this identity was ever measured (then the first write measures it).
+
+        A slot file is a fixed part (header, recurrent state of a hybrid model, the sidecar's
+        checkpoints) plus the KV cache of each token (llama_state_seq_save_file, docs/llama-server.md §6), so the
+        estimate is the least-squares line ``a + b * n_tokens`` (a, b >= 0) through the sizes of this
+        identity's entries and of the files :meth:`commit` measured (also the ones it refused); one
+        point gives ``b = bytes / tokens``. The slot files of one identity share one KV layout, so
+        anchors, spills and heads inform each other. The commit still checks the real size.
+        """
+        with self._lock:
+            pts = [(e.n_tokens, e.bytes) for e in self._entries.values()
+                   if e.n_tokens > 0 and (self.identity is None or e.identity == self.identity)]
+            pts += self._sizes
+        if not pts:
+            return None
+        ns = {n for n, _ in pts}
+        if len(ns) == 1:
+            n0 = next(iter(ns))
+            per = max(b for n, b in pts) / n0
+            return int(per * n_tokens)
+        k = len(pts)
+        mx = sum(n for n, _ in pts) / k
+        my = sum(b for _, b in pts) / k
+        sxx = sum((n - mx) ** 2 for n, _ in pts)
+        slope = max(0.0, sum((n - mx) * (b - my) for n, b in pts) / sxx)
+        icept = max(0.0, my - slope * mx)
+        return int(icept + slope * n_tokens)
+
     def _free_bytes(self) -> int:
         return shutil.disk_usage(self.data_dir).free
 
@@ -767,6 +814,7 @@ class Store:
             nbytes = sum(f.size for f in files.values())
             now = self.clock()
             with self._lock:
+                self.note_size(len(tokens), nbytes)  # also when it does not fit: the next is refused early
                 self._reserved.pop(key, None)
                 old = self._entries.get(key)
                 self._make_room(nbytes - (old.bytes if old else 0), kind, exclude={key})
@@ -794,14 +842,15 @@ class Store:
         except BaseException:
             self.counters["commit_failed"] += 1
             self.release(key)
-            for p in (tmp_bin, tmp_ckpt):
-                with contextlib.suppress(OSError):
-                    p.unlink()
+            self.discard_temp(temp_bin)
             raise
 
     def discard_temp(self, temp_bin: str) -> None:
-        """Remove a temp slot file (and its sidecar) that will not be committed."""
-        for name in (temp_bin, temp_bin + CKPT_SUFFIX):
+        """Remove a temp slot file that will not be committed, with its sidecar and the sidecar's own
+        temporary file: the patched server writes ``<file>.ckpt.tmp`` and renames it
+        (patches/0001-slot-checkpoint-sidecar.patch, ``server_ckpt_sidecar_save``), so a server killed
+        during that write leaves it behind. Any file type is removed (``unlink``)."""
+        for name in (temp_bin, temp_bin + CKPT_SUFFIX, temp_bin + CKPT_SUFFIX + SIDECAR_TMP_SUFFIX):
             with contextlib.suppress(OSError, ValueError):
                 self.path(name).unlink()
 
@@ -919,6 +968,28 @@ class Store:
                     "by_folder": sorted(by_folder.values(), key=lambda f: -f["bytes"])}
 
 
+async def reserve_async(store: Store, key: str, nbytes: int, kind: str | None = None) -> None:
+    """:meth:`Store.reserve` off the event loop (it may delete evicted files). A caller cancelled
+    while it runs never leaves the reservation behind: the cancellation waits for the thread (a
+    dictionary update and a few unlinks), releases, then propagates; cancelled again meanwhile, the
+    release runs when the thread is done. Raises BudgetError as ``reserve`` does."""
+    import asyncio
+
+    fut = asyncio.ensure_future(asyncio.to_thread(store.reserve, key, nbytes, kind))
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        try:
+            await asyncio.shield(fut)
+        except BaseException:  # noqa: BLE001 - BudgetError, or cancelled again
+            pass
+        if fut.done():
+            store.release(key)
+        else:
+            fut.add_done_callback(lambda f: store.release(key))
+        raise
+
+
 def data_dir_of(meta_dir: Path) -> Path | None:
     """The data directory a store in ``meta_dir`` recorded (``store.json``), or None."""
     try:
@@ -935,18 +1006,20 @@ def shared_store(meta_dir: Path, data_dir: Path, identity: str, *, kind: str, ki
                  ttl_s: float = 7 * DAY_S, free_floor_bytes: int = 0) -> Store:
     """The one Store of this process for ``meta_dir`` (the disk and session tiers share it; the
     store's flock allows one opener per process). Each tier registers its kind's budget; the total
-    budget is the sum of the kinds'. Opened (and swept) on first use. Raises StoreError when the
-    same meta_dir is asked for with another data_dir or identity."""
+    budget is the sum of the kinds'. Opened (and swept) on first use; a store whose ``open`` failed
+    is not kept, so every tier asking for it gets the same error (and stays off) instead of an
+    unopened store. Raises StoreError when the same meta_dir is asked for with another data_dir or
+    identity, LockedError/OSError when it cannot be opened."""
     meta_dir = Path(meta_dir).resolve()
     with _SHARED_LOCK:
         s = _SHARED.get(meta_dir)
         if s is None:
             s = Store(meta_dir, data_dir, identity, budget_bytes=0, ttl_s=ttl_s,
                       free_floor_bytes=free_floor_bytes)
-            _SHARED[meta_dir] = s
             s.kind_budgets[kind] = int(kind_budget_bytes)
             s.budget_bytes = sum(s.kind_budgets.values())
-            s.open()
+            s.open()  # raises (LockedError, OSError): then nothing is kept, the next caller fails too
+            _SHARED[meta_dir] = s
             return s
         if Path(data_dir).resolve() != s.data_dir.resolve() or identity != s.identity:
             raise StoreError(f"store {meta_dir} is already open for {s.data_dir} / {s.identity}")
