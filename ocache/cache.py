@@ -26,7 +26,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from . import convert
 from . import fingerprint as fp_mod
@@ -71,7 +71,7 @@ class Decision:
 def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[Offer | None],
                  ctx: RequestContext, params: ServerParams, *, head_resident: bool = True,
                  prefill_tps: float | None = None, forced_slot: int | None = None,
-                 can_spill: bool = False) -> Decision:
+                 can_spill: bool | Collection[int] = False) -> Decision:
     """Choose a slot and the steps for a request of ``tokens`` (pure).
 
     ``slots``: ``SlotTable.snapshot()``. ``offers``: non-resident tiers' ``lookup`` answers.
@@ -80,8 +80,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
     ``prefill_tps``: measured prefill rate (tokens/s) to weigh an offer's ``cost_s`` against the
     prefill it saves (None: an offer is taken when it saves at least one ubatch).
     ``forced_slot``: plan for this slot only (re-planning after waiting for its lock).
-    ``can_spill``: the session tier will save a conversation before it is evicted (its
-    ``before_evict`` hook).
+    ``can_spill``: the slot ids whose conversation the session tier would save before it is
+    evicted (its ``before_evict`` hook; ``SessionTier.will_spill``), or True for every slot.
 
     Another live conversation's slot is protected, but not at any price: see
     ``ocache.tiers.resident.overwrite_choice`` (the protection rule).
@@ -639,10 +639,11 @@ class OCacheLayer:
         snap = table.snapshot()
         if held is not None:
             snap[held].busy = False
+        session = getattr(self, "_session_tier", None)
+        spillable = frozenset(s.id for s in snap if session.will_spill(s.id)) if session else frozenset()
         return plan_request(view.tokens, snap, offers, ctx, table.params,
                             head_resident=head_resident, prefill_tps=self.prefill_tps,
-                            forced_slot=forced_slot,
-                            can_spill=getattr(self, "_session_tier", None) is not None)
+                            forced_slot=forced_slot, can_spill=spillable)
 
     async def _execute(self, req: Any, view: Any, ctx: RequestContext, dec: Decision) -> PlanContext:
         """Run ``dec.steps`` on the locked slot and record the slot's new content."""

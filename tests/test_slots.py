@@ -409,3 +409,24 @@ def test_a_slot_whose_id_task_vanishes_or_goes_back_means_a_new_server_process()
     assert t._restarted([{"id": 0}, {"id": 1}])                   # both vanished
     assert not t._restarted([{"id": 0, "id_task": 1}, {"id": 1}])
     assert t._restarted([{"id": 0, "id_task": 0}, {"id": 1}])     # went back
+
+
+def test_a_conversation_the_session_tier_will_not_spill_is_not_overwritten_for_a_shared_system_prompt():
+    """cache-pressure 0.6.3's shape (issue 16, ``scripts/bench-retention``): slot 0 holds an
+    8,000-token context that the session tier would not spill (its client closed right after
+    ``[DONE]``: "not seen complete"), slot 1 is empty. The next context shares only the 14-token
+    system prompt with it: overwriting slot 0 destroys 7,986 tokens to save 14, so it goes to the
+    empty slot. ``can_spill`` names the slots the session tier would spill; a slot it would spill
+    costs nothing to overwrite (the rule as before)."""
+    system = toks(14, 3)
+    x = system + toks(7986, 4)
+    slots = [slot(0, x, len(x) + 1, "other", "X", last=3), slot(1)]
+    y = system + toks(7986, 5)
+    ctx = RequestContext(kind="other", session="Y")
+    d = plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset({1}))
+    assert d.slot == 1 and not d.evicts
+    d = plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset())
+    assert d.slot == 1 and not d.evicts
+    d = plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset({0, 1}))
+    assert d.slot == 0 and d.evicts and d.steps[0] == "before_evict"
+    assert plan_request(y, slots, [], ctx, DENSE, can_spill=True).slot == 0

@@ -386,6 +386,43 @@ async def test_client_disconnect_mid_stream_is_never_spilled(start_server, tmp_p
         assert proxy.layer.counters["failed_responses"] >= 1
 
 
+@pytest.mark.server
+async def test_a_conversation_too_short_to_spill_keeps_its_slot_while_another_is_empty(start_server, tmp_path):
+    """The planner counts an overwrite as free only for slots the session tier would really spill
+    (``SessionTier.will_spill``). A finished 700-token conversation (under ``spill_min_tokens``)
+    and a new one sharing only the system prompt with it (cache-pressure's shape, issue 16): the
+    new one goes to the empty slot instead of overwriting the first for ~10 shared tokens, and the
+    first one's return reuses its whole prompt. (Before: it was overwritten, nothing spilled, and
+    its return prefilled again.)"""
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 4096, **SERVER)
+    rng = random.Random(5)
+    # long single-token words: more than guest_max_chars (6,000) characters in under 1,024 tokens,
+    # so the request is "other" (a conversation), not a guest
+    words = ("understanding information development environment international performance "
+             "administration responsibility").split()
+
+    def plain(seed: int) -> dict:
+        r = random.Random(seed)
+        text = " ".join(r.choice(words) for _ in range(650))
+        return {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                             {"role": "user", "content": f"{seed}: {text}"}],
+                "max_tokens": 2, "temperature": 0, "stream": False}
+
+    a, b = plain(rng.randrange(10**6)), plain(rng.randrange(10**6))
+    cfg = make_config(srv, tmp_path / "cache", 1024)
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        ra = await send(s, base, proxy, a)
+        n_a = ra["timings"]["prompt_n"] + ra["timings"]["cache_n"]
+        assert 300 < n_a < 1024, n_a                     # too short for the session tier
+        rb = await send(s, base, proxy, b)
+        assert rb["slot"] != ra["slot"], (ra, rb)
+        back = await send(s, base, proxy, a)
+        tier = tier_of(proxy)
+        await tier.flush()
+    assert back["slot"] == ra["slot"] and back["timings"]["cache_n"] >= n_a - 1, back
+    assert tier.counters["spills"] == 0
+
+
 # --------------------------------------------------------------------------- ocache drain (no server)
 
 def test_drain_command_calls_the_route(tmp_path, capsys):

@@ -24,7 +24,7 @@ requests) therefore land on a side slot when ``-np >= 2`` and never overwrite an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from ..slots import Reuse, ServerParams, SlotState, predict_reuse
 from .base import Offer
@@ -146,7 +146,7 @@ def rank_slots(tokens: Sequence[int], slots: Sequence[SlotState], ctx: RequestCo
 
 
 def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
-                     offers: Sequence[Any], can_spill: bool) -> SlotChoice | None:
+                     offers: Sequence[Any], can_spill: bool | Collection[int]) -> SlotChoice | None:
     """The protection rule: the protected slot (another live conversation) worth overwriting for
     this request, or None. Pure.
 
@@ -154,8 +154,13 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
     (what an offer could bring into it included: ``offers`` are ``Offer`` values with ``tokens_usable``
     and ``slot``) by more than the overwrite destroys, its *loss*: the slot's tokens beyond the
     common prefix (its owner, if it returns, reuses the shared prefix from the new content and
-    prefills only those), or nothing when ``can_spill`` (the session tier saves it before the
-    eviction). That is llama-server's own longest-common-prefix choice wherever protecting would
+    prefills only those), or nothing when the session tier saves it before the eviction:
+    ``can_spill`` is the set of slot ids it would spill now (``SessionTier.will_spill``), or True
+    for every slot. A conversation the session tier refuses (its response not seen complete, a
+    guest, shorter than ``spill_min_tokens``) is lost whole by an overwrite: with cache-pressure
+    0.6.3 (``scripts/bench-retention``, tiny dense model) an 8,000-token context whose client had
+    closed right after ``[DONE]`` was overwritten for its 14-token system prompt while the other
+    slot was empty, and it was the one context of 10 the bench then missed. That is llama-server's own longest-common-prefix choice wherever protecting would
     cost more prefill now than it can save later, and protection where it pays. Measured with the
     real opencode (``tests/test_e2e_clients.py``, an everyday day): a new ``opencode run`` in the same
     folder shares the previous run's whole first turn (7,2xx tokens) against a 6,942-token head and
@@ -169,8 +174,11 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
                    if o is not None and (o.slot is None or o.slot == c.slot)]
         return max([c.reuse.cache_n, *brought])
 
+    def spilled(c: SlotChoice) -> bool:
+        return can_spill if isinstance(can_spill, bool) else c.slot in can_spill
+
     def loss(c: SlotChoice) -> int:
-        return 0 if can_spill else max(held.get(c.slot, 0) - c.reuse.lcp, 0)
+        return 0 if spilled(c) else max(held.get(c.slot, 0) - c.reuse.lcp, 0)
 
     best_free = max((reach(c) for c in ranked if not c.protected), default=0)
     taken = [c for c in ranked if c.protected and not c.busy

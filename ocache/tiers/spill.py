@@ -277,6 +277,17 @@ class SessionTier:
             return False, "not seen complete"
         return True, ""
 
+    def will_spill(self, slot: int) -> bool:
+        """Whether :meth:`before_evict` would save ``slot``'s conversation if it were evicted now
+        (safe to spill and at least ``min_tokens`` long), so the planner can count an overwrite of
+        it as free. Pure (reads the table); never raises."""
+        try:
+            ok, _why = self._spillable(slot)
+            st = self.table[slot]
+            return ok and max(int(st.n_total or 0), len(st.tokens)) >= self.cfg.min_tokens
+        except Exception:  # noqa: BLE001 - an unknown slot is one we would not spill
+            return False
+
     # ------------------------------------------------------------------ writes
     async def before_evict(self, slot: int) -> None:
         """The slot's conversation is about to be replaced (the caller holds the slot's lock): spill it
