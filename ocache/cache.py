@@ -34,7 +34,7 @@ from .slots import (Checkpoint, ServerParams, common_prefix, SlotError, SlotNotS
                     params_from_argv, predict_reuse, simulate_prefill)
 from .tiers.base import Offer, Tier
 from .tokens import TokenViewError
-from .tiers.resident import (RequestContext, SlotChoice, overwrite_choice, ram_swap_possible,
+from .tiers.resident import (RequestContext, SlotChoice, eviction_choice, overwrite_choice, ram_swap_possible,
                              rank_slots)
 
 log = logging.getLogger("ocache.cache")
@@ -95,6 +95,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
     choice = ranked[0]
     if forced_slot is None and not choice.protected:
         choice = overwrite_choice(ranked, slots, offers, can_spill) or choice
+    elif forced_slot is None:
+        choice = eviction_choice(ranked, slots, can_spill) or choice
     warnings: list[str] = []
     evicts = choice.protected
     if evicts and ctx.kind == "guest":

@@ -430,3 +430,19 @@ def test_a_conversation_the_session_tier_will_not_spill_is_not_overwritten_for_a
     d = plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset({0, 1}))
     assert d.slot == 0 and d.evicts and d.steps[0] == "before_evict"
     assert plan_request(y, slots, [], ctx, DENSE, can_spill=True).slot == 0
+
+
+def test_with_every_slot_protected_the_one_the_session_tier_would_spill_is_overwritten():
+    """Both slots hold other conversations; the least recently used one (slot 0) would not be
+    spilled ("not seen complete"), slot 1 would: slot 1 is overwritten, slot 0 keeps its context
+    (cache-pressure on the tiny hybrid model, issue 16). With both spillable: LRU, as before."""
+    system = toks(14, 3)
+    x0, x1 = system + toks(7986, 4), system + toks(7986, 6)
+    slots = [slot(0, x0, len(x0) + 1, "other", "X0", last=1), slot(1, x1, len(x1) + 1, "other", "X1", last=2)]
+    y = system + toks(7986, 5)
+    ctx = RequestContext(kind="other", session="Y")
+    d = plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset({1}))
+    assert d.slot == 1 and d.evicts and d.steps[0] == "before_evict"
+    assert plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset({0, 1})).slot == 0
+    assert plan_request(y, slots, [], ctx, DENSE, can_spill=True).slot == 0
+    assert plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset()).slot == 0

@@ -145,6 +145,36 @@ def rank_slots(tokens: Sequence[int], slots: Sequence[SlotState], ctx: RequestCo
     return out
 
 
+def _loss_fn(slots: Sequence[SlotState], can_spill: bool | Collection[int]):
+    """``loss(choice)``: tokens an overwrite of ``choice``'s slot destroys (nothing when the session
+    tier spills it first, see :func:`overwrite_choice`)."""
+    held = {s.id: (s.n_total if s.n_total is not None else len(s.tokens)) for s in slots}
+
+    def loss(c: SlotChoice) -> int:
+        spilled = can_spill if isinstance(can_spill, bool) else c.slot in can_spill
+        return 0 if spilled else max(held.get(c.slot, 0) - c.reuse.lcp, 0)
+
+    return loss
+
+
+def eviction_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
+                    can_spill: bool | Collection[int]) -> SlotChoice | None:
+    """When every slot holds another live conversation (all protected): the one to overwrite, by
+    its ``score`` (useful reuse) minus :func:`overwrite_choice`'s loss, then free before busy, then
+    least recently used.
+    Pure. None (the ranking's own order: reuse, then LRU) unless ``can_spill`` names some slots and
+    not others; then a slot the session tier would not spill keeps its conversation while a
+    spillable one can be taken
+    (cache-pressure 0.6.3, ``scripts/bench-retention``, tiny hybrid model: the LRU slot held an
+    8,000-token context "not seen complete", the other a spillable one; LRU overwrote the first,
+    and it was the first context the bench missed, 5/10)."""
+    prot = [c for c in ranked if c.protected]
+    if not prot or len(prot) != len(ranked) or isinstance(can_spill, bool) or not can_spill:
+        return None  # all or none spillable: the ranking's own order
+    loss = _loss_fn(slots, can_spill)
+    return max(prot, key=lambda c: (c.score - loss(c), not c.busy, -c.last_used))
+
+
 def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
                      offers: Sequence[Any], can_spill: bool | Collection[int]) -> SlotChoice | None:
     """The protection rule: the protected slot (another live conversation) worth overwriting for
@@ -167,18 +197,12 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
     destroys its 64-token answer; protecting it cost 7,212 tokens per run (head warm-up) and the
     title slot, 9,640 tokens against 7,972 for the server alone; with this rule 8,028.
     """
-    held = {s.id: (s.n_total if s.n_total is not None else len(s.tokens)) for s in slots}
+    loss = _loss_fn(slots, can_spill)
 
     def reach(c: SlotChoice) -> int:
         brought = [o.tokens_usable for o in offers
                    if o is not None and (o.slot is None or o.slot == c.slot)]
         return max([c.reuse.cache_n, *brought])
-
-    def spilled(c: SlotChoice) -> bool:
-        return can_spill if isinstance(can_spill, bool) else c.slot in can_spill
-
-    def loss(c: SlotChoice) -> int:
-        return 0 if spilled(c) else max(held.get(c.slot, 0) - c.reuse.lcp, 0)
 
     best_free = max((reach(c) for c in ranked if not c.protected), default=0)
     taken = [c for c in ranked if c.protected and not c.busy
