@@ -417,7 +417,7 @@ def test_a_conversation_the_session_tier_will_not_spill_is_not_overwritten_for_a
     ``[DONE]``: "not seen complete"), slot 1 is empty. The next context shares only the 14-token
     system prompt with it: overwriting slot 0 destroys 7,986 tokens to save 14, so it goes to the
     empty slot. ``can_spill`` names the slots the session tier would spill; a slot it would spill
-    costs nothing to overwrite (the rule as before)."""
+    costs nothing to overwrite, but 14 shared tokens are below ``min_useful``: no gain either."""
     system = toks(14, 3)
     x = system + toks(7986, 4)
     slots = [slot(0, x, len(x) + 1, "other", "X", last=3), slot(1)]
@@ -428,8 +428,8 @@ def test_a_conversation_the_session_tier_will_not_spill_is_not_overwritten_for_a
     d = plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset())
     assert d.slot == 1 and not d.evicts
     d = plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset({0, 1}))
-    assert d.slot == 0 and d.evicts and d.steps[0] == "before_evict"
-    assert plan_request(y, slots, [], ctx, DENSE, can_spill=True).slot == 0
+    assert d.slot == 1 and not d.evicts
+    assert plan_request(y, slots, [], ctx, DENSE, can_spill=True).slot == 1
 
 
 def test_with_every_slot_protected_the_one_the_session_tier_would_spill_is_overwritten():
@@ -446,3 +446,14 @@ def test_with_every_slot_protected_the_one_the_session_tier_would_spill_is_overw
     assert plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset({0, 1})).slot == 0
     assert plan_request(y, slots, [], ctx, DENSE, can_spill=True).slot == 0
     assert plan_request(y, slots, [], ctx, DENSE, can_spill=frozenset()).slot == 0
+
+
+def test_a_few_shared_template_tokens_never_justify_an_overwrite():
+    """Two unrelated contexts share only the template's first tokens: even when the session tier
+    would spill the conversation, the new one takes the empty slot (a reuse below ``min_useful``
+    counts as none, as in the ranking)."""
+    a = toks(14, 1) + toks(2000, 2)
+    slots = [slot(0, a, len(a) + 4, "other", None, last=3), slot(1)]
+    b = toks(14, 1) + toks(2000, 3)
+    d = plan_request(b, slots, [], RequestContext(kind="other"), DENSE, can_spill=True)
+    assert d.slot == 1 and not d.evicts

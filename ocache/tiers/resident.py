@@ -205,7 +205,8 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
         return max([c.reuse.cache_n, *brought])
 
     best_free = max((reach(c) for c in ranked if not c.protected), default=0)
-    taken = [c for c in ranked if c.protected and not c.busy
+    # a reuse below ``min_useful`` (a shared ``<|im_start|>system`` line) is none, as in the ranking
+    taken = [c for c in ranked if c.protected and not c.busy and c.reuse.cache_n >= c.min_useful
              and c.reuse.cache_n - best_free > loss(c)]
     if not taken:
         return None
