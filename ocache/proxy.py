@@ -231,9 +231,14 @@ _json_error = admin.error  # the one error shape (ocache/admin.py)
 
 
 class _SSEObserver:
-    """Reads ``timings``/``usage`` from SSE ``data:`` lines as chunks pass by (never delays them)."""
+    """Reads ``timings``/``usage`` from SSE ``data:`` lines as chunks pass by (never delays them).
 
-    __slots__ = ("_buf", "timings", "usage", "events", "_anthropic")
+    ``first_at``: ``time.perf_counter()`` when the first ``data:`` event that is not a prompt
+    progress report passed (the first generated token): not the server's keep-alive comment
+    ``":\n\n"``, sent while a prefill outlasts ``sse_ping_interval`` (default 30 s;
+    tools/server/server-context.cpp:4535-4548, common/common.h:626)."""
+
+    __slots__ = ("_buf", "timings", "usage", "events", "_anthropic", "first_at")
 
     def __init__(self) -> None:
         self._anthropic: dict | None = None
@@ -241,6 +246,7 @@ class _SSEObserver:
         self.timings: dict | None = None
         self.usage: dict | None = None
         self.events = 0
+        self.first_at: float | None = None
 
     def feed(self, chunk: bytes) -> None:
         buf = self._buf + chunk if self._buf else chunk
@@ -253,6 +259,8 @@ class _SSEObserver:
             start = nl + 1
             if line.startswith(b"data:"):
                 self.events += 1
+                if self.first_at is None and b'"prompt_progress"' not in line:
+                    self.first_at = time.perf_counter()
                 if b'"timings"' in line or b'"usage"' in line:
                     self._parse(line[5:])
         self._buf = buf[start:] if start < len(buf) else b""
@@ -867,8 +875,8 @@ class Proxy:
                     # did (Codex CLI closes right after response.completed, the chunk with timings)
                     if observer is not None:
                         observer.feed(chunk)
-                if obs.ttft_s is None:
-                    obs.ttft_s = time.perf_counter() - t0
+                if obs.ttft_s is None and (observer is None or observer.first_at is not None):
+                    obs.ttft_s = (time.perf_counter() if observer is None else observer.first_at) - t0
         finally:
             if observer is not None:
                 obs.timings, obs.usage = observer.timings, observer.usage

@@ -10,7 +10,7 @@ Metric families (all prefixed ``ocache_``):
 | completions_total | counter | route, tier | completions relayed (tier = the plan's X-OCache-Tier or ``none``) |
 | prompt_tokens_total | counter | route, tier, kind | kind=``cached`` (timings.cache_n) or ``processed`` (prompt_n) |
 | predicted_tokens_total | counter | route | timings.predicted_n |
-| ttft_seconds | histogram | route | wall time from request receipt to first byte relayed |
+| ttft_seconds | histogram | route | wall time from request receipt to the first generated token relayed (SSE: first `data:` event, not a keep-alive comment; otherwise the first byte) |
 | client_disconnects_total | counter | route | client went away before the response ended |
 | upstream_unavailable_total | counter | | requests answered 503 because llama-server was down |
 | upstream_restarts_total | counter | | new upstream processes detected (epoch changes) |
@@ -95,7 +95,7 @@ class Stats:
                                      ["route", "tier", "kind"], registry=r)
         self.predicted_tokens = Counter("ocache_predicted_tokens_total", "tokens generated",
                                         ["route"], registry=r)
-        self.ttft = Histogram("ocache_ttft_seconds", "request receipt to first byte relayed",
+        self.ttft = Histogram("ocache_ttft_seconds", "request receipt to the first token relayed",
                               ["route"], registry=r,
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60,
                                        120, 300))

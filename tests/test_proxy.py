@@ -77,6 +77,8 @@ class FakeUpstream:
         self.seen: list[dict] = []
         self.stream_started = asyncio.Event()
         self.stream_cancelled = asyncio.Event()
+        self.release = asyncio.Event()
+        self.before_token = lambda: None
         app = web.Application(client_max_size=1 << 30)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -121,6 +123,14 @@ class FakeUpstream:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.stream_started.set()
+        if data.get("ping_first"):  # llama-server's keep-alive comment during a long prefill
+            await resp.write(b":\n\n")
+            await asyncio.wait_for(self.release.wait(), 5.0)
+            self.before_token()
+            await resp.write(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n')
+            await resp.write(b'data: {"choices":[],"timings":{"prompt_n":3,"cache_n":0}}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
         try:
             for i in range(1000):
                 await resp.write(f'data: {{"i":{i}}}\n\n'.encode())
@@ -250,6 +260,38 @@ async def test_client_disconnect_cancels_upstream_stream():
         resp.close()
         await asyncio.wait_for(fake.stream_cancelled.wait(), 2.0)
         await poll(lambda: proxy.stats.to_dict()["client_disconnects"] == 1, what="disconnect count")
+
+
+async def test_ttft_is_the_first_token_not_the_keep_alive_comment(monkeypatch):
+    """The server sends ``:\n\n`` while a prefill outlasts sse_ping_interval; TTFT must wait for
+    the first ``data:`` event. A fake clock jumps 100 s between the comment and the token."""
+    offset = {"s": 0.0}
+    real_clock = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + offset["s"])
+    layer = RecordingLayer()
+    async with fake_upstream() as (up, fake), run_proxy(up, layer) as (base, proxy), client() as c:
+        fake.before_token = lambda: offset.__setitem__("s", 100.0)
+        async with c.post(base + "/v1/chat/completions",
+                          json={"stream": True, "messages": [], "ping_first": True}) as r:
+            assert await r.content.readuntil(b"\n\n") == b":\n\n"  # the proxy relayed the comment
+            fake.release.set()
+            rest = await r.read()
+        assert b'"content":"a"' in rest
+        await proxy.wait_background()
+        (obs,) = layer.observed
+        assert obs.ttft_s is not None and 100.0 <= obs.ttft_s <= obs.total_s
+        text = proxy.stats.prometheus().decode()
+        assert 'ocache_ttft_seconds_bucket{le="60.0",route="/v1/chat/completions"} 0.0' in text
+        assert 'ocache_ttft_seconds_bucket{le="120.0",route="/v1/chat/completions"} 1.0' in text
+
+
+class RecordingLayer(NullLayer):
+    def __init__(self):
+        super().__init__()
+        self.observed = []
+
+    async def observe(self, req, plan, obs):
+        self.observed.append(obs)
 
 
 class RaisingLayer(NullLayer):
