@@ -99,6 +99,9 @@ class Config:
                            "child with them and restarts it if it dies (`serve --launch -- ARGS`)")
     launch_binary: str | None = _f(None, "llama-server binary for `launch`; default: the patched "
                                    "engine build (`ocache engine path`)")
+    launch_backend: str = _f("cpu", "which `ocache engine build --backend` build `launch` runs when "
+                             "launch_binary is unset", choices=("cpu", "cpu-avx2", "cuda", "hip",
+                                                               "metal", "vulkan"))
     disk_budget_gb: float = _f(50.0, "disk tier: most GB of anchors kept", min=0)
     disk_ttl_days: float = _f(7.0, "disk tier: anchors unused this many days are evicted", min=0)
     disk_min_tokens: int = _f(4096, "disk tier: shortest prefix (tokens) worth an anchor", min=0)

@@ -313,9 +313,14 @@ def _run(cmd: list[str], quiet: bool) -> None:
         raise EngineError(f"{' '.join(cmd[:3])} failed:\n" + "\n".join(tail))
 
 
-def find(stock: bool = False) -> EngineBuild | None:
-    """Return the installed build for the current patches without building, or None."""
+def find(stock: bool = False, backend: str = "cpu") -> EngineBuild | None:
+    """Return the installed build of ``backend`` (a ``BACKENDS`` name) for the current patches
+    without building, or None. The key is the one ``build(stock, backend)`` installs under, so a
+    ``--backend cuda`` build is found by every command that finds the CPU one. Raises EngineError
+    for an unknown backend."""
+    if backend not in BACKENDS:
+        raise EngineError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
     patches = [] if stock else patch_files()
-    key, patch8 = build_key(patches, "cpu")
+    key, patch8 = build_key(patches, backend)
     commit = LLAMA_COMMIT + (f"+ocache.{patch8}" if patches else "")
     return _installed(engine_dir() / f"llama-server-{key}", f"b1-{commit}", patches)

@@ -18,6 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=_build)
     w = esub.add_parser("path", help="print the installed binary's path (exit 1 if not built)")
     w.add_argument("--stock", action="store_true")
+    w.add_argument("--backend", default="cpu", choices=sorted(engine.BACKENDS),
+                   help="the build of this backend (as built by `engine build --backend`)")
     w.set_defaults(func=_path)
 
 
@@ -28,7 +30,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _path(args: argparse.Namespace) -> int:
-    found = engine.find(stock=args.stock)
+    found = engine.find(stock=args.stock, backend=args.backend)
     if not found:
         return 1
     print(found.binary)

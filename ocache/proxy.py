@@ -1082,7 +1082,8 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
             # the child's stdout+stderr: where a failed start explains itself (tail logged on exit)
             supervisor = Supervisor(config.launch, binary=config.launch_binary,
                                     log_path=state_root() / "llama-server.log",
-                                    max_quick_failures=config.launch_max_failures)
+                                    max_quick_failures=config.launch_max_failures,
+                                    backend=config.launch_backend)
             supervisor.on_give_up = stop.set  # a child that cannot start: stop, exit non-zero
             config.upstream = supervisor.url
             await supervisor.start()

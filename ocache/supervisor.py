@@ -12,7 +12,7 @@ with status 1, printing the last child's log tail (each child's lines are told a
 offset at its start: earlier children's lines are never mixed in).
 
 The binary is ``Config.launch_binary`` if set, else the first argument if it is an executable file
-(``--launch -- /path/llama-server -m ...``), else the patched engine build (``ocache.engine.find``).
+(``--launch -- /path/llama-server -m ...``), else the patched engine build of ``Config.launch_backend`` (``ocache.engine.find``).
 ``--metrics`` is added when absent so that restart detection can read the boot id
 (docs/llama-server.md §5).
 """
@@ -45,17 +45,23 @@ def _flag_value(args: list[str], *names: str) -> str | None:
     return None
 
 
-def resolve_binary(args: list[str], binary: str | None) -> tuple[str, list[str]]:
-    """(binary path, remaining args). Raises LaunchError when no llama-server can be found."""
+def resolve_binary(args: list[str], binary: str | None, backend: str = "cpu") -> tuple[str, list[str]]:
+    """(binary path, remaining args); without ``binary`` or an executable first argument, the
+    patched engine build of ``backend`` (config ``launch_backend``). Raises LaunchError when no
+    llama-server can be found."""
     if binary:
         return binary, list(args)
     if args and not args[0].startswith("-") and os.path.isfile(args[0]) and os.access(args[0], os.X_OK):
         return args[0], list(args[1:])
     from . import engine
 
-    build = engine.find(stock=False)
+    try:
+        build = engine.find(stock=False, backend=backend)
+    except engine.EngineError as exc:
+        raise LaunchError(str(exc)) from exc
     if build is None:
-        raise LaunchError("no llama-server binary: build it with `ocache engine build`, or pass "
+        flag = "" if backend == "cpu" else f" --backend {backend}"
+        raise LaunchError(f"no llama-server binary: build it with `ocache engine build{flag}`, or pass "
                           "its path as the first argument after `--launch --`")
     return str(build.binary), list(args)
 
@@ -64,8 +70,9 @@ class Supervisor:
     """One supervised llama-server child. ``url`` is where it listens."""
 
     def __init__(self, args: list[str], binary: str | None = None, log_path: Path | None = None,
-                 stop_timeout: float = 20.0, max_quick_failures: int | None = None) -> None:
-        self.binary, self.args = resolve_binary(args, binary)
+                 stop_timeout: float = 20.0, max_quick_failures: int | None = None,
+                 backend: str = "cpu") -> None:
+        self.binary, self.args = resolve_binary(args, binary, backend)
         host = _flag_value(self.args, "--host") or "127.0.0.1"
         port = _flag_value(self.args, "--port")
         if _flag_value(self.args, "--host") is None:

@@ -264,8 +264,8 @@ def _capture_supervisor(mp, seen):
     from ocache import supervisor
 
     class Fake:
-        def __init__(self, args, binary=None, log_path=None, max_quick_failures=None, **kw):
-            seen.append((list(args), binary))
+        def __init__(self, args, binary=None, log_path=None, max_quick_failures=None, backend="cpu", **kw):
+            seen.append((list(args), binary) if backend == "cpu" else (list(args), binary, backend))
             if max_quick_failures is not None:
                 seen_failures.append(max_quick_failures)
             raise _Launched()
@@ -396,6 +396,15 @@ async def p_head_budget_gb(tmp_path, mp):
         assert seen == want
 
 
+async def p_launch_backend(tmp_path, mp):
+    seen: list = []
+    _capture_supervisor(mp, seen)
+    with pytest.raises(_Launched):
+        await proxy_mod.serve(Config(launch=["-m", "x.gguf"], launch_backend="cuda"),
+                              handle_signals=False)
+    assert seen == [(["-m", "x.gguf"], None, "cuda")]
+
+
 async def p_disk_budget_gb(tmp_path, mp):
     tier = _disk(tmp_path, disk_budget_gb=3)
     assert tier.store.kind_budgets["a"] == 3 * 10**9
@@ -517,7 +526,7 @@ PROBES = {
     "log_level": p_log_level, "max_body_mb": p_max_body_mb, "retry_after_s": p_retry_after_s,
     "probe_interval_s": p_probe_interval_s, "drain_timeout_s": p_drain_timeout_s,
     "no_cache": p_no_cache, "record_dir": p_record_dir, "record_redact": p_record_redact,
-    "launch": p_launch, "launch_binary": p_launch_binary,
+    "launch": p_launch, "launch_binary": p_launch_binary, "launch_backend": p_launch_backend,
     "launch_max_failures": p_launch_max_failures, "upstream_read_timeout_s": p_upstream_read_timeout_s,
     "stream_idle_timeout_s": p_stream_idle_timeout_s, "probe_timeout_s": p_probe_timeout_s,
     "loading_wait_s": p_loading_wait_s, "client_idle_timeout_s": p_client_idle_timeout_s,

@@ -1,0 +1,74 @@
+"""GPU builds are found by every command that finds the CPU one (issue 17, item 5).
+
+No GPU backend is built: a fake *installed* build (the layout ``ocache.engine.build`` leaves:
+``engine/llama-server-<key>/bin/llama-server`` + ``stamp.json``, keyed by ``build_key(patches,
+backend)``) is placed under a temporary ``OCACHE_CACHE_DIR``, and ``engine.find``, ``ocache engine
+path --backend`` and the ``--launch`` binary resolution must find it, and only for its backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ocache import engine, supervisor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_install(backend: str, stock: bool = False) -> Path:
+    patches = [] if stock else engine.patch_files()
+    key, _ = engine.build_key(patches, backend)
+    install = engine.engine_dir() / f"llama-server-{key}"
+    (install / "bin").mkdir(parents=True)
+    binary = install / "bin" / "llama-server"
+    binary.write_text("#!/bin/sh\nexit 0\n")
+    binary.chmod(0o755)
+    (install / "stamp.json").write_text(json.dumps({"key": key, "backend": backend}))
+    return binary
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("OCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_find_by_backend(cache_dir):
+    cuda = fake_install("cuda")
+    assert engine.find(backend="cuda").binary == cuda
+    assert engine.find() is None  # the CPU build is another key
+    assert engine.find(backend="vulkan") is None
+    assert engine.find(stock=True, backend="cuda") is None
+    with pytest.raises(engine.EngineError):
+        engine.find(backend="nope")
+
+
+def _path_cmd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ocache", "engine", "path", *args],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_engine_path_backend(cache_dir):
+    hip = fake_install("hip")
+    r = _path_cmd("--backend", "hip")
+    assert r.returncode == 0 and r.stdout.strip() == str(hip), r.stderr
+    assert _path_cmd().returncode == 1  # no CPU build in this cache
+    assert _path_cmd("--backend", "metal").returncode == 1
+
+
+def test_launch_resolves_the_configured_backend(cache_dir):
+    cuda = fake_install("cuda")
+    assert supervisor.resolve_binary(["-m", "x.gguf"], None, "cuda") == (str(cuda), ["-m", "x.gguf"])
+    with pytest.raises(supervisor.LaunchError, match="--backend vulkan"):
+        supervisor.resolve_binary(["-m", "x.gguf"], None, "vulkan")
+    with pytest.raises(supervisor.LaunchError, match="no llama-server"):
+        supervisor.resolve_binary(["-m", "x.gguf"], None)  # the CPU build is not there
+    sup = supervisor.Supervisor(["-m", "x.gguf"], backend="cuda")
+    assert sup.binary == str(cuda)
