@@ -46,6 +46,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -57,6 +59,14 @@ import xxhash
 
 from .convert import CONVERTED_ROUTES, ConversionError, to_chat
 from .fingerprint import Head, cut_body
+
+log = logging.getLogger("ocache.tokens")
+
+#: The stand-in first message of a delta render (see ``TokenViewer.render``).
+_STUB = {"role": "user", "content": "x"}
+#: Fields dropped from a delta render's body: the tools block renders at the start of the prompt
+#: (it is part of the cached prefix) and tool_choice without tools is refused by the server.
+_DELTA_DROP = ("tools", "tool_choice", "parallel_tool_calls")
 
 #: Body fields that oaicompat_chat_params_parse reads to render the prompt (server-common.cpp:1224-1450).
 #: Only these are sent to /apply-template and hashed for the render cache.
@@ -147,18 +157,30 @@ class _Rec:
     prefixes: list[bytes]
 
 
+def rec_bytes(n_tokens: int, n_prefixes: int) -> int:
+    """Bytes held by a cached token list of ``n_tokens`` ids with ``n_prefixes`` boundary
+    prefixes: the list itself (``sys.getsizeof``: 56 + 8 per slot; its int objects are shared with
+    the record it was extended from, so only the new tail's ids are new objects, not counted) plus
+    ~160 bytes per prefix (the 16-byte digest as a bytes object, 49 bytes, and its dict entry)."""
+    return 56 + 8 * n_tokens + 160 * n_prefixes
+
+
 class TokenCache:
     """Bounded LRU: text hash -> tokens, plus boundary-prefix hash -> (record, token count).
 
-    ``max_tokens`` bounds the token ids held (sum over records), ``max_entries`` the records.
+    ``max_bytes`` bounds the memory held (``rec_bytes`` summed over records: what keeps ocache's
+    RSS flat over a long conversation, whose every turn adds a full-length token list);
+    ``max_tokens`` the token ids held, ``max_entries`` the records.
     """
 
-    def __init__(self, max_entries: int = 256, max_tokens: int = 4_000_000):
+    def __init__(self, max_entries: int = 256, max_tokens: int = 4_000_000, max_bytes: int = 24 << 20):
         self.max_entries = max_entries
         self.max_tokens = max_tokens
+        self.max_bytes = max_bytes
         self.records: OrderedDict[bytes, _Rec] = OrderedDict()
         self.prefix_index: dict[bytes, tuple[bytes, int]] = {}
         self.n_tokens = 0
+        self.n_bytes = 0
 
     def get(self, key: bytes) -> list[int] | None:
         rec = self.records.get(key)
@@ -183,11 +205,14 @@ class TokenCache:
             return
         self.records[key] = _Rec(tokens, [p for p, _ in prefixes])
         self.n_tokens += len(tokens)
+        self.n_bytes += rec_bytes(len(tokens), len(prefixes))
         for pkey, n in prefixes:
             self.prefix_index[pkey] = (key, n)
-        while self.records and (len(self.records) > self.max_entries or self.n_tokens > self.max_tokens):
+        while self.records and (len(self.records) > self.max_entries or self.n_tokens > self.max_tokens
+                                or self.n_bytes > self.max_bytes):
             old_key, old = self.records.popitem(last=False)
             self.n_tokens -= len(old.tokens)
+            self.n_bytes -= rec_bytes(len(old.tokens), len(old.prefixes))
             for pkey in old.prefixes:
                 if self.prefix_index.get(pkey, (None,))[0] == old_key:
                     del self.prefix_index[pkey]
@@ -196,6 +221,41 @@ class TokenCache:
         self.records.clear()
         self.prefix_index.clear()
         self.n_tokens = 0
+        self.n_bytes = 0
+
+
+class TextCache:
+    """Bounded LRU: render key -> rendered text, bounded by ``max_bytes`` (``sys.getsizeof`` of
+    each string) and ``max_entries``."""
+
+    def __init__(self, max_entries: int = 256, max_bytes: int = 16 << 20):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.items: OrderedDict[bytes, str] = OrderedDict()
+        self.n_bytes = 0
+
+    def get(self, key: bytes) -> str | None:
+        text = self.items.get(key)
+        if text is not None:
+            self.items.move_to_end(key)
+        return text
+
+    def put(self, key: bytes, text: str) -> None:
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.n_bytes -= sys.getsizeof(old)
+        self.items[key] = text
+        self.n_bytes += sys.getsizeof(text)
+        while self.items and (len(self.items) > self.max_entries or self.n_bytes > self.max_bytes):
+            _, gone = self.items.popitem(last=False)
+            self.n_bytes -= sys.getsizeof(gone)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.n_bytes = 0
 
 
 class TokenViewer:
@@ -211,7 +271,9 @@ class TokenViewer:
 
     def __init__(self, upstream: Any, *, api_key: str | None = None, boundary: str = "<|im_start|>",
                  user_delimiter: str = "<|im_start|>user", max_renders: int = 256, max_texts: int = 256,
-                 max_tokens: int = 4_000_000, timeout_s: float = 120.0):
+                 max_tokens: int = 4_000_000, timeout_s: float = 120.0,
+                 max_render_bytes: int = 16 << 20, max_token_bytes: int = 24 << 20,
+                 delta: bool = True, verify_first: int = 8, verify_every: int = 16):
         if isinstance(upstream, str):
             self._upstream = None
             self.base_url = upstream.rstrip("/")
@@ -224,16 +286,26 @@ class TokenViewer:
         self.boundary = boundary
         self.user_delimiter = user_delimiter
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.renders: OrderedDict[bytes, str] = OrderedDict()
+        self.renders = TextCache(max_renders, max_render_bytes)
         self.max_renders = max_renders
-        self.texts = TokenCache(max_texts, max_tokens)
+        self.texts = TokenCache(max_texts, max_tokens, max_token_bytes)
+        # delta render state: digest of (render fields, messages[:k]) -> (render key of a text that
+        # starts with that prefix's render, its length in characters); bounded with the renders
+        self.msg_prefixes: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
+        self.stubs: dict[bytes, tuple[str, str]] = {}  # delta-body key -> (stub text Q, gen prompt G)
+        self.delta = delta
+        self.delta_ok = True
+        self.verify_first, self.verify_every = verify_first, verify_every
+        self._n_delta = 0
+        self._verifying: set[asyncio.Task] = set()
         # head.key -> (head prefix text, its tokens); a few harnesses at a time, so a small LRU
         self.heads: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
         self.max_heads = 32
         self._probe: dict | None = None
         self._epoch = getattr(upstream, "epoch", None)
         self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
-                         "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0}
+                         "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0,
+                         "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0}
 
     # --- HTTP -----------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
@@ -244,6 +316,9 @@ class TokenViewer:
         return self._own_session
 
     async def close(self) -> None:
+        for task in list(self._verifying):
+            task.cancel()
+        await self.wait_verified()
         if self._own_session is not None:
             await self._own_session.close()
             self._own_session = None
@@ -291,6 +366,10 @@ class TokenViewer:
         self.renders.clear()
         self.texts.clear()
         self.heads.clear()
+        self.msg_prefixes.clear()
+        self.stubs.clear()
+        self.delta_ok = True
+        self._n_delta = 0
         self._probe = None
 
     async def probe(self) -> dict:
@@ -316,24 +395,156 @@ class TokenViewer:
 
     # --- render + tokenize ----------------------------------------------------------------------
     async def render(self, body: Mapping) -> str:
-        """The prompt text the chat route renders for ``body`` (``/apply-template``), cached."""
+        """The prompt text the chat route renders for ``body`` (``/apply-template``), cached.
+
+        A body that extends a conversation rendered before (the same render fields and the same
+        first ``k`` messages) is rendered as a *delta*: the known prefix text (the earlier render
+        without its generation prompt) + the server's render of only the new messages, behind a
+        one-message stand-in (``_STUB``) whose own render is cut off again. This holds when the
+        template is append-only: the render of ``messages[:k]`` (without generation prompt) is a
+        prefix of the render of any longer ``messages`` (``ocache/data/chat_template.jinja``, rule
+        list at its top; Qwen3's own templates are not, they drop past reasoning). The claim is
+        checked on real bodies: the first ``verify_first`` delta renders and every
+        ``verify_every``-th after them are compared with a full render in the background (off the
+        request's path); one difference switches delta renders off until the next epoch and is
+        counted (``delta_mismatch``). A wrong text can only cost a misprediction (the server renders
+        the forwarded request itself). Cost: proportional to the new messages, plus hashing and
+        one ``json.dumps`` of each message (C speed)."""
         self._check_epoch()
         payload = {k: body[k] for k in RENDER_FIELDS if k in body}
-        key = _xxh128(_dumps(payload).encode("utf-8"))
+        msgs = payload.get("messages")
+        digests: list[bytes] = []
+        if isinstance(msgs, list) and msgs:
+            meta = {k: v for k, v in payload.items() if k != "messages"}
+            h = xxhash.xxh3_128(_dumps(meta).encode("utf-8"))
+            for m in msgs:
+                h.update(b"\x1e" + _dumps(m).encode("utf-8"))
+                digests.append(h.digest())
+            key = digests[-1]
+        else:
+            key = _xxh128(_dumps(payload).encode("utf-8"))
         text = self.renders.get(key)
         if text is not None:
-            self.renders.move_to_end(key)
             self.counters["render_hits"] += 1
             return text
-        self.counters["renders"] += 1
+        text = None
+        if digests and self.delta and self.delta_ok and not payload.get("continue_final_message"):
+            text = await self._render_delta(payload, msgs, digests, key)
+        if text is None:
+            self.counters["renders"] += 1
+            text = await self._render_full(payload)
+        self.renders.put(key, text)
+        if digests:
+            await self._remember_prefix(payload, digests[-1], key, text)
+        return text
+
+    async def _render_full(self, payload: Mapping) -> str:
         data = await self._post("/apply-template", payload)
         text = data.get("prompt")
         if not isinstance(text, str):
             raise TokenViewError("/apply-template returned no prompt string")
-        self.renders[key] = text
-        while len(self.renders) > self.max_renders:
-            self.renders.popitem(last=False)
         return text
+
+    async def _stub(self, meta: dict) -> tuple[bytes, str, str]:
+        """(key, Q, G) for the delta body's fields ``meta``: Q = the render of the stand-in alone
+        without generation prompt, G = what the generation prompt adds to it."""
+        skey = _xxh128(_dumps(meta).encode("utf-8"))
+        hit = self.stubs.get(skey)
+        if hit is None:
+            q = await self._render_full({**meta, "messages": [_STUB], "add_generation_prompt": False})
+            g = await self._render_full({**meta, "messages": [_STUB], "add_generation_prompt": True})
+            if not g.startswith(q):
+                raise TokenViewError("generation prompt is not appended to the render")
+            hit = (q, g[len(q):])
+            self.stubs[skey] = hit
+            while len(self.stubs) > 64:
+                self.stubs.pop(next(iter(self.stubs)))
+        return skey, hit[0], hit[1]
+
+    def _delta_meta(self, payload: Mapping) -> dict:
+        return {k: v for k, v in payload.items() if k != "messages" and k not in _DELTA_DROP}
+
+    async def _remember_prefix(self, payload: Mapping, digest: bytes, key: bytes, text: str) -> None:
+        """Record that ``text[:n]`` is the render of this body's messages without the generation
+        prompt, so the next turn of the conversation can be rendered as a delta."""
+        if not self.delta or not self.delta_ok:
+            return
+        n = len(text)
+        if payload.get("add_generation_prompt", True):  # the server's default (server-common.cpp)
+            try:
+                _, _, gen = await self._stub(self._delta_meta(payload))
+            except TokenViewError:
+                return
+            if not text.endswith(gen):
+                return
+            n -= len(gen)
+        self.msg_prefixes[digest] = (key, n)
+        self.msg_prefixes.move_to_end(digest)
+        while len(self.msg_prefixes) > max(self.max_renders, len(self.renders)):
+            self.msg_prefixes.popitem(last=False)
+
+    async def _render_delta(self, payload: dict, msgs: list, digests: list[bytes],
+                            key: bytes) -> str | None:
+        """The render of ``payload`` from the longest remembered message prefix, or None."""
+        for k in range(len(msgs) - 1, 0, -1):
+            hit = self.msg_prefixes.get(digests[k - 1])
+            if hit is None:
+                continue
+            base = self.renders.get(hit[0])
+            if base is None:
+                return None
+            new = msgs[k:]
+            role = new[0].get("role") if isinstance(new[0], Mapping) else None
+            prev = msgs[k - 1].get("role") if isinstance(msgs[k - 1], Mapping) else None
+            # the template joins a run of tool results into one turn, and opening system messages
+            # into one system turn: a delta must not start inside either
+            if role == "system" or (role == "tool" and prev == "tool"):
+                return None
+            meta = self._delta_meta(payload)
+            _, q, _ = await self._stub(meta)
+            out = await self._render_full({**meta, "messages": [_STUB, *new]})
+            if not out.startswith(q):
+                return None
+            text = base[: hit[1]] + out[len(q):]
+            self.counters["delta_renders"] += 1
+            self._n_delta += 1
+            n = self._n_delta
+            if n <= self.verify_first or (self.verify_every and (n - self.verify_first) % self.verify_every == 0):
+                task = asyncio.get_running_loop().create_task(self._verify(dict(payload), key, text))
+                self._verifying.add(task)
+                task.add_done_callback(self._verifying.discard)
+            return text
+        return None
+
+    async def _verify(self, payload: dict, key: bytes, text: str) -> None:
+        """Compare a delta render with the full render (background); on a difference the full
+        render replaces it in the cache."""
+        epoch = self._epoch
+        try:
+            full = await self._render_full(payload)
+        except TokenViewError as exc:
+            log.debug("delta render check skipped: %s", exc)
+            return
+        if epoch != self._epoch:
+            return
+        if full == text:
+            self.counters["delta_verified"] += 1
+            return
+        self.counters["delta_mismatch"] += 1
+        self.delta_ok = False
+        self.msg_prefixes.clear()
+        self.renders.put(key, full)
+        n = 0
+        while n < min(len(full), len(text)) and full[n] == text[n]:
+            n += 1
+        log.warning("the chat template is not append-only for this conversation (delta render "
+                    "differs from the full render at character %d of %d): delta renders off until "
+                    "the server restarts", n, len(full))
+
+    async def wait_verified(self) -> None:
+        """Wait until every background delta check has finished (tests, shutdown)."""
+        while self._verifying:
+            await asyncio.gather(*list(self._verifying), return_exceptions=True)
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` exactly as the server prefills a prompt string (add_special=True,

@@ -10,6 +10,7 @@ in different folders with each other.
 from __future__ import annotations
 
 import copy
+import tracemalloc
 import types
 
 import aiohttp
@@ -17,7 +18,8 @@ import pytest
 
 from conftest import load_fixture
 from ocache import fingerprint as fp
-from ocache.tokens import TokenCache, TokenViewer, TokenViewError, find_seq, hard_boundary
+from ocache.tokens import (TextCache, TokenCache, TokenViewer, TokenViewError, find_seq, hard_boundary,
+                           rec_bytes)
 
 CHAT = "/v1/chat/completions"
 
@@ -51,7 +53,114 @@ def test_token_cache_lru_and_prefix_index():
     assert c.n_tokens <= 100 and c.get(b"big") is not None
 
 
+def test_view_caches_are_bounded_by_bytes_over_a_long_conversation():
+    """A 128k-token conversation adds a full-length token list and text every turn; the caches
+    must hold at most their byte budgets however many turns pass (issue 17: RSS flat), measured
+    with tracemalloc, not only by their own accounting."""
+    budget_tokens, budget_text = 8 << 20, 4 << 20
+    tc, rc = TokenCache(max_bytes=budget_tokens), TextCache(max_bytes=budget_text)
+    base = list(range(1000, 1000 + 120_000))
+    text = "x" * 400_000
+    tracemalloc.start()
+    try:
+        peaks = []
+        for turn in range(40):
+            # a new full-length list every turn (head + tail), whose 300 new ids are new objects
+            tokens = base + [200_000 + turn * 300 + j for j in range(300)]
+            tc.put(turn.to_bytes(4, "big"), tokens, [(b"p%d" % turn, 10)])
+            rc.put(turn.to_bytes(4, "big"), text + str(turn))
+            assert tc.n_bytes <= budget_tokens and rc.n_bytes <= budget_text
+            peaks.append(tracemalloc.get_traced_memory()[0])
+        # what stays allocated after turn 10 no longer grows with the turns
+        assert max(peaks[10:]) <= budget_tokens + budget_text + (2 << 20)
+        assert max(peaks[20:]) - min(peaks[20:]) <= 256 << 10
+    finally:
+        tracemalloc.stop()
+    assert len(tc.records) < 40 and len(rc) < 40
+    assert tc.get((39).to_bytes(4, "big")) is not None and tc.get((0).to_bytes(4, "big")) is None
+    assert rec_bytes(100, 2) == 56 + 800 + 320
+
+
 # --- against the real server --------------------------------------------------------------------
+
+def _grown_conversation() -> list[dict]:
+    """An opencode conversation growing turn by turn, with the shapes the template treats
+    specially: reasoning, string and object arguments, two tool results in one turn, a user turn
+    in the middle, a later system message."""
+    body = load_fixture("opencode_agent_turn1.json")
+    out = [copy.deepcopy(body)]
+
+    def add(*msgs):
+        body["messages"] += list(msgs)
+        out.append(copy.deepcopy(body))
+
+    def call(i, args, content="", reasoning=None):
+        m = {"role": "assistant", "content": content,
+             "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": "read", "arguments": args}}]}
+        if reasoning:
+            m["reasoning_content"] = reasoning
+        return m
+
+    add(call(1, '{"filePath":"/a.py"}', reasoning="look at a"), {"role": "tool", "tool_call_id": "c1",
+                                                                 "content": "def a():\n    return 1\n"})
+    add(call(2, {"filePath": "/b.py"}, content="Reading b."),
+        {"role": "tool", "tool_call_id": "c2", "content": "ünïcödé ✓ <tool_call> in a file\n"})
+    m = call(3, '{"filePath":"/c.py"}')
+    m["tool_calls"].append({"id": "c4", "type": "function", "function": {"name": "read", "arguments": '{"filePath":"/d.py"}'}})
+    add(m, {"role": "tool", "tool_call_id": "c3", "content": "c"}, {"role": "tool", "tool_call_id": "c4", "content": "d"})
+    add({"role": "assistant", "content": "Done."}, {"role": "user", "content": "now test it"})
+    add({"role": "system", "content": "a later system message"}, {"role": "user", "content": "go"})
+    add(call(5, '{"filePath":"/e.py"}'), {"role": "tool", "tool_call_id": "c5", "content": "e" * 3000})
+    return out
+
+
+@pytest.mark.server
+async def test_delta_render_equals_the_full_render(start_server):
+    """Each turn of a growing conversation is rendered from the previous turn's text plus the new
+    messages alone, and equals the server's full render of the whole body."""
+    srv = start_server("dense")
+    viewer = TokenViewer(srv.url, verify_first=100)
+    try:
+        bodies = _grown_conversation()
+        for i, body in enumerate(bodies):
+            payload = {k: body[k] for k in ("messages", "tools", "tool_choice") if k in body}
+            text = await viewer.render(body)
+            assert text == await viewer._render_full(payload), i
+        await viewer.wait_verified()
+        # every turn after the first is a delta, except the one that starts with a system message
+        assert viewer.counters["delta_renders"] == len(bodies) - 2
+        assert viewer.counters["delta_verified"] == len(bodies) - 2
+        assert viewer.counters["delta_mismatch"] == 0 and viewer.delta_ok
+    finally:
+        await viewer.close()
+
+
+@pytest.mark.server
+async def test_a_wrong_delta_render_is_found_and_switches_deltas_off(start_server):
+    """The append-only claim is checked in the background: a delta that differs from the full
+    render (here: a remembered prefix made one character short) is counted, replaced by the full
+    render in the cache, and later turns are rendered in full."""
+    srv = start_server("dense")
+    viewer = TokenViewer(srv.url)
+    try:
+        b0, b1, b2 = _grown_conversation()[:3]
+        await viewer.render(b0)
+        (digest, (key, n)), = viewer.msg_prefixes.items()
+        viewer.msg_prefixes[digest] = (key, n - 1)
+        wrong = await viewer.render(b1)
+        await viewer.wait_verified()
+        full = await viewer._render_full({k: b1[k] for k in ("messages", "tools", "tool_choice")})
+        assert wrong != full
+        assert viewer.counters["delta_mismatch"] == 1 and not viewer.delta_ok
+        assert await viewer.render(b1) == full  # the cache now holds the full render
+        renders = viewer.counters["renders"]
+        assert await viewer.render(b2) == await viewer._render_full(
+            {k: b2[k] for k in ("messages", "tools", "tool_choice")})
+        assert viewer.counters["renders"] == renders + 1 and viewer.counters["delta_renders"] == 1
+    finally:
+        await viewer.close()
+
+
 
 async def _chat(url: str, body: dict) -> dict:
     """The same request, non-streamed with one generated token; returns the response JSON."""
