@@ -553,15 +553,26 @@ class OCacheLayer:
         chat = path in CHAT_ROUTES
         kind = fp_mod.classify(body, self.markers) if chat else "other"
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
+        # GET /slots runs while the view is built (neither needs the other): one round trip less
+        # on the request's path
+        refreshed = asyncio.ensure_future(self._refresh(req)) if self.opt_reconcile else None
         try:
             view = await self._viewer.view(path, body, head)
         except TokenViewError as exc:
+            if refreshed is not None:
+                await refreshed
             if 400 <= exc.status < 500:
                 # the server rejects this body (it will answer the forwarded request the same way):
                 # a client error, not a cache-layer failure; forward untouched, no plan
                 self.counters["unrenderable"] += 1
                 return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": kind})
             raise
+        except BaseException:
+            if refreshed is not None:
+                refreshed.cancel()
+            raise
+        if refreshed is not None:
+            await refreshed
         tokens = view.tokens
         params = table.params
         if len(tokens) >= params.n_ctx_slot or not tokens:
@@ -572,11 +583,6 @@ class OCacheLayer:
         user_starts = tuple(view.user_starts) if (chat or body.get("message_delimiters")) else ()
         if "id_slot" in (req.body or {}):
             self.counters["client_pins_overridden"] += 1
-        if self.opt_reconcile:
-            try:
-                await table.refresh()
-            except SlotError as exc:
-                log.debug("[%s] GET /slots failed: %s", req.request_id, exc)
         if kind == "agent" and self.journal is not None:
             try:
                 await asyncio.to_thread(self.journal.note, body, head_key)
@@ -623,6 +629,14 @@ class OCacheLayer:
         if pctx.restore_s is not None:
             headers["X-OCache-Restore-Ms"] = f"{pctx.restore_s * 1e3:.1f}"
         return _mk_plan(body_updates={"id_slot": dec.slot}, headers=headers, context=pctx, release=release)
+
+    async def _refresh(self, req: Any) -> None:
+        """Reconcile the slot table with ``GET /slots``; a failure only logs (the plan then uses
+        the table as it is)."""
+        try:
+            await self.table.refresh()
+        except SlotError as exc:
+            log.debug("[%s] GET /slots failed: %s", req.request_id, exc)
 
     async def _decide(self, view: Any, ctx: RequestContext, forced_slot: int | None = None,
                       held: int | None = None) -> Decision:

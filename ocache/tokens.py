@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import logging
 import sys
@@ -155,6 +156,7 @@ def hard_boundary(text: str, limit: int) -> int:
 class _Rec:
     tokens: list[int]
     prefixes: list[bytes]
+    bidx: list[int] | None = None  # index of every boundary token in ``tokens``, ascending
 
 
 def rec_bytes(n_tokens: int, n_prefixes: int) -> int:
@@ -190,6 +192,11 @@ class TokenCache:
         return rec.tokens
 
     def prefix(self, pkey: bytes) -> list[int] | None:
+        hit = self.prefix_with_boundaries(pkey)
+        return None if hit is None else hit[0]
+
+    def prefix_with_boundaries(self, pkey: bytes) -> tuple[list[int], list[int] | None] | None:
+        """(tokens of the prefix, indices of the boundary tokens in it or None if not recorded)."""
         hit = self.prefix_index.get(pkey)
         if hit is None:
             return None
@@ -197,22 +204,25 @@ class TokenCache:
         if rec is None:
             return None
         self.records.move_to_end(hit[0])
-        return rec.tokens[: hit[1]]
+        n = hit[1]
+        bidx = None if rec.bidx is None else rec.bidx[: bisect.bisect_left(rec.bidx, n)]
+        return rec.tokens[:n], bidx
 
-    def put(self, key: bytes, tokens: list[int], prefixes: list[tuple[bytes, int]]) -> None:
+    def put(self, key: bytes, tokens: list[int], prefixes: list[tuple[bytes, int]],
+            bidx: list[int] | None = None) -> None:
         if key in self.records:
             self.records.move_to_end(key)
             return
-        self.records[key] = _Rec(tokens, [p for p, _ in prefixes])
+        self.records[key] = _Rec(tokens, [p for p, _ in prefixes], bidx)
         self.n_tokens += len(tokens)
-        self.n_bytes += rec_bytes(len(tokens), len(prefixes))
+        self.n_bytes += rec_bytes(len(tokens), len(prefixes) + len(bidx or ()))
         for pkey, n in prefixes:
             self.prefix_index[pkey] = (key, n)
         while self.records and (len(self.records) > self.max_entries or self.n_tokens > self.max_tokens
                                 or self.n_bytes > self.max_bytes):
             old_key, old = self.records.popitem(last=False)
             self.n_tokens -= len(old.tokens)
-            self.n_bytes -= rec_bytes(len(old.tokens), len(old.prefixes))
+            self.n_bytes -= rec_bytes(len(old.tokens), len(old.prefixes) + len(old.bidx or ()))
             for pkey in old.prefixes:
                 if self.prefix_index.get(pkey, (None,))[0] == old_key:
                     del self.prefix_index[pkey]
@@ -574,23 +584,30 @@ class TokenViewer:
             pkeys.append(h.digest())
             last = p
         tokens = None
+        bid = probe["boundary_id"]
+        all_idx: list[int] | None = None
         for p, pkey in zip(reversed(positions), reversed(pkeys)):
-            head = self.texts.prefix(pkey)
-            if head is not None:
+            hit = self.texts.prefix_with_boundaries(pkey)
+            if hit is not None:
+                head, head_idx = hit
                 self.counters["prefix_hits"] += 1
                 tail = await self._tokenize_remote(raw[p:].decode("utf-8"), False)
                 tokens = head + tail
+                if head_idx is not None:  # only the new tail is scanned for boundary tokens
+                    n = len(head)
+                    all_idx = head_idx + [n + i for i, t in enumerate(tail) if t == bid]
                 break
         if tokens is None:
             tokens = await self._tokenize_remote(text, True)
         # token count at each boundary: the k-th boundary id <-> the k-th boundary text occurrence
-        bid = probe["boundary_id"]
-        idx = [i for i, t in enumerate(tokens) if t == bid]
+        if all_idx is None:
+            all_idx = [i for i, t in enumerate(tokens) if t == bid]
+        idx = all_idx
         starts_at_0 = raw.startswith(bnd)
         if starts_at_0:
             idx = idx[1:]
         prefixes = list(zip(pkeys, idx)) if len(idx) == len(positions) else []
-        self.texts.put(key, tokens, prefixes)
+        self.texts.put(key, tokens, prefixes, all_idx if prefixes else None)
         return list(tokens)
 
     async def _prompt_tokens(self, prompt: Any) -> tuple[list[int], str]:
