@@ -13,9 +13,13 @@ exactly as the server converts them (``ocache.convert``), then rendered like a c
 token count equals the server's own ``/v1/messages/count_tokens`` and ``/v1/responses/input_tokens``
 (tests/test_convert.py).
 
-Costs are kept off the hot path by two bounded LRU caches:
+Costs are kept off the hot path by two LRU caches bounded by bytes (``TextCache``, ``TokenCache``:
+16 + 24 MiB by default, so ocache's memory stays flat however long a conversation grows):
 
-* body -> rendered text, keyed by xxh3_128 of the render-relevant fields (``RENDER_FIELDS``);
+* body -> rendered text, keyed by a chained xxh3_128 of the render-relevant fields
+  (``RENDER_FIELDS``) and each message; a body that extends a rendered conversation is rendered
+  as a *delta* (only its new messages go to ``/apply-template``; ``TokenViewer.render``), checked
+  against full renders in the background;
 * rendered text -> tokens, keyed by xxh3_128 of the text, plus an index of the text's prefixes
   that end right before a special *boundary* token (``<|im_start|>`` for ChatML). llama.cpp splits
   the text on special tokens before BPE (``tokenizer_st_partition`` in src/llama-vocab.cpp), so
@@ -39,6 +43,8 @@ Cost (``python -m ocache.tokens bench --url http://127.0.0.1:PORT [bodies...]``;
 (two renders and two tokenizations: the head is computed once per harness head); a follow-up turn
 through the cache 0.034 (the render dominates; only the new turns are tokenized); an identical
 body 0.001. A prefill of 10k tokens takes tens of seconds on this machine, so the view costs <1%.
+Those figures predate delta renders, which make a follow-up turn's render proportional to its new
+messages; the whole request path at 8k-126k tokens is measured by ``scripts/bench-long``.
 """
 
 from __future__ import annotations
@@ -315,7 +321,7 @@ class TokenViewer:
         self._epoch = getattr(upstream, "epoch", None)
         self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
                          "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0,
-                         "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0}
+                         "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0, "delta_refused": 0}
 
     # --- HTTP -----------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
@@ -439,7 +445,12 @@ class TokenViewer:
             return text
         text = None
         if digests and self.delta and self.delta_ok and not payload.get("continue_final_message"):
-            text = await self._render_delta(payload, msgs, digests, key)
+            try:
+                text = await self._render_delta(payload, msgs, digests, key)
+            except TokenViewError as exc:  # the server refused the short body: render in full
+                log.debug("delta render refused (%s): full render", exc)
+                self.counters["delta_refused"] += 1
+                text = None
         if text is None:
             self.counters["renders"] += 1
             text = await self._render_full(payload)
