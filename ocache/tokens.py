@@ -14,7 +14,9 @@ token count equals the server's own ``/v1/messages/count_tokens`` and ``/v1/resp
 (tests/test_convert.py).
 
 Costs are kept off the hot path by two LRU caches bounded by bytes (``TextCache``, ``TokenCache``:
-16 + 24 MiB by default, so ocache's memory stays flat however long a conversation grows):
+8 + 8 MiB by default, several 128k-token conversations' latest turns; so ocache's memory stays flat
+however long a conversation grows, where entry counts let it grow by every turn's full text and
+token list):
 
 * body -> rendered text, keyed by a chained xxh3_128 of the render-relevant fields
   (``RENDER_FIELDS``) and each message; a body that extends a rendered conversation is rendered
@@ -181,7 +183,7 @@ class TokenCache:
     ``max_tokens`` the token ids held, ``max_entries`` the records.
     """
 
-    def __init__(self, max_entries: int = 256, max_tokens: int = 4_000_000, max_bytes: int = 24 << 20):
+    def __init__(self, max_entries: int = 256, max_tokens: int = 4_000_000, max_bytes: int = 8 << 20):
         self.max_entries = max_entries
         self.max_tokens = max_tokens
         self.max_bytes = max_bytes
@@ -244,7 +246,7 @@ class TextCache:
     """Bounded LRU: render key -> rendered text, bounded by ``max_bytes`` (``sys.getsizeof`` of
     each string) and ``max_entries``."""
 
-    def __init__(self, max_entries: int = 256, max_bytes: int = 16 << 20):
+    def __init__(self, max_entries: int = 256, max_bytes: int = 8 << 20):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.items: OrderedDict[bytes, str] = OrderedDict()
@@ -288,7 +290,7 @@ class TokenViewer:
     def __init__(self, upstream: Any, *, api_key: str | None = None, boundary: str = "<|im_start|>",
                  user_delimiter: str = "<|im_start|>user", max_renders: int = 256, max_texts: int = 256,
                  max_tokens: int = 4_000_000, timeout_s: float = 120.0,
-                 max_render_bytes: int = 16 << 20, max_token_bytes: int = 24 << 20,
+                 max_render_bytes: int = 8 << 20, max_token_bytes: int = 8 << 20,
                  delta: bool = True, verify_first: int = 8, verify_every: int = 16):
         if isinstance(upstream, str):
             self._upstream = None
