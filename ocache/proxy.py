@@ -231,14 +231,25 @@ _json_error = admin.error  # the one error shape (ocache/admin.py)
 
 
 class _SSEObserver:
-    """Reads ``timings``/``usage`` from SSE ``data:`` lines as chunks pass by (never delays them).
+    """Reads ``timings``/``usage`` from SSE ``data:`` lines as chunks pass by (never delays them),
+    and notices the stream's *final event*.
+
+    ``final`` turns True once a line of the final event was fed (the proxy feeds a chunk only after
+    writing it to the client, so the client then has the whole answer): ``data: [DONE]`` (chat and
+    text completions, tools/server/server-context.cpp:4525), a ``data:`` object with ``timings``
+    that ends the answer — ``"stop": true`` (native ``/completion``, server-task.cpp:346), a non-null
+    ``finish_reason`` or a ``usage`` chunk (OpenAI routes; the final chunk carries ``timings``,
+    server-task.cpp:503-518; partial chunks carry ``timings`` only with ``timings_per_token``, and
+    then with ``finish_reason: null``) — or a Responses API ``response.completed`` event
+    (server-task.cpp:689), or an Anthropic ``message_stop``. A client that closes its socket right
+    after that (python-requests ``iter_lines()`` + ``break``) has received a complete response.
 
     ``first_at``: ``time.perf_counter()`` when the first ``data:`` event that is not a prompt
     progress report passed (the first generated token): not the server's keep-alive comment
     ``":\n\n"``, sent while a prefill outlasts ``sse_ping_interval`` (default 30 s;
     tools/server/server-context.cpp:4535-4548, common/common.h:626)."""
 
-    __slots__ = ("_buf", "timings", "usage", "events", "_anthropic", "first_at")
+    __slots__ = ("_buf", "timings", "usage", "events", "_anthropic", "first_at", "final")
 
     def __init__(self) -> None:
         self._anthropic: dict | None = None
@@ -247,6 +258,7 @@ class _SSEObserver:
         self.usage: dict | None = None
         self.events = 0
         self.first_at: float | None = None
+        self.final = False
 
     def feed(self, chunk: bytes) -> None:
         buf = self._buf + chunk if self._buf else chunk
@@ -261,8 +273,13 @@ class _SSEObserver:
                 self.events += 1
                 if self.first_at is None and b'"prompt_progress"' not in line:
                     self.first_at = time.perf_counter()
-                if b'"timings"' in line or b'"usage"' in line:
+                if (b'"timings"' in line or b'"usage"' in line or b"response.completed" in line
+                        or b"message_stop" in line):
                     self._parse(line[5:])
+                elif line[5:].strip() == b"[DONE]":
+                    self.final = True
+            elif line.startswith(b"event:") and line[6:].strip() in (b"response.completed", b"message_stop"):
+                self.final = True
         self._buf = buf[start:] if start < len(buf) else b""
         if len(self._buf) > (16 << 20):  # a pathological unterminated line: stop observing it
             self._buf = b""
@@ -275,6 +292,10 @@ class _SSEObserver:
         if isinstance(obj, dict):
             if isinstance(obj.get("timings"), dict):
                 self.timings = obj["timings"]
+                if obj.get("stop") is True or isinstance(obj.get("usage"), dict) or any(
+                        isinstance(c, dict) and c.get("finish_reason") is not None
+                        for c in (obj.get("choices") or ())):
+                    self.final = True
             if isinstance(obj.get("usage"), dict):
                 self.usage = obj["usage"]
             # Anthropic stream (no timings): message_start's usage has the prompt counts, the final
@@ -284,6 +305,8 @@ class _SSEObserver:
                 self._anthropic = dict(start["usage"])
             elif obj.get("type") == "message_delta" and self.timings is None and self._anthropic:
                 self.timings = timings_from_usage({**self._anthropic, **(self.usage or {})})
+            if obj.get("type") in ("response.completed", "message_stop"):
+                self.final = True
 
 
 def _content_of(path: str, obj: dict) -> str | None:
@@ -709,7 +732,7 @@ class Proxy:
                     up_resp.close()  # drop the connection: llama-server cancels the task
             if obs.status:
                 self.stats.request(path, obs.status)
-            if disconnected:
+            if disconnected and not obs.completed:
                 self.stats.disconnect(path)
             if preq is not None:
                 self._finish(preq, plan, obs, disconnected, observe=plannable)
@@ -877,6 +900,9 @@ class Proxy:
                         observer.feed(chunk)
                 if obs.ttft_s is None and (observer is None or observer.first_at is not None):
                     obs.ttft_s = (time.perf_counter() if observer is None else observer.first_at) - t0
+                if observer is not None and observer.final:
+                    # the final event was written: complete, even if the client closes now
+                    obs.completed = True
         finally:
             if observer is not None:
                 obs.timings, obs.usage = observer.timings, observer.usage
@@ -1030,7 +1056,10 @@ def request_line(rec: dict, method: str, disconnected: bool = False) -> str:
     def n(v: Any) -> str:
         return f"{int(v):,}" if isinstance(v, (int, float)) else "?"
 
-    state = " DISCONNECTED" if disconnected else ("" if rec.get("completed") else " INCOMPLETE")
+    if disconnected:
+        state = " (client closed after the final event)" if rec.get("completed") else " DISCONNECTED"
+    else:
+        state = "" if rec.get("completed") else " INCOMPLETE"
     head = (f"{method} {rec['path']}{' stream' if rec.get('stream') else ''} {rec['status']}{state}"
             f" {rec.get('kind') or 'other'}"
             f" slot {'?' if rec.get('slot') is None else rec['slot']}")
