@@ -110,9 +110,12 @@ async def test_final_event_then_a_held_stream_is_complete():
         await asyncio.wait_for(release.wait(), 30)  # held open (bounded) until the proxy saw the close
         return resp
 
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
     up = web.Application()
     up.router.add_post("/v1/chat/completions", chat)
-    up.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+    up.router.add_get("/health", health)
     up_srv = TestServer(up, host="127.0.0.1")
     await up_srv.start_server()
     cfg = Config(upstream=f"http://127.0.0.1:{up_srv.port}")
