@@ -486,6 +486,7 @@ class OCacheLayer:
             await self.table.refresh()
             self._epoch = epoch
             self._identity = None
+            self._sync_store_identity()       # before any tier reads the store (identities coexist)
             await self._session_tier_ready()  # session tier (tiers/spill.py): register; resume after a drain
             self._disk_tier_ready()           # disk tier (tiers/disk.py): anchors on disk
             self._head_store_ready()          # head files through the same verified store (tiers/store.py)
@@ -514,6 +515,20 @@ class OCacheLayer:
         if isinstance(caps, Mapping) and caps.get("anthropic_id_slot") is True:
             return True
         return self.table is not None and len(self.table) == 1
+
+    def _sync_store_identity(self) -> None:
+        """Tell the tiers' store the server's identity (re)computed from the fresh ``/props``: after a
+        restart with another model or flags only that identity's entries are served, the others
+        stay on disk (``Store.set_identity``); the session tier's resume marker is checked against
+        it too."""
+        stores = {id(s): s for s in (getattr(t, "store", None) for t in self.tiers)
+                  if s is not None and hasattr(s, "set_identity")}
+        if not stores:
+            return
+        key = getattr(self._ident(), "key", None)
+        for store in stores.values():
+            if key:
+                store.set_identity(key)
 
     def _ident(self) -> Any:
         if self._identity is None:

@@ -631,6 +631,72 @@ def state_flags(argv: Sequence[str] | None = None, props: Mapping | None = None,
     return flags
 
 
+#: The flags of ``parse_server_flags`` that shape a saved slot state, i.e. what makes a state written
+#: by one server wrong (or refused) in another (issue 16 item 4: the identity is computed from these
+#: *effective* flags only, so the same server started by hand with ``ocache.yaml`` or by ``serve
+#: --launch`` is one identity):
+#:
+#: * ``cache_type_k``/``cache_type_v``: the KV element types stored in the file;
+#: * ``flash_attn``: sets the V layout (``v_trans = !flash_attn``; a restore with the other layout is
+#:   refused, "incompatible V transposition", src/llama-kv-cache.cpp:2558-2560; v_trans from src/llama-model.cpp:2385);
+#: * ``swa_full``: the SWA cache holds every token or only the window;
+#: * RoPE/YaRN overrides, ``lora``, ``control_vector``, ``override_kv``: they change the K/V values;
+#: * ``model_draft``: the patched sidecar stores the draft context's checkpoint blobs (patches/0001).
+#:
+#: Not state-shaping, hence ignored: ``ctx_size``, ``n_parallel``, ``kv_unified``,
+#: ``kv_unified_per_slot``, ``n_batch``, ``n_ubatch``, ``ctx_checkpoints``, ``checkpoint_min_step``,
+#: ``kv_offload`` and ``/props``' ``n_ctx_slot``/``total_slots``: a slot file holds one sequence's
+#: cells with their positions (``llama_state_seq_get_data``), restorable into any slot with room
+#: whatever the slot count, unified KV, batch sizes, checkpoint spacing or where the cache lives (a
+#: state that does not fit is refused, "not enough cells", src/llama-kv-cache.cpp:2553-2556), and ocache
+#: never offers a state longer than the request it serves, which must fit the slot.
+IDENTITY_FLAGS: tuple[str, ...] = (
+    "cache_type_k", "cache_type_v", "flash_attn", "swa_full", "rope_scaling", "rope_scale",
+    "rope_freq_base", "rope_freq_scale", "yarn_orig_ctx", "yarn_ext_factor", "yarn_attn_factor",
+    "yarn_beta_slow", "yarn_beta_fast", "lora", "control_vector", "override_kv", "model_draft",
+)
+_IDENTITY_DEFAULTS = {name: (list(default) if kind == "list" else default)
+                      for name, _opts, kind, default, _env in _FLAG_SPECS}
+
+
+def _number_or_text(v: Any) -> Any:
+    """``"20000"``, ``"20000.0"`` and ``20000`` are one RoPE value; other text stays as given."""
+    if v is None or isinstance(v, bool):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v).strip()
+    return repr(f)
+
+
+def identity_flags(flags: Mapping[str, Any]) -> dict:
+    """The effective, state-shaping part of ``flags`` (``parse_server_flags``/``state_flags`` output,
+    or any subset of it): only ``IDENTITY_FLAGS``, defaults of the pinned source filled in for the
+    absent ones, aliases normalised (``-fa enabled`` = ``on``; cache types lower case; RoPE/YaRN
+    numbers compared as numbers). ``flash_attn: auto`` counts as ``on``: the pinned source resolves
+    auto to enabled wherever the device supports the flash-attention op (the probe in
+    src/llama-context.cpp:557-559; always on the CPU backend, and forced on by a quantized V cache,
+    src/llama-context.cpp:3840-3843); where a device resolves it to off, the restore of a state written with
+    it on is refused by the server (see ``IDENTITY_FLAGS``) and ocache serves that request cold."""
+    out: dict[str, Any] = {}
+    for name in IDENTITY_FLAGS:
+        v = flags.get(name, _IDENTITY_DEFAULTS.get(name))
+        if name == "flash_attn":
+            v = _flash_attn(str(v)) if v is not None else "auto"
+            v = "on" if v == "auto" else v
+        elif name in ("cache_type_k", "cache_type_v"):
+            v = str(v).strip().lower() if v is not None else None
+        elif name == "swa_full":
+            v = bool(v)
+        elif name in ("lora", "control_vector", "override_kv"):
+            v = [str(x) for x in (v or [])]
+        elif name != "model_draft":
+            v = _number_or_text(v)
+        out[name] = v
+    return out
+
+
 @dataclass(frozen=True)
 class Identity:
     """What a KV state depends on besides its tokens. ``key``: xxh3_64 hex of ``fields`` (sorted JSON).
@@ -642,7 +708,8 @@ class Identity:
       ``system_fingerprint`` in every response; common/build-info.cpp.in);
     * ``chat_template_xxh3_64``: hash of ``/props.chat_template`` (the template the server renders
       with; ``/props.chat_template_tool_use`` folded in when present);
-    * ``flags``: the state-shaping launch flags (``state_flags`` / ``parse_server_flags``).
+    * ``flags``: the effective state-shaping launch flags (``identity_flags`` of the
+      ``state_flags`` / ``parse_server_flags`` output: flags that do not shape a state are ignored).
     """
 
     key: str
@@ -657,8 +724,9 @@ def identity(
     chat_template_tool_use: str | None = None,
 ) -> Identity:
     """Build the Identity. ``gguf`` is a GGUFIdentity (or its dict) - pure - or a path, in which
-    case ``gguf_identity(path)`` reads the header (I/O; raises OSError/GGUFError). Flag values must
-    be JSON-serialisable (others are stringified)."""
+    case ``gguf_identity(path)`` reads the header (I/O; raises OSError/GGUFError). ``flags``: any
+    flags dict; only ``identity_flags(flags)`` enters the identity. Raises ValueError on a
+    malformed ``flash_attn`` value."""
     if isinstance(gguf, (str, os.PathLike)):
         gguf = gguf_identity(gguf)
     if isinstance(gguf, GGUFIdentity):
@@ -672,7 +740,7 @@ def identity(
         "gguf": gguf_fields,
         "build_info": build_info,
         "chat_template_xxh3_64": xxhash.xxh3_64_hexdigest(tmpl.encode("utf-8")),
-        "flags": dict(flags),
+        "flags": identity_flags(flags),
     }
     return Identity(key=_xxh64(_dumps_sorted(fields)), fields=fields)
 

@@ -20,7 +20,7 @@ import pytest
 from ocache import fingerprint as fp
 from ocache.slots import SlotTable, params_from_argv
 from ocache.tiers.disk import DiskConfig, DiskTier, DiskTierError
-from ocache.tiers.store import Store
+from ocache.tiers.store import IntegrityError, Store
 from ocache.tokens import TokenViewer, TokenViewError
 from conftest import load_fixture
 
@@ -225,17 +225,19 @@ async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, mo
                 continue  # a build without the sidecar: nothing to remove
             (Path(h.srv.slot_save_path) / e.files["ckpt"].name).unlink()
         elif fault == "foreign":
-            # the server comes back with another identity (e.g. other flags): its files are swept
+            # a store opened for another identity (another model or state-shaping flags) never
+            # serves these anchors, and keeps them for when their identity returns (issue 16 item 4)
             h.store.close()
             s = Store(h.meta_dir, Path(h.srv.slot_save_path), "another-model-or-build")
             rep = s.open()
-            assert rep.swept_identity == len(entries) or rep.swept_identity >= 1
-            assert not [f for f in os.listdir(h.srv.slot_save_path) if f.startswith("oc-a-")]
+            assert rep.other_identity == len(h.store.entries())
+            assert s.find_prefixes(v2.tokens) == []
+            with pytest.raises(IntegrityError):
+                s.verify(e.key)
+            assert (Path(h.srv.slot_save_path) / e.bin_name).exists()
             s.close()
             h.store.open()
-            assert h.store.entries() == []
-            timings = await h.send(t2, 0)
-            assert timings["cache_n"] == 0
+            assert h.store.get(e.key) is not None and h.store.find_prefixes(v2.tokens)
             continue
         with pytest.raises(DiskTierError):
             await h.tier.bring(offer, 0)
@@ -511,7 +513,8 @@ async def test_through_the_proxy_a_restart_resumes_from_the_disk(harness, model,
 
 def test_lookup_follows_the_servers_current_identity(tmp_path):
     """A tier built with an identity callable re-reads it before each lookup: after the upstream
-    came back with another identity, the old anchors are swept, never offered."""
+    came back with another identity, the old anchors are never offered, and are offered again
+    once that identity is back (they stayed on disk)."""
     from ocache.tiers import store as st
 
     ident = {"key": "model-A"}
@@ -530,4 +533,6 @@ def test_lookup_follows_the_servers_current_identity(tmp_path):
     assert asyncio.run(tier.lookup(View(toks), None)).tokens_usable == 3000
     ident["key"] = "model-B"
     assert asyncio.run(tier.lookup(View(toks), None)) is None
-    assert store.entries() == [] and tier.counters["identity_swept"] == 1
+    assert len(store.entries()) == 1 and tier.counters["identity_switches"] == 1
+    ident["key"] = "model-A"
+    assert asyncio.run(tier.lookup(View(toks), None)).tokens_usable == 3000

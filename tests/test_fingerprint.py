@@ -285,9 +285,8 @@ def test_changed_template_build_gguf_or_flag_changes_the_fingerprint():
 
 
 @pytest.mark.parametrize("extra", [
-    ["-c", "16384"], ["-np", "4"], ["-ctk", "q8_0"], ["-ctv", "q4_0"], ["-fa", "on"], ["-ub", "128"],
-    ["-b", "1024"], ["--swa-full"], ["--ctx-checkpoints", "8"], ["-cms", "4096"], ["-kvu"],
-    ["--rope-freq-base", "20000"], ["--lora", "a.gguf"],
+    ["-ctk", "q8_0"], ["-ctv", "q4_0"], ["-fa", "on"], ["-fa", "auto"], ["--swa-full"],
+    ["--rope-freq-base", "20000"], ["--lora", "a.gguf"], ["--override-kv", "a=int:1"],
 ])
 def test_each_state_shaping_flag_changes_the_identity(extra):
     head = fp.harness_head(load_fixture("opencode_agent_turn1.json"))
@@ -296,6 +295,34 @@ def test_each_state_shaping_flag_changes_the_identity(extra):
     b = fp.parse_server_flags(argv + extra)
     assert a != b
     assert fp.fingerprint(head, _ident(flags=a)) != fp.fingerprint(head, _ident(flags=b))
+
+
+@pytest.mark.parametrize("extra", [
+    ["-c", "16384"], ["-np", "4"], ["-ub", "128"], ["-b", "1024"], ["--ctx-checkpoints", "8"],
+    ["-cms", "4096"], ["-kvu"], ["-nkvo"], ["-fa", "enabled"], ["--flash-attn=on"],
+    ["-ctk", "F16"], ["--rope-freq-base", "10000.0"],
+])
+def test_flags_that_do_not_shape_a_saved_state_keep_the_identity(extra):
+    """Issue 16 item 4: slot count, context size, batch sizes, checkpoint spacing, unified KV and
+    offload do not change what a slot file holds; aliases and spellings of the same value are one."""
+    argv = ["llama-server", "-np", "2", "-c", "8192", "-fa", "on", "-ub", "512", "--rope-freq-base", "10000"]
+    a = fp.parse_server_flags(argv)
+    b = fp.parse_server_flags(argv + extra)
+    assert _ident(flags=a).key == _ident(flags=b).key
+
+
+def test_defaults_are_filled_in_and_props_sizes_ignored():
+    """The README's ocache.yaml (no -fa, no -c) and the README's --launch line describe one
+    identity; so do /props' resolved sizes."""
+    yaml_args = ["-np", "2", "-ub", "512", "--ctx-checkpoints", "32", "--checkpoint-min-step", "1024",
+                 "--slot-save-path", "/x", "--cache-ram", "0"]
+    launch = ["-m", "model.gguf", "-np", "2", "-fa", "on", "--slot-save-path", "/x",
+              "--ctx-checkpoints", "32", "--checkpoint-min-step", "1024", "--cache-ram", "0", "--metrics",
+              "--host", "127.0.0.1", "--port", "9999"]
+    p1 = {"default_generation_settings": {"n_ctx": 4096}, "total_slots": 2}
+    p2 = {"default_generation_settings": {"n_ctx": 8192}, "total_slots": 2}
+    assert _ident(flags=fp.state_flags(yaml_args, p1)).key == _ident(flags=fp.state_flags(launch, p2)).key
+    assert _ident(flags={}).key == _ident(flags=fp.state_flags(launch, p1)).key
 
 
 def test_flags_that_do_not_shape_state_do_not_change_it():

@@ -125,23 +125,33 @@ def test_verify_detects_damage_and_deletes(tmp_path, fault):
     s.verify(other.key)  # the other entry is untouched
 
 
-def test_foreign_identity_swept_at_open(tmp_path):
+def test_other_identities_are_kept_at_open_and_served_when_theirs_returns(tmp_path):
+    """Issue 16 item 4: opening the store for model B keeps model A's entries (not served to B);
+    a later open for A serves them again."""
     a = make_store(tmp_path, identity="model-A")
     ea = put(a, list(range(10, 60)))
     a.close()
     b = make_store(tmp_path, identity="model-B")
-    assert b.report.swept_identity == 1
-    assert b.entries() == [] and oc_files(b) == []
-    assert not b.record_path(ea.key).exists()
+    assert b.report.other_identity == 1
+    assert [e.key for e in b.entries()] == [ea.key] and oc_files(b) == sorted(f.name for f in ea.files.values())
+    assert b.find_prefixes(list(range(10, 70))) == []          # never served to B
+    eb = put(b, list(range(10, 60)))                           # B's own entry for the same tokens
+    assert eb.key != ea.key and len(b.entries()) == 2
+    b.close()
+    a2 = make_store(tmp_path, identity="model-A")
+    assert a2.report.other_identity == 1
+    assert [e.key for e in a2.find_prefixes(list(range(10, 70)))] == [ea.key]
+    a2.verify(ea.key)
 
 
-def test_verify_refuses_an_entry_of_another_identity(tmp_path):
+def test_verify_refuses_an_entry_of_another_identity_and_keeps_it(tmp_path):
     s = make_store(tmp_path, identity="model-A")
     e = put(s, list(range(10, 60)))
     s.identity = "model-B"  # e.g. the server was restarted with other flags while running
     with pytest.raises(IntegrityError) as ei:
         s.verify(e.key)
-    assert ei.value.reason == "identity" and oc_files(s) == []
+    assert ei.value.reason == "identity"
+    assert s.get(e.key) is not None and oc_files(s) == sorted(f.name for f in e.files.values())
 
 
 def test_eviction_order_follows_the_value_rule(tmp_path):
@@ -426,15 +436,52 @@ def test_free_space_floor(tmp_path):
     assert len(s.entries()) == n
 
 
-def test_identity_change_while_running_sweeps_the_old_entries(tmp_path):
+def test_identity_change_while_running_keeps_the_old_entries(tmp_path):
+    """A -> B -> A while running: B is served only its own entries, A's stay and serve again."""
     s = make_store(tmp_path, identity="model-A")
-    put(s, list(range(10, 60)))
+    ea = put(s, list(range(10, 60)))
     put(s, list(range(100, 160)), kind="s", seed=1)
     assert s.set_identity("model-A") == 0 and len(s.entries()) == 2
-    assert s.set_identity("model-B") == 2
-    assert s.entries() == [] and oc_files(s) == []
+    assert s.set_identity("model-B") == 0           # B has no entries yet; A's two are kept
+    assert len(s.entries()) == 2 and len(oc_files(s)) == 4
+    assert s.find_prefixes(list(range(10, 70))) == []
     e = put(s, list(range(10, 60)))
     assert e.identity == "model-B" and s.find_prefixes(list(range(10, 70)))[0].key == e.key
+    assert s.set_identity("model-A") == 2
+    assert [x.key for x in s.find_prefixes(list(range(10, 70)))] == [ea.key]
+    assert s.counters["identity_switches"] == 2
+
+
+def test_other_identities_share_the_budget_ttl_and_value_eviction(tmp_path):
+    """Entries of another identity count against the one budget and are evicted by value like any
+    other; TTL applies to them too. Deletions are logged as one summary line with the reason."""
+    clock = Clock()
+    s = make_store(tmp_path, identity="model-A", clock=clock, budget_bytes=3 * 1300)
+    old = put(s, list(range(10, 60)), state_bytes=1000, ckpt=False, seed=1)
+    clock.t += 3 * st.DAY_S                           # A's entry loses value while unused
+    s.set_identity("model-B")
+    b1 = put(s, list(range(200, 250)), state_bytes=1000, ckpt=False, seed=2)
+    b2 = put(s, list(range(300, 350)), state_bytes=1000, ckpt=False, seed=3)
+    b3 = put(s, list(range(400, 450)), state_bytes=1000, ckpt=False, seed=4)  # over budget
+    assert s.get(old.key) is None and {e.key for e in s.entries()} == {b1.key, b2.key, b3.key}
+    s.set_identity("model-A")
+    a = put(s, list(range(10, 60)), state_bytes=1000, ckpt=False, seed=5)
+    assert len(s.entries()) == 3 and s.get(a.key) is not None   # a B entry made room for it
+    clock.t += 8 * st.DAY_S
+    assert s.gc()["expired"] == 3 and s.entries() == []
+
+
+def test_deletions_are_one_summary_line_with_the_reason(tmp_path, caplog):
+    clock = Clock()
+    s = make_store(tmp_path, clock=clock, ttl_s=st.DAY_S)
+    for i in range(6):
+        put(s, list(range(100 * i, 100 * i + 50)), ckpt=False, seed=i)
+    clock.t += 2 * st.DAY_S
+    caplog.set_level("INFO", logger="ocache.tiers.store")
+    caplog.clear()
+    assert s.gc()["expired"] == 6
+    lines = [r.getMessage() for r in caplog.records if "deleted" in r.getMessage() or "delete " in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("store: deleted 6 entries") and "TTL" in lines[0], lines
 
 
 def test_grid_hashes_are_chained_prefix_identities():

@@ -167,8 +167,9 @@ class DiskTier:
 
     ``slots``: a :class:`SlotOps`. ``identity``: optional callable returning the server's current
     identity (an ``Identity`` or its key); checked before every lookup and write, so an upstream that
-    came back with other weights/build/template/flags never gets another identity's state (its
-    entries are swept, ``Store.set_identity``).
+    came back with other weights/build/template/flags never gets another identity's state (the
+    store serves the current identity's entries only and keeps the others for when theirs returns,
+    ``Store.set_identity``).
     """
 
     name = "disk"
@@ -375,8 +376,8 @@ class DiskTier:
         cur = self.identity_fn()
         key = cur if isinstance(cur, str) else getattr(cur, "key", None)
         if key and key != self.store.identity:
-            n = self.store.set_identity(key)
-            self.counters["identity_swept"] = self.counters.get("identity_swept", 0) + n
+            self.store.set_identity(key)
+            self.counters["identity_switches"] = self.counters.get("identity_switches", 0) + 1
 
     async def lookup(self, view: Any, ctx: Any = None) -> Offer | None:
         """The longest anchor that is a prefix of ``view.tokens`` and pays for its read, or None.
@@ -548,9 +549,9 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
     ``config.launch``; without one the server cannot save slots (docs/llama-server.md §3) and the tier is off.
     ``identity``: an ``ocache.fingerprint.Identity`` (its ``key``), a key string, or a callable
     returning either (e.g. ``OCacheLayer._ident``: re-read before every lookup/write, so a restarted
-    server with another identity sweeps the old entries instead of receiving them). Other settings:
+    server with another identity is served only its own entries; the others stay). Other settings:
     ``disk_budget_gb``, ``disk_ttl_days``, ``disk_min_tokens`` and ``tiers["disk"]`` keys ``grid``,
-    ``free_floor_gb``, ``admit_after``. Opens the store (sweeping other identities' files).
+    ``free_floor_gb``, ``admit_after``. Opens the store (other identities' entries are kept).
     """
     tiers = _get(config, "tiers") or {}
     dcfg = tiers.get("disk", {}) if isinstance(tiers, dict) else {}

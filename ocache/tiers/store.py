@@ -27,12 +27,20 @@ Atomicity and trust (a corrupt or stale index must never decide a deletion)
       never served and is removed as an orphan at the next :meth:`Store.open`.
     * The index is written the same way and carries an xxh3 checksum of its body. A missing,
       corrupt or stale index (its key set differs from the record files) is rebuilt from the
-      records; no deletion is ever decided from the index — start-up deletions (orphans, foreign
-      identity, unreadable records) are decided from the files and records themselves, and eviction
-      runs only on entries whose record was read and parsed in this process.
+      records; no deletion is ever decided from the index — start-up deletions (orphans,
+      unreadable records) are decided from the files and records themselves, and eviction runs
+      only on entries whose record was read and parsed in this process.
     * Before a restore the caller runs :meth:`Store.verify`: every file exists with the recorded size
       and xxh3, the identity matches, and the token ids in the slot file header (byte 24 on,
       docs/llama-server.md §6) equal the record's. A failure deletes the entry (:meth:`Store.delete`) and raises.
+
+Identities coexist
+    Every entry records the identity key (``ocache.fingerprint.identity``: GGUF, build, template,
+    state-shaping flags) of the server that wrote it. Only entries of the store's *current* identity
+    are found and served (``find_prefixes``, ``verify``); entries of other identities stay on disk
+    (another model under llama-swap or Ollama, another flag set) under the same budget, TTL and
+    value eviction, and serve again once that identity is current again (:meth:`Store.set_identity`).
+    Nothing is deleted because its identity is not the current one.
 
 Budget and eviction (the disk eviction rule, docs/architecture.md §3)
     A byte budget over all entries (in-flight reservations included), a TTL for unused entries and a
@@ -41,7 +49,9 @@ Budget and eviction (the disk eviction rule, docs/architecture.md §3)
     writes: a tier reserves :meth:`Store.estimate_bytes` (a line through the sizes of every file
     measured so far: entries, the ``n_written`` of each save, and files the commit refused) and
     the reservation makes room by eviction or raises BudgetError, so nothing is written to be thrown
-    away once a size is known; :meth:`Store.commit` checks the real size again.
+    away once a size is known; :meth:`Store.commit` checks the real size again. Deletions are
+    logged as one summary line per operation with its reason (``store: deleted 6 entries (...):
+    unused for longer than the TTL``), each entry at DEBUG.
 
 Every method is synchronous and thread-safe (a re-entrant lock); hashing large files should be run
 off the event loop by async callers (``asyncio.to_thread``).
@@ -344,7 +354,7 @@ class OpenReport:
 
     index: str = "ok"            # ok | missing | corrupt | stale  (the last three mean: rebuilt)
     entries: int = 0
-    swept_identity: int = 0      # entries of another identity removed
+    other_identity: int = 0      # entries of other identities, kept (served when theirs is current)
     bad_records: int = 0         # unreadable records removed with their files
     orphans: int = 0             # data/temp files without a record removed
     orphan_bytes: int = 0
@@ -362,8 +372,9 @@ class OpenReport:
 class Store:
     """The content-addressed store (see the module docstring).
 
-    ``identity``: the identity key of the running server (weights, build, template, flags); entries of
-    another identity are swept by :meth:`open`. None (offline maintenance) sweeps nothing.
+    ``identity``: the identity key of the running server (weights, build, template, flags): only its
+    entries are served; entries of other identities are kept (see the module docstring). None
+    (offline maintenance) serves nothing.
     ``budget_bytes``: upper bound on the sum of entry bytes plus reservations; ``kind_budgets``: an
     optional tighter bound per kind (``{"a": disk tier bytes, "s": session tier bytes}``: one store,
     two admission policies, each within its own budget). ``ttl_s``: entries unused
@@ -394,7 +405,8 @@ class Store:
         self._want_lock = lock
         self.report = OpenReport()
         self.counters: dict[str, int] = {"evicted": 0, "evicted_bytes": 0, "expired": 0,
-                                         "verify_failed": 0, "committed": 0, "commit_failed": 0}
+                                         "verify_failed": 0, "committed": 0, "commit_failed": 0,
+                                         "identity_switches": 0}
 
     # ------------------------------------------------------------------ paths
     @property
@@ -426,9 +438,9 @@ class Store:
     def open(self, readonly: bool = False) -> OpenReport:
         """Create the directories (0700), take the lock, load or rebuild the index, sweep.
 
-        Start-up deletions are decided from records and files only: entries of another identity,
-        records that cannot be parsed (with their key-named files) and ``oc-`` files that no
-        record claims (a write killed part way). Returns the :class:`OpenReport`.
+        Start-up deletions are decided from records and files only: records that cannot be parsed
+        (with their key-named files) and ``oc-`` files that no record claims (a write killed part
+        way). Entries of other identities are kept. Returns the :class:`OpenReport`.
         Raises LockedError if another process holds the lock. ``readonly``: no lock, no write and
         no deletion (``ocache cache ls`` next to a running ocache): the index is loaded or rebuilt in
         memory only.
@@ -481,9 +493,7 @@ class Store:
             if rep.index != "ok":
                 rep.bad_records = self._rebuild()
             if self.identity is not None:
-                for e in [e for e in self._entries.values() if e.identity != self.identity]:
-                    self._delete_locked(e.key, "foreign identity")
-                    rep.swept_identity += 1
+                rep.other_identity = sum(1 for e in self._entries.values() if e.identity != self.identity)
             rep.orphans, rep.orphan_bytes = self._remove_orphans()
             rep.entries = len(self._entries)
             self._write_index()
@@ -493,19 +503,27 @@ class Store:
 
     def set_identity(self, identity: str) -> int:
         """The server now has another identity (restarted with other weights, build, template or
-        flags): from now on only its entries are served; entries of any other identity are deleted
-        (the same sweep as at start-up). Returns how many were deleted."""
+        flags): from now on only its entries are served. Entries of every other identity are kept
+        (they serve again when theirs returns). Returns how many entries of ``identity`` the store
+        holds (0 when unchanged or none)."""
         with self._lock:
             if identity == self.identity:
                 return 0
-            log.warning("store: identity %s -> %s: sweeping entries of other identities", self.identity, identity)
+            mine = sum(1 for e in self._entries.values() if e.identity == identity)
+            log.info("store: identity %s -> %s (%d entries of it, %d of other identities kept)",
+                     self.identity, identity, mine, len(self._entries) - mine)
             self.identity = identity
             self._sizes.clear()  # another model or KV layout: old sizes say nothing
-            gone = [e.key for e in self._entries.values() if e.identity != identity]
-            for k in gone:
-                self._delete_locked(k, "foreign identity")
-            self._write_index()
-            return len(gone)
+            self.counters["identity_switches"] += 1
+            return mine
+
+    def _summary(self, gone: list, reason: str) -> None:
+        """One log line for a batch of deletions."""
+        gone = [e for e in gone if e is not None]
+        if gone:
+            log.info("store: deleted %d entr%s (%d tokens, %d bytes): %s", len(gone),
+                     "y" if len(gone) == 1 else "ies", sum(e.n_tokens for e in gone),
+                     sum(e.bytes for e in gone), reason)
 
     def close(self) -> None:
         with self._lock:
@@ -616,7 +634,9 @@ class Store:
             try:
                 full = Entry.from_dict(json.loads(self.record_path(key).read_bytes()), with_tokens=True)
             except (OSError, ValueError, KeyError, TypeError) as exc:
+                e = self._entries.get(key)
                 self._delete_locked(key, f"record unreadable: {exc}")
+                self._summary([e], f"record unreadable: {exc}")
                 self.counters["verify_failed"] += 1
                 raise IntegrityError(key, "record", str(exc)) from exc
             self._cache_tokens(key, full.tokens)
@@ -663,14 +683,17 @@ class Store:
         Checks: identity equals the store's; each file exists with the recorded size and xxh3-64;
         the ``.bin`` header's token ids equal the record's (and ``expect_tokens[:n]`` if given).
         Reads every byte of every file (seconds ≈ bytes / disk read rate; the read also warms the page
-        cache for the server's own read). Raises IntegrityError (entry deleted), KeyError (unknown).
+        cache for the server's own read). Raises IntegrityError (entry deleted, except an entry of
+        another identity, which is kept for it), KeyError (unknown).
         """
         e = self.get(key)
         if e is None:
             raise KeyError(key)
+        if self.identity is not None and e.identity != self.identity:
+            # not damaged, just not this server's: kept for its own identity (never deleted here)
+            self.counters["verify_failed"] += 1
+            raise IntegrityError(key, "identity", f"{e.identity} != {self.identity}")
         try:
-            if self.identity is not None and e.identity != self.identity:
-                raise IntegrityError(key, "identity", f"{e.identity} != {self.identity}")
             toks = self.tokens(key)
             if expect_tokens is not None and list(expect_tokens[:e.n_tokens]) != toks:
                 raise IntegrityError(key, "tokens", "stored token ids differ from the request's")
@@ -767,20 +790,26 @@ class Store:
             raise BudgetError(f"{nbytes} bytes cannot fit the {kind!r} budget of {kb}")
         if self.free_floor_bytes and self._free_bytes() + evictable - nbytes < self.free_floor_bytes:
             raise BudgetError(f"{nbytes} bytes would break the free-space floor of {self.free_floor_bytes}")
-        while True:
-            over_kind = kb is not None and self.kind_bytes(kind) + nbytes > kb
-            over_budget = self.used_bytes() + nbytes > self.budget_bytes
-            under_floor = bool(self.free_floor_bytes) and self._free_bytes() - nbytes < self.free_floor_bytes
-            if not (over_kind or over_budget or under_floor):
-                return
-            pool = [v for v in victims if v.kind == kind] if over_kind and not (over_budget or under_floor) else victims
-            if not pool:
-                raise BudgetError(f"cannot make room for {nbytes} bytes")
-            v = pool[0]
-            victims.remove(v)
-            self.counters["evicted"] += 1
-            self.counters["evicted_bytes"] += v.bytes
-            self._delete_locked(v.key, "evicted")
+        gone: list[Entry] = []
+        try:
+            while True:
+                over_kind = kb is not None and self.kind_bytes(kind) + nbytes > kb
+                over_budget = self.used_bytes() + nbytes > self.budget_bytes
+                under_floor = bool(self.free_floor_bytes) and self._free_bytes() - nbytes < self.free_floor_bytes
+                if not (over_kind or over_budget or under_floor):
+                    return
+                pool = [v for v in victims if v.kind == kind] if over_kind and not (over_budget or under_floor) else victims
+                if not pool:
+                    raise BudgetError(f"cannot make room for {nbytes} bytes")
+                v = pool[0]
+                victims.remove(v)
+                self.counters["evicted"] += 1
+                self.counters["evicted_bytes"] += v.bytes
+                self._delete_locked(v.key, "evicted")
+                gone.append(v)
+        finally:
+            self._summary(gone, f"evicted by value to make room for {nbytes} bytes"
+                                + (f" of kind {kind!r}" if kind else ""))
 
     def commit(self, kind: str, tokens: Sequence[int], temp_bin: str, *, fingerprint: str | None = None,
                meta: dict | None = None) -> Entry:
@@ -872,8 +901,10 @@ class Store:
 
     def delete(self, key: str, reason: str = "") -> bool:
         with self._lock:
+            e = self._entries.get(key)
             found = self._delete_locked(key, reason)
             if found:
+                self._summary([e], reason or "deleted")
                 self._write_index()
             return found
 
@@ -882,7 +913,7 @@ class Store:
         self._tok_cache.pop(key, None)
         if e is None:
             return False
-        log.info("store: delete %s (%s, %d tokens, %d bytes): %s", key, e.kind, e.n_tokens, e.bytes, reason)
+        log.debug("store: delete %s (%s, %d tokens, %d bytes): %s", key, e.kind, e.n_tokens, e.bytes, reason)
         # record first: from then on nothing trusts the files, whatever happens next
         with contextlib.suppress(FileNotFoundError):
             self.record_path(key).unlink()
@@ -897,9 +928,10 @@ class Store:
         with self._lock:
             now = self.clock()
             before = self.used_bytes()
-            expired = [e.key for e in self._entries.values() if now - e.last_used > self.ttl_s]
-            for k in expired:
-                self._delete_locked(k, "ttl")
+            expired = [e for e in self._entries.values() if now - e.last_used > self.ttl_s]
+            for e in expired:
+                self._delete_locked(e.key, "ttl")
+            self._summary(expired, f"unused for longer than the TTL ({self.ttl_s / DAY_S:g} days)")
             self.counters["expired"] += len(expired)
             ev0 = self.counters["evicted"]
             with contextlib.suppress(BudgetError):
@@ -915,6 +947,7 @@ class Store:
         with self._lock:
             now = self.clock()
             freed = 0
+            gone: list[Entry] = []
             for e in sorted(self._entries.values(), key=lambda e: e.value(now)):
                 if freed >= bytes_needed:
                     break
@@ -922,17 +955,20 @@ class Store:
                 self.counters["evicted"] += 1
                 self.counters["evicted_bytes"] += e.bytes
                 self._delete_locked(e.key, "evicted")
+                gone.append(e)
+            self._summary(gone, f"evicted by value to free {bytes_needed} bytes")
             self._write_index()
             return freed
 
     def clear(self, kind: str | None = None) -> int:
         """Delete every entry (of ``kind`` if given). Returns how many."""
         with self._lock:
-            keys = [e.key for e in self._entries.values() if kind is None or e.kind == kind]
-            for k in keys:
-                self._delete_locked(k, "clear")
+            gone = [e for e in self._entries.values() if kind is None or e.kind == kind]
+            for e in gone:
+                self._delete_locked(e.key, "clear")
+            self._summary(gone, "cleared" + (f" (kind {kind!r})" if kind else ""))
             self._write_index()
-            return len(keys)
+            return len(gone)
 
     def stats(self) -> dict:
         """Counts and bytes; ``by_kind``: ``{kind: {"entries", "bytes", "hits"}}`` (bytes of the
@@ -1006,10 +1042,11 @@ def shared_store(meta_dir: Path, data_dir: Path, identity: str, *, kind: str, ki
                  ttl_s: float = 7 * DAY_S, free_floor_bytes: int = 0) -> Store:
     """The one Store of this process for ``meta_dir`` (the disk and session tiers share it; the
     store's flock allows one opener per process). Each tier registers its kind's budget; the total
-    budget is the sum of the kinds'. Opened (and swept) on first use; a store whose ``open`` failed
-    is not kept, so every tier asking for it gets the same error (and stays off) instead of an
-    unopened store. Raises StoreError when the same meta_dir is asked for with another data_dir or
-    identity, LockedError/OSError when it cannot be opened."""
+    budget is the sum of the kinds'. Opened on first use; a store whose ``open`` failed is not kept,
+    so every tier asking for it gets the same error (and stays off) instead of an unopened store.
+    Asked for with another identity, the store switches to it (``Store.set_identity``: the other
+    identities' entries stay). Raises StoreError when the same meta_dir is asked for with another
+    data_dir, LockedError/OSError when it cannot be opened."""
     meta_dir = Path(meta_dir).resolve()
     with _SHARED_LOCK:
         s = _SHARED.get(meta_dir)
@@ -1021,8 +1058,9 @@ def shared_store(meta_dir: Path, data_dir: Path, identity: str, *, kind: str, ki
             s.open()  # raises (LockedError, OSError): then nothing is kept, the next caller fails too
             _SHARED[meta_dir] = s
             return s
-        if Path(data_dir).resolve() != s.data_dir.resolve() or identity != s.identity:
-            raise StoreError(f"store {meta_dir} is already open for {s.data_dir} / {s.identity}")
+        if Path(data_dir).resolve() != s.data_dir.resolve():
+            raise StoreError(f"store {meta_dir} is already open for {s.data_dir}")
+        s.set_identity(identity)
         with s._lock:
             s.kind_budgets[kind] = int(kind_budget_bytes)
             s.budget_bytes = sum(s.kind_budgets.values())

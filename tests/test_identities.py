@@ -1,0 +1,120 @@
+"""Issue 16 item 4, "identities coexist": entries of another server identity (another GGUF, other
+state-shaping flags) stay on disk and serve again when that identity returns; the identity is
+computed from the *effective* flags, so a server configured by hand (the README's ``ocache.yaml``)
+and the same server under ``serve --launch`` are one identity.
+
+Real parts: the patched llama-server on the tiny dense and hybrid models (restarted on the same
+port and ``--slot-save-path`` with the other model), the in-process proxy with OCacheLayer and its
+disk tier, real opencode request bodies (helpers of tests/test_spill.py; ``-ub 128``).
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from ocache.config import Config
+
+from test_spill import CHAT, SERVER, UB, body_of, forget_store, send, session_headers, through_ocache
+
+
+def readme_yaml_args(srv) -> list[str]:
+    """``tiers.resident.server_args`` as the README's ocache.yaml writes them (no -fa, no -c, no -b),
+    with this server's values."""
+    return ["-np", str(srv.n_parallel), "-ub", str(srv.ubatch), "--ctx-checkpoints", str(srv.ctx_checkpoints),
+            "--checkpoint-min-step", str(srv.checkpoint_min_step), "--slot-save-path", str(srv.slot_save_path),
+            "--cache-ram", "0"]
+
+
+def manual_config(srv, cache_dir) -> Config:
+    return Config(upstream=srv.url, cache_dir=str(cache_dir),
+                  tiers={"resident": {"server_args": readme_yaml_args(srv)}})
+
+
+def launch_config(srv, cache_dir) -> Config:
+    # what `ocache serve --launch -- ARGS` hands the layer: the arguments after `--` (the
+    # supervisor adds --host/--port/--metrics; here the server is already running with them)
+    return Config(upstream=srv.url, cache_dir=str(cache_dir), launch=srv.command()[1:])
+
+
+async def restart_seen(proxy, srv, model=None) -> None:
+    """Stop the server, let the proxy see it down, start it (with the GGUF ``model``), let the proxy
+    see the new process: deterministic restart detection without the 2 s monitor."""
+    srv.stop()
+    assert await proxy.upstream.probe() == "down"
+    if model is not None:
+        srv.model = model
+    srv.start()
+    assert await proxy.upstream.probe() == "ready"
+
+
+@pytest.mark.server
+async def test_manual_yaml_and_launch_are_one_identity(start_server, tmp_path):
+    """The README's ocache.yaml (manual mode) and ``serve --launch`` with the same server: one
+    identity. Anchors written in manual mode serve the next ocache in launch mode after a server
+    restart (X-OCache-Tier: disk), instead of being deleted as "foreign identity"."""
+    srv = start_server("dense", n_parallel=2, ctx_size=32768, flash_attn="on", **SERVER)
+    t1 = body_of("opencode_agent_turn1.json")
+    t2 = body_of("opencode_agent_turn1_after_tool.json")
+    h = session_headers("opencode_agent_turn1.json")
+    cache = tmp_path / "cache"
+    async with through_ocache(manual_config(srv, cache)) as (base, proxy), aiohttp.ClientSession() as s:
+        await send(s, base, proxy, t1, h)
+        disk = proxy.layer.disk_tier
+        await disk.flush()
+        manual_key = proxy.layer._ident().key
+        anchors = sorted(e.n_tokens for e in disk.store.entries("a"))
+        assert anchors, disk.stats()
+    forget_store(cache)
+    srv.restart()  # empty slots: only the disk can serve the next turn
+    async with through_ocache(launch_config(srv, cache)) as (base, proxy), aiohttp.ClientSession() as s:
+        await proxy.layer._ensure_ready()
+        assert proxy.layer._ident().key == manual_key
+        assert sorted(e.n_tokens for e in proxy.layer.disk_tier.store.entries("a")) == anchors
+        rec = await send(s, base, proxy, t2, h)
+        assert rec["tier"] == "disk", (rec["tier"], proxy.layer.disk_tier.stats())
+        assert rec["timings"]["cache_n"] >= anchors[-1] - UB, (rec["timings"], anchors)
+
+
+@pytest.mark.server
+async def test_model_switch_a_b_a_reuses_a_from_disk(start_server, tmp_path, models_tiny):
+    """A (dense) -> B (hybrid) -> A on one port and one --slot-save-path. While B runs, A's anchors
+    stay on disk (B is not served them, and B's own are written); the next ocache, after the switch
+    back to A, serves A's next turn from A's anchors: cache_n >= head - one ubatch."""
+    srv = start_server("dense", n_parallel=1, ctx_size=16384, **SERVER)
+    a1, a2 = body_of("opencode_agent_turn1.json"), body_of("opencode_agent_turn1_after_tool.json")
+    b1 = body_of("opencode_run3_proj2_agent_turn1.json")
+    ha, hb = session_headers("opencode_agent_turn1.json"), session_headers("opencode_run3_proj2_agent_turn1.json")
+    cache = tmp_path / "cache"
+    cfg = Config(upstream=srv.url, cache_dir=str(cache),
+                 tiers={"resident": {"server_args": srv.command()[1:]}})
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        await send(s, base, proxy, a1, ha)
+        disk = proxy.layer.disk_tier
+        await disk.flush()
+        key_a = proxy.layer._ident().key
+        a_entries = {e.key for e in disk.store.entries("a")}
+        head_a = max(e.n_tokens for e in disk.store.entries("a") if e.meta.get("reason") == "head")
+        assert a_entries
+
+        await restart_seen(proxy, srv, models_tiny["hybrid"])
+        rec = await send(s, base, proxy, b1, hb)
+        await disk.flush()
+        key_b = proxy.layer._ident().key
+        assert key_b != key_a and disk.store.identity == key_b
+        assert rec["tier"] != "disk"                       # A's anchors are never offered to B
+        assert a_entries <= {e.key for e in disk.store.entries("a")}, "A's anchors were deleted"
+        b_entries = {e.key for e in disk.store.entries("a") if e.identity == key_b}
+        assert b_entries
+
+    forget_store(cache)
+    srv.stop()
+    srv.model = models_tiny["dense"]
+    srv.start()
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        rec = await send(s, base, proxy, a2, ha)
+        disk = proxy.layer.disk_tier
+        assert proxy.layer._ident().key == key_a
+        assert rec["tier"] == "disk", (rec["tier"], disk.stats())
+        assert rec["timings"]["cache_n"] >= head_a - UB, (rec["timings"], head_a)
+        assert b_entries <= {e.key for e in disk.store.entries("a")}, "B's anchors were deleted"
