@@ -365,6 +365,34 @@ class PlanContext:
     t_plan: float
     #: seconds the tier's ``bring`` (restore into the slot) took, None when nothing was restored
     restore_s: float | None = None
+    #: tokens / ms ocache itself prefilled on the slot for this request (head warm-up, anchor split)
+    split: int = 0
+    split_ms: float = 0.0
+
+    @property
+    def reused(self) -> int:
+        """Predicted tokens reused from *before* this request (``predicted`` counts the split too)."""
+        return max(0, self.predicted - self.split)
+
+    @property
+    def prefilled(self) -> int:
+        """Predicted tokens the server prefills for this request, ocache's own steps included."""
+        return self.split + max(0, self.n_prompt - self.predicted)
+
+
+def _source_tier(restored_from: str | None, origin: bool) -> str | None:
+    """The tier that put a slot's content there before this request: the slot file it was restored
+    from (``ocache-head-*``: the head tier; ``oc-a-*``: a disk anchor; ``oc-s-*``: a spilled
+    session, ocache/tiers/store.py names), else ``head`` for an origin slot (the harness head kept
+    warm), else None (a request left it: resident)."""
+    name = restored_from or ""
+    if name.startswith(("ocache-head-", "oc-h")):
+        return "head"
+    if name.startswith("oc-s-"):
+        return "session"
+    if name.startswith("oc-"):
+        return "disk"
+    return "head" if origin else None
 
 
 def _labels(body: Any, headers: Any, kind: str) -> tuple[tuple[str, str | None], ...]:
@@ -440,6 +468,7 @@ class OCacheLayer:
             "prompt_tokens": 0, "warmups": 0, "warmup_tokens": 0, "head_saves": 0, "head_restores": 0,
             "origin_rebuilds": 0, "origin_skipped": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
             "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0, "user_splits": 0,
+            "split_tokens": 0,
         }
         self.by_tier: dict[str, int] = {}
         self.recent_mispredictions: deque = deque(maxlen=20)
@@ -638,12 +667,18 @@ class OCacheLayer:
             lease.release()
 
         self.counters["planned"] += 1
+        self.counters["split_tokens"] += pctx.split
         self.by_tier[pctx.decision.tier] = self.by_tier.get(pctx.decision.tier, 0) + 1
+        # issue 16 item 5: headers are sent before the body, so Prefilled/Reused come from the plan
+        # (what ocache prefilled itself, measured, plus the predicted reuse of the forwarded request)
         headers = {"X-OCache-Slot": str(dec.slot), "X-OCache-Predicted-Cache": str(pctx.predicted),
-                   "X-OCache-Tier": pctx.decision.tier, "X-OCache-Kind": kind}
+                   "X-OCache-Tier": pctx.decision.tier, "X-OCache-Kind": kind,
+                   "X-OCache-Split": str(pctx.split), "X-OCache-Prefilled": str(pctx.prefilled),
+                   "X-OCache-Reused": str(pctx.reused)}
         if pctx.restore_s is not None:
             headers["X-OCache-Restore-Ms"] = f"{pctx.restore_s * 1e3:.1f}"
-        return _mk_plan(body_updates={"id_slot": dec.slot}, headers=headers, context=pctx, release=release)
+        return _mk_plan(body_updates={"id_slot": dec.slot}, headers=headers, context=pctx, release=release,
+                        split_tokens=pctx.split, split_ms=pctx.split_ms)
 
     async def _refresh(self, req: Any) -> None:
         """Reconcile the slot table with ``GET /slots``; a failure only logs (the plan then uses
@@ -681,6 +716,9 @@ class OCacheLayer:
         table = self.table
         slot = dec.slot
         tokens = view.tokens
+        own0 = table.own_prefill.get(slot, (0, 0.0))     # issue 16 item 5: ocache's own prefill
+        source = _source_tier(table[slot].restored_from, table[slot].origin)
+        brought: str | None = None
         if dec.evicts:
             self.counters["evictions"] += 1
             if "guest_on_agent_slot" in dec.warnings:
@@ -694,7 +732,6 @@ class OCacheLayer:
                     log.exception("[%s] tier %s before_evict(slot %d) failed", req.request_id,
                                   getattr(tier, "name", tier), slot)
         restore_s = None
-        brought = True
         if "bring" in dec.steps and dec.offer is not None:
             tier = self.head_tier if dec.offer.tier == "head" else next(
                 (t for t in self.tiers if t.name == dec.offer.tier), None)
@@ -702,10 +739,10 @@ class OCacheLayer:
                 t_bring = time.monotonic()
                 await tier.bring(dec.offer, slot)
                 restore_s = time.monotonic() - t_bring
+                brought = dec.offer.tier
                 if dec.offer.tier == "head":
                     self.counters["head_restores"] += 1
             except Exception as exc:
-                brought = False
                 self.counters["bring_failures"] += 1
                 log.warning("[%s] %s bring into slot %d failed (%s); serving cold", req.request_id,
                             dec.offer.tier, slot, exc)
@@ -725,10 +762,19 @@ class OCacheLayer:
                               user_starts=ctx.user_starts, task=ctx.task,
                               ram_swap=st.foreign or ram_swap_possible(st, common_prefix(st.tokens, tokens), len(tokens),
                                                                table.params))
-        tier_name = dec.tier if dec.steps and brought else ("resident" if reuse.cache_n > 0 else "cold")
+        own1 = table.own_prefill.get(slot, (0, 0.0))
+        split, split_ms = own1[0] - own0[0], own1[1] - own0[1]
+        # the true source of the reused prefix: a restore in this request, else
+        # what was in the slot before it (restored earlier, the kept head, or a request), else cold
+        if brought is not None:
+            tier_name = brought
+        elif reuse.cache_n - split > 0:
+            tier_name = source or "resident"
+        else:
+            tier_name = "cold"
         decision = replace(dec, predicted=reuse.cache_n, upper=reuse.upper, tier=tier_name)
         pctx = PlanContext(req.request_id, slot, decision, view, ctx, 0, len(tokens), reuse.cache_n,
-                           reuse.upper, list(st.checkpoints), time.monotonic(), restore_s)
+                           reuse.upper, list(st.checkpoints), time.monotonic(), restore_s, split, split_ms)
         keep_head = st.head_key if (st.head_key == ctx.head_key) else None
         st.clear()
         st.tokens = list(tokens)

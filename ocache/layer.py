@@ -24,8 +24,9 @@ Contract (the proxy's side):
   upstream child (if launched) is stopped.
 
 Plan header conventions the proxy understands (all optional, set by the layer in ``Plan.headers``
-and sent to the client as is): ``X-OCache-Tier`` (which tier provided the prefix: ``resident``,
-``disk``, ``spill`` or ``none``) becomes the ``tier`` label of the proxy's per-tier counters;
+and sent to the client as is): ``X-OCache-Tier`` (where the reused prefix came from: ``resident``,
+``head``, ``disk``, ``session``, ``cold`` or ``none``) becomes the ``tier`` label of the proxy's
+per-tier counters;
 ``X-OCache-Slot`` is informational (the slot used is read from ``body_updates["id_slot"]``).
 """
 
@@ -76,12 +77,17 @@ class Plan:
     an empty dict forwards the client's bytes unchanged. ``headers``: ``X-OCache-*`` response
     headers describing what the layer did. ``context``: opaque, handed back in ``observe``.
     ``release``: awaited once when the response is over (e.g. frees a per-slot lock).
+    ``split_tokens``/``split_ms``: tokens (and their prefill milliseconds) the layer prefilled
+    itself for this request before forwarding it (head warm-up, anchor split); when > 0 the proxy
+    corrects the reuse figures of the response, its log line and its stats (ocache/figures.py).
     """
 
     body_updates: dict = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     context: Any = None
     release: Callable[[], Awaitable[None]] | None = None
+    split_tokens: int = 0
+    split_ms: float = 0.0
 
 
 @dataclass

@@ -17,7 +17,12 @@ Relay rules:
   is, ``auto_decompress`` is off on both sides).
 * SSE (``text/event-stream``) is relayed chunk by chunk as it arrives (no buffering, no
   re-chunking), without Content-Length, with ``X-Accel-Buffering: no``. Events are parsed only to
-  read ``timings``/``usage``, after the chunk was written. The upstream body is never modified.
+  read ``timings``/``usage``, after the chunk was written. The upstream body is never modified,
+  with one exception: when the layer prefilled part of the prompt itself for this request
+  (``Plan.split_tokens`` > 0), the reuse figures of a 200 completion response
+  (``timings.cache_n``/``prompt_n``/``prompt_ms``, ``usage.prompt_tokens_details.cached_tokens``)
+  are corrected to count only what was reused from before the request (ocache/figures.py), in a
+  stream line by line (a line is held back only until its end arrives).
 * A client disconnect cancels the handler (aiohttp ``handler_cancellation``) and closes the
   upstream connection at once; llama-server then cancels the task and the slot goes idle.
 * Upstream answers (400, 500, ...) reach the client unchanged. When the upstream cannot be
@@ -62,11 +67,12 @@ Response headers added by ocache (all ``X-OCache-*``):
 | ``X-OCache-Request-Id`` | every response | id of this request in ocache's log lines |
 | ``X-OCache-Fail-Open`` | completion, layer raised | ``plan``: the cache layer failed; request forwarded untouched |
 | ``X-OCache-Upstream`` | 503 from ocache | the upstream URL that could not be reached |
-| ``X-OCache-Tier`` | set by the layer | which tier provided the prefix (``resident``/``head``/``disk``/``session``/``cold``) |
+| ``X-OCache-Tier`` | set by the layer | where the reused prefix came from (``resident``/``head``/``disk``/``session``/``cold``) |
+| ``X-OCache-Split``, ``-Prefilled``, ``-Reused`` | set by the layer | tokens ocache prefilled itself for this request; tokens the server prefills for it (ocache's steps included); tokens reused from before it (see ``ocache/cache.py``) |
 | other ``X-OCache-*`` | set by the layer | see ``ocache/cache.py`` (e.g. ``X-OCache-Slot``) |
 
-Logging: one line per completion at INFO (request id, route, status, slot, timings, TTFT, total);
-other routes at DEBUG.
+Logging: one line per completion at INFO (request id, route, status, slot, tier, ``split=N`` when
+ocache prefilled N tokens itself, the corrected timings, TTFT, total); other routes at DEBUG.
 
 DNS-rebinding guard: a request whose ``Host`` header names neither localhost/127.0.0.1/::1, nor the
 bound host, nor a name in ``allowed_hosts`` gets 403 (``allowed_hosts: ['*']`` disables the guard).
@@ -97,6 +103,7 @@ from yarl import URL
 
 from . import admin
 from . import config as config_mod
+from . import figures
 from .config import Config
 from .convert import timings_from_usage
 from .layer import COMPLETION_ROUTES, CacheLayer, NullLayer, Observation, ParsedRequest, Plan
@@ -691,10 +698,13 @@ class Proxy:
             if up_resp.status == 503 and self.upstream.state == "loading":
                 headers["Retry-After"] = str(self.config.retry_after_s)
             ctype = up_resp.headers.get("Content-Type", "")
+            split = plan.split_tokens if plan is not None and up_resp.status == 200 else 0
             if ctype.startswith("text/event-stream"):
                 sent = await self._relay_stream(request, up_resp, headers, obs, t0,
                                                 _SSEObserver() if preq is not None else None,
-                                                timed=timeout.sock_read != self.config.stream_idle_timeout_s)
+                                                timed=timeout.sock_read != self.config.stream_idle_timeout_s,
+                                                rewriter=figures.LineRewriter(split, plan.split_ms)
+                                                if split > 0 else None)
             elif (is_completion or method == "HEAD"
                   or (up_resp.content_length is not None
                       and up_resp.content_length <= _READ_WHOLE_MAX)):
@@ -705,11 +715,13 @@ class Proxy:
                     obs.status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
                     self.upstream.poke()
                     return self._upstream_failed(rid, obs.status, "while answering", exc, timeout)
-                sent = web.Response(status=up_resp.status, reason=up_resp.reason, headers=headers,
-                                    body=data)
                 obs.ttft_s = time.perf_counter() - t0
                 if preq is not None and data:
                     self._observe_json(path, data, obs)
+                if split > 0 and data:
+                    data = figures.rewrite(data, split, plan.split_ms)
+                sent = web.Response(status=up_resp.status, reason=up_resp.reason, headers=headers,
+                                    body=data)
                 await sent.prepare(request)
                 await sent.write_eof()
                 obs.completed = True
@@ -855,11 +867,13 @@ class Proxy:
 
     async def _relay_stream(self, request: web.Request, up_resp: aiohttp.ClientResponse,
                             headers: CIMultiDict, obs: Observation, t0: float,
-                            observer: _SSEObserver | None, timed: bool = False) -> web.StreamResponse:
+                            observer: _SSEObserver | None, timed: bool = False,
+                            rewriter: "figures.LineRewriter | None" = None) -> web.StreamResponse:
         """Relay the body chunk by chunk as it arrives. Between chunks the upstream's silence is
         bounded by the request's ``sock_read``; ``timed``: also by a per-chunk timer of
         ``stream_idle_timeout_s`` (an SSE answer to a request whose body did not say
-        ``"stream": true``, so whose ``sock_read`` is the longer read timeout)."""
+        ``"stream": true``, so whose ``sock_read`` is the longer read timeout). ``rewriter``: corrects
+        the reuse figures line by line (ocache/figures.py); the observer still reads the server's."""
         sse = observer is not None or headers.get("Content-Type", "").startswith("text/event-stream")
         resp = web.StreamResponse(status=up_resp.status, reason=up_resp.reason, headers=headers)
         if sse:
@@ -891,21 +905,26 @@ class Proxy:
                     if request.transport is not None:
                         request.transport.close()
                     return resp
+                out = rewriter.feed(chunk) if rewriter is not None else chunk
                 try:
-                    await resp.write(chunk)  # a client that went away raises here (not caught)
+                    if out:
+                        await resp.write(out)  # a client that went away raises here (not caught)
                 finally:
                     # observed even when the client left during this write: it is what the server
-                    # did (Codex CLI closes right after response.completed, the chunk with timings)
+                    # did (Codex CLI closes right after response.completed, the chunk with timings);
+                    # the server's own figures, for the cache layer
                     if observer is not None:
                         observer.feed(chunk)
                 if obs.ttft_s is None and (observer is None or observer.first_at is not None):
                     obs.ttft_s = (time.perf_counter() if observer is None else observer.first_at) - t0
-                if observer is not None and observer.final:
+                if observer is not None and observer.final and (rewriter is None or not rewriter.holding):
                     # the final event was written: complete, even if the client closes now
                     obs.completed = True
         finally:
             if observer is not None:
                 obs.timings, obs.usage = observer.timings, observer.usage
+        if rewriter is not None and rewriter.holding:
+            await resp.write(rewriter.flush())
         await resp.write_eof()
         obs.completed = True
         return resp
@@ -961,11 +980,17 @@ class Proxy:
             slot = preq.body["id_slot"]
         headers = plan.headers if plan is not None else {}
         tier = headers.get("X-OCache-Tier") or "none"
-        t = obs.timings or {}
+        split = plan.split_tokens if plan is not None and obs.status == 200 else 0
+        # the figures the client read: reuse from before this request only (ocache/figures.py)
+        timings = figures.correct_timings(obs.timings, split, plan.split_ms if split else 0.0)
+        t = timings or {}
         restore_ms = headers.get("X-OCache-Restore-Ms")
         record = {
             "request_id": preq.request_id, "path": preq.path, "status": obs.status,
             "stream": preq.stream, "slot": slot, "tier": tier, "kind": headers.get("X-OCache-Kind"),
+            "split": split,
+            "n_prompt": (int((obs.timings or {}).get("cache_n") or 0)
+                         + int((obs.timings or {}).get("prompt_n") or 0)) if obs.timings else None,
             "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n"),
             "prompt_ms": t.get("prompt_ms"), "predicted_n": t.get("predicted_n"),
             "restore_ms": float(restore_ms) if restore_ms else None,
@@ -973,7 +998,7 @@ class Proxy:
             "epoch": self.upstream.epoch, "time": time.time(),
         }
         if obs.completed or disconnected:
-            self.stats.completion(preq.path, tier, obs.timings, obs.ttft_s, record)
+            self.stats.completion(preq.path, tier, timings, obs.ttft_s, record, split=split)
         log.info("[%s] %s", preq.request_id, request_line(record, preq.method, disconnected))
         self._spawn(self._after(preq, plan, obs, observe))
 
@@ -1051,7 +1076,8 @@ def request_line(rec: dict, method: str, disconnected: bool = False) -> str:
     """The per-request log line, from a ``last_completions`` record (``_finish``), e.g.
     ``POST /v1/chat/completions 200 agent slot 0: prefilled 77, reused 7,251 from resident,
     restore 18.2 ms; generated 4; ttft 329 ms, total 329 ms``. ``prefilled`` is the server's
-    ``timings.prompt_n``, ``reused`` its ``cache_n`` (tokens), ``from`` the X-OCache-Tier; without
+    ``timings.prompt_n``, ``reused`` its ``cache_n`` (tokens; both as corrected for ``split``, the
+    tokens ocache prefilled itself for the request, ocache/figures.py), ``from`` the X-OCache-Tier; without
     timings (an error, a non-llama-server answer) only status and times are shown."""
     def n(v: Any) -> str:
         return f"{int(v):,}" if isinstance(v, (int, float)) else "?"
@@ -1066,10 +1092,10 @@ def request_line(rec: dict, method: str, disconnected: bool = False) -> str:
     parts = []
     if rec.get("prompt_n") is not None or rec.get("cache_n") is not None:
         reuse = f"prefilled {n(rec.get('prompt_n'))}, reused {n(rec.get('cache_n'))}"
-        if rec.get("tier") == "head":  # README "X-OCache response headers": paid for right here
-            reuse += " (the harness head, prefilled by ocache in this request)"
-        elif rec.get("tier") not in (None, "none", "cold"):
+        if rec.get("tier") not in (None, "none", "cold"):
             reuse += f" from {rec['tier']}"
+        if rec.get("split"):  # ocache's own split/warm-up steps: counted in prefilled, not reused
+            reuse += f" (split {n(rec['split'])}: prefilled by ocache's own steps)"
         if rec.get("restore_ms") is not None:
             reuse += f", restore {rec['restore_ms']:.1f} ms"
         parts.append(reuse)

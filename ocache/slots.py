@@ -552,6 +552,8 @@ class SlotState:
     foreign: bool = False
     #: ``RequestContext.labels`` of the conversation held (folder, client, model), for spills
     labels: dict = field(default_factory=dict)
+    #: the slot file the content was restored from (``restore``), until anything replaces it
+    restored_from: str | None = None
 
     def clear(self) -> None:
         """The slot is empty (erase, restart, failed restore)."""
@@ -567,6 +569,7 @@ class SlotState:
         self.foreign = False
         self.pending = False
         self.labels = {}
+        self.restored_from = None
         self.seq += 1
 
     def unknown(self, n_total: int | None) -> None:
@@ -630,6 +633,10 @@ class SlotTable:
         # ``server_slot::to_json``), so a slot that loses or lowers it is on a new process
         self._id_task: dict[int, int] = {}
         self._task_seq = 0
+        #: per slot: (tokens, ms) ocache itself prefilled there with :meth:`warm`, cumulative
+        #: (``timings.prompt_n``/``prompt_ms``); the cache layer takes the delta over a request's
+        #: steps to correct the figures that request reports (ocache/figures.py)
+        self.own_prefill: dict[int, tuple[int, float]] = {}
 
     # -- table ----------------------------------------------------------------------------------
 
@@ -855,6 +862,7 @@ class SlotTable:
             st.checkpoints = (ck[-int(n_ck):] if n_ck else []) if n_ck is not None else []
         else:
             st.unknown(n)
+        st.restored_from = filename
         st.last_used = time.monotonic()
         return data
 
@@ -895,6 +903,8 @@ class SlotTable:
         st.user_starts = list(user_starts)
         st.last_used = time.monotonic()
         timings = dict(data.get("timings") or {})
+        n0, ms0 = self.own_prefill.get(slot, (0, 0.0))
+        self.own_prefill[slot] = (n0 + int(timings.get("prompt_n") or 0), ms0 + float(timings.get("prompt_ms") or 0.0))
         timings["predicted_cache_n"] = pred.cache_n
         cached = data.get("tokens_cached")
         if cached is not None and int(cached) != len(tokens):

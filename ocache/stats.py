@@ -8,7 +8,9 @@ Metric families (all prefixed ``ocache_``):
 |---|---|---|---|
 | requests_total | counter | route, status | requests answered (route = a known path or ``other``) |
 | completions_total | counter | route, tier | completions relayed (tier = the plan's X-OCache-Tier or ``none``) |
-| prompt_tokens_total | counter | route, tier, kind | kind=``cached`` (timings.cache_n) or ``processed`` (prompt_n) |
+| prompt_tokens_total | counter | route, tier, kind | kind=``cached``: reused from before the request (the corrected ``timings.cache_n``); ``processed``: prefilled by the server for the request, ocache's own split/warm-up steps included (the corrected ``prompt_n``); ``split``: of those, by ocache's own steps |
+| saved_tokens_total | counter | route | prompt tokens minus tokens prefilled, per request (what a cold prefill would have cost more; a request that cost more than cold adds 0 and counts in ``extra_prefill_tokens_total``) |
+| extra_prefill_tokens_total | counter | route | tokens prefilled beyond the prompt (ocache's steps re-done by the server) |
 | predicted_tokens_total | counter | route | timings.predicted_n |
 | ttft_seconds | histogram | route | wall time from request receipt to the first generated token relayed (SSE: first `data:` event, not a keep-alive comment; otherwise the first byte) |
 | client_disconnects_total | counter | route | client went away before the response ended |
@@ -95,6 +97,11 @@ class Stats:
                                      ["route", "tier", "kind"], registry=r)
         self.predicted_tokens = Counter("ocache_predicted_tokens_total", "tokens generated",
                                         ["route"], registry=r)
+        self.saved_tokens = Counter("ocache_saved_tokens_total",
+                                    "prompt tokens not prefilled, against a cold prefill", ["route"],
+                                    registry=r)
+        self.extra_prefill = Counter("ocache_extra_prefill_tokens_total",
+                                     "tokens prefilled beyond the prompt length", ["route"], registry=r)
         self.ttft = Histogram("ocache_ttft_seconds", "request receipt to the first token relayed",
                               ["route"], registry=r,
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60,
@@ -141,13 +148,17 @@ class Stats:
                 self.completions.labels(route, tier), self.ttft.labels(route),
                 self.prompt_tokens.labels(route, tier, "cached"),
                 self.prompt_tokens.labels(route, tier, "processed"),
-                self.predicted_tokens.labels(route))
+                self.predicted_tokens.labels(route),
+                self.prompt_tokens.labels(route, tier, "split"),
+                self.saved_tokens.labels(route), self.extra_prefill.labels(route))
         return c
 
     def completion(self, path: str, tier: str, timings: dict | None, ttft_s: float | None,
-                   record: dict) -> None:
+                   record: dict, split: int = 0) -> None:
+        """Count one completion. ``timings``: the figures the client read (already corrected for
+        ``split``, the tokens ocache prefilled itself for the request: ocache/figures.py)."""
         route = route_label(path)
-        completions, ttft, cached, processed, predicted = self._children(route, tier)
+        completions, ttft, cached, processed, predicted, split_c, saved_c, extra_c = self._children(route, tier)
         completions.inc()
         self._completions[(route, tier)] += 1
         if ttft_s is not None:
@@ -159,9 +170,18 @@ class Stats:
             cached.inc(cache_n)
             processed.inc(prompt_n)
             predicted.inc(predicted_n)
+            split_c.inc(max(0, split))
+            # prompt length = the server's cache_n + prompt_n (= the corrected pair's sum)
+            n_prompt = record.get("n_prompt")
+            saved = (int(n_prompt) if n_prompt is not None else cache_n + prompt_n) - prompt_n
+            saved_c.inc(max(0, saved))
+            extra_c.inc(max(0, -saved))
             self._tokens["cache_n"] += cache_n
             self._tokens["prompt_n"] += prompt_n
             self._tokens["predicted_n"] += predicted_n
+            self._tokens["prefilled"] += prompt_n
+            self._tokens["split"] += max(0, split)
+            self._tokens["saved_vs_cold"] += saved
             self._tokens[f"tier.{tier}.cache_n"] += cache_n
         self.last_completions.append(record)
         del self.last_completions[:-20]
