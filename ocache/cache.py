@@ -671,7 +671,7 @@ class OCacheLayer:
         self.by_tier[pctx.decision.tier] = self.by_tier.get(pctx.decision.tier, 0) + 1
         # issue 16 item 5: headers are sent before the body, so Prefilled/Reused come from the plan
         # (what ocache prefilled itself, measured, plus the predicted reuse of the forwarded request)
-        headers = {"X-OCache-Slot": str(dec.slot), "X-OCache-Predicted-Cache": str(pctx.predicted),
+        headers = {"X-OCache-Slot": str(dec.slot), "X-OCache-Predicted-Cache": str(pctx.reused),
                    "X-OCache-Tier": pctx.decision.tier, "X-OCache-Kind": kind,
                    "X-OCache-Split": str(pctx.split), "X-OCache-Prefilled": str(pctx.prefilled),
                    "X-OCache-Reused": str(pctx.reused)}
