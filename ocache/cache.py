@@ -16,6 +16,25 @@ idle non-agent slot keeps the head as the shared *origin*: when a conversation c
 re-established in the background (a restore of the head file, or a re-prefill) once the server is
 idle, so a new session in any folder resumes from the head. A request that lands on a slot without
 the head gets it restored first when that is cheaper than prefilling it (the ``head`` tier).
+
+Response headers of a planned request (issue 16 item 5). They are sent before the body, so the
+token counts come from the plan: what ocache prefilled itself is measured (the steps ran before
+forwarding), the forwarded request's reuse is the prediction (``ocache.slots.predict_reuse``, off by
+at most one ubatch unless a misprediction is counted); the response body's corrected ``timings``
+and ``usage`` are the measured figures (``ocache/figures.py``).
+
+* ``X-OCache-Tier``: where the reused prefix came from — ``resident`` (left in the slot by earlier
+  requests), ``head`` (the head tier: its slot file restored, or the harness head ocache keeps warm
+  in an origin slot), ``disk`` (a disk-tier anchor), ``session`` (a spilled conversation), restored
+  in this request or before it by ocache (``ocache warm DIR``, the resume after a drain) and not yet
+  used by a request; ``cold`` when nothing came from before this request (a restore that failed
+  verification is ``cold`` too).
+* ``X-OCache-Split``: tokens ocache prefilled itself on the slot for this request, in separate
+  ``n_predict: 0`` steps (the head warm-up, the disk tier's anchor split); 0 when none.
+* ``X-OCache-Prefilled``: tokens the server prefills for this request, ``Split`` included
+  (``Split + prompt - predicted cache_n``).
+* ``X-OCache-Reused`` (= ``X-OCache-Predicted-Cache``): tokens reused from before this request
+  (``predicted cache_n - Split``), what the corrected ``cache_n``/``cached_tokens`` will say.
 """
 
 from __future__ import annotations

@@ -89,6 +89,9 @@ def check(rec: Rec) -> None:
     """The done-when rule, and the headers' meaning (computed from the plan: exact up to a
     misprediction of at most one ubatch)."""
     what = (rec.path, rec.stream, rec.hdr, rec.timings, rec.usage, rec.delta)
+    print(f"{rec.path:22} stream={rec.stream!s:5} tier={rec.hdr['X-OCache-Tier']:8} "
+          f"split={rec.hdr['X-OCache-Split']:>5} prompt={rec.n_prompt:5} server prefill={rec.delta:5} "
+          f"cached={rec.cached:5} header prefilled={rec.hdr['X-OCache-Prefilled']}")
     assert rec.cached == rec.n_prompt - rec.delta, what
     assert rec.timings["cache_n"] == rec.n_prompt - rec.delta, what
     assert rec.timings["prompt_n"] == rec.delta, what
@@ -176,14 +179,16 @@ async def test_client_cached_tokens_equal_prompt_minus_server_prefill(start_serv
                     if m.getMessage().startswith(f"[{first.hdr['X-OCache-Request-Id']}]"))
         assert f"split={first.hdr['X-OCache-Split']}" in line and f"cache_n={first.cached} " in line, line
 
-    # restores after a server restart (a new process, a new /metrics counter): A from its spilled
-    # conversation or its anchor, B (streamed) from its anchor
+    # restores after a server restart (a new process, a new /metrics counter): A and B (streamed)
+    # from their spilled conversations, a new session in A's folder from A's disk anchor
     forget_store(cache)
     srv.restart()
+    c1 = body_of("opencode_run2_agent_turn1.json")
     async with through_ocache(config(srv, cache)) as (base, proxy), aiohttp.ClientSession() as s:
-        for body, h in ((a2, ha), (stream(b1), hb)):
+        for body, h, tiers in ((a2, ha, ("disk", "session")), (stream(b1), hb, ("disk", "session")),
+                               (c1, session_headers("opencode_run2_agent_turn1.json"), ("disk",))):
             r = await metered(s, base, proxy, srv, CHAT, body, h)
-            assert r.hdr["X-OCache-Tier"] in ("disk", "session") and r.cached > 0, r.hdr
+            assert r.hdr["X-OCache-Tier"] in tiers and r.cached > 0, r.hdr
             check(r)
 
 

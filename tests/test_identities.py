@@ -117,4 +117,6 @@ async def test_model_switch_a_b_a_reuses_a_from_disk(start_server, tmp_path, mod
         assert proxy.layer._ident().key == key_a
         assert rec["tier"] == "disk", (rec["tier"], disk.stats())
         assert rec["timings"]["cache_n"] >= head_a - UB, (rec["timings"], head_a)
+        print(f"A's return after A -> B -> A: tier {rec['tier']}, cache_n {rec['timings']['cache_n']}, "
+              f"prompt_n {rec['timings']['prompt_n']}, A's head {head_a} tokens")
         assert b_entries <= {e.key for e in disk.store.entries("a")}, "B's anchors were deleted"
