@@ -487,7 +487,7 @@ class OCacheLayer:
             "prompt_tokens": 0, "warmups": 0, "warmup_tokens": 0, "head_saves": 0, "head_restores": 0,
             "origin_rebuilds": 0, "origin_skipped": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
             "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0, "user_splits": 0,
-            "split_tokens": 0,
+            "split_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0,
         }
         self.by_tier: dict[str, int] = {}
         self.recent_mispredictions: deque = deque(maxlen=20)
@@ -892,8 +892,11 @@ class OCacheLayer:
         prompt_n = int(timings.get("prompt_n") or 0)
         ub = table.params.n_ubatch
         self.counters["predicted_tokens"] += pctx.predicted
-        self.counters["observed_cache_tokens"] += cache_n
+        self.counters["observed_cache_tokens"] += cache_n   # the server's, split included (vs predicted)
         self.counters["prompt_tokens"] += pctx.n_prompt
+        # what the client was told (issue 16 item 5): reuse from before the request, all prefill
+        self.counters["reused_tokens"] += max(0, cache_n - pctx.split)
+        self.counters["prefilled_tokens"] += prompt_n + pctx.split
         low = cache_n < pctx.predicted - ub
         high = cache_n > pctx.upper + ub
         if low or high:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from ocache import fingerprint as fp
 from ocache.config import Config
 
 from test_spill import CHAT, SERVER, UB, body_of, forget_store, send, session_headers, through_ocache
@@ -120,3 +121,41 @@ async def test_model_switch_a_b_a_reuses_a_from_disk(start_server, tmp_path, mod
         print(f"A's return after A -> B -> A: tier {rec['tier']}, cache_n {rec['timings']['cache_n']}, "
               f"prompt_n {rec['timings']['prompt_n']}, A's head {head_a} tokens")
         assert b_entries <= {e.key for e in disk.store.entries("a")}, "B's anchors were deleted"
+
+
+@pytest.mark.server
+async def test_flash_attn_auto_is_on_for_saved_states(start_server, tmp_path):
+    """The fact behind ``identity_flags``' ``-fa auto`` = ``on``: a slot file written by a server
+    with ``-fa on`` restores into the same server restarted with ``-fa auto`` (and is reused), and
+    is refused with ``-fa off`` (the other V layout). The identities say the same."""
+    srv = start_server("dense", n_parallel=1, ctx_size=4096, flash_attn="on", **SERVER)
+    prompt = " ".join(f"t{i}" for i in range(300))
+
+    async def complete() -> dict:
+        async with aiohttp.ClientSession() as s:  # a fresh connection per call: the server restarts
+            async with s.post(srv.url + "/completion", json={"prompt": prompt, "n_predict": 1, "id_slot": 0,
+                                                               "cache_prompt": True, "temperature": 0}) as r:
+                assert r.status == 200
+                return (await r.json())["timings"]
+
+    async def slot_action(action: str) -> int:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(srv.url + f"/slots/0?action={action}", json={"filename": "fa-probe.bin"}) as r:
+                await r.read()
+                return r.status
+
+    await complete()
+    assert await slot_action("save") == 200
+    keys = {}
+    for fa in ("auto", "off"):
+        srv.stop()
+        srv.flash_attn = fa
+        srv.start()
+        keys[fa] = fp.identity(None, "b", "t", fp.parse_server_flags(srv.command())).key
+        if fa == "auto":
+            assert await slot_action("restore") == 200
+            assert (await complete())["cache_n"] > 250
+        else:
+            assert await slot_action("restore") != 200
+    on = fp.identity(None, "b", "t", fp.parse_server_flags([*srv.command(), "-fa", "on"])).key
+    assert keys["auto"] == on != keys["off"]

@@ -560,6 +560,7 @@ class Store:
         together with the data files their key names. Returns how many were unreadable."""
         self._entries = {}
         bad = 0
+        last = ""
         for p in sorted(self.records_dir.glob("*.json")):
             try:
                 e = Entry.from_dict(json.loads(p.read_bytes()), with_tokens=True)
@@ -568,7 +569,8 @@ class Store:
                 e.tokens = None  # checked here; loaded again on demand (Store.tokens)
                 self._entries[e.key] = e
             except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
-                log.warning("store: unreadable record %s (%s): removing it and its files", p.name, exc)
+                log.debug("store: unreadable record %s (%s): removing it and its files", p.name, exc)
+                last = f"{p.name}: {exc}"
                 bad += 1
                 key = p.stem
                 for f in self.data_dir.glob(f"{PREFIX}*-{key}.bin*"):
@@ -576,6 +578,8 @@ class Store:
                         f.unlink()
                 with contextlib.suppress(OSError):
                     p.unlink()
+        if bad:
+            log.warning("store: deleted %d unreadable record(s) and their files (last: %s)", bad, last)
         return bad
 
     def _remove_orphans(self) -> tuple[int, int]:
