@@ -17,7 +17,7 @@ re-established in the background (a restore of the head file, or a re-prefill) o
 idle, so a new session in any folder resumes from the head. A request that lands on a slot without
 the head gets it restored first when that is cheaper than prefilling it (the ``head`` tier).
 
-Response headers of a planned request (issue 16 item 5). They are sent before the body, so the
+Response headers of a planned request. They are sent before the body, so the
 token counts come from the plan: what ocache prefilled itself is measured (the steps ran before
 forwarding), the forwarded request's reuse is the prediction (``ocache.slots.predict_reuse``, off by
 at most one ubatch unless a misprediction is counted); the response body's corrected ``timings``
@@ -688,7 +688,7 @@ class OCacheLayer:
         self.counters["planned"] += 1
         self.counters["split_tokens"] += pctx.split
         self.by_tier[pctx.decision.tier] = self.by_tier.get(pctx.decision.tier, 0) + 1
-        # issue 16 item 5: headers are sent before the body, so Prefilled/Reused come from the plan
+        # headers are sent before the body, so Prefilled/Reused come from the plan
         # (what ocache prefilled itself, measured, plus the predicted reuse of the forwarded request)
         headers = {"X-OCache-Slot": str(dec.slot), "X-OCache-Predicted-Cache": str(pctx.reused),
                    "X-OCache-Tier": pctx.decision.tier, "X-OCache-Kind": kind,
@@ -735,7 +735,7 @@ class OCacheLayer:
         table = self.table
         slot = dec.slot
         tokens = view.tokens
-        own0 = table.own_prefill.get(slot, (0, 0.0))     # issue 16 item 5: ocache's own prefill
+        own0 = table.own_prefill.get(slot, (0, 0.0))     # ocache's own prefill (figures.py)
         source = _source_tier(table[slot].restored_from, table[slot].origin)
         brought: str | None = None
         if dec.evicts:
@@ -894,7 +894,7 @@ class OCacheLayer:
         self.counters["predicted_tokens"] += pctx.predicted
         self.counters["observed_cache_tokens"] += cache_n   # the server's, split included (vs predicted)
         self.counters["prompt_tokens"] += pctx.n_prompt
-        # what the client was told (issue 16 item 5): reuse from before the request, all prefill
+        # what the client was told (figures.py): reuse from before the request, all prefill
         self.counters["reused_tokens"] += max(0, cache_n - pctx.split)
         self.counters["prefilled_tokens"] += prompt_n + pctx.split
         low = cache_n < pctx.predicted - ub

@@ -1,4 +1,4 @@
-"""Figures that tell the truth (issue 16 item 5): the reuse a response reports, corrected for the
+"""Figures that tell the truth: the reuse a response reports, corrected for the
 prefill ocache did itself for that same request.
 
 Why a correction is needed: before forwarding a request, ocache may prefill part of its prompt in

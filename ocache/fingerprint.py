@@ -632,7 +632,7 @@ def state_flags(argv: Sequence[str] | None = None, props: Mapping | None = None,
 
 
 #: The flags of ``parse_server_flags`` that shape a saved slot state, i.e. what makes a state written
-#: by one server wrong (or refused) in another (issue 16 item 4: the identity is computed from these
+#: by one server wrong (or refused) in another (the identity is computed from these
 #: *effective* flags only, so the same server started by hand with ``ocache.yaml`` or by ``serve
 #: --launch`` is one identity):
 #:

@@ -1,4 +1,4 @@
-"""Issue 16 item 3, "complete means complete": a response whose final event was written is complete,
+"""Complete means complete: a response whose final event was written is complete,
 even when the client closes its socket right after it.
 
 The client is the real python-requests (``stream=True``, ``iter_lines()``, ``break`` at the final
@@ -7,7 +7,7 @@ real patched llama-server on the tiny dense model, through the in-process proxy 
 (helpers of tests/test_spill.py, same server settings and the lowered spill threshold). One test
 drives a fake upstream that holds the stream open after its final event: the only way to make the
 client's close land, every time, before the upstream's end of stream (with a real server the
-order is a race; the issue saw it lost 11 times in 18).
+order is a race, lost 11 times in 18 in a cache-pressure run).
 """
 
 from __future__ import annotations

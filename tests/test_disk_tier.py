@@ -226,7 +226,7 @@ async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, mo
             (Path(h.srv.slot_save_path) / e.files["ckpt"].name).unlink()
         elif fault == "foreign":
             # a store opened for another identity (another model or state-shaping flags) never
-            # serves these anchors, and keeps them for when their identity returns (issue 16 item 4)
+            # serves these anchors, and keeps them for when their identity returns
             h.store.close()
             s = Store(h.meta_dir, Path(h.srv.slot_save_path), "another-model-or-build")
             rep = s.open()

@@ -1,4 +1,4 @@
-"""Issue 16 item 5, "figures that tell the truth": for every planned request, the cached tokens a
+"""Figures that tell the truth: for every planned request, the cached tokens a
 client reads equal the prompt tokens minus what the server itself prefilled for that request — the
 delta of llama-server's own ``llamacpp:prompt_tokens_total`` (``/metrics``, the server runs with
 ``--metrics``), which counts ocache's split prefills and head warm-ups too.

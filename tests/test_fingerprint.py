@@ -303,7 +303,7 @@ def test_each_state_shaping_flag_changes_the_identity(extra):
     ["-ctk", "F16"], ["--rope-freq-base", "10000.0"],
 ])
 def test_flags_that_do_not_shape_a_saved_state_keep_the_identity(extra):
-    """Issue 16 item 4: slot count, context size, batch sizes, checkpoint spacing, unified KV and
+    """Slot count, context size, batch sizes, checkpoint spacing, unified KV and
     offload do not change what a slot file holds; aliases and spellings of the same value are one."""
     argv = ["llama-server", "-np", "2", "-c", "8192", "-fa", "on", "-ub", "512", "--rope-freq-base", "10000"]
     a = fp.parse_server_flags(argv)

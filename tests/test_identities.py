@@ -1,4 +1,4 @@
-"""Issue 16 item 4, "identities coexist": entries of another server identity (another GGUF, other
+"""Identities coexist: entries of another server identity (another GGUF, other
 state-shaping flags) stay on disk and serve again when that identity returns; the identity is
 computed from the *effective* flags, so a server configured by hand (the README's ``ocache.yaml``)
 and the same server under ``serve --launch`` are one identity.

@@ -169,7 +169,7 @@ async def test_new_sessions_resume_from_the_warm_head(start_server, model):
         head_len = len(next(iter(heads.values())).tokens)
         assert head_len > 2000                      # tools + stable system head, thousands of tokens
         # warmed in place by ocache within this request, then extended: nothing came from before
-        # it, and the figures say so (issue 16 item 5)
+        # it, and the figures say so
         assert first["timings"]["cache_n"] == 0 and first["tier"] == "cold"
         assert c.layer.counters["warmups"] == 1
         second = await c.fixture("opencode_run2_agent_turn1.json")
@@ -405,7 +405,7 @@ async def test_warm_head_on_demand(start_server):
         again = await c.layer.warm_head(body_of("opencode_run3_proj2_agent_turn1.json"))  # same harness
         assert again["slot"] == info["slot"] and again["prompt_n"] == 0
         first = await c.fixture("opencode_agent_turn1.json")
-        # the reused prefix is the head ocache kept warm before this request (issue 16 item 5)
+        # the reused prefix is the head ocache kept warm before this request
         assert first["slot"] == info["slot"] and first["tier"] == "head"
         # at least the warmed head (more when the disk tier split the prefill at an anchor line)
         assert first["timings"]["cache_n"] >= info["head_tokens"]

@@ -187,7 +187,7 @@ async def test_drain_then_restart_resumes_at_the_end(start_server, tmp_path, mod
         assert tier.counters["resumed"] == 1, tier.stats()
         assert not (cache / "store" / spill_mod.RESUME_MARKER).exists()  # consumed
         t = rec["timings"]
-        # the true source: the session tier restored it at start-up (issue 16 item 5)
+        # the true source: the session tier restored it at start-up
         assert rec["tier"] == "session", rec
         assert t["prompt_n"] <= (na2 - na1) + UB, (t, na1, na2)
         assert t["cache_n"] >= na1 - UB

@@ -126,7 +126,7 @@ def test_verify_detects_damage_and_deletes(tmp_path, fault):
 
 
 def test_other_identities_are_kept_at_open_and_served_when_theirs_returns(tmp_path):
-    """Issue 16 item 4: opening the store for model B keeps model A's entries (not served to B);
+    """Opening the store for model B keeps model A's entries (not served to B);
     a later open for A serves them again."""
     a = make_store(tmp_path, identity="model-A")
     ea = put(a, list(range(10, 60)))
