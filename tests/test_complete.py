@@ -113,9 +113,13 @@ async def test_final_event_then_a_held_stream_is_complete():
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    async def props(request: web.Request) -> web.Response:  # what makes it pass for llama-server
+        return web.json_response({"build_info": "b1-fake", "total_slots": 1})
+
     up = web.Application()
     up.router.add_post("/v1/chat/completions", chat)
     up.router.add_get("/health", health)
+    up.router.add_get("/props", props)
     up_srv = TestServer(up, host="127.0.0.1")
     await up_srv.start_server()
     cfg = Config(upstream=f"http://127.0.0.1:{up_srv.port}")
