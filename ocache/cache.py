@@ -17,11 +17,11 @@ re-established in the background (a restore of the head file, or a re-prefill) o
 idle, so a new session in any folder resumes from the head. A request that lands on a slot without
 the head gets it restored first when that is cheaper than prefilling it (the ``head`` tier).
 
-Response headers of a planned request. They are sent before the body, so the
-token counts come from the plan: what ocache prefilled itself is measured (the steps ran before
-forwarding), the forwarded request's reuse is the prediction (``ocache.slots.predict_reuse``, off by
-at most one ubatch unless a misprediction is counted); the response body's corrected ``timings``
-and ``usage`` are the measured figures (``ocache/figures.py``).
+Response headers of a planned request. They are sent before the body, so the token counts come
+from the plan: what ocache prefilled itself is measured (the steps ran before forwarding), the
+forwarded request's reuse is the prediction (``ocache.slots.predict_reuse``, off by at most one
+ubatch unless a misprediction is counted); the response body's corrected ``timings`` and ``usage``
+are the measured figures (``ocache/figures.py``).
 
 * ``X-OCache-Tier``: where the reused prefix came from — ``resident`` (left in the slot by earlier
   requests), ``head`` (the head tier: its slot file restored, or the harness head ocache keeps warm
