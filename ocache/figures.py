@@ -20,6 +20,10 @@ server-context.cpp:4131-4137) and ``split_ms`` = their ``timings.prompt_ms``:
   ocache's steps included), ``prompt_ms`` becomes ``prompt_ms + split_ms`` and
   ``prompt_per_second``/``prompt_per_token_ms`` are recomputed from both (the fields of
   ``server_slot_stats::to_json``, tools/server/server-common.cpp:84-97);
+* in an Anthropic ``usage`` (``/v1/messages``: ``cache_read_input_tokens`` is the server's
+  ``n_prompt_tokens_cache``, ``input_tokens`` the prompt minus it, server-task.cpp:787-790,
+  1343-1346), ``cache_read_input_tokens`` loses the split and ``input_tokens`` gains it; the
+  Responses API's ``input_tokens_details.cached_tokens`` is corrected like ``cached_tokens``;
 * everything else is byte for byte the server's.
 
 So ``cache_n + prompt_n`` still equals the prompt length, and for every planned request
@@ -41,6 +45,8 @@ _PATTERN = re.compile(rb'"(cache_n|cached_tokens|prompt_n|prompt_ms|prompt_per_s
 #: An object that carries ``prompt_n`` and ``prompt_ms`` (llama-server's ``timings``): the span
 #: in which ``prompt_per_second`` is recomputed.
 _TIMINGS = re.compile(rb'"timings"\s*:\s*\{[^{}]*\}')
+#: A flat ``usage`` object (Anthropic's carries ``cache_read_input_tokens``).
+_USAGE = re.compile(rb'"usage"\s*:\s*\{[^{}]*\}')
 
 
 def _fmt(x: float) -> bytes:
@@ -73,6 +79,9 @@ def correct_usage(usage: Mapping | None, split: int) -> dict | None:
     if usage is None:
         return None
     u = dict(usage)
+    if isinstance(u.get("cache_read_input_tokens"), int) and isinstance(u.get("input_tokens"), int):
+        u["cache_read_input_tokens"] = max(0, u["cache_read_input_tokens"] - split)
+        u["input_tokens"] += split
     for k in ("prompt_tokens_details", "input_tokens_details"):
         d = u.get(k)
         if isinstance(d, Mapping) and isinstance(d.get("cached_tokens"), (int, float)):
@@ -83,7 +92,8 @@ def correct_usage(usage: Mapping | None, split: int) -> dict | None:
 def rewrite(data: bytes, split: int, split_ms: float = 0.0) -> bytes:
     """A response body or one SSE line with the correction applied (see the module docstring);
     ``data`` unchanged when ``split <= 0`` or no figure occurs in it."""
-    if split <= 0 or (b'"cache_n"' not in data and b'"cached_tokens"' not in data):
+    if split <= 0 or (b'"cache_n"' not in data and b'"cached_tokens"' not in data
+                      and b'"cache_read_input_tokens"' not in data):
         return data
 
     def number(m: re.Match) -> bytes:
@@ -110,7 +120,21 @@ def rewrite(data: bytes, split: int, split_ms: float = 0.0) -> bytes:
         obj = re.sub(rb'("prompt_per_second"\s*:\s*)' + _NUM, lambda k: k.group(1) + _fmt(pn / pms * 1000.0), obj)
         return re.sub(rb'("prompt_per_token_ms"\s*:\s*)' + _NUM, lambda k: k.group(1) + _fmt(pms / pn), obj)
 
-    return _TIMINGS.sub(rate, out)
+    out = _TIMINGS.sub(rate, out)
+
+    def anthropic(m: re.Match) -> bytes:
+        obj = m.group(0)
+        if b'"cache_read_input_tokens"' not in obj:
+            return obj  # an OpenAI/Responses usage: its input/prompt_tokens are the whole prompt
+
+        def fix(k: re.Match) -> bytes:
+            v = int(float(k.group(3)))
+            v = max(0, v - split) if k.group(1) == b"cache_read_input_tokens" else v + split
+            return b'"' + k.group(1) + b'"' + k.group(2) + str(v).encode()
+
+        return re.sub(rb'"(cache_read_input_tokens|input_tokens)"(\s*:\s*)(' + _NUM + rb")", fix, obj)
+
+    return _USAGE.sub(anthropic, out)
 
 
 class LineRewriter:

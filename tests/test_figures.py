@@ -207,6 +207,13 @@ def test_rewrite_changes_only_the_figures():
     assert (t["cache_n"], t["prompt_n"], t["prompt_ms"], t["predicted_n"]) == (197, 7103, 3250.5, 4)
     assert abs(t["prompt_per_second"] - 7103 / 3.2505) < 1e-6
     assert figures.rewrite(body, 0) is body
+    # Anthropic usage (input_tokens = prompt - cached) and a Responses usage (input_tokens = prompt)
+    anth = b'{"type":"message","usage":{"cache_read_input_tokens":7197,"input_tokens":103,"output_tokens":4}}'
+    assert json.loads(figures.rewrite(anth, 7000))["usage"] == {"cache_read_input_tokens": 197,
+                                                               "input_tokens": 7103, "output_tokens": 4}
+    resp = b'{"usage":{"input_tokens":7300,"input_tokens_details":{"cached_tokens":7197},"output_tokens":4}}'
+    assert json.loads(figures.rewrite(resp, 7000))["usage"] == {
+        "input_tokens": 7300, "input_tokens_details": {"cached_tokens": 197}, "output_tokens": 4}
     lr = figures.LineRewriter(10)
     assert lr.feed(b'data: {"timings":{"cache_n":20,"prom') == b"" and lr.holding
     assert lr.feed(b'pt_n":5}}\n\ndata: [DONE]\n\n') == b'data: {"timings":{"cache_n":10,"prompt_n":15}}\n\ndata: [DONE]\n\n'
