@@ -71,7 +71,7 @@ Response headers added by ocache (all ``X-OCache-*``):
 | ``X-OCache-Split``, ``-Prefilled``, ``-Reused`` | set by the layer | tokens ocache prefilled itself for this request; tokens the server prefills for it (ocache's steps included); tokens reused from before it (see ``ocache/cache.py``) |
 | other ``X-OCache-*`` | set by the layer | see ``ocache/cache.py`` (e.g. ``X-OCache-Slot``) |
 
-Logging: one line per completion at INFO (request id, route, status, slot, tier, ``split=N`` when
+Logging: one line per completion at INFO (request id, route, status, slot, tier, ``split N`` when
 ocache prefilled N tokens itself, the corrected timings, TTFT, total); other routes at DEBUG.
 
 DNS-rebinding guard: a request whose ``Host`` header names neither localhost/127.0.0.1/::1, nor the

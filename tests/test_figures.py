@@ -177,7 +177,7 @@ async def test_client_cached_tokens_equal_prompt_minus_server_prefill(start_serv
         first = recs[0]
         line = next(m.getMessage() for m in caplog.records
                     if m.getMessage().startswith(f"[{first.hdr['X-OCache-Request-Id']}]"))
-        assert f"split={first.hdr['X-OCache-Split']}" in line and f"cache_n={first.cached} " in line, line
+        assert f"split {int(first.hdr['X-OCache-Split']):,}" in line and f"reused {first.cached:,}" in line, line
 
     # restores after a server restart (a new process, a new /metrics counter): A and B (streamed)
     # from their spilled conversations, a new session in A's folder from A's disk anchor
