@@ -86,7 +86,9 @@ def test_request_line_says_what_was_prefilled_and_reused_from_where():
     cold = dict(rec, tier="cold", cache_n=0, restore_ms=None, completed=False)
     assert "from" not in request_line(cold, "POST") and "INCOMPLETE" in request_line(cold, "POST")
     assert "(" not in request_line(dict(rec, prompt_n=None, cache_n=None), "POST")
-    assert "prefilled by ocache in this request" in request_line(dict(rec, tier="head"), "POST")
+    # ocache's own split/warm-up steps are named (they count as prefilled, never as reused)
+    assert "split 7,000: prefilled by ocache's own steps" in request_line(dict(rec, split=7000), "POST")
+    assert "from head" in request_line(dict(rec, tier="head"), "POST")
 
 
 # ---------------------------------------------------------------------- a running ocache

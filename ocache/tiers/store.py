@@ -362,7 +362,9 @@ class OpenReport:
     def __str__(self) -> str:
         """For log lines: ``3 entries (index ok)``, plus what was removed, when anything was."""
         text = f"{self.entries} entries (index {self.index})"
-        done = [f"{n} {what}" for n, what in ((self.swept_identity, "of another model/build swept"),
+        if self.other_identity:
+            text += f", {self.other_identity} of other models/flags kept"
+        done = [f"{n} {what}" for n, what in (
                                                (self.bad_records, "unreadable records removed"),
                                                (self.orphans, f"orphan files removed ({self.orphan_bytes} bytes)"))
                 if n]
