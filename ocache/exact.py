@@ -56,6 +56,7 @@ class Generation:
     logprobs: tuple[float, ...]
     margins: tuple[float, ...]
     top2: tuple[tuple[int, int], ...] = ()
+    complete: bool = True   # False: a prefix of the generation (a stream that held tokens back)
 
     @classmethod
     def from_entries(cls, entries: list[dict]) -> "Generation":
@@ -91,8 +92,10 @@ class Generation:
     def from_stream(cls, events: list[dict], n_generated: int | None = None) -> "Generation | None":
         """From the parsed ``data:`` events of a streamed response (each delta's
         ``choices[0].logprobs.content`` or ``completion_probabilities``, in order); None when they
-        carry none, or fewer entries than ``n_generated`` (``timings.predicted_n``: a delta the
-        server held back, e.g. inside a tool call, would otherwise shift every later position)."""
+        carry none. With fewer entries than ``n_generated`` (``timings.predicted_n``) the result is
+        marked incomplete: the server holds back the bytes of a character split across tokens at
+        the end of a stream (and the text of a tool call being parsed), and their entries may never
+        be sent, so only the prefix that came is compared."""
         entries: list[dict] = []
         seen = False
         for ev in events:
@@ -104,9 +107,12 @@ class Generation:
                 if isinstance(content, list):
                     entries += content
                     seen = True
-        if not seen or (n_generated is not None and len(entries) != n_generated):
+        if not seen:
             return None
-        return cls.from_entries(entries)
+        gen = cls.from_entries(entries)
+        if n_generated is not None and len(entries) < int(n_generated):
+            gen = cls(gen.tokens, gen.logprobs, gen.margins, gen.top2, complete=False)
+        return gen
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,10 @@ def compare(ref: Generation, got: Generation, tol: float = TOL_NATS) -> Verdict:
         return Verdict(False, i, None, i, f"token {i}: {got.tokens[i]} != {ref.tokens[i]} "
                                           f"(reference margin {ref.margins[i]:.3f} nats)")
     if len(ref.tokens) != len(got.tokens):
+        shorter = got if len(got.tokens) < len(ref.tokens) else ref
+        if not shorter.complete:
+            return Verdict(True, n, None, None, f"all {n} tokens that came equal (the stream held "
+                                                f"back the rest)")
         return Verdict(False, n, None, n, f"lengths differ: {len(got.tokens)} vs "
                                           f"{len(ref.tokens)} tokens")
     return Verdict(True, n, None, None, f"all {n} tokens equal")

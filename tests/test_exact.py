@@ -61,6 +61,18 @@ def test_log_probabilities_must_agree_within_the_tolerance():
 
 def test_lengths_that_differ_without_a_tie_fail():
     assert not compare(gen([1, 2, 3], [1.0] * 3), gen([1, 2], [1.0] * 2)).exact
+    # ... unless the shorter one is a stream's prefix (entries held back at its end)
+    short = Generation((1, 2), (-1.0, -1.0), (1.0, 1.0), ((1, 0), (2, 0)), complete=False)
+    assert compare(gen([1, 2, 3], [1.0] * 3), short).exact
+    assert not compare(gen([1, 9, 3], [1.0] * 3), short).exact
+
+
+def test_a_stream_with_fewer_entries_than_tokens_is_an_incomplete_prefix():
+    entry = {"id": 5, "logprob": -0.5, "top_logprobs": [{"id": 5, "logprob": -0.5},
+                                                          {"id": 6, "logprob": -1.5}]}
+    ev = {"choices": [{"delta": {}, "logprobs": {"content": [entry]}}]}
+    assert Generation.from_stream([ev], n_generated=1).complete
+    assert not Generation.from_stream([ev], n_generated=3).complete
 
 
 def test_parses_completion_and_chat_shapes():
