@@ -38,6 +38,7 @@ from ocache.config import Config
 from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.tokens import TokenViewer
 
+from ocache.slots import common_prefix
 from conftest import FIXTURES, load_fixture, load_headers
 
 UB = 128
@@ -74,13 +75,7 @@ def fixture_names(prefix: str) -> list[str]:
     return sorted(p.name for p in FIXTURES.glob(prefix + "*.json"))
 
 
-def lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+lcp = common_prefix  # the length of the common prefix of two token lists
 
 
 # --------------------------------------------------------------------------- pure: heads, sessions

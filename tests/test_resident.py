@@ -33,6 +33,7 @@ from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.slots import SlotFileError, SlotTable, params_from_argv
 from ocache.tokens import TokenViewer
 
+from ocache.slots import common_prefix
 from conftest import load_fixture, load_headers
 
 pytestmark = [pytest.mark.server]
@@ -140,13 +141,7 @@ async def n_tokens(url: str, name: str) -> list[int]:
         await viewer.close()
 
 
-def lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+lcp = common_prefix  # the length of the common prefix of two token lists
 
 
 MODELS = ["dense", "hybrid"]
