@@ -1,3 +1,3 @@
-from .cli import main
+from ocache.cli import main
 
 raise SystemExit(main())

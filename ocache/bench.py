@@ -47,13 +47,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .exact import TOL_NATS
-from .paths import repo_root
+from ocache.exact import TOL_NATS
+from ocache.paths import repo_root
 import aiohttp
 
-from .replay import (PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
+from ocache.replay import (PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
                      measure, replay, scenario_from_recording)
-from .server import LlamaServer, ServerError, free_port
+from ocache.server import LlamaServer, ServerError, free_port
 
 log = logging.getLogger("ocache.bench")
 
@@ -274,7 +274,7 @@ class Bench:
 
     # --- processes ----------------------------------------------------------------------------
     def _prepare(self) -> None:
-        from . import engine, models
+        from ocache import engine, models
 
         self.builds = {"stock": engine.build(stock=True)}
         if "c" in self.configs:

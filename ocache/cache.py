@@ -47,13 +47,13 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Collection, Mapping, Sequence
 
-from . import convert
-from . import fingerprint as fp_mod
-from .slots import (Checkpoint, ServerParams, common_prefix, SlotError, SlotNotSupported, SlotTable,
+from ocache import convert
+from ocache import fingerprint as fp_mod
+from ocache.slots import (Checkpoint, ServerParams, common_prefix, SlotError, SlotNotSupported, SlotTable,
                     params_from_argv, predict_reuse, simulate_prefill)
-from .tiers.base import Offer, Tier
-from .tokens import TokenViewError
-from .tiers.resident import (RequestContext, SlotChoice, eviction_choice, overwrite_choice, ram_swap_possible,
+from ocache.tiers.base import Offer, Tier
+from ocache.tokens import TokenViewError
+from ocache.tiers.resident import (RequestContext, SlotChoice, eviction_choice, overwrite_choice, ram_swap_possible,
                              rank_slots)
 
 log = logging.getLogger("ocache.cache")
@@ -234,8 +234,8 @@ class HeadTier:
     async def restore_into(self, slot: int, rec: HeadRecord) -> None:
         """Verify the head's entry, then restore it into ``slot`` (the caller holds the slot's lease).
         Raises HeadTierError (see there for what is deleted and what is kept)."""
-        from .slots import file_refused
-        from .tiers.store import IntegrityError
+        from ocache.slots import file_refused
+        from ocache.tiers.store import IntegrityError
 
         if self._entry(rec) is None:
             raise HeadTierError("gone", rec.key)
@@ -276,7 +276,7 @@ class HeadTier:
         server's ``action=save`` to a temp name; hashing and the commit run in the background
         (:meth:`flush`). Returns True when the save call succeeded or the entry exists already.
         Raises SlotNotSupported (no ``--slot-save-path``); other failures are logged and counted."""
-        from .tiers.store import BudgetError, entry_key, reserve_async
+        from ocache.tiers.store import BudgetError, entry_key, reserve_async
 
         store = self.store
         if store is None or store.identity is None:
@@ -416,8 +416,8 @@ def _source_tier(restored_from: str | None, origin: bool) -> str | None:
 
 def _labels(body: Any, headers: Any, kind: str) -> tuple[tuple[str, str | None], ...]:
     """``RequestContext.labels``: folder (agent requests), client, model. Never raises."""
-    from .fingerprint import client_of
-    from .warm import folder_of
+    from ocache.fingerprint import client_of
+    from ocache.warm import folder_of
 
     try:
         folder = folder_of(body) if kind == "agent" and isinstance(body, dict) else None
@@ -429,7 +429,7 @@ def _labels(body: Any, headers: Any, kind: str) -> tuple[tuple[str, str | None],
 
 
 def _mk_plan(**kw: Any) -> Any:
-    from .layer import Plan
+    from ocache.layer import Plan
 
     return Plan(**kw)
 
@@ -476,7 +476,7 @@ class OCacheLayer:
         self._disk_tier_off = False
         self.journal: Any = None
         try:
-            from .warm import journal_for
+            from ocache.warm import journal_for
 
             self.journal = journal_for(config)
         except OSError as exc:
@@ -518,7 +518,7 @@ class OCacheLayer:
             if self._ready and epoch == self._epoch:
                 return
             if self._viewer is None:
-                from .tokens import TokenViewer
+                from ocache.tokens import TokenViewer
 
                 self._viewer = TokenViewer(self.upstream)
             props = getattr(self.upstream, "props", None)
@@ -540,7 +540,7 @@ class OCacheLayer:
             self._head_store_ready()          # head files through the same verified store (tiers/store.py)
             self._ready = True
             try:
-                from .doctor import check, probe_endpoints
+                from ocache.doctor import check, probe_endpoints
 
                 metrics_ok, actions_ok = await probe_endpoints(self.session, self.base_url, self._headers())
                 self.findings = check(self.table.params, props or {}, data, argv=self.argv,
@@ -1022,7 +1022,7 @@ class OCacheLayer:
         conversation a drained stop left for this start, before any request is planned (the caller
         holds the ready lock, so requests wait: a restore never races a prefill)."""
         if getattr(self, "_session_tier", None) is None and not getattr(self, "_session_tier_off", False):
-            from .tiers.spill import make_session_tier
+            from ocache.tiers.spill import make_session_tier
 
             try:
                 tier = make_session_tier(self.config, self.table, self._ident())
@@ -1041,7 +1041,7 @@ class OCacheLayer:
         known (config ``tiers.disk.slot_save_path`` or the launch argv; ocache/tiers/disk.py)."""
         if self.disk_tier is not None or self._disk_tier_off:
             return
-        from .tiers.disk import make_disk_tier
+        from ocache.tiers.disk import make_disk_tier
 
         try:
             tier = None if self._no_save else make_disk_tier(self.config, self.table, self._ident,
@@ -1069,9 +1069,9 @@ class OCacheLayer:
         if ht is None or getattr(self, "_head_store_off", False):
             return
         self._head_store_off = True
-        from .tiers.disk import store_meta_dir
-        from .tiers.spill import slot_save_path
-        from .tiers.store import StoreError, field_of, shared_store
+        from ocache.tiers.disk import store_meta_dir
+        from ocache.tiers.spill import slot_save_path
+        from ocache.tiers.store import StoreError, field_of, shared_store
 
         tiers = field_of(self.config, "tiers") or {}
         hcfg = dict(tiers.get("head") or {}) if isinstance(tiers, dict) else {}
@@ -1100,7 +1100,7 @@ class OCacheLayer:
 
     def warm_deps(self) -> Any:
         """What ``POST /v1/cache/warm`` (``ocache warm DIR``) needs: ocache/warm.py ``WarmDeps``."""
-        from .warm import WarmDeps
+        from ocache.warm import WarmDeps
 
         if self.journal is None:
             return None

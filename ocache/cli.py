@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from . import __version__
+from ocache import __version__
 
 #: Modules that contribute subcommands, in help order. A module missing a ``register`` is skipped.
 COMMAND_MODULES = [

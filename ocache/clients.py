@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .paths import cache_root, file_lock
+from ocache.paths import cache_root, file_lock
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,7 @@ TIER_KEYS = {name: {k for k in keys if not k.startswith("<")} for name, keys in 
 def check_tiers(tiers: Mapping[str, Any]) -> None:
     """Reject unknown tier names and keys under ``tiers:`` (a typo there would silently drop the
     server flags ocache needs). Raises ConfigError."""
-    from .slots import ServerParams
+    from ocache.slots import ServerParams
 
     for name, sub in (tiers or {}).items():
         if name not in TIER_KEYS:

@@ -185,7 +185,7 @@ async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bo
     the admin token (the proxy's guard decided, ocache/admin.py); without it the view is redacted
     (``admin.redact``: slot owners and session strings dropped; ``owner_hidden`` stays), and
     ``token_rejected`` says whether a (wrong) token was sent."""
-    from . import admin as admin_mod
+    from ocache import admin as admin_mod
 
     path = request.path
     if request.method not in ("GET", "HEAD"):

@@ -41,7 +41,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .slots import ServerParams, params_from_argv
+from ocache.slots import ServerParams, params_from_argv
 
 OK, INFO, WARN, ERROR, UNKNOWN = "ok", "info", "warning", "error", "unknown"
 
@@ -245,7 +245,7 @@ async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None =
     when it cannot be reached."""
     import aiohttp
 
-    from .upstream import _is_llama_props, _is_loading, _json_or_none
+    from ocache.upstream import _is_llama_props, _is_loading, _json_or_none
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = base_url.rstrip("/")
@@ -289,7 +289,7 @@ def _cmd(args: argparse.Namespace) -> int:
     upstream = args.upstream
     if upstream is None or argv is None:
         try:
-            from .config import load
+            from ocache.config import load
 
             cfg = load(args.config) if args.config else load()
             upstream = upstream or cfg.upstream

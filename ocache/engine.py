@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import cache_root, file_lock, repo_root, sha256_file
+from ocache.paths import cache_root, file_lock, repo_root, sha256_file
 
 SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import engine
+from ocache import engine
 
 
 def register(sub: argparse._SubParsersAction) -> None:

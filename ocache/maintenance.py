@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .tiers.store import DAY_S, LockedError, Store, StoreError, data_dir_of
+from ocache.tiers.store import DAY_S, LockedError, Store, StoreError, data_dir_of
 
 KINDS = {"anchors": "a", "spills": "s", "heads": "h", "all": None}
 KIND_NAMES = {"a": "anchor", "s": "spill", "h": "head"}
@@ -33,7 +33,7 @@ def _meta_dir(args: argparse.Namespace) -> Path:
     ``$OCACHE_STATE_DIR``, ``$OCACHE_CACHE_DIR``, ``~/.cache/ocache`` (ocache/paths.py)."""
     if args.cache_dir:
         return Path(args.cache_dir).expanduser() / "store"
-    from . import config as config_mod
+    from ocache import config as config_mod
 
     try:
         cfg = config_mod.load(getattr(args, "config", None))
@@ -42,7 +42,7 @@ def _meta_dir(args: argparse.Namespace) -> Path:
         cfg = None
     if cfg is not None and cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser() / "store"
-    from .paths import state_root
+    from ocache.paths import state_root
 
     return state_root() / "store"
 

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .paths import cache_root, file_lock, sha256_file
+from ocache.paths import cache_root, file_lock, sha256_file
 
 #: Bump when the generator's output changes for the same spec (it is part of every model key).
 #: 2: F32 matrices and ``logit_scale`` (robust greedy choice, see ``ModelSpec``).
@@ -190,7 +190,7 @@ def models_dir() -> Path:
 
 def _import_gguf():
     """The ``gguf`` package of the pinned llama.cpp source (it knows the ``qwen35`` arch)."""
-    from . import engine
+    from ocache import engine
 
     gdir = str(engine.gguf_py_dir())
     if gdir not in sys.path:
@@ -204,7 +204,7 @@ def _import_gguf():
 
 
 def _vocab_path() -> Path:
-    from . import engine
+    from ocache import engine
 
     path = engine.vocab_gguf()
     if not path.exists():

@@ -101,14 +101,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from . import admin
-from . import config as config_mod
-from . import figures
-from .config import Config
-from .convert import timings_from_usage
-from .layer import COMPLETION_ROUTES, CacheLayer, NullLayer, Observation, ParsedRequest, Plan
-from .stats import Stats
-from .upstream import Upstream
+from ocache import admin
+from ocache import config as config_mod
+from ocache import figures
+from ocache.config import Config
+from ocache.convert import timings_from_usage
+from ocache.layer import COMPLETION_ROUTES, CacheLayer, NullLayer, Observation, ParsedRequest, Plan
+from ocache.stats import Stats
+from ocache.upstream import Upstream
 
 log = logging.getLogger("ocache.proxy")
 
@@ -332,7 +332,7 @@ def default_layer_factory(no_cache: bool = False) -> Callable[[Upstream, Config]
     """``OCacheLayer`` from ``ocache.cache`` if importable (and not ``no_cache``), else NullLayer."""
     if not no_cache:
         try:
-            from .cache import OCacheLayer  # type: ignore[attr-defined]
+            from ocache.cache import OCacheLayer  # type: ignore[attr-defined]
 
             return OCacheLayer
         except ImportError as exc:
@@ -378,8 +378,8 @@ class Proxy:
     def _extra_routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:
         """Admin routes whose handlers live with their tier: ``POST /v1/cache/warm`` (``ocache warm
         DIR``, ocache/warm.py) and ``POST /v1/cache/drain`` (``ocache drain``, ocache/tiers/spill.py)."""
-        from .tiers.spill import make_drain_handler
-        from .warm import make_warm_handler
+        from ocache.tiers.spill import make_drain_handler
+        from ocache.warm import make_warm_handler
 
         def warm_deps() -> Any:
             get = getattr(self.layer, "warm_deps", None)
@@ -408,11 +408,11 @@ class Proxy:
         await self.close()
 
     async def start(self) -> None:
-        from .dashboard import install_event_log
+        from ocache.dashboard import install_event_log
 
         install_event_log()  # the dashboard's event list (ocache/dashboard.py)
         if self.config.record_dir:
-            from .record import Recorder
+            from ocache.record import Recorder
 
             self.recorder = Recorder(self.config.record_dir, redact=self.config.record_redact)
         await self.upstream.start(monitor=self._monitor)
@@ -539,7 +539,7 @@ class Proxy:
             self.stats.request(path, resp.status)
             return resp
         if path == "/ocache" or path.startswith("/ocache/"):  # the dashboard (ocache/dashboard.py)
-            from .dashboard import handle as dashboard
+            from ocache.dashboard import handle as dashboard
 
             resp = await dashboard(request, self.stats_body, bool(request.get(admin.ADMIN)))
             resp.headers.setdefault("X-OCache-Request-Id", rid)
@@ -1116,7 +1116,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     requests (``drain_timeout_s``), call ``layer.drain()``, and stop the launched child if any.
     ``ready(proxy, port)`` is called once listening. Raises OSError if the address is taken,
     ``supervisor.LaunchError`` if the child cannot be started."""
-    from .supervisor import LaunchError, Supervisor
+    from ocache.supervisor import LaunchError, Supervisor
 
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
@@ -1132,7 +1132,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     runner = None
     try:
         if config.launch:
-            from .paths import state_root
+            from ocache.paths import state_root
 
             # the child's stdout+stderr: where a failed start explains itself (tail logged on exit)
             supervisor = Supervisor(config.launch, binary=config.launch_binary,
@@ -1216,7 +1216,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"ocache serve: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # LaunchError and the like: a clear message, not a traceback
-        from .supervisor import LaunchError
+        from ocache.supervisor import LaunchError
 
         if isinstance(exc, LaunchError):
             print(f"ocache serve: {exc}", file=sys.stderr)

@@ -62,9 +62,9 @@ from typing import Any, Awaitable, Callable, Iterable
 import aiohttp
 import yaml
 
-from .convert import timings_from_usage
-from .exact import PROBS_FIELDS, Generation, compare, describe
-from .oracle import Oracle, OracleResult
+from ocache.convert import timings_from_usage
+from ocache.exact import PROBS_FIELDS, Generation, compare, describe
+from ocache.oracle import Oracle, OracleResult
 
 log = logging.getLogger("ocache.replay")
 
@@ -286,7 +286,7 @@ def scenario_from_recording(path: str | Path, max_tokens: int = 16,
     one's receipt (capped at ``max_gap_s``); requests that overlapped in the recording are sent
     when their recorded start comes. Raises ``record.RecordError`` for a redacted recording.
     """
-    from .record import read_stream
+    from ocache.record import read_stream
 
     entries = read_stream(path)
     steps: list[Step] = []
@@ -794,7 +794,7 @@ def _token_viewer(base_url: str) -> Any:
     """``ocache.tokens.TokenViewer`` on this server (its own HTTP session; the caller closes it)
     if that module is present, else None (the endpoints are called directly)."""
     try:
-        from .tokens import TokenViewer  # type: ignore[import-not-found]
+        from ocache.tokens import TokenViewer  # type: ignore[import-not-found]
     except ImportError:
         return None
     try:
@@ -850,7 +850,7 @@ def cold_request(upstream_url: str, path: str, body: dict) -> tuple[str, dict]:
     renders (ocache/convert.py): the Anthropic converter drops ``cache_prompt`` (the run would not
     be cold) and both answer in shapes ``post`` does not read when not streamed. The prompt and
     the sampling are the same, so is the greedy output."""
-    from .convert import CONVERTED_ROUTES, to_chat
+    from ocache.convert import CONVERTED_ROUTES, to_chat
 
     if path in CONVERTED_ROUTES:
         chat = to_chat(path, body)

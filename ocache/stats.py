@@ -31,7 +31,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .layer import COMPLETION_ROUTES
+from ocache.layer import COMPLETION_ROUTES
 
 #: Paths that keep their own label; everything else is counted as ``other`` (bounded cardinality).
 KNOWN_ROUTES = COMPLETION_ROUTES | {

@@ -26,7 +26,7 @@ import signal
 import time
 from pathlib import Path
 
-from .server import free_port
+from ocache.server import free_port
 
 log = logging.getLogger("ocache.supervisor")
 
@@ -53,7 +53,7 @@ def resolve_binary(args: list[str], binary: str | None, backend: str = "cpu") ->
         return binary, list(args)
     if args and not args[0].startswith("-") and os.path.isfile(args[0]) and os.access(args[0], os.X_OK):
         return args[0], list(args[1:])
-    from . import engine
+    from ocache import engine
 
     try:
         build = engine.find(stock=False, backend=backend)

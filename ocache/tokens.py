@@ -66,8 +66,8 @@ from typing import Any
 import aiohttp
 import xxhash
 
-from .convert import CONVERTED_ROUTES, ConversionError, to_chat
-from .fingerprint import Head, cut_body
+from ocache.convert import CONVERTED_ROUTES, ConversionError, to_chat
+from ocache.fingerprint import Head, cut_body
 
 log = logging.getLogger("ocache.tokens")
 
@@ -712,7 +712,7 @@ async def bench(url: str, bodies: Sequence[dict], repeat: int = 3) -> dict:
       turns are tokenized; the head is known);
     * ``cached_view``: an identical body again (hash lookups only).
     """
-    from .fingerprint import harness_head
+    from ocache.fingerprint import harness_head
 
     best: dict[str, float] = {}
     n_all = sum_next = 0

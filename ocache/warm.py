@@ -44,7 +44,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import xxhash
 
-from . import admin
+from ocache import admin
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class FolderJournal:
         if self._seen.get(folder) == digest:
             return folder
         entry["seen"] = time.time()
-        from .tiers.store import atomic_write
+        from ocache.tiers.store import atomic_write
 
         atomic_write(self.path(folder), json.dumps(entry).encode(), mode=0o600)
         self._seen[folder] = digest
@@ -160,7 +160,7 @@ class FolderJournal:
 
 def journal_for(config: Any = None) -> FolderJournal:
     """The folder journal under the configured cache dir (``<cache dir>/journal``, mode 0700)."""
-    from .paths import state_root
+    from ocache.paths import state_root
 
     cache_dir = getattr(config, "cache_dir", None)
     root = Path(cache_dir).expanduser() if cache_dir else state_root()
@@ -180,7 +180,7 @@ async def warm_folder(folder: str, *, journal: FolderJournal, viewer: Any, tier:
     (prefilled, possibly on top of a shorter anchor, then saved) or ``resident`` (already there).
     Raises NotSeenError, and whatever the view/slot calls raise.
     """
-    from .fingerprint import harness_head
+    from ocache.fingerprint import harness_head
 
     async def say(**kw: Any) -> None:
         if progress is not None:

@@ -69,10 +69,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from .base import Offer
-from .store import field_of as _get, sidecar_checkpoints
-from .store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, reserve_async, shared_store
-from ..slots import file_refused
+from ocache.tiers.base import Offer
+from ocache.tiers.store import field_of as _get, sidecar_checkpoints
+from ocache.tiers.store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, reserve_async, shared_store
+from ocache.slots import file_refused
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +422,7 @@ class DiskTier:
             cps = []
             if "ckpt" in e.files:
                 try:
-                    from ..slots import Checkpoint
+                    from ocache.slots import Checkpoint
 
                     cps = [Checkpoint(n) for n in sidecar_checkpoints(self.store.path(e.files["ckpt"].name))]
                 except ImportError:
@@ -536,7 +536,7 @@ def _slot_save_path(config: Any) -> Path | None:
 
 def store_meta_dir(config: Any = None) -> Path:
     """ocache's own 0700 directory for the store's records and index."""
-    from ..paths import state_root
+    from ocache.paths import state_root
 
     root = Path(_get(config, "cache_dir")) if _get(config, "cache_dir") else state_root()
     return root / "store"

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
-from ..slots import Reuse, ServerParams, SlotState, predict_reuse
-from .base import Offer
+from ocache.slots import Reuse, ServerParams, SlotState, predict_reuse
+from ocache.tiers.base import Offer
 
 #: Tie order of slot roles (higher first) when two slots offer the same score.
 ROLE_RANK = {"own": 5, "empty": 4, "unknown": 3, "guest": 3, "origin": 2, "other": 0}

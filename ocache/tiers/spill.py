@@ -101,11 +101,11 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from .base import Offer
-from .store import field_of as _get, sidecar_checkpoints
-from .store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
+from ocache.tiers.base import Offer
+from ocache.tiers.store import field_of as _get, sidecar_checkpoints
+from ocache.tiers.store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
                     prefix_hash, read_slot_tokens, reserve_async, shared_store)
-from ..slots import file_refused
+from ocache.slots import file_refused
 
 log = logging.getLogger("ocache.spill")
 
@@ -256,7 +256,7 @@ class SessionTier:
         return self.table.params
 
     def _entry_checkpoints(self, e: Any) -> list:
-        from ..slots import Checkpoint
+        from ocache.slots import Checkpoint
 
         return [Checkpoint(int(n)) for n in (e.meta.get("checkpoints") or [])]
 
@@ -512,7 +512,7 @@ class SessionTier:
         skey = session_key(_get(ctx, "session"), view)
         floor = int(_get(view, "head_end") or 0)
         best: tuple[int, Any, int] | None = None
-        from ..slots import common_prefix, predict_reuse
+        from ocache.slots import common_prefix, predict_reuse
 
         for e in entries:
             es = e.meta.get("session")
@@ -678,7 +678,7 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
     if budget <= 0:
         log.info("session tier off: spill_budget_gb is 0")
         return None
-    from .disk import store_meta_dir
+    from ocache.tiers.disk import store_meta_dir
 
     try:
         store = shared_store(store_meta_dir(config), data_dir, key, kind=KIND, kind_budget_bytes=budget,
@@ -704,7 +704,7 @@ def make_drain_handler(stop: Callable[[], None], admin_token: str | None):
     finish in-flight requests, ``layer.drain()`` spills, then exit)."""
     from aiohttp import web
 
-    from ..admin import denied
+    from ocache.admin import denied
 
     async def handle(request: web.Request) -> web.Response:
         refused = denied(request, admin_token)  # the one admin check (ocache/admin.py)
