@@ -21,7 +21,7 @@ Response headers of a planned request. They are sent before the body, so the tok
 from the plan: what ocache prefilled itself is measured (the steps ran before forwarding), the
 forwarded request's reuse is the prediction (``ocache.slots.predict_reuse``, off by at most one
 ubatch unless a misprediction is counted); the response body's corrected ``timings`` and ``usage``
-are the measured figures (``ocache/figures.py``).
+are the measured figures (``ocache/api/figures.py``).
 
 * ``X-OCache-Tier``: where the reused prefix came from — ``resident`` (left in the slot by earlier
   requests), ``head`` (the head tier: its slot file restored, or the harness head ocache keeps warm
@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Collection, Mapping, Sequence
 
-from ocache import convert
+from ocache.api import convert
 from ocache import fingerprint as fp_mod
 from ocache.slots import (Checkpoint, ServerParams, common_prefix, SlotError, SlotNotSupported, SlotTable,
                     params_from_argv, predict_reuse, simulate_prefill)
@@ -602,7 +602,7 @@ class OCacheLayer:
         path = req.path
         if path in convert.CONVERTED_ROUTES:
             # /v1/messages, /v1/responses: planned exactly like a chat request, on the chat body the
-            # server itself renders (ocache/convert.py)
+            # server itself renders (ocache/api/convert.py)
             if path in convert.ANTHROPIC_ROUTES and not self._anthropic_pin_ok():
                 self.counters["unpinnable"] += 1
                 return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": "other"})

@@ -17,14 +17,14 @@ from ocache import __version__
 #: Modules that contribute subcommands, in help order. A module missing a ``register`` is skipped.
 COMMAND_MODULES = [
     "ocache.proxy",
-    "ocache.top",
+    "ocache.commands.top",
     "ocache.warm",
     "ocache.tiers.spill",
-    "ocache.engine_cli",
-    "ocache.models",
+    "ocache.commands.engine",
+    "ocache.toolchain.models",
     "ocache.doctor",
-    "ocache.maintenance",
-    "ocache.bench",
+    "ocache.commands.maintenance",
+    "ocache.bench.run",
 ]
 
 

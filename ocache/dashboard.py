@@ -1,7 +1,7 @@
 """The live view of a running ocache: ``GET /ocache/`` (a page), ``GET /ocache/api/view`` (its JSON).
 
 One source of figures: :func:`view` turns the ``GET /v1/cache/stats`` body (``Proxy.stats_body``)
-into the shape the page, ``ocache top`` and ``ocache stats`` (ocache/top.py) show; nothing here counts
+into the shape the page, ``ocache top`` and ``ocache stats`` (ocache/commands/top.py) show; nothing here counts
 anything itself. The page (``ocache/data/dashboard/``: plain HTML + JS + the vendored Chart.js, see
 its README) polls ``/ocache/api/view`` once a second; it works offline.
 

@@ -62,7 +62,7 @@ DEFAULT_MARKERS: tuple[str, ...] = (
     "Current date:",
     "Current working directory:",
     # Claude Code 2.1.328 (/v1/messages, system blocks joined without a separator by the server's
-    # converter, ocache/convert.py): the first block is "x-anthropic-billing-header:
+    # converter, ocache/api/convert.py): the first block is "x-anthropic-billing-header:
     # cc_version=2.1.328.<3 hex>; cc_entrypoint=sdk-cli;" whose suffix changes with the *prompt*
     # (fixtures/claude_run6_otherprompt_agent_turn1.json vs claude_run1_agent_turn1.json: first
     # differing token 7,862); with a tools-first template the head is then the tools block alone.
@@ -267,7 +267,7 @@ def harness_head(
     per session would only waste warm-ups.
 
     One structural rule instead of a marker (Codex CLI 0.169.0 through ``/v1/responses``, converted
-    by ocache/convert.py): when ``messages[0]`` is a ``developer`` message with no marker and
+    by ocache/api/convert.py): when ``messages[0]`` is a ``developer`` message with no marker and
     ``messages[1]`` is another ``system``/``developer`` message, the whole first message is the
     head (``Head.whole``). Codex sends its base instructions as that first item, byte-identical
     across sessions, folders and days, and every volatile part as later items (skills with the

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Protocol, runtime_checkable
 
 #: POST routes that run a completion on llama-server (OpenAI chat/text, the native route, and the
-#: Anthropic Messages / OpenAI Responses routes the server converts to chat: ocache/convert.py).
+#: Anthropic Messages / OpenAI Responses routes the server converts to chat: ocache/api/convert.py).
 #: Their token-counting siblings (``/v1/messages/count_tokens``, ``/v1/responses/input_tokens``)
 #: are not here: forwarded as they are, they never take or evict a slot.
 COMPLETION_ROUTES = frozenset({
@@ -79,7 +79,7 @@ class Plan:
     ``release``: awaited once when the response is over (e.g. frees a per-slot lock).
     ``split_tokens``/``split_ms``: tokens (and their prefill milliseconds) the layer prefilled
     itself for this request before forwarding it (head warm-up, anchor split); when > 0 the proxy
-    corrects the reuse figures of the response, its log line and its stats (ocache/figures.py).
+    corrects the reuse figures of the response, its log line and its stats (ocache/api/figures.py).
     """
 
     body_updates: dict = field(default_factory=dict)

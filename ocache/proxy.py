@@ -21,7 +21,7 @@ Relay rules:
   with one exception: when the layer prefilled part of the prompt itself for this request
   (``Plan.split_tokens`` > 0), the reuse figures of a 200 completion response
   (``timings.cache_n``/``prompt_n``/``prompt_ms``, ``usage.prompt_tokens_details.cached_tokens``)
-  are corrected to count only what was reused from before the request (ocache/figures.py), in a
+  are corrected to count only what was reused from before the request (ocache/api/figures.py), in a
   stream line by line (a line is held back only until its end arrives).
 * A client disconnect cancels the handler (aiohttp ``handler_cancellation``) and closes the
   upstream connection at once; llama-server then cancels the task and the slot goes idle.
@@ -103,9 +103,9 @@ from yarl import URL
 
 from ocache import admin
 from ocache import config as config_mod
-from ocache import figures
+from ocache.api import figures
 from ocache.config import Config
-from ocache.convert import timings_from_usage
+from ocache.api.convert import timings_from_usage
 from ocache.layer import COMPLETION_ROUTES, CacheLayer, NullLayer, Observation, ParsedRequest, Plan
 from ocache.stats import Stats
 from ocache.upstream import Upstream
@@ -306,7 +306,7 @@ class _SSEObserver:
             if isinstance(obj.get("usage"), dict):
                 self.usage = obj["usage"]
             # Anthropic stream (no timings): message_start's usage has the prompt counts, the final
-            # message_delta's the output count (ocache/convert.py timings_from_usage)
+            # message_delta's the output count (ocache/api/convert.py timings_from_usage)
             start = obj.get("message") if obj.get("type") == "message_start" else None
             if isinstance(start, dict) and isinstance(start.get("usage"), dict):
                 self._anthropic = dict(start["usage"])
@@ -873,7 +873,7 @@ class Proxy:
         bounded by the request's ``sock_read``; ``timed``: also by a per-chunk timer of
         ``stream_idle_timeout_s`` (an SSE answer to a request whose body did not say
         ``"stream": true``, so whose ``sock_read`` is the longer read timeout). ``rewriter``: corrects
-        the reuse figures line by line (ocache/figures.py); the observer still reads the server's."""
+        the reuse figures line by line (ocache/api/figures.py); the observer still reads the server's."""
         sse = observer is not None or headers.get("Content-Type", "").startswith("text/event-stream")
         resp = web.StreamResponse(status=up_resp.status, reason=up_resp.reason, headers=headers)
         if sse:
@@ -981,7 +981,7 @@ class Proxy:
         headers = plan.headers if plan is not None else {}
         tier = headers.get("X-OCache-Tier") or "none"
         split = plan.split_tokens if plan is not None and obs.status == 200 else 0
-        # the figures the client read: reuse from before this request only (ocache/figures.py)
+        # the figures the client read: reuse from before this request only (ocache/api/figures.py)
         timings = figures.correct_timings(obs.timings, split, plan.split_ms if split else 0.0)
         t = timings or {}
         restore_ms = headers.get("X-OCache-Restore-Ms")
@@ -1077,7 +1077,7 @@ def request_line(rec: dict, method: str, disconnected: bool = False) -> str:
     ``POST /v1/chat/completions 200 agent slot 0: prefilled 77, reused 7,251 from resident,
     restore 18.2 ms; generated 4; ttft 329 ms, total 329 ms``. ``prefilled`` is the server's
     ``timings.prompt_n``, ``reused`` its ``cache_n`` (tokens; both as corrected for ``split``, the
-    tokens ocache prefilled itself for the request, ocache/figures.py), ``from`` the X-OCache-Tier; without
+    tokens ocache prefilled itself for the request, ocache/api/figures.py), ``from`` the X-OCache-Tier; without
     timings (an error, a non-llama-server answer) only status and times are shown."""
     def n(v: Any) -> str:
         return f"{int(v):,}" if isinstance(v, (int, float)) else "?"

@@ -5,7 +5,7 @@ Prompts are private data, so recording is off by default. When on, the proxy cal
 the cache layer planned and what happened upstream. Each proxy process appends to its own file
 ``DIR/stream-<UTC time>-<pid>.jsonl`` (one JSON object per line); the folder is created with mode
 0700 and the file with mode 0600. ``ocache bench --recording FILE`` replays such a file
-(:mod:`ocache.replay`), keeping the order and the gaps between requests.
+(:mod:`ocache.bench.replay`), keeping the order and the gaps between requests.
 
 A line (schema version 1)::
 

@@ -635,7 +635,7 @@ class SlotTable:
         self._task_seq = 0
         #: per slot: (tokens, ms) ocache itself prefilled there with :meth:`warm`, cumulative
         #: (``timings.prompt_n``/``prompt_ms``); the cache layer takes the delta over a request's
-        #: steps to correct the figures that request reports (ocache/figures.py)
+        #: steps to correct the figures that request reports (ocache/api/figures.py)
         self.own_prefill: dict[int, tuple[int, float]] = {}
 
     # -- table ----------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ class Stats:
     def completion(self, path: str, tier: str, timings: dict | None, ttft_s: float | None,
                    record: dict, split: int = 0) -> None:
         """Count one completion. ``timings``: the figures the client read (already corrected for
-        ``split``, the tokens ocache prefilled itself for the request: ocache/figures.py)."""
+        ``split``, the tokens ocache prefilled itself for the request: ocache/api/figures.py)."""
         route = route_label(path)
         completions, ttft, cached, processed, predicted, split_c, saved_c, extra_c = self._children(route, tier)
         completions.inc()

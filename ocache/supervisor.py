@@ -12,7 +12,7 @@ with status 1, printing the last child's log tail (each child's lines are told a
 offset at its start: earlier children's lines are never mixed in).
 
 The binary is ``Config.launch_binary`` if set, else the first argument if it is an executable file
-(``--launch -- /path/llama-server -m ...``), else the patched engine build of ``Config.launch_backend`` (``ocache.engine.find``).
+(``--launch -- /path/llama-server -m ...``), else the patched engine build of ``Config.launch_backend`` (``ocache.toolchain.engine.find``).
 ``--metrics`` is added when absent so that restart detection can read the boot id
 (docs/llama-server.md §5).
 """
@@ -26,7 +26,7 @@ import signal
 import time
 from pathlib import Path
 
-from ocache.server import free_port
+from ocache.llama.server import free_port
 
 log = logging.getLogger("ocache.supervisor")
 
@@ -53,7 +53,7 @@ def resolve_binary(args: list[str], binary: str | None, backend: str = "cpu") ->
         return binary, list(args)
     if args and not args[0].startswith("-") and os.path.isfile(args[0]) and os.access(args[0], os.X_OK):
         return args[0], list(args[1:])
-    from ocache import engine
+    from ocache.toolchain import engine
 
     try:
         build = engine.find(stock=False, backend=backend)

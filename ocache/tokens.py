@@ -9,7 +9,7 @@ parse_special=true)``, server-context.cpp:4280; ``/tokenize`` runs the same ``to
 server-common.cpp:867-901). For ``/completion``-style routes the ``prompt`` is tokenized directly
 (string or mixed string/token array) or taken as is (token array). The Anthropic Messages and
 OpenAI Responses routes (``/v1/messages``, ``/v1/responses``) are first converted to the chat form
-exactly as the server converts them (``ocache.convert``), then rendered like a chat request; the
+exactly as the server converts them (``ocache.api.convert``), then rendered like a chat request; the
 token count equals the server's own ``/v1/messages/count_tokens`` and ``/v1/responses/input_tokens``
 (tests/test_convert.py).
 
@@ -66,7 +66,7 @@ from typing import Any
 import aiohttp
 import xxhash
 
-from ocache.convert import CONVERTED_ROUTES, ConversionError, to_chat
+from ocache.api.convert import CONVERTED_ROUTES, ConversionError, to_chat
 from ocache.fingerprint import Head, cut_body
 
 log = logging.getLogger("ocache.tokens")

@@ -1,7 +1,7 @@
 """Shared test fixtures: the real (patched and stock) llama-server, generated models, fixtures.
 
-Integration tests run the real llama-server built from the pinned source (``ocache.engine``) on
-the small generated GGUF models (``ocache.models``), on free loopback ports, with ``-t 1``.
+Integration tests run the real llama-server built from the pinned source (``ocache.toolchain.engine``) on
+the small generated GGUF models (``ocache.toolchain.models``), on free loopback ports, with ``-t 1``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ocache import engine
-from ocache.server import LlamaServer
+from ocache.toolchain import engine
+from ocache.llama.server import LlamaServer
 
 SHARED = Path(os.environ.get("OCACHE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 FIXTURES = SHARED / "fixtures"
@@ -69,7 +69,7 @@ def engine_stock() -> engine.EngineBuild:
 @pytest.fixture(scope="session")
 def models_tiny() -> dict[str, Path]:
     """{"dense": qwen3 GGUF, "hybrid": qwen35 GGUF} of the ``tiny`` preset."""
-    from ocache import models
+    from ocache.toolchain import models
 
     return models.make("tiny")
 

@@ -7,7 +7,7 @@ one ubatch" is a tight bound, ``-b 512``, ``--cache-ram 0``), except where a tes
 requests go through the proxy in-process (``Proxy`` + ``OCacheLayer``) and stream as the clients do.
 
 What is checked, per issue 11:
-* the token view of both routes (``ocache.convert`` + ``/apply-template`` + ``/tokenize``) has exactly
+* the token view of both routes (``ocache.api.convert`` + ``/apply-template`` + ``/tokenize``) has exactly
   the server's own ``/v1/messages/count_tokens`` / ``/v1/responses/input_tokens`` count;
 * both clients' harness heads are one key across folders and prompts (``ocache.fingerprint``);
 * a new Claude Code / Codex session in another folder resumes from the head (cache_n >= 7,000 /
@@ -31,7 +31,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from ocache import convert
+from ocache.api import convert
 from ocache import fingerprint as fp
 from ocache.cache import OCacheLayer
 from ocache.config import Config

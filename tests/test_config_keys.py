@@ -29,7 +29,7 @@ from ocache import proxy as proxy_mod
 from ocache.config import Config
 from ocache.layer import NullLayer
 from ocache.proxy import RUNNER_KWARGS, Proxy
-from ocache.server import free_port
+from ocache.llama.server import free_port
 
 IDENTITY = "test-identity-0123456789abcdef"
 

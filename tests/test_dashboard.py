@@ -1,5 +1,5 @@
 """The live view (issue 14): ``GET /ocache/`` + ``/ocache/api/view`` (ocache/dashboard.py), the
-per-request log line, ``ocache stats`` / ``ocache top`` (ocache/top.py).
+per-request log line, ``ocache stats`` / ``ocache top`` (ocache/commands/top.py).
 
 The integration tests run ``python -m ocache serve`` as a child in front of the real tiny
 llama-server (2 slots), send captured opencode requests, and compare what the page (in Debian's
@@ -26,7 +26,7 @@ import yaml
 from conftest import load_fixture, load_headers
 from ocache import dashboard
 from ocache.proxy import request_line
-from ocache.server import free_port
+from ocache.llama.server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "dash-token"

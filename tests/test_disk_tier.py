@@ -321,7 +321,7 @@ def test_warm_cli_unknown_folder_and_no_server(tmp_path, capsys):
 
     from ocache.cli import main
     from ocache.warm import FolderJournal, WarmDeps, make_warm_handler
-    from ocache.server import free_port
+    from ocache.llama.server import free_port
 
     j = FolderJournal(tmp_path / "journal")
     deps = WarmDeps(journal=j, viewer=None, tier=None, slots=None, pick_slot=None)
@@ -390,7 +390,7 @@ async def test_warm_dir_after_restart_serves_the_first_turn_from_the_warmed_slot
     from aiohttp import web
 
     from ocache.cli import main
-    from ocache.server import free_port
+    from ocache.llama.server import free_port
     from ocache.warm import FolderJournal, WarmDeps, make_warm_handler
 
     h = await harness(model)

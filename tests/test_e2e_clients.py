@@ -1,7 +1,7 @@
 """End to end with the real clients: opencode (and pi) → ``ocache serve`` → the real llama-server.
 
 The clients are installed from the npm registry (pinned, cached outside the checkout:
-``ocache/clients.py``) and run unmodified with a temp HOME; only their provider's base URL points
+``ocache/toolchain/clients.py``) and run unmodified with a temp HOME; only their provider's base URL points
 at ocache. The tiny generated model answers random text, so each run is one agent turn (plus
 opencode's title request) and the client stops; what matters is the requests it sent and how much
 of each prompt llama-server found cached.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from ocache import clients
-from ocache.server import free_port
+from ocache.toolchain import clients
+from ocache.llama.server import free_port
 
 
 #: Server shape: opencode's agent turn is ~7-8k tokens (tools + system prompt), so 16k per slot;

@@ -1,6 +1,6 @@
 """GPU builds are found by every command that finds the CPU one (issue 17, item 5).
 
-No GPU backend is built: a fake *installed* build (the layout ``ocache.engine.build`` leaves:
+No GPU backend is built: a fake *installed* build (the layout ``ocache.toolchain.engine.build`` leaves:
 ``engine/llama-server-<key>/bin/llama-server`` + ``stamp.json``, keyed by ``build_key(patches,
 backend)``) is placed under a temporary ``OCACHE_CACHE_DIR``, and ``engine.find``, ``ocache engine
 path --backend`` and the ``--launch`` binary resolution must find it, and only for its backend.
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ocache import engine, supervisor
+from ocache import supervisor
+
+from ocache.toolchain import engine
 
 ROOT = Path(__file__).resolve().parents[1]
 

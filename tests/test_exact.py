@@ -1,4 +1,4 @@
-"""``ocache.exact``: the comparison itself (pure), and proof that it bites on a wrong restored state.
+"""``ocache.bench.exact``: the comparison itself (pure), and proof that it bites on a wrong restored state.
 
 The server tests restore a slot file that holds another conversation's state under this
 conversation's token list (the server then reuses it in full, as it would a corrupted or
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from ocache.exact import TOL_NATS, Generation, compare, describe
+from ocache.bench.exact import TOL_NATS, Generation, compare, describe
 
 
 def gen(tokens, margins, logprobs=None, top2=None):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from ocache import figures
+from ocache.api import figures
 from ocache.config import Config
 
 from test_spill import CHAT, SERVER, UB, body_of, forget_store, session_headers, through_ocache

@@ -26,7 +26,7 @@ from aiohttp.test_utils import TestServer
 from ocache.config import Config
 from ocache.layer import NullLayer
 from ocache.proxy import RUNNER_KWARGS, Proxy, default_layer_factory, serve
-from ocache.server import free_port
+from ocache.llama.server import free_port
 
 from test_proxy import FakeUpstream, client, fake_upstream, normalise, poll
 
@@ -400,7 +400,7 @@ async def test_request_during_real_model_load_is_held_not_fail_open(engine_patch
     """ocache first, then llama-server: a request sent while the real server answers 503 "Loading
     model" is held and served (200), with no fail-open mark and no ERROR. The load takes ~0.3 s on
     the tiny model; a start whose window the client missed is retried (at most 5)."""
-    from ocache.server import LlamaServer
+    from ocache.llama.server import LlamaServer
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

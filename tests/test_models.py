@@ -1,4 +1,4 @@
-"""The generated GGUF models (``ocache.models``) and the shipped chat template.
+"""The generated GGUF models (``ocache.toolchain.models``) and the shipped chat template.
 
 Unit part: presets are valid, bad specs are refused, generation is cached and byte-deterministic.
 Server part: both ``tiny`` models load in the real llama-server of the pinned source (the stock
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ocache import models
+from ocache.toolchain import models
 from ocache.paths import cache_root, repo_root
-from ocache.server import LlamaServer
+from ocache.llama.server import LlamaServer
 
 from conftest import FIXTURES, load_fixture
 
@@ -303,7 +303,7 @@ def test_batching_noise_is_far_below_the_margin(start_server, kind):
     """The generated models' next-token choice is robust: 8 prompts run alone, then all 8 batched
     on -np 4, give the same greedy tokens up to the reference's first near-tie, the largest
     log-probability difference of a token between the two runs (the batching noise) is far below
-    ``ocache.exact.TOL_NATS``, and near-ties (top-1 margin < TOL_NATS) are rare, so exactness checks
+    ``ocache.bench.exact.TOL_NATS``, and near-ties (top-1 margin < TOL_NATS) are rare, so exactness checks
     compare most generated tokens. This is the measurement behind ``TOL_NATS``; on the F16 models
     of generator version 1 (logits 0.16 nats wide over 151k tokens) the median margin was 0.025
     nats, 40x below the tolerance, and 1 answer of 8 flipped under batching."""
@@ -312,7 +312,7 @@ def test_batching_noise_is_far_below_the_margin(start_server, kind):
 
     import aiohttp
 
-    from ocache.exact import TOL_NATS, Generation, compare, describe
+    from ocache.bench.exact import TOL_NATS, Generation, compare, describe
 
     srv = start_server(kind, n_parallel=4, ctx_size=4 * 4096)
     prompts = [" ".join(random.Random(i).choice(NOISE_WORDS) for _ in range(300 + 37 * i))

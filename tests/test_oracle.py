@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ocache.oracle import Oracle, common_prefix, efficiency, replay_oracle
+from ocache.bench.oracle import Oracle, common_prefix, efficiency, replay_oracle
 
 
 def seq(start: int, n: int) -> list[int]:

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from ocache import engine
-from ocache.exact import Generation, compare, describe
-from ocache.server import LlamaServer
+from ocache.toolchain import engine
+from ocache.bench.exact import Generation, compare, describe
+from ocache.llama.server import LlamaServer
 
 from conftest import load_fixture
 
@@ -296,7 +296,7 @@ def test_sidecar_layout(start_server, corpus, tmp_path):
 
 def test_greedy_output_after_restore_equals_cold_prefill(start_server, corpus):
     """Restore + resume from a checkpoint gives the same greedy tokens as a cold prefill, judged by
-    ``ocache.exact`` (token by token up to the cold run's first near-tie, log-probabilities within
+    ``ocache.bench.exact`` (token by token up to the cold run's first near-tie, log-probabilities within
     its stated tolerance)."""
     prompt = diverging(corpus, N_PROMPT - 100)
     out = {}

@@ -26,7 +26,7 @@ from aiohttp.test_utils import TestServer
 from ocache.config import Config
 from ocache.layer import NullLayer, Plan
 from ocache.proxy import RUNNER_KWARGS, Proxy, forward_request_headers, host_name, serve
-from ocache.server import free_port
+from ocache.llama.server import free_port
 from multidict import CIMultiDict
 
 from conftest import load_fixture

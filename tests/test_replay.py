@@ -11,7 +11,7 @@ import pytest
 
 from ocache.layer import Observation, ParsedRequest, Plan
 from ocache.record import Recorder
-from ocache.replay import (Answer, PrefillMeter, ScenarioError, Target, apply_edits,
+from ocache.bench.replay import (Answer, PrefillMeter, ScenarioError, Target, apply_edits,
                            assign_server_prefill, load_scenario, measure, next_turn, prepare_body,
                            replay, scenario_from_recording)
 from conftest import FIXTURES, load_fixture
@@ -172,7 +172,7 @@ steps:
     assert rows[2].oracle.reuse >= agent.response.usage["prompt_tokens"]
     # a cold request on a fresh server is trivially exact
     assert rows[0].exact is True and rows[1].exact is True
-    # exactness was judged per token (ocache.exact), and over most of the generated tokens
+    # exactness was judged per token (ocache.bench.exact), and over most of the generated tokens
     assert all(r.exact_tokens is not None for r in rows), [(r.label, r.exact_tokens) for r in rows]
     assert sum(r.exact_tokens for r in rows) >= 2 * len(rows), [(r.label, r.exact_tokens) for r in rows]
     # after the restart a plain llama-server has nothing: full prefill
@@ -186,7 +186,7 @@ steps:
 @pytest.mark.slow
 def test_bench_tiny_writes_table_and_plot(tmp_path, engine_stock, engine_patched, models_tiny):
     need_fixtures()
-    from ocache.bench import Bench
+    from ocache.bench.run import Bench
 
     sc = load_scenario(write(tmp_path, """
 name: smoke
@@ -224,7 +224,7 @@ steps:
 
 
 def test_server_prefill_is_split_by_step_and_prompt_n():
-    from ocache.replay import Response, Sent, assign_server_prefill
+    from ocache.bench.replay import Response, Sent, assign_server_prefill
 
     def sent(i, step, mark, prompt_n, n_tokens):
         r = Response(200, Answer(), {"prompt_n": prompt_n}, {"prompt_tokens": n_tokens}, 0.1,
@@ -267,7 +267,7 @@ def test_bench_plots_keep_title_and_labels_inside_and_one_plot_per_scenario(tmp_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ocache.bench import Bench
+    from ocache.bench.run import Bench
 
     def run(prefills, oracle):
         rows = [NS(index=i, server_prefill=p, prompt_n=p, oracle=NS(prefill=o), restart_before=(i == 2))

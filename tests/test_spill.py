@@ -30,7 +30,7 @@ from aiohttp.test_utils import TestServer
 
 from ocache.cache import OCacheLayer
 from ocache.config import Config
-from ocache.exact import PROBS_FIELDS, Generation, compare, describe
+from ocache.bench.exact import PROBS_FIELDS, Generation, compare, describe
 from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.tiers import spill as spill_mod
 from ocache.tiers import store as store_mod
@@ -222,7 +222,7 @@ def session_turn2(i: int, first: dict, answer: dict) -> dict:
 @pytest.mark.parametrize("model", MODELS)
 async def test_eight_sessions_on_two_slots_never_cross(start_server, tmp_path, model):
     """8 concurrent sessions on -np 2 with spills forced by a low threshold (200 tokens): every
-    response equals a cold run of the same prompt alone on the server (``ocache.exact``: greedy
+    response equals a cold run of the same prompt alone on the server (``ocache.bench.exact``: greedy
     tokens up to the cold run's first near-tie, log-probabilities within its tolerance), so no
     state crossed sessions; the batching of concurrent requests is noise the check allows for."""
     srv = start_server(model, n_parallel=2, ctx_size=2 * 4096, **SERVER)
@@ -433,7 +433,7 @@ def test_drain_command_calls_the_route(tmp_path, capsys):
 
     from aiohttp import web
 
-    from ocache.server import free_port
+    from ocache.llama.server import free_port
 
     stopped = threading.Event()
     app = web.Application()

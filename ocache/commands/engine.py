@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ocache import engine
+from ocache.toolchain import engine
 
 
 def register(sub: argparse._SubParsersAction) -> None:

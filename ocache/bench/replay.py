@@ -5,7 +5,7 @@ client captures in ``shared/fixtures`` (used by path, never copied) or a stream 
 ``ocache serve --record`` (:mod:`ocache.record`). :func:`replay` sends them to a target URL in
 order, keeping the gaps between them (scaled), running ``parallel`` groups concurrently (the
 title request opencode sends beside its agent turn), restarting the llama-server process where a
-step says ``restart: true`` (the harness owns that process, :class:`ocache.server.LlamaServer`),
+step says ``restart: true`` (the harness owns that process, :class:`ocache.llama.server.LlamaServer`),
 and growing sessions turn by turn from the model's own answers.
 
 Scenario file::
@@ -43,7 +43,7 @@ tokenizes each prompt with the server's own template and tokenizer (``/apply-tem
 ``/tokenize``, or ``ocache.tokens.TokenViewer`` when present), runs each distinct request once
 more **cold** (``cache_prompt: false``: a fresh prefill, docs/llama-server.md §8, §11) to
 get the reference greedy output, its generated token ids (``return_tokens`` + ``verbose``) and a
-cold TTFT, and computes the oracle (:mod:`ocache.oracle`) over the stream.
+cold TTFT, and computes the oracle (:mod:`ocache.bench.oracle`) over the stream.
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ from typing import Any, Awaitable, Callable, Iterable
 import aiohttp
 import yaml
 
-from ocache.convert import timings_from_usage
-from ocache.exact import PROBS_FIELDS, Generation, compare, describe
-from ocache.oracle import Oracle, OracleResult
+from ocache.api.convert import timings_from_usage
+from ocache.bench.exact import PROBS_FIELDS, Generation, compare, describe
+from ocache.bench.oracle import Oracle, OracleResult
 
-log = logging.getLogger("ocache.replay")
+log = logging.getLogger("ocache.bench.replay")
 
 #: Request headers replayed from a fixture's ``headers/*.headers.json`` or a recording.
 REPLAY_HEADERS = ("user-agent", "x-session-affinity", "x-session-id",
@@ -312,7 +312,7 @@ def prepare_body(body: dict, max_tokens: int) -> dict:
     """A deterministic copy of a client body: greedy (``temperature: 0``, ``seed: 0``), the
     generation limit set to ``max_tokens`` tokens (the client's own limit keys are removed), and the
     top-2 log-probabilities of every generated token asked for, so exactness is judged per token
-    (``ocache.exact``; these fields shape only the response, not the prompt or the cache)."""
+    (``ocache.bench.exact``; these fields shape only the response, not the prompt or the cache)."""
     out = copy.deepcopy(body)
     for k in GEN_LIMIT_KEYS:
         out.pop(k, None)
@@ -413,7 +413,7 @@ class Response:
     headers: dict
     error: str | None = None
     tokens: list[int] | None = None      # generated ids (cold runs: return_tokens + verbose)
-    generation: Generation | None = None  # per-token ids and top-2 log-probabilities (ocache.exact)
+    generation: Generation | None = None  # per-token ids and top-2 log-probabilities (ocache.bench.exact)
 
 
 def _merge_tool_deltas(calls: list[dict], deltas: list) -> None:
@@ -818,7 +818,7 @@ def describe_mismatch(got: Answer, cold: Answer) -> str:
 
 
 def judge(cold: Response, got: Response) -> tuple[bool, str, int | None]:
-    """Whether ``got`` is exact against the cold run: per token with ``ocache.exact.compare`` when
+    """Whether ``got`` is exact against the cold run: per token with ``ocache.bench.exact.compare`` when
     both carry log-probabilities (the harness asks for them), else the parsed answers must be
     equal. Returns (exact, what differs, tokens compared; None for the text comparison)."""
     if cold.generation is not None and got.generation is not None:
@@ -847,10 +847,10 @@ def cold_body(body: dict) -> dict:
 def cold_request(upstream_url: str, path: str, body: dict) -> tuple[str, dict]:
     """(url, body) of the cold reference run of a request to ``path``. ``/v1/messages`` and
     ``/v1/responses`` bodies go to ``/v1/chat/completions`` in the chat form the server itself
-    renders (ocache/convert.py): the Anthropic converter drops ``cache_prompt`` (the run would not
+    renders (ocache/api/convert.py): the Anthropic converter drops ``cache_prompt`` (the run would not
     be cold) and both answer in shapes ``post`` does not read when not streamed. The prompt and
     the sampling are the same, so is the greedy output."""
-    from ocache.convert import CONVERTED_ROUTES, to_chat
+    from ocache.api.convert import CONVERTED_ROUTES, to_chat
 
     if path in CONVERTED_ROUTES:
         chat = to_chat(path, body)
@@ -879,7 +879,7 @@ class Row:
     ttft_s: float | None
     cold_ttft_s: float | None
     exact: bool | None            # greedy output == cold run (None: could not compare)
-    exact_tokens: int | None      # tokens ocache.exact compared (None: compared as text)
+    exact_tokens: int | None      # tokens ocache.bench.exact compared (None: compared as text)
     restart_before: bool
     ocache: dict                  # X-OCache-* response headers
     error: str | None = None

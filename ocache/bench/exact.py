@@ -25,7 +25,7 @@ tokens:
 noise measured on the generated models (max |delta log-prob| of the same token over 8 prompts x 32
 tokens, each run alone vs all 8 batched: 3.3e-3 hybrid, 4.8e-3 dense; command:
 ``tests/test_models.py::test_batching_noise_is_far_below_the_margin``). The models are generated so
-that near-ties are rare (``ocache/models.py``: F32 weights, logits scaled to a peaked distribution;
+that near-ties are rare (``ocache/toolchain/models.py``: F32 weights, logits scaled to a peaked distribution;
 median top-1 margin 0.6 nats, 1st percentile 0.014), so a comparison nearly always runs the whole answer.
 A wrong state moves the logits by whole nats and fails at the first token
 (``tests/test_exact.py`` restores another conversation's slot file and checks that it does).

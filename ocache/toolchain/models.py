@@ -83,7 +83,7 @@ class ModelSpec:
 
     ``weight_type`` and ``logit_scale`` make the greedy choice robust to *batching noise* (the
     server's arithmetic differs slightly with the ubatch split and with the sequences batched
-    together; ``ocache/exact.py``). ``logit_scale`` is the final RMS-norm weight: with the small
+    together; ``ocache/bench/exact.py``). ``logit_scale`` is the final RMS-norm weight: with the small
     tied embedding the logits of generator version 1 spanned ~0.16 nats over 151k tokens (top-1
     log-probability -11.2, median top-1 margin 0.025 nats), so noise flipped the argmax (1 answer
     in 8 under batching); scaled by 25 they are peaked (top-1 log-probability ~ -2, median margin
@@ -177,7 +177,7 @@ def _log(msg: str) -> None:
 
 def template_path() -> Path:
     """The shipped chat template (``--chat-template-file`` accepts it; also embedded in the models)."""
-    return Path(__file__).resolve().parent / "data" / "chat_template.jinja"
+    return Path(__file__).resolve().parent.parent / "data" / "chat_template.jinja"
 
 
 def models_dir() -> Path:
@@ -190,7 +190,7 @@ def models_dir() -> Path:
 
 def _import_gguf():
     """The ``gguf`` package of the pinned llama.cpp source (it knows the ``qwen35`` arch)."""
-    from ocache import engine
+    from ocache.toolchain import engine
 
     gdir = str(engine.gguf_py_dir())
     if gdir not in sys.path:
@@ -204,7 +204,7 @@ def _import_gguf():
 
 
 def _vocab_path() -> Path:
-    from ocache import engine
+    from ocache.toolchain import engine
 
     path = engine.vocab_gguf()
     if not path.exists():

@@ -1,7 +1,7 @@
 """``ocache bench``: replay real agent sessions against stock llama-server, tuned llama-server and
 ocache, side by side in one run, and measure each against the prefill oracle.
 
-Three configurations, same model, same source build (``ocache.engine``), one at a time on the
+Three configurations, same model, same source build (``ocache.toolchain.engine``), one at a time on the
 machine (never two heavy processes at once), each scenario on freshly started processes:
 
 * **a** - the stock build with stock defaults: only model, address, context size, threads and
@@ -47,15 +47,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ocache.exact import TOL_NATS
+from ocache.bench.exact import TOL_NATS
 from ocache.paths import repo_root
 import aiohttp
 
-from ocache.replay import (PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
+from ocache.bench.replay import (PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
                      measure, replay, scenario_from_recording)
-from ocache.server import LlamaServer, ServerError, free_port
+from ocache.llama.server import LlamaServer, ServerError, free_port
 
-log = logging.getLogger("ocache.bench")
+log = logging.getLogger("ocache.bench.run")
 
 CONFIGS = ("a", "b", "c")
 CONFIG_TITLES = {
@@ -274,7 +274,8 @@ class Bench:
 
     # --- processes ----------------------------------------------------------------------------
     def _prepare(self) -> None:
-        from ocache import engine, models
+        from ocache.toolchain import engine
+        from ocache.toolchain import models
 
         self.builds = {"stock": engine.build(stock=True)}
         if "c" in self.configs:
@@ -541,7 +542,7 @@ class Bench:
             "= client TTFT divided by that of a cold run (`cache_prompt: false`) of the same "
             "request; exact = the greedy tokens equal that cold run's (run alone, not streamed) "
             "up to its first near-tie, with every compared token's log-probability within "
-            f"{TOL_NATS} nats (`ocache/exact.py`: past a near-tie the continuation is not defined "
+            f"{TOL_NATS} nats (`ocache/bench/exact.py`: past a near-tie the continuation is not defined "
             "by the state, batching noise may flip it). "
             + ("Cold runs: on each configuration's own llama-server.\n"
                if p.cold == "per-config" else
