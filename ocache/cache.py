@@ -19,7 +19,7 @@ the head gets it restored first when that is cheaper than prefilling it (the ``h
 
 Response headers of a planned request. They are sent before the body, so the token counts come
 from the plan: what ocache prefilled itself is measured (the steps ran before forwarding), the
-forwarded request's reuse is the prediction (``ocache.slots.predict_reuse``, off by at most one
+forwarded request's reuse is the prediction (``ocache.llama.reuse.predict_reuse``, off by at most one
 ubatch unless a misprediction is counted); the response body's corrected ``timings`` and ``usage``
 are the measured figures (``ocache/api/figures.py``).
 
@@ -49,8 +49,10 @@ from typing import Any, Collection, Mapping, Sequence
 
 from ocache.api import convert
 from ocache import fingerprint as fp_mod
-from ocache.slots import (Checkpoint, ServerParams, common_prefix, SlotError, SlotNotSupported, SlotTable,
-                    params_from_argv, predict_reuse, simulate_prefill)
+from ocache.llama import flags as llama_flags, gguf as llama_gguf
+from ocache.llama.reuse import Checkpoint, common_prefix, predict_reuse, simulate_prefill
+from ocache.llama.flags import ServerParams, params_from_argv
+from ocache.slots import SlotError, SlotNotSupported, SlotTable
 from ocache.tiers.base import Offer, Tier
 from ocache.tokens import TokenViewError
 from ocache.tiers.resident import (RequestContext, SlotChoice, eviction_choice, overwrite_choice, ram_swap_possible,
@@ -71,7 +73,7 @@ class Decision:
 
     ``slot``: the slot to pin. ``tier``: where the reused prefix comes from (``resident``, an
     offer's tier, ``head`` for a warm-up in place, ``cold``). ``predicted``/``upper``: the predicted
-    ``cache_n`` and the most the server may reuse (see ``ocache.slots.Reuse``). ``steps``: what to do
+    ``cache_n`` and the most the server may reuse (see ``ocache.llama.reuse.Reuse``). ``steps``: what to do
     before forwarding, in order: ``before_evict``, ``warm_head``, ``bring``. ``evicts``: the slot
     holds another live conversation. ``choice``: the resident ranking entry of the slot.
     """
@@ -581,10 +583,10 @@ class OCacheLayer:
     def _ident(self) -> Any:
         if self._identity is None:
             props = getattr(self.upstream, "props", None) or {}
-            flags = fp_mod.state_flags(self.argv, props)
+            flags = llama_flags.state_flags(self.argv, props)
             path = props.get("model_path")
             try:
-                gguf = fp_mod.gguf_identity(path) if path else None
+                gguf = llama_gguf.gguf_identity(path) if path else None
             except (OSError, ValueError):
                 gguf = None
             self._identity = fp_mod.identity(gguf, props.get("build_info", ""),

@@ -323,7 +323,7 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
                         "overwrote it, restore it there from the head's slot file"),
         "reconcile": ("bool", "true", "GET /slots before each plan to correct the slot table"),
         "<ServerParams.field>": ("any", "from the argv",
-                                 "override one field of ocache.slots.ServerParams (e.g. n_ubatch, "
+                                 "override one field of ocache.llama.flags.ServerParams (e.g. n_ubatch, "
                                  "checkpoints, checkpoint_min_step)"),
     },
     "disk": {
@@ -348,14 +348,14 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
 }
 
 #: Keys each tier reads from ``tiers.<name>``; the resident tier also takes any
-#: ``ocache.slots.ServerParams`` field as an override.
+#: ``ocache.llama.flags.ServerParams`` field as an override.
 TIER_KEYS = {name: {k for k in keys if not k.startswith("<")} for name, keys in TIER_DOCS.items()}
 
 
 def check_tiers(tiers: Mapping[str, Any]) -> None:
     """Reject unknown tier names and keys under ``tiers:`` (a typo there would silently drop the
     server flags ocache needs). Raises ConfigError."""
-    from ocache.slots import ServerParams
+    from ocache.llama.flags import ServerParams
 
     for name, sub in (tiers or {}).items():
         if name not in TIER_KEYS:

@@ -41,7 +41,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ocache.slots import ServerParams, params_from_argv
+from ocache.llama.flags import ServerParams, params_from_argv
 
 OK, INFO, WARN, ERROR, UNKNOWN = "ok", "info", "warning", "error", "unknown"
 

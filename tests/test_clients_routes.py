@@ -38,7 +38,7 @@ from ocache.config import Config
 from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.tokens import TokenViewer
 
-from ocache.slots import common_prefix
+from ocache.llama.reuse import common_prefix
 from conftest import FIXTURES, load_fixture, load_headers
 
 UB = 128

@@ -461,7 +461,7 @@ async def p_resident_reconcile(tmp_path, mp):
 
 
 async def p_resident_server_params(tmp_path, mp):
-    from ocache.slots import params_from_argv
+    from ocache.llama.flags import params_from_argv
 
     layer = _layer(tiers={"resident": {"n_ubatch": 256}})
     assert layer.param_overrides == {"n_ubatch": 256}

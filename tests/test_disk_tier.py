@@ -18,7 +18,9 @@ import aiohttp
 import pytest
 
 from ocache import fingerprint as fp
-from ocache.slots import SlotTable, params_from_argv
+from ocache.llama import flags as llama_flags
+from ocache.slots import SlotTable
+from ocache.llama.flags import params_from_argv
 from ocache.tiers.disk import DiskConfig, DiskTier, DiskTierError
 from ocache.tiers.store import IntegrityError, Store
 from ocache.tokens import TokenViewer, TokenViewError
@@ -50,7 +52,7 @@ class Harness:
             props = await r.json()
         argv = self.srv.command()
         self.identity = fp.identity(str(self.srv.model), props.get("build_info", ""),
-                                    props.get("chat_template", ""), fp.state_flags(argv, props))
+                                    props.get("chat_template", ""), llama_flags.state_flags(argv, props))
         self.slots = SlotTable(self.session, self.srv.url, params_from_argv(argv, props))
         await self.slots.refresh()
         self.viewer = TokenViewer(self.srv.url)

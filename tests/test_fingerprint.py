@@ -14,6 +14,7 @@ import struct
 import pytest
 
 from ocache import fingerprint as fp
+from ocache.llama import flags as llama_flags, gguf as llama_gguf
 from conftest import load_fixture
 
 OPENCODE_AGENT = [
@@ -28,7 +29,7 @@ TITLES = ["opencode_title.json", "opencode_run2_title.json", "opencode_run3_proj
 
 
 def _ident(**over):
-    flags = fp.parse_server_flags(["llama-server", "-np", "2", "-c", "8192", "-fa", "off", "-ub", "512"])
+    flags = llama_flags.parse_flags(["llama-server", "-np", "2", "-c", "8192", "-fa", "off", "-ub", "512"])
     args = dict(gguf={"size": 1000, "mtime_ns": 1, "header_xxh3_128": "ab" * 16}, build_info="b1-0c1e570",
                 chat_template="{{ messages }}", flags=flags)
     args.update(over)
@@ -291,8 +292,8 @@ def test_changed_template_build_gguf_or_flag_changes_the_fingerprint():
 def test_each_state_shaping_flag_changes_the_identity(extra):
     head = fp.harness_head(load_fixture("opencode_agent_turn1.json"))
     argv = ["llama-server", "-np", "2", "-c", "8192", "-fa", "off", "-ub", "512"]
-    a = fp.parse_server_flags(argv)
-    b = fp.parse_server_flags(argv + extra)
+    a = llama_flags.parse_flags(argv)
+    b = llama_flags.parse_flags(argv + extra)
     assert a != b
     assert fp.fingerprint(head, _ident(flags=a)) != fp.fingerprint(head, _ident(flags=b))
 
@@ -306,8 +307,8 @@ def test_flags_that_do_not_shape_a_saved_state_keep_the_identity(extra):
     """Slot count, context size, batch sizes, checkpoint spacing, unified KV and
     offload do not change what a slot file holds; aliases and spellings of the same value are one."""
     argv = ["llama-server", "-np", "2", "-c", "8192", "-fa", "on", "-ub", "512", "--rope-freq-base", "10000"]
-    a = fp.parse_server_flags(argv)
-    b = fp.parse_server_flags(argv + extra)
+    a = llama_flags.parse_flags(argv)
+    b = llama_flags.parse_flags(argv + extra)
     assert _ident(flags=a).key == _ident(flags=b).key
 
 
@@ -321,38 +322,40 @@ def test_defaults_are_filled_in_and_props_sizes_ignored():
               "--host", "127.0.0.1", "--port", "9999"]
     p1 = {"default_generation_settings": {"n_ctx": 4096}, "total_slots": 2}
     p2 = {"default_generation_settings": {"n_ctx": 8192}, "total_slots": 2}
-    assert _ident(flags=fp.state_flags(yaml_args, p1)).key == _ident(flags=fp.state_flags(launch, p2)).key
-    assert _ident(flags={}).key == _ident(flags=fp.state_flags(launch, p1)).key
+    assert _ident(flags=llama_flags.state_flags(yaml_args, p1)).key == _ident(flags=llama_flags.state_flags(launch, p2)).key
+    assert _ident(flags={}).key == _ident(flags=llama_flags.state_flags(launch, p1)).key
 
 
 def test_flags_that_do_not_shape_state_do_not_change_it():
     argv = ["llama-server", "-np", "2", "-c", "8192"]
-    assert fp.parse_server_flags(argv) == fp.parse_server_flags(
+    more = llama_flags.parse_flags(
         argv + ["--port", "8080", "-t", "1", "--metrics", "--slot-save-path", "/tmp/x", "--host", "127.0.0.1"])
+    assert more["port"] == 8080 and more["metrics"] is True and more["slot_save_path"] == "/tmp/x"
+    assert llama_flags.identity_flags(llama_flags.parse_flags(argv)) == llama_flags.identity_flags(more)
 
 
 def test_parse_server_flags_defaults_aliases_and_env():
-    d = fp.parse_server_flags(["llama-server", "-m", "m.gguf"])
+    d = llama_flags.parse_flags(["llama-server", "-m", "m.gguf"])
     assert d["n_parallel"] == -1 and d["kv_unified"] is True  # server.cpp:156-161 auto slots
     assert (d["n_batch"], d["n_ubatch"], d["ctx_checkpoints"], d["checkpoint_min_step"]) == (2048, 512, 32, 8192)
     assert (d["cache_type_k"], d["cache_type_v"], d["flash_attn"], d["swa_full"]) == ("f16", "f16", "auto", False)
-    a = fp.parse_server_flags(["--parallel=3", "--ctx-size", "100", "--swa-checkpoints", "4",
+    a = llama_flags.parse_flags(["--parallel=3", "--ctx-size", "100", "--swa-checkpoints", "4",
                                "--checkpoint-min-step=0", "--flash-attn", "enabled", "--no-kv-unified"])
     assert (a["n_parallel"], a["ctx_size"], a["ctx_checkpoints"], a["checkpoint_min_step"]) == (3, 100, 4, 0)
     assert a["flash_attn"] == "on" and a["kv_unified"] is False
-    e = fp.parse_server_flags(["-np", "2"], env={"LLAMA_ARG_CTX_CHECKPOINTS": "5", "LLAMA_ARG_N_PARALLEL": "7"})
+    e = llama_flags.parse_flags(["-np", "2"], env={"LLAMA_ARG_CTX_CHECKPOINTS": "5", "LLAMA_ARG_N_PARALLEL": "7"})
     assert e["ctx_checkpoints"] == 5 and e["n_parallel"] == 2  # the command line overrides env
     with pytest.raises(ValueError):
-        fp.parse_server_flags(["-np"])
+        llama_flags.parse_flags(["-np"])
     with pytest.raises(ValueError):
-        fp.parse_server_flags(["-c", "lots"])
+        llama_flags.parse_flags(["-c", "lots"])
     with pytest.raises(ValueError):
-        fp.parse_server_flags(["-fa", "maybe"])
+        llama_flags.parse_flags(["-fa", "maybe"])
 
 
 def test_state_flags_take_per_slot_context_from_props():
     props = {"default_generation_settings": {"n_ctx": 4096}, "total_slots": 2}
-    flags = fp.state_flags(["-np", "2", "-c", "8192"], props=props, config={"cache_type_k": "q8_0"})
+    flags = llama_flags.state_flags(["-np", "2", "-c", "8192"], props=props, config={"cache_type_k": "q8_0"})
     assert flags["n_ctx_slot"] == 4096 and flags["total_slots"] == 2 and flags["cache_type_k"] == "q8_0"
 
 
@@ -381,40 +384,40 @@ def _write_gguf(path, name="tiny", template="{{ x }}", data=b"\x00" * 64):
 def test_gguf_identity_hashes_the_header_not_the_path(tmp_path):
     a = tmp_path / "a.gguf"
     n = _write_gguf(a)
-    ia = fp.gguf_identity(a)
+    ia = llama_gguf.gguf_identity(a)
     assert ia.header_bytes == n and ia.n_kv == 5 and ia.n_tensors == 1 and ia.version == 3
     assert ia.size == a.stat().st_size
     b = tmp_path / "renamed-alias.gguf"
     b.write_bytes(a.read_bytes())
     os.utime(b, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns))
-    assert fp.gguf_identity(b) == ia  # another path or alias, same file: same identity
+    assert llama_gguf.gguf_identity(b) == ia  # another path or alias, same file: same identity
     c = tmp_path / "c.gguf"
     _write_gguf(c, template="{{ y }}")  # same size, other metadata
     os.utime(c, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns))
-    ic = fp.gguf_identity(c)
+    ic = llama_gguf.gguf_identity(c)
     assert ic.size == ia.size and ic.header_xxh3_128 != ia.header_xxh3_128
     os.utime(b, ns=(1, 10 ** 18))  # touched: mtime differs
-    assert fp.gguf_identity(b) != ia
+    assert llama_gguf.gguf_identity(b) != ia
     assert fp.identity(str(a), "b1", "t", {}).key == fp.identity(ia, "b1", "t", {}).key
 
 
 def test_gguf_identity_rejects_non_gguf_files(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + b"\x00" * 100)
-    with pytest.raises(fp.GGUFError):
-        fp.gguf_identity(bad)
+    with pytest.raises(llama_gguf.GGUFError):
+        llama_gguf.gguf_identity(bad)
     short = tmp_path / "short.gguf"
     full = tmp_path / "full.gguf"
     _write_gguf(full)
     short.write_bytes(full.read_bytes()[:40])
-    with pytest.raises(fp.GGUFError):
-        fp.gguf_identity(short)
+    with pytest.raises(llama_gguf.GGUFError):
+        llama_gguf.gguf_identity(short)
     with pytest.raises(OSError):
-        fp.gguf_identity(tmp_path / "missing.gguf")
+        llama_gguf.gguf_identity(tmp_path / "missing.gguf")
 
 
 def test_gguf_identity_of_the_generated_models(models_tiny):
-    dense, hybrid = fp.gguf_identity(models_tiny["dense"]), fp.gguf_identity(models_tiny["hybrid"])
+    dense, hybrid = llama_gguf.gguf_identity(models_tiny["dense"]), llama_gguf.gguf_identity(models_tiny["hybrid"])
     for path, ident in ((models_tiny["dense"], dense), (models_tiny["hybrid"], hybrid)):
         assert ident.version == 3 and ident.n_tensors > 0 and ident.n_kv > 0
         assert 0 < ident.header_bytes < ident.size == os.path.getsize(path)

@@ -40,7 +40,8 @@ from ocache.cache import OCacheLayer, plan_request
 from ocache.config import Config
 from ocache.layer import ParsedRequest
 from ocache.proxy import RUNNER_KWARGS, Proxy
-from ocache.slots import ServerParams, SlotState, SlotTable
+from ocache.llama.flags import ServerParams
+from ocache.slots import SlotState, SlotTable
 from ocache.tiers import store as store_mod
 from ocache.tiers.base import Offer
 from ocache.tiers.resident import RequestContext

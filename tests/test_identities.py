@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from ocache import fingerprint as fp
+from ocache.llama import flags as llama_flags
 from ocache.config import Config
 
 from test_spill import CHAT, SERVER, UB, body_of, forget_store, send, session_headers, through_ocache
@@ -151,11 +152,11 @@ async def test_flash_attn_auto_is_on_for_saved_states(start_server, tmp_path):
         srv.stop()
         srv.flash_attn = fa
         srv.start()
-        keys[fa] = fp.identity(None, "b", "t", fp.parse_server_flags(srv.command())).key
+        keys[fa] = fp.identity(None, "b", "t", llama_flags.parse_flags(srv.command())).key
         if fa == "auto":
             assert await slot_action("restore") == 200
             assert (await complete())["cache_n"] > 250
         else:
             assert await slot_action("restore") != 200
-    on = fp.identity(None, "b", "t", fp.parse_server_flags([*srv.command(), "-fa", "on"])).key
+    on = fp.identity(None, "b", "t", llama_flags.parse_flags([*srv.command(), "-fa", "on"])).key
     assert keys["auto"] == on != keys["off"]

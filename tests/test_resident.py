@@ -30,10 +30,11 @@ from aiohttp.test_utils import TestServer
 from ocache.cache import OCacheLayer
 from ocache.config import Config
 from ocache.proxy import RUNNER_KWARGS, Proxy
-from ocache.slots import SlotFileError, SlotTable, params_from_argv
+from ocache.slots import SlotFileError, SlotTable
+from ocache.llama.flags import params_from_argv
 from ocache.tokens import TokenViewer
 
-from ocache.slots import common_prefix
+from ocache.llama.reuse import common_prefix
 from conftest import load_fixture, load_headers
 
 pytestmark = [pytest.mark.server]

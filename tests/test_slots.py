@@ -13,10 +13,10 @@ import pytest
 
 from ocache.cache import plan_request
 from ocache.doctor import check
-from ocache.slots import (Checkpoint, ServerParams, SlotFileError, SlotInvalid, SlotNotSupported,
-                          SlotState, SlotTable, UpstreamError, common_prefix, error_from_response,
-                          gguf_architecture, params_from_argv, parse_server_argv, predict_reuse,
-                          simulate_prefill)
+from ocache.llama.reuse import Checkpoint, common_prefix, predict_reuse, simulate_prefill
+from ocache.llama.flags import ServerParams, params_from_argv, given_flags
+from ocache.slots import (SlotFileError, SlotInvalid, SlotNotSupported, SlotState, SlotTable, UpstreamError, error_from_response)
+from ocache.llama.gguf import gguf_architecture
 from ocache.tiers.base import Offer
 from ocache.tiers.resident import RequestContext, rank_slots
 
@@ -68,7 +68,7 @@ def test_user_starts_break_batches_and_get_checkpoints():
 
 def _reference_simulate(cps, n_past, N, user_starts, params, task):
     """The server's batching loop token by token (server-context.cpp:3504-3616), as a reference."""
-    from ocache.slots import _create_checkpoint
+    from ocache.llama.reuse import _create_checkpoint
 
     cps, starts = list(cps), set(user_starts)
     last_user = max(starts) if starts else -1
@@ -168,14 +168,14 @@ def test_ram_cache_swap_widens_the_band():
 # --- argv / GGUF ---------------------------------------------------------------------------------
 
 def test_parse_server_argv():
-    f = parse_server_argv(["-np", "2", "--ctx-checkpoints=8", "-ub", "128", "--metrics", "-kvu",
+    f = given_flags(["-np", "2", "--ctx-checkpoints=8", "-ub", "128", "--metrics", "-kvu",
                            "--slot-save-path", "/x", "--unknown", "v"])
     assert f == {"n_parallel": 2, "ctx_checkpoints": 8, "n_ubatch": 128, "metrics": True,
                  "kv_unified": True, "slot_save_path": "/x"}
     with pytest.raises(ValueError):
-        parse_server_argv(["-ub"])
+        given_flags(["-ub"])
     with pytest.raises(ValueError):
-        parse_server_argv(["-ub", "many"])
+        given_flags(["-ub", "many"])
     p = params_from_argv(["-m", "/nonexistent.gguf"], {"total_slots": 4}, None)
     assert p.n_parallel_explicit is False and p.kv_unified is True and p.metrics is False
 

@@ -422,7 +422,7 @@ class DiskTier:
             cps = []
             if "ckpt" in e.files:
                 try:
-                    from ocache.slots import Checkpoint
+                    from ocache.llama.reuse import Checkpoint
 
                     cps = [Checkpoint(n) for n in sidecar_checkpoints(self.store.path(e.files["ckpt"].name))]
                 except ImportError:

@@ -2,7 +2,7 @@
 
 llama-server matches a prompt only against the slot it is given (docs/llama-server.md §9, §11), so the cheapest
 cache there is is sending a request to the slot that already holds most of it. For every slot the
-tier predicts the *usable* prefix (``ocache.slots.predict_reuse``: the common prefix, on a hybrid
+tier predicts the *usable* prefix (``ocache.llama.reuse.predict_reuse``: the common prefix, on a hybrid
 model rounded down to a context checkpoint unless the request strictly extends the slot) and ranks
 the slots by what the request gains minus what it destroys:
 
@@ -26,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
-from ocache.slots import Reuse, ServerParams, SlotState, predict_reuse
+from ocache.llama.reuse import Reuse, predict_reuse
+from ocache.llama.flags import ServerParams
+from ocache.slots import SlotState
 from ocache.tiers.base import Offer
 
 #: Tie order of slot roles (higher first) when two slots offer the same score.

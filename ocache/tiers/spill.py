@@ -33,7 +33,7 @@ Session identity
     the harness fingerprint and the first user turn). An entry is offered only to a request with the
     same identity, and only for the tokens it shares with it (the *tokens are the answer*: the usable
     prefix is computed from the stored token ids element by element, with the server's own reuse
-    rules, ``ocache.slots.predict_reuse``). Without any identity (a raw ``/completion`` without
+    rules, ``ocache.llama.reuse.predict_reuse``). Without any identity (a raw ``/completion`` without
     ``message_delimiters``) the request must contain the whole prompt the conversation was last sent
     (within one ubatch), the resident tier's rule for "same conversation". Two sessions therefore never
     exchange state.
@@ -256,7 +256,7 @@ class SessionTier:
         return self.table.params
 
     def _entry_checkpoints(self, e: Any) -> list:
-        from ocache.slots import Checkpoint
+        from ocache.llama.reuse import Checkpoint
 
         return [Checkpoint(int(n)) for n in (e.meta.get("checkpoints") or [])]
 
@@ -512,7 +512,7 @@ class SessionTier:
         skey = session_key(_get(ctx, "session"), view)
         floor = int(_get(view, "head_end") or 0)
         best: tuple[int, Any, int] | None = None
-        from ocache.slots import common_prefix, predict_reuse
+        from ocache.llama.reuse import common_prefix, predict_reuse
 
         for e in entries:
             es = e.meta.get("session")

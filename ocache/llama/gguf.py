@@ -1,0 +1,185 @@
+"""The GGUF header, read once, one reader: the file identity the cache keys on and the model's
+architecture.
+
+GGUF layout (ggml/include/gguf.h of the pinned source): ``"GGUF" | u32 version | u64 n_tensors |
+u64 n_kv | kv... | tensor infos | data``; each kv is ``u64 len | key | u32 type | value``. Only the
+header is read (memory-mapped); tensor data never is.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+#: GGUF ``general.architecture`` values whose memory cannot be rolled back partially, so the server
+#: resumes from context checkpoints (src/llama-arch.cpp ``llm_arch_is_recurrent`` :1071 and
+#: ``llm_arch_is_hybrid`` :1085 of the pinned source).
+CHECKPOINT_ARCHS = frozenset({
+    # recurrent
+    "mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7",
+    # hybrid
+    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+    "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
+    "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01",
+})
+
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # ggml/include/gguf.h:53-67
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_DEFAULT_ALIGNMENT = 32  # ggml/include/gguf.h:46
+
+
+class GGUFError(ValueError):
+    """The file is not a readable GGUF (bad magic, truncated header, unknown value type)."""
+
+
+@dataclass(frozen=True)
+class GGUFIdentity:
+    """Identity of a GGUF file without reading its tensor data.
+
+    ``size`` (bytes) and ``mtime_ns`` from ``os.stat``; ``header_xxh3_128``: xxh3_128 hex of the bytes
+    from offset 0 up to the end of the tensor-info section (magic, version, all metadata key/values
+    including the tokenizer and the embedded chat template, every tensor's name/shape/type/offset);
+    ``header_bytes``: that length; ``version``, ``n_tensors``, ``n_kv`` from the header. The path and
+    the model alias are deliberately not part of it: the same file under another name is the same
+    model, another file under the same name is not.
+    """
+
+    size: int
+    mtime_ns: int
+    header_xxh3_128: str
+    header_bytes: int
+    version: int
+    n_tensors: int
+    n_kv: int
+
+    def as_dict(self) -> dict:
+        return {"size": self.size, "mtime_ns": self.mtime_ns, "header_xxh3_128": self.header_xxh3_128,
+                "header_bytes": self.header_bytes, "version": self.version, "n_tensors": self.n_tensors,
+                "n_kv": self.n_kv}
+
+
+class _Reader:
+    """Walks the GGUF header in a memory map; only offsets are computed, nothing is copied."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def skip(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise GGUFError(f"truncated GGUF header at byte {self.pos}")
+        self.pos += n
+
+    def read(self, n: int) -> bytes:
+        start = self.pos
+        self.skip(n)
+        return bytes(self.buf[start:self.pos])
+
+    def u32(self) -> int:
+        return struct.unpack("<I", self.read(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.read(8))[0]
+
+    def string(self) -> None:
+        self.skip(self.u64())
+
+    def value(self, vtype: int) -> None:
+        if vtype in _GGUF_SCALAR:
+            self.skip(_GGUF_SCALAR[vtype])
+        elif vtype == _GGUF_STRING:
+            self.string()
+        elif vtype == _GGUF_ARRAY:
+            itype, n = self.u32(), self.u64()
+            if itype in _GGUF_SCALAR:
+                self.skip(_GGUF_SCALAR[itype] * n)
+            elif itype == _GGUF_STRING:
+                buf, pos, unpack = self.buf, self.pos, struct.unpack_from
+                for _ in range(n):
+                    if pos + 8 > len(buf):
+                        raise GGUFError(f"truncated GGUF header at byte {pos}")
+                    pos += 8 + unpack("<Q", buf, pos)[0]
+                self.pos = pos
+                if pos > len(buf):
+                    raise GGUFError(f"truncated GGUF header at byte {pos}")
+            else:
+                for _ in range(n):
+                    self.value(itype)
+        else:
+            raise GGUFError(f"unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+_gguf_cache: dict[tuple[str, int, int], GGUFIdentity] = {}
+
+
+def gguf_identity(path: str | os.PathLike) -> GGUFIdentity:
+    """Read ``path``'s GGUF header (file I/O; the only I/O in this module) -> GGUFIdentity.
+
+    Walks the layout of ggml/include/gguf.h (magic ``GGUF``, u32 version, u64 n_tensors, u64 n_kv,
+    key/value pairs, tensor infos) and hashes exactly those bytes with xxh3_128; the tensor data is
+    never read. Results are memoised per (path, size, mtime_ns). Raises OSError if the file cannot
+    be read and GGUFError if it is not a GGUF.
+    """
+    p = Path(path)
+    st = p.stat()
+    memo = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if memo in _gguf_cache:
+        return _gguf_cache[memo]
+    with open(p, "rb") as f:
+        if st.st_size < 24:
+            raise GGUFError(f"{p}: not a GGUF file (only {st.st_size} bytes)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            r = _Reader(mm)
+            if r.read(4) != b"GGUF":
+                raise GGUFError(f"{p}: not a GGUF file (bad magic)")
+            version = r.u32()
+            n_tensors, n_kv = r.u64(), r.u64()
+            for _ in range(n_kv):
+                r.string()
+                r.value(r.u32())
+            for _ in range(n_tensors):
+                r.string()
+                n_dims = r.u32()
+                r.skip(8 * n_dims + 4 + 8)  # dims, ggml type, data offset
+            digest = xxhash.xxh3_128_hexdigest(mm[: r.pos])
+    ident = GGUFIdentity(size=st.st_size, mtime_ns=st.st_mtime_ns, header_xxh3_128=digest,
+                         header_bytes=r.pos, version=version, n_tensors=n_tensors, n_kv=n_kv)
+    if len(_gguf_cache) > 64:
+        _gguf_cache.clear()
+    _gguf_cache[memo] = ident
+    return ident
+
+
+def gguf_architecture(path: str | os.PathLike) -> str:
+    """``general.architecture`` of a GGUF file (the metadata key/values only). Raises GGUFError (a
+    ValueError) for a file that is not GGUF v2/v3 or has no such key, OSError if unreadable."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        if os.fstat(f.fileno()).st_size < 24:
+            raise GGUFError(f"{p}: not a GGUF file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            r = _Reader(mm)
+            if r.read(4) != b"GGUF":
+                raise GGUFError(f"{p}: not a GGUF file (bad magic)")
+            version = r.u32()
+            if version < 2:
+                raise GGUFError(f"{p}: GGUF version {version} unsupported")
+            r.u64()  # n_tensors
+            n_kv = r.u64()
+            for _ in range(n_kv):
+                key = r.read(r.u64())
+                vtype = r.u32()
+                if key == b"general.architecture" and vtype == _GGUF_STRING:
+                    return r.read(r.u64()).decode("utf-8", "replace")
+                r.value(vtype)
+    raise GGUFError(f"{p}: no general.architecture")
+
+
+def resumes_from_checkpoints(arch: str | None) -> bool | None:
+    """Whether a model of GGUF architecture ``arch`` resumes a diverging prompt only at context
+    checkpoints (its memory cannot be rolled back partially); None when ``arch`` is unknown."""
+    return None if not arch else arch in CHECKPOINT_ARCHS
