@@ -1071,14 +1071,14 @@ class OCacheLayer:
         if ht is None or getattr(self, "_head_store_off", False):
             return
         self._head_store_off = True
+        from ocache.config import field_of, slot_save_path
         from ocache.tiers.disk import store_meta_dir
-        from ocache.tiers.spill import slot_save_path
-        from ocache.tiers.store import StoreError, field_of, shared_store
+        from ocache.tiers.store import StoreError, shared_store
 
         tiers = field_of(self.config, "tiers") or {}
         hcfg = dict(tiers.get("head") or {}) if isinstance(tiers, dict) else {}
         budget = int(float(hcfg.get("budget_gb", 10.0)) * 1e9)
-        data_dir = slot_save_path(self.config, self.table)
+        data_dir = slot_save_path(self.config, getattr(self.table, "params", None))
         key = getattr(self._ident(), "key", None)
         if data_dir is None or not key or budget <= 0:
             log.info("head files off (%s): heads are kept warm by prefill only",

@@ -367,3 +367,37 @@ def check_tiers(tiers: Mapping[str, Any]) -> None:
         if unknown:
             raise ConfigError(f"tiers.{name}: unknown key(s) {', '.join(unknown)}; known: "
                               f"{', '.join(sorted(TIER_KEYS[name]))}")
+
+
+def field_of(obj: Any, name: str, default: Any = None) -> Any:
+    """``obj[name]`` for a dict, ``obj.name`` otherwise; ``default`` when absent or ``obj`` is None
+    (tiers and the recorder accept a ``Config`` or a plain dict)."""
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def slot_save_path(config: Any, params: Any = None) -> Path | None:
+    """Where the server writes slot files (its ``--slot-save-path``), by the first source that
+    says: ``tiers.session.slot_save_path``, ``tiers.disk.slot_save_path``, the ``config.launch``
+    argv, ``tiers.resident.server_args``, else ``params.slot_save_path`` (the parsed
+    ``ServerParams``). None when nothing says (the server cannot save slots, docs/llama-server.md
+    §3). Raises ValueError on a malformed argv (``ocache.llama.flags.given_flags``)."""
+    from ocache.llama.flags import given_flags
+
+    tiers = field_of(config, "tiers") or {}
+    tiers = tiers if isinstance(tiers, dict) else {}
+    for name in ("session", "disk"):
+        t = tiers.get(name)
+        if isinstance(t, dict) and t.get("slot_save_path"):
+            return Path(t["slot_save_path"])
+    res = tiers.get("resident")
+    for argv in (field_of(config, "launch"), res.get("server_args") if isinstance(res, dict) else None):
+        if argv:
+            p = given_flags([str(a) for a in argv]).get("slot_save_path")
+            if p:
+                return Path(p)
+    p = field_of(params, "slot_save_path")
+    return Path(p) if p else None

@@ -45,6 +45,8 @@ from typing import Any, Iterator
 
 import xxhash
 
+from ocache.config import field_of as _field
+
 log = logging.getLogger("ocache.record")
 
 SCHEMA_VERSION = 1
@@ -84,15 +86,6 @@ def redact(body: Any, key: bytes = b"") -> Any:
     """A copy of a JSON value with every non-structural string replaced by its length and a keyed
     hash (see the module docstring). Numbers, booleans, nulls, keys and list lengths are kept."""
     return _redact_value(body, None, key)
-
-
-def _field(obj: Any, name: str, default: Any = None) -> Any:
-    """``obj.name`` or ``obj[name]`` (dataclasses and plain dicts alike; no deep copies)."""
-    if obj is None:
-        return default
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
 
 
 class Recorder:

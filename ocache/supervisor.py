@@ -26,6 +26,7 @@ import signal
 import time
 from pathlib import Path
 
+from ocache.llama.flags import given_flags
 from ocache.llama.server import free_port
 
 log = logging.getLogger("ocache.supervisor")
@@ -33,16 +34,6 @@ log = logging.getLogger("ocache.supervisor")
 
 class LaunchError(RuntimeError):
     """The server cannot be launched (no binary, bad arguments); the message says why."""
-
-
-def _flag_value(args: list[str], *names: str) -> str | None:
-    for i, a in enumerate(args):
-        for n in names:
-            if a == n and i + 1 < len(args):
-                return args[i + 1]
-            if a.startswith(n + "="):
-                return a.split("=", 1)[1]
-    return None
 
 
 def resolve_binary(args: list[str], binary: str | None, backend: str = "cpu") -> tuple[str, list[str]]:
@@ -73,14 +64,15 @@ class Supervisor:
                  stop_timeout: float = 20.0, max_quick_failures: int | None = None,
                  backend: str = "cpu") -> None:
         self.binary, self.args = resolve_binary(args, binary, backend)
-        host = _flag_value(self.args, "--host") or "127.0.0.1"
-        port = _flag_value(self.args, "--port")
-        if _flag_value(self.args, "--host") is None:
+        given = given_flags(self.args)
+        host = given.get("host") or "127.0.0.1"
+        port = given.get("port")
+        if "host" not in given:
             self.args += ["--host", host]
         if port is None:
-            port = str(free_port(host))
-            self.args += ["--port", port]
-        if "--metrics" not in self.args:
+            port = free_port(host)
+            self.args += ["--port", str(port)]
+        if not given.get("metrics"):
             self.args.append("--metrics")
         self.url = f"http://{host}:{port}"
         self.log_path = log_path

@@ -69,3 +69,19 @@ class Tier(Protocol):
     async def evict(self, bytes_needed: int) -> int:
         """Free at least ``bytes_needed`` bytes if possible; returns bytes freed."""
         ...
+
+
+class Rate:
+    """An exponentially weighted mean of a rate (units/s) with an initial guess."""
+
+    def __init__(self, guess: float, alpha: float = 0.3) -> None:
+        self.value = guess
+        self.n = 0
+        self.alpha = alpha
+
+    def add(self, units: float, seconds: float) -> None:
+        if units <= 0 or seconds <= 0:
+            return
+        r = units / seconds
+        self.value = r if self.n == 0 else (1 - self.alpha) * self.value + self.alpha * r
+        self.n += 1

@@ -69,8 +69,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from ocache.tiers.base import Offer
-from ocache.tiers.store import field_of as _get, sidecar_checkpoints
+from ocache.tiers.base import Offer, Rate
+from ocache.config import field_of as _get, slot_save_path
+from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, reserve_async, shared_store
 from ocache.slots import file_refused
 
@@ -127,22 +128,6 @@ class DiskConfig:
     restore_bytes_s: float = 5e8    # initial guess until measured (bytes/s, server restore)
     verify_bytes_s: float = 2e9     # initial guess until measured (bytes/s, xxh3 of the files)
     line_memory: int = 200_000      # how many grid-line counters are remembered (LRU)
-
-
-class Rate:
-    """An exponentially weighted mean of a rate (units/s) with an initial guess."""
-
-    def __init__(self, guess: float, alpha: float = 0.3) -> None:
-        self.value = guess
-        self.n = 0
-        self.alpha = alpha
-
-    def add(self, units: float, seconds: float) -> None:
-        if units <= 0 or seconds <= 0:
-            return
-        r = units / seconds
-        self.value = r if self.n == 0 else (1 - self.alpha) * self.value + self.alpha * r
-        self.n += 1
 
 
 @dataclass
@@ -520,20 +505,6 @@ class DiskTier:
 
 # ---------------------------------------------------------------------- factory
 
-def _slot_save_path(config: Any) -> Path | None:
-    tiers = _get(config, "tiers") or {}
-    disk = tiers.get("disk", {}) if isinstance(tiers, dict) else {}
-    if disk.get("slot_save_path"):
-        return Path(disk["slot_save_path"])
-    launch = list(_get(config, "launch") or [])
-    for i, a in enumerate(launch):
-        if a == "--slot-save-path" and i + 1 < len(launch):
-            return Path(launch[i + 1])
-        if a.startswith("--slot-save-path="):
-            return Path(a.split("=", 1)[1])
-    return None
-
-
 def store_meta_dir(config: Any = None) -> Path:
     """ocache's own 0700 directory for the store's records and index."""
     from ocache.paths import state_root
@@ -545,8 +516,7 @@ def store_meta_dir(config: Any = None) -> Path:
 def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | None = None) -> DiskTier | None:
     """Build the disk tier from an ``ocache.config.Config``, or None when it cannot work.
 
-    The slot-save-path is ``config.tiers["disk"]["slot_save_path"]`` or the ``--slot-save-path`` of
-    ``config.launch``; without one the server cannot save slots (docs/llama-server.md §3) and the tier is off.
+    The slot-save-path: ``ocache.config.slot_save_path``; without one the server cannot save slots (docs/llama-server.md §3) and the tier is off.
     ``identity``: an ``ocache.fingerprint.Identity`` (its ``key``), a key string, or a callable
     returning either (e.g. ``OCacheLayer._ident``: re-read before every lookup/write, so a restarted
     server with another identity is served only its own entries; the others stay). Other settings:
@@ -558,10 +528,7 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
     if isinstance(dcfg, dict) and dcfg.get("enabled") is False:
         log.info("disk tier off: tiers.disk.enabled is false")
         return None
-    data_dir = _slot_save_path(config)
-    if data_dir is None:
-        p = _get(_get(slots, "params"), "slot_save_path")
-        data_dir = Path(p) if p else None
+    data_dir = slot_save_path(config, _get(slots, "params"))
     if data_dir is None:
         log.warning("disk tier off: no --slot-save-path known (give llama-server's flags as "
                     "tiers.resident.server_args in ocache.yaml, or use serve --launch)")

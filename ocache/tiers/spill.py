@@ -101,8 +101,9 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from ocache.tiers.base import Offer
-from ocache.tiers.store import field_of as _get, sidecar_checkpoints
+from ocache.tiers.base import Offer, Rate
+from ocache.config import field_of as _get, slot_save_path
+from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
                     prefix_hash, read_slot_tokens, reserve_async, shared_store)
 from ocache.slots import file_refused
@@ -140,20 +141,6 @@ class SpillConfig:
     restore_bytes_s: float = 5e8     # initial guess until measured (server restore)
     verify_bytes_s: float = 2e9      # initial guess until measured (xxh3 of the files)
     resume: bool = True              # restore the most recent conversation after a drained stop
-
-
-class _Rate:
-    """Exponentially weighted mean of a rate (units/s), starting from a guess."""
-
-    def __init__(self, guess: float) -> None:
-        self.value = guess
-        self.n = 0
-
-    def add(self, units: float, seconds: float) -> None:
-        if units > 0 and seconds > 0:
-            r = units / seconds
-            self.value = r if self.n == 0 else 0.7 * self.value + 0.3 * r
-            self.n += 1
 
 
 @dataclass
@@ -230,8 +217,8 @@ class SessionTier:
         self.table = table
         self.cfg = config or SpillConfig()
         self.resume_path = Path(resume_path) if resume_path else Path(store.meta_dir) / RESUME_MARKER
-        self.restore_rate = _Rate(self.cfg.restore_bytes_s)
-        self.verify_rate = _Rate(self.cfg.verify_bytes_s)
+        self.restore_rate = Rate(self.cfg.restore_bytes_s)
+        self.verify_rate = Rate(self.cfg.verify_bytes_s)
         self.bytes_per_token: float = 0.0
         self._seen: dict[int, _SlotSeen] = {}
         self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, n_tokens) to confirm
@@ -631,28 +618,6 @@ class SessionTier:
 
 # ---------------------------------------------------------------------- factory
 
-def slot_save_path(config: Any, table: Any = None) -> Path | None:
-    """The server's ``--slot-save-path``: ``tiers.session.slot_save_path``, ``tiers.disk.slot_save_path``,
-    ``config.launch``, ``tiers.resident.server_args``, else the table's parsed server params."""
-    tiers = _get(config, "tiers") or {}
-    for name in ("session", "disk"):
-        t = tiers.get(name) if isinstance(tiers, dict) else None
-        if isinstance(t, dict) and t.get("slot_save_path"):
-            return Path(t["slot_save_path"])
-    argvs = [list(_get(config, "launch") or [])]
-    res = tiers.get("resident") if isinstance(tiers, dict) else None
-    if isinstance(res, dict) and res.get("server_args"):
-        argvs.append(list(res["server_args"]))
-    for argv in argvs:
-        for i, a in enumerate(argv):
-            if a == "--slot-save-path" and i + 1 < len(argv):
-                return Path(argv[i + 1])
-            if a.startswith("--slot-save-path="):
-                return Path(a.split("=", 1)[1])
-    p = _get(_get(table, "params"), "slot_save_path")
-    return Path(p) if p else None
-
-
 def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | None:
     """Build the session tier for ``OCacheLayer``, or None when it cannot or should not work.
 
@@ -665,7 +630,7 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
     scfg = dict(tiers.get("session") or {}) if isinstance(tiers, dict) else {}
     if scfg.get("enabled") is False:
         return None
-    data_dir = slot_save_path(config, table)
+    data_dir = slot_save_path(config, _get(table, "params"))
     if data_dir is None:
         log.info("session tier off: no --slot-save-path known (give llama-server's flags as "
                  "tiers.resident.server_args in ocache.yaml, or use serve --launch)")

@@ -232,16 +232,6 @@ def sidecar_checkpoints(path: Path) -> list[int]:
     return out
 
 
-def field_of(obj: Any, name: str, default: Any = None) -> Any:
-    """``obj[name]`` for a dict, ``obj.name`` otherwise; ``default`` when absent or ``obj`` is None
-    (tiers accept a Config object or a plain dict)."""
-    if obj is None:
-        return default
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
