@@ -30,9 +30,10 @@ with ``X-OCache-Request-Id`` when the request has an id.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -124,3 +125,19 @@ def _shallow(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return list(v)
     return v
+
+
+def make_drain_handler(stop: Callable[[], None], admin_token: str | None):
+    """An aiohttp handler for ``POST /v1/cache/drain`` that the proxy mounts: checks the admin token
+    (``Authorization: Bearer``; 404 when no token is configured, like the other admin routes), answers
+    202 and calls ``stop()`` (the same event SIGTERM sets in ``ocache.proxy.serve``: stop accepting,
+    finish in-flight requests, ``layer.drain()`` spills, then exit)."""
+
+    async def handle(request: web.Request) -> web.Response:
+        refused = denied(request, admin_token)
+        if refused is not None:
+            return refused
+        asyncio.get_running_loop().call_soon(stop)
+        return web.json_response({"draining": True}, status=202)
+
+    return handle

@@ -542,7 +542,7 @@ class OCacheLayer:
             self._head_store_ready()          # head files through the same verified store (tiers/store.py)
             self._ready = True
             try:
-                from ocache.doctor import check, probe_endpoints
+                from ocache.llama.checks import check, probe_endpoints
 
                 metrics_ok, actions_ok = await probe_endpoints(self.session, self.base_url, self._headers())
                 self.findings = check(self.table.params, props or {}, data, argv=self.argv,

@@ -16,13 +16,13 @@ from ocache import __version__
 
 #: Modules that contribute subcommands, in help order. A module missing a ``register`` is skipped.
 COMMAND_MODULES = [
-    "ocache.proxy",
+    "ocache.commands.serve",
     "ocache.commands.top",
-    "ocache.warm",
-    "ocache.tiers.spill",
+    "ocache.commands.warm",
+    "ocache.commands.drain",
     "ocache.commands.engine",
     "ocache.toolchain.models",
-    "ocache.doctor",
+    "ocache.commands.doctor",
     "ocache.commands.maintenance",
     "ocache.bench.run",
 ]

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from ocache import config as cfg
-from ocache import proxy
+from ocache.commands import serve as serve_cmd
 
 
 def test_defaults_bind_loopback():
@@ -81,14 +81,14 @@ def test_launch_args_from_cli_and_env():
     assert c.launch == ["-m", "/m.gguf", "-np", "2"]
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
-    proxy.register(sub)
+    serve_cmd.register(sub)
     args = parser.parse_args(["serve", "--port", "9400", "--launch", "--", "-m", "x.gguf",
                               "--port", "9"])
-    c = proxy.build_config(args)
+    c = serve_cmd.build_config(args)
     assert c.port == 9400 and c.launch == ["-m", "x.gguf", "--port", "9"]
     args = parser.parse_args(["serve", "--", "-m", "x.gguf"])
     with pytest.raises(cfg.ConfigError, match="without --launch"):
-        proxy.build_config(args)
+        serve_cmd.build_config(args)
 
 
 def test_describe_documents_every_key():

@@ -26,6 +26,7 @@ from aiohttp.test_utils import TestServer
 
 from ocache import config as cfg_mod
 from ocache import proxy as proxy_mod
+from ocache.commands import serve as serve_cmd
 from ocache.config import Config
 from ocache.layer import NullLayer
 from ocache.proxy import RUNNER_KWARGS, Proxy
@@ -180,16 +181,16 @@ async def p_log_level(tmp_path, mp):
     async def fake_serve(config, **kw):
         seen.append(logging.getLogger().level)
 
-    mp.setattr(proxy_mod, "serve", fake_serve)
+    mp.setattr(serve_cmd, "serve", fake_serve)
     (tmp_path / "ocache.yaml").write_text("log_level: error\n")
     mp.chdir(tmp_path)
     root = logging.getLogger()
     old = root.level
     try:
         args = _serve_args()
-        assert await asyncio.to_thread(proxy_mod._cmd_serve, args) == 0
+        assert await asyncio.to_thread(serve_cmd._cmd_serve, args) == 0
         (tmp_path / "ocache.yaml").write_text("log_level: debug\n")
-        assert await asyncio.to_thread(proxy_mod._cmd_serve, args) == 0
+        assert await asyncio.to_thread(serve_cmd._cmd_serve, args) == 0
     finally:
         root.setLevel(old)
     assert seen == [logging.ERROR, logging.DEBUG]
@@ -200,7 +201,7 @@ def _serve_args():
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd")
-    proxy_mod.register(sub)
+    serve_cmd.register(sub)
     return parser.parse_args(["serve"])
 
 

@@ -12,7 +12,7 @@ import struct
 import pytest
 
 from ocache.cache import plan_request
-from ocache.doctor import check
+from ocache.llama.checks import check
 from ocache.llama.reuse import Checkpoint, common_prefix, predict_reuse, simulate_prefill
 from ocache.llama.flags import ServerParams, params_from_argv, given_flags
 from ocache.slots import (SlotFileError, SlotInvalid, SlotNotSupported, SlotState, SlotTable, UpstreamError, error_from_response)

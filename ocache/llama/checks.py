@@ -1,4 +1,5 @@
-"""``ocache doctor``: the llama-server settings each cache tier needs, checked, with the reason.
+"""The llama-server settings each cache tier needs, checked, with the reason (``ocache doctor``,
+and the cache layer when it starts).
 
 llama-server does not report its launch flags (``docs/llama-server.md`` §16), so the
 checks read them from the launch argv (``ocache serve --launch`` / the config's ``launch``, or
@@ -34,10 +35,7 @@ What ocache needs and why (README "Flags ocache wants on llama-server", turned i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -282,72 +280,3 @@ def offline(argv: Sequence[str], head_tokens: int | None = None) -> tuple[list[F
     params = params_from_argv(argv, None, None)
     findings = check(params, None, None, argv=argv, head_tokens=head_tokens)
     return findings, {"offline": True, "arch": params.arch, "checkpoints": params.checkpoints}
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    argv = list(args.server_args) if args.server_args else None
-    upstream = args.upstream
-    if upstream is None or argv is None:
-        try:
-            from ocache.config import load
-
-            cfg = load(args.config) if args.config else load()
-            upstream = upstream or cfg.upstream
-            if argv is None and cfg.launch:
-                argv = list(cfg.launch)
-            server_args = ((cfg.tiers or {}).get("resident") or {}).get("server_args")
-            if argv is None and server_args:  # the README's way to declare an external server's flags
-                argv = [str(a) for a in server_args]
-        except Exception as exc:  # no config: defaults
-            print(f"(config not read: {exc})", file=sys.stderr)
-            upstream = upstream or "http://127.0.0.1:8080"
-    where = f"llama-server {upstream}"
-    if args.offline:
-        if argv is None:
-            print("ocache doctor --offline needs the llama-server command line after `--`", file=sys.stderr)
-            return 2
-        findings, info = offline(argv, args.head_tokens)
-        where = "command line (offline)"
-    else:
-        try:
-            findings, info = asyncio.run(probe(upstream, argv, args.api_key, args.head_tokens))
-        except NotLlamaServer as exc:
-            print(f"[error] upstream: {upstream} is not llama-server ({exc})")
-            return 2
-        except Exception as exc:
-            if argv is None:
-                print(f"cannot query llama-server at {upstream}: {exc}", file=sys.stderr)
-                return 2
-            print(f"(cannot query llama-server at {upstream}: {exc}; checking the command line "
-                  "only)", file=sys.stderr)
-            findings, info = offline(argv, args.head_tokens)
-            where = "command line (offline)"
-    if args.json:
-        print(json.dumps({"info": info, "findings": [f.__dict__ for f in findings]}, indent=1))
-    else:
-        print(f"{where}: " + ", ".join(f"{k} {v}" for k, v in info.items()))
-        if argv is None:
-            print("  (launch flags unknown: pass them after `--` to check them too)")
-        for f in findings:
-            print(f"  {f}")
-    return 1 if any(f.level == ERROR for f in findings) else 0
-
-
-def register(subparsers: Any) -> None:
-    """``ocache doctor [--upstream URL] [-- LLAMA-SERVER-ARGS...]``."""
-    p = subparsers.add_parser("doctor", help="check the llama-server flags each cache tier needs")
-    p.add_argument("--upstream", help="llama-server base URL (default: the config's upstream)")
-    p.add_argument("--config", help="ocache.yaml to read upstream/launch from")
-    p.add_argument("--api-key", help="llama-server --api-key, if set")
-    p.add_argument("--head-tokens", type=int, help="harness head length (tokens) to size --checkpoint-min-step")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--offline", action="store_true",
-                   help="check the command line after `--` alone, without querying a server")
-    p.add_argument("server_args", nargs=argparse.REMAINDER, help="-- then the llama-server arguments")
-    p.set_defaults(func=_doctor_entry)
-
-
-def _doctor_entry(args: argparse.Namespace) -> int:
-    if args.server_args and args.server_args[0] == "--":
-        args.server_args = args.server_args[1:]
-    return _cmd(args)
