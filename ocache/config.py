@@ -16,6 +16,7 @@ the YAML file and bad values anywhere raise ``ConfigError`` naming the key and t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import types
 import typing
@@ -383,21 +384,45 @@ def slot_save_path(config: Any, params: Any = None) -> Path | None:
     """Where the server writes slot files (its ``--slot-save-path``), by the first source that
     says: ``tiers.session.slot_save_path``, ``tiers.disk.slot_save_path``, the ``config.launch``
     argv, ``tiers.resident.server_args``, else ``params.slot_save_path`` (the parsed
-    ``ServerParams``). None when nothing says (the server cannot save slots, docs/llama-server.md
-    §3). Raises ValueError on a malformed argv (``ocache.llama.flags.given_flags``)."""
+    ``ServerParams``); ``~`` is expanded (a YAML list is not a shell: ``~/slots`` there means the
+    home directory, as it does on the command line that started the server).
+
+    None when nothing says (the server cannot save slots, docs/llama-server.md §3) or when the
+    directory does not exist here: ocache reads and renames the files the server writes, so both
+    must see the same directory (a path ocache cannot find would make every save leak a file in the
+    server's directory; it is logged once as an error and the tiers that need it stay off). Raises
+    ValueError on a malformed argv (``ocache.llama.flags.given_flags``)."""
     from ocache.llama.flags import given_flags
 
     tiers = field_of(config, "tiers") or {}
     tiers = tiers if isinstance(tiers, dict) else {}
+    found: str | None = None
     for name in ("session", "disk"):
         t = tiers.get(name)
         if isinstance(t, dict) and t.get("slot_save_path"):
-            return Path(t["slot_save_path"])
-    res = tiers.get("resident")
-    for argv in (field_of(config, "launch"), res.get("server_args") if isinstance(res, dict) else None):
-        if argv:
-            p = given_flags([str(a) for a in argv]).get("slot_save_path")
-            if p:
-                return Path(p)
-    p = field_of(params, "slot_save_path")
-    return Path(p) if p else None
+            found = str(t["slot_save_path"])
+            break
+    if found is None:
+        res = tiers.get("resident")
+        for argv in (field_of(config, "launch"), res.get("server_args") if isinstance(res, dict) else None):
+            if argv:
+                found = given_flags([str(a) for a in argv]).get("slot_save_path")
+                if found:
+                    break
+    if not found:
+        found = field_of(params, "slot_save_path")
+    if not found:
+        return None
+    path = Path(found).expanduser()
+    if not path.is_dir():
+        if str(path) not in _missing_logged:
+            _missing_logged.add(str(path))
+            logging.getLogger("ocache.config").error(
+                "--slot-save-path %s is not a directory here: ocache must see the directory "
+                "llama-server writes its slot files to (an absolute path, the same for both); the "
+                "disk, session and head tiers stay off", found)
+        return None
+    return path
+
+
+_missing_logged: set[str] = set()

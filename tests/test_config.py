@@ -8,6 +8,7 @@ import pytest
 
 from ocache import config as cfg
 from ocache.commands import serve as serve_cmd
+from ocache.config import Config
 
 
 def test_defaults_bind_loopback():
@@ -113,3 +114,25 @@ def test_typos_under_tiers_are_rejected(tmp_path, tiers, bad):
     f.write_text(f"tiers: {tiers}\n")
     with pytest.raises(cfg.ConfigError, match=bad):
         cfg.load(f, env={})
+
+
+def test_slot_save_path_expands_home_and_refuses_a_directory_it_cannot_see(tmp_path, monkeypatch, caplog):
+    """A YAML list is not a shell: ``~/slots`` means the home directory. A directory ocache cannot
+    see here turns the tiers off (one error) instead of leaking every saved file."""
+    from ocache.config import slot_save_path
+    from ocache.llama.checks import check
+    from ocache.llama.flags import params_from_argv
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "slots").mkdir()
+    cfg = Config(tiers={"resident": {"server_args": ["-np", "2", "--slot-save-path", "~/slots"]}})
+    assert slot_save_path(cfg) == tmp_path / "slots"
+    missing = Config(tiers={"resident": {"server_args": ["--slot-save-path", str(tmp_path / "nope")]}})
+    with caplog.at_level("ERROR"):
+        assert slot_save_path(missing) is None
+    assert "not a directory here" in caplog.text
+    argv = ["-np", "2", "--slot-save-path", str(tmp_path / "nope")]
+    f = {x.flag: x for x in check(params_from_argv(argv), None, argv=argv)}
+    assert f["--slot-save-path"].level == "error"
+    argv = ["-np", "2", "--slot-save-path", "~/slots"]
+    assert {x.flag: x for x in check(params_from_argv(argv), None, argv=argv)}["--slot-save-path"].level == "ok"

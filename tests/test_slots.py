@@ -382,7 +382,7 @@ def test_warm_head_on_a_new_fingerprint_and_offers():
 
 # --- doctor ----------------------------------------------------------------------------------------
 
-def test_doctor_findings():
+def test_doctor_findings(tmp_path):
     argv = ["-m", "x.gguf"]
     p = params_from_argv(argv, {}, None, checkpoints=True, arch="qwen35")
     f = {x.flag: x for x in check(p, {"build_info": "b1-0c1e570"}, None, argv=argv)}
@@ -391,7 +391,7 @@ def test_doctor_findings():
     assert f["--checkpoint-min-step"].level == "warning"
     assert f["build"].level == "warning"
     assert f["--metrics"].level == "warning"
-    argv = ["-np", "2", "--slot-save-path", "/s", "--metrics", "--checkpoint-min-step", "1024", "-fa", "off"]
+    argv = ["-np", "2", "--slot-save-path", str(tmp_path), "--metrics", "--checkpoint-min-step", "1024", "-fa", "off"]
     p = params_from_argv(argv, {}, None, checkpoints=True, arch="qwen35", cache_ram=0)
     levels = {x.flag: x.level for x in check(p, {"build_info": "b1-0c1e570+ocache.abcd1234"}, None, argv=argv)}
     assert all(v in ("ok", "info") for v in levels.values()), levels

@@ -36,6 +36,7 @@ What ocache needs and why (README "Flags ocache wants on llama-server", turned i
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -74,6 +75,7 @@ def check(params: ServerParams, props: Mapping | None, slots: Sequence[Mapping] 
     know); ``props`` None = no server queried (offline: the command line alone). ``metrics_ok``:
     ``/metrics`` answered 200; ``slot_actions_ok``: ``POST /slots`` is enabled (both None = not
     probed). ``head_tokens``: a harness head length to compare ``--checkpoint-min-step`` with.
+    Reads the file system once: whether ``--slot-save-path`` is a directory here.
     """
     out: list[Finding] = []
     known = argv is not None
@@ -117,6 +119,10 @@ def check(params: ServerParams, props: Mapping | None, slots: Sequence[Mapping] 
     if save_ok is False:
         add(WARN, "--slot-save-path", "not set: slot save/restore is off, so the disk and session "
             "tiers and the saved harness head are disabled")
+    elif save_ok and params.slot_save_path and not os.path.isdir(os.path.expanduser(params.slot_save_path)):
+        add(ERROR, "--slot-save-path", f"{params.slot_save_path} is not a directory on this machine: "
+            "ocache must see the directory llama-server writes slot files to (use an absolute path, "
+            "the same for both); the disk, session and head tiers stay off")
     elif save_ok:
         add(OK, "--slot-save-path", "slot save/restore enabled")
     else:
