@@ -427,3 +427,32 @@ async def test_every_captured_claude_and_codex_request_is_predicted(start_server
             await c.send(name, body_of(name, max_tokens=4))
         c.assert_predictions()
         assert c.layer.counters["observed"] == len(names)
+
+
+def test_responses_usage_is_read_as_timings():
+    """A non-streamed /v1/responses answer carries ``usage`` only: ``input_tokens`` counts every
+    prompt token, ``input_tokens_details.cached_tokens`` the reused ones (server-task.cpp:587-592)."""
+    assert convert.timings_from_usage({"input_tokens": 7042, "output_tokens": 3, "total_tokens": 7045,
+                                       "input_tokens_details": {"cached_tokens": 7000}}) == \
+        {"cache_n": 7000, "prompt_n": 42, "predicted_n": 3}
+
+
+@pytest.mark.server
+async def test_unstreamed_answers_are_observed(start_server):
+    """Non-streamed /v1/messages and /v1/responses answers are observed like streamed ones: counted,
+    their cache_n checked against the prediction (they were counted as failed responses)."""
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    async with through_ocache(srv) as c:
+        for name in ("claude_run3_agent_turn1.json", "codex_run1_turn1.json"):
+            body = {**body_of(name, max_tokens=4), "stream": False}
+            for _ in range(2):
+                async with c.s.post(c.base + route_of(name), json=body, headers=headers_of(name)) as r:
+                    assert r.status == 200
+                    usage = (await r.json())["usage"]
+                    predicted = int(r.headers["X-OCache-Predicted-Cache"])
+                await c.proxy.wait_background()
+                await c.layer.idle()
+                cached = usage.get("cache_read_input_tokens", usage.get("input_tokens_details", {}).get("cached_tokens"))
+                assert abs(cached - predicted) <= UB
+        assert c.layer.counters["observed"] == 4 and c.layer.counters["failed_responses"] == 0
+        assert c.layer.counters["mispredictions"] == 0

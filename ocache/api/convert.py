@@ -400,18 +400,25 @@ def to_chat(path: str, body: Mapping) -> dict:
 
 
 def timings_from_usage(usage: Mapping | None) -> dict | None:
-    """``timings``-shaped ``{"cache_n", "prompt_n"[, "predicted_n"]}`` (tokens) from an Anthropic
-    ``usage`` object (``output_tokens`` -> ``predicted_n``),
-    whose ``cache_read_input_tokens`` is the server's ``n_prompt_tokens_cache`` and
-    ``input_tokens`` the prompt tokens minus those (tools/server/server-task.cpp:787-790 final,
-    1343-1346 ``message_start``). The Anthropic answers carry no ``timings`` of their own. None when
-    ``usage`` lacks either field."""
+    """``timings``-shaped ``{"cache_n", "prompt_n"[, "predicted_n"]}`` (tokens) from the ``usage``
+    of an answer that carries no ``timings``: an Anthropic answer (``cache_read_input_tokens`` is
+    the server's ``n_prompt_tokens_cache``, ``input_tokens`` the prompt tokens minus those,
+    tools/server/server-task.cpp:787-790 final, 1343-1346 ``message_start``) or a non-streamed
+    OpenAI Responses answer (``input_tokens`` is all prompt tokens and
+    ``input_tokens_details.cached_tokens`` the reused ones, server-task.cpp:587-592). ``output_tokens``
+    -> ``predicted_n``. None when ``usage`` has neither shape."""
     if not isinstance(usage, Mapping):
         return None
-    c, i = usage.get("cache_read_input_tokens"), usage.get("input_tokens")
-    if not isinstance(c, int) or not isinstance(i, int):
-        return None
-    out = {"cache_n": c, "prompt_n": i}
+    i = usage.get("input_tokens")
+    details = usage.get("input_tokens_details")
+    if isinstance(details, Mapping) and isinstance(details.get("cached_tokens"), int) and isinstance(i, int):
+        c = details["cached_tokens"]
+        out = {"cache_n": c, "prompt_n": max(0, i - c)}
+    else:
+        c = usage.get("cache_read_input_tokens")
+        if not isinstance(c, int) or not isinstance(i, int):
+            return None
+        out = {"cache_n": c, "prompt_n": i}
     if isinstance(usage.get("output_tokens"), int):
         out["predicted_n"] = usage["output_tokens"]
     return out
