@@ -56,7 +56,7 @@ from ocache.slots import SlotError, SlotNotSupported, SlotTable
 from ocache.tiers.base import Offer, Tier
 from ocache.tokens import TokenViewError
 from ocache.tiers.resident import (RequestContext, SlotChoice, eviction_choice, overwrite_choice, ram_swap_possible,
-                             rank_slots)
+                             rank_slots, server_should_choose)
 
 log = logging.getLogger("ocache.cache")
 
@@ -401,6 +401,18 @@ class PlanContext:
         return self.split + max(0, self.n_prompt - self.predicted)
 
 
+@dataclass
+class ServerPlaced:
+    """What ``_plan_server_placed`` hands to ``observe``: the request, and the slot the server chose
+    (None until ``release`` found it)."""
+
+    request_id: str
+    tokens: list[int]
+    ctx: RequestContext
+    slot: int | None = None
+    seq: int = -1
+
+
 def _source_tier(restored_from: str | None, origin: bool) -> str | None:
     """The tier that put a slot's content there before this request: the slot file it was restored
     from (``ocache-head-*``: the head tier; ``oc-a-*``: a disk anchor; ``oc-s-*``: a spilled
@@ -487,7 +499,7 @@ class OCacheLayer:
             "planned": 0, "plan_errors": 0, "observed": 0, "mispredictions": 0, "mispredict_low": 0,
             "mispredict_high": 0, "predicted_tokens": 0, "observed_cache_tokens": 0,
             "prompt_tokens": 0, "warmups": 0, "warmup_tokens": 0, "head_saves": 0, "head_restores": 0,
-            "origin_rebuilds": 0, "origin_skipped": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
+            "origin_rebuilds": 0, "origin_skipped": 0, "server_placed": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
             "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0, "user_splits": 0,
             "split_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0,
         }
@@ -657,6 +669,8 @@ class OCacheLayer:
         ctx = RequestContext(kind=kind, session=session, head_key=head_key, head_len=head_len,
                              task=table.next_task(), user_starts=user_starts,
                              labels=_labels(body, getattr(req, "headers", None), kind))
+        if self._server_should_choose(view, ctx):
+            return await self._plan_server_placed(req, view, ctx, kind)
         dec = await self._decide(view, ctx)
         # the slot's lease is released on every path out of here but the success one (which hands
         # it to the proxy's release()): an exception or a cancellation (the client went away) at any
@@ -700,6 +714,49 @@ class OCacheLayer:
             headers["X-OCache-Restore-Ms"] = f"{pctx.restore_s * 1e3:.1f}"
         return _mk_plan(body_updates={"id_slot": dec.slot}, headers=headers, context=pctx, release=release,
                         split_tokens=pctx.split, split_ms=pctx.split_ms)
+
+    def _server_should_choose(self, view: Any, ctx: RequestContext) -> bool:
+        """``tiers/resident.py`` ``server_should_choose`` on the current table."""
+        snap = self.table.snapshot()
+        return server_should_choose(rank_slots(view.tokens, snap, ctx, self.table.params), snap)
+
+    async def _plan_server_placed(self, req: Any, view: Any, ctx: RequestContext, kind: str) -> Any:
+        """Forward without ``id_slot`` and let the server choose the slot (``server_should_choose``):
+        ocache holds every slot's lease meanwhile (taken in slot order, so two such requests never
+        deadlock), so that no other request runs and the one slot whose ``id_task`` grows is the
+        server's choice; ``release`` records what it now holds (``SlotTable.learn_placement``)
+        before letting the leases go, and ``observe`` predicts the checkpoints its prefill made.
+        The answer's figures are the server's own (nothing was split)."""
+        table = self.table
+        leases: list[Any] = []
+        try:
+            for i in range(len(table)):
+                leases.append(await table.lease(i))
+            await table.refresh()          # the id_task of every slot, right before the request
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+        before = table.task_ids()
+        placed = ServerPlaced(req.request_id, view.tokens, ctx)
+        self.counters["server_placed"] += 1
+
+        async def release() -> None:
+            try:
+                placed.slot = await table.learn_placement(
+                    before, view.tokens, owner=ctx.session, kind=ctx.kind, user_starts=ctx.user_starts,
+                    labels=dict(ctx.labels))
+                if placed.slot is not None:
+                    placed.seq = table[placed.slot].seq
+                    log.info("[%s] the server placed the request in slot %d", req.request_id, placed.slot)
+            except SlotError as exc:
+                log.warning("[%s] which slot the server chose is unknown (%s)", req.request_id, exc)
+            finally:
+                for lease in leases:
+                    lease.release()
+
+        return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": kind, "X-OCache-Slot": "server"},
+                        context=placed, release=release)
 
     async def _refresh(self, req: Any) -> None:
         """Reconcile the slot table with ``GET /slots``; a failure only logs (the plan then uses
@@ -869,6 +926,9 @@ class OCacheLayer:
 
     async def observe(self, req: Any, plan: Any, obs: Any) -> None:
         pctx: PlanContext | None = getattr(plan, "context", None)
+        if isinstance(pctx, ServerPlaced):
+            self._observe_placed(pctx, obs)
+            return
         if not isinstance(pctx, PlanContext):
             return
         table = self.table
@@ -930,6 +990,18 @@ class OCacheLayer:
             except Exception:
                 log.exception("[%s] tier %s admit failed", pctx.request_id, getattr(tier, "name", tier))
         self._spawn(self._maintain_origin())
+
+    def _observe_placed(self, placed: "ServerPlaced", obs: Any) -> None:
+        """The checkpoints a server-placed request's prefill made (hybrid models), from its
+        ``cache_n``; those the slot had before are not known and not counted on."""
+        table = self.table
+        cache_n = (obs.timings or {}).get("cache_n")
+        if placed.slot is None or cache_n is None or not table.params.checkpoints:
+            return
+        st = table[placed.slot]
+        if st.seq == placed.seq:
+            st.checkpoints = simulate_prefill([], int(cache_n), len(placed.tokens), placed.ctx.user_starts,
+                                              table.params, placed.ctx.task)
 
     # -- background ------------------------------------------------------------------------------
 
@@ -1118,8 +1190,23 @@ class OCacheLayer:
             ctx = RequestContext(kind="guest", task=self.table.next_task())
             return plan_request([0], snap, [], ctx, self.table.params).slot
 
+        async def prepare_slot(slot: int) -> None:
+            """The warm-up replaces a live conversation only when every slot holds one; then the
+            tiers' ``before_evict`` run first, as for a request (the session tier spills it)."""
+            st = self.table[slot]
+            if st.tokens and st.kind in ("agent", "other") and not st.origin:
+                self.counters["evictions"] += 1
+                log.info("warm: slot %d holds a conversation (%d tokens); every slot does: it is "
+                         "handed to the tiers before the warm-up replaces it", slot, len(st.tokens))
+                for tier in self.tiers:
+                    try:
+                        await tier.before_evict(slot)
+                    except Exception:
+                        log.exception("tier %s before_evict(slot %d) for a warm-up failed",
+                                      getattr(tier, "name", tier), slot)
+
         return WarmDeps(journal=self.journal, viewer=self._viewer, tier=self.disk_tier,
-                        slots=self.table, pick_slot=pick_slot)
+                        slots=self.table, pick_slot=pick_slot, prepare_slot=prepare_slot)
 
     async def on_upstream_restart(self) -> None:
         if self.table is not None:

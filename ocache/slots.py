@@ -342,6 +342,43 @@ class SlotTable:
         self.reconciled_at = time.monotonic()
         return data
 
+    def task_ids(self) -> dict[int, int]:
+        """The highest ``id_task`` each slot reported so far (``GET /slots``); compared before and
+        after a request the server placed itself, it names the slot the server chose."""
+        return dict(self._id_task)
+
+    async def learn_placement(self, before: Mapping[int, int], tokens: Sequence[int], *,
+                              owner: str | None, kind: str, user_starts: Sequence[int] = (),
+                              labels: Mapping | None = None) -> int | None:
+        """After a request forwarded without ``id_slot`` (the server chose its slot by its own
+        prompt similarity, docs/llama-server.md §9): ``GET /slots``, find the one slot whose
+        ``id_task`` grew since ``before`` (``task_ids()`` taken while ocache held every slot's
+        lock, so no other request ran) and record that it now holds ``tokens`` (+ the generated
+        tail the server reports in ``n_prompt_tokens``). Returns the slot, or None when no single
+        slot can be named (the request failed, or other clients used the server). The caller holds
+        every slot's lock. Raises SlotError when ``GET /slots`` fails."""
+        data = await self.fetch_slots()
+        self._restarted(data)
+        grown = [e for e in data if e.get("id_task") is not None
+                 and int(e["id_task"]) > before.get(int(e.get("id", -1)), -1)]
+        if len(grown) != 1 or not 0 <= int(grown[0].get("id", -1)) < len(self.slots):
+            return None
+        e = grown[0]
+        st = self.slots[int(e["id"])]
+        st.clear()
+        st.tokens = list(tokens)
+        n = e.get("n_prompt_tokens")
+        st.n_total = int(n) if n is not None else None
+        st.user_starts = list(user_starts)
+        st.owner, st.kind = owner, kind
+        st.labels = dict(labels or {})
+        st.last_used = time.monotonic()
+        if self.params.checkpoints:
+            # the checkpoints the server kept are not reported; those this prefill made are
+            # predicted when the answer's cache_n is known (OCacheLayer.observe)
+            st.checkpoints = []
+        return st.id
+
     def _restarted(self, data: list[dict]) -> bool:
         """Whether ``GET /slots`` comes from another process than the last one (see
         ``_id_task``); records the ids either way."""

@@ -204,7 +204,7 @@ async def warm_folder(folder: str, *, journal: FolderJournal, viewer: Any, tier:
     # already resident in some slot (this one or another): nothing to do, and no second copy
     for i in ([slot] + [j for j in range(len(slots)) if j != slot] if hasattr(slots, "__len__") else [slot]):
         have = list(getattr(slots[i], "tokens", None) or []) if hasattr(slots, "__getitem__") else []
-        if have == head:
+        if have[:len(head)] == head:   # the head alone, or a conversation that starts with it
             await say(stage="resident", slot=i)
             return {"slot": i, "tokens": n, "source": "resident", "seconds": time.monotonic() - t0,
                     "restored": 0, "prefilled": 0}
@@ -248,6 +248,9 @@ class WarmDeps:
     tier: Any
     slots: Any
     pick_slot: Callable[[], Awaitable[int]]   # an idle slot to warm into (e.g. the LRU one)
+    #: run under the slot's lock before the warm-up replaces what it holds: the tiers'
+    #: ``before_evict`` when that is a live conversation (the session tier spills it)
+    prepare_slot: Callable[[int], Awaitable[None]] | None = None
 
 
 def make_warm_handler(get_deps: Callable[[], WarmDeps | None], admin_token: str | None = None):
@@ -290,9 +293,13 @@ def make_warm_handler(get_deps: Callable[[], WarmDeps | None], admin_token: str 
         try:
             slot = await deps.pick_slot()
             async with deps.slots.lock(slot):
+                if deps.prepare_slot is not None:
+                    await deps.prepare_slot(slot)
                 result = await warm_folder(folder, journal=deps.journal, viewer=deps.viewer, tier=deps.tier,
                                            slots=deps.slots, slot=slot, progress=progress)
             await progress({"done": True, **result})
+            log.info("warm %s: %d tokens in slot %d from %s", folder, result.get("tokens", 0),
+                     result.get("slot", -1), result.get("source"))
         except Exception as exc:  # noqa: BLE001 - reported to the client, logged
             log.warning("warm %s failed: %s", folder, exc)
             await progress({"done": True, "error": str(exc)})

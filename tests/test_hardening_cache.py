@@ -653,3 +653,51 @@ def test_shared_store_keeps_no_store_that_failed_to_open(tmp_path):
         with pytest.raises(OSError):
             store_mod.shared_store(meta, tmp_path / "data", "id-A", kind=kind, kind_budget_bytes=10)
     assert meta.resolve() not in store_mod._SHARED
+
+
+async def _prompt_total(s: aiohttp.ClientSession, url: str) -> int:
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    return int(float(next(ln.split()[-1] for ln in text.splitlines()
+                          if ln.startswith("llamacpp:prompt_tokens_total"))))
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+async def test_started_in_front_of_a_warm_server_it_lets_the_server_choose(start_server, tmp_path, model):
+    """ocache (re)started in front of a llama-server whose slots hold conversations it never saw:
+    it cannot see what they hold, so it forwards without ``id_slot`` and the server picks the slot
+    by its own prompt similarity, reusing as much as it would alone; ocache learns the slot it
+    chose (the one whose id_task grew) and pins the next turn there with an exact prediction.
+    Before: the turn went to the other conversation's slot and reused only the shared head."""
+    srv = start_server(model, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    a1, a2, b1 = body_of(A1), body_of(A2), body_of(B1)
+    async with aiohttp.ClientSession() as s:
+        for body, slot in ((a1, 1), (b1, 0)):      # the conversations of the earlier ocache-less life
+            async with s.post(srv.url + CHAT, json=dict(body, id_slot=slot)) as r:
+                assert r.status == 200
+                t = (await r.json())["timings"]
+            if body is a1:
+                n_a1 = t["cache_n"] + t["prompt_n"]
+        async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
+            before = await _prompt_total(s, srv.url)
+            async with s.post(base + CHAT, json=a2, headers=hdrs(A2)) as r:
+                assert r.status == 200 and r.headers["X-OCache-Slot"] == "server"
+                t = (await r.json())["timings"]
+            await proxy.wait_background()
+            await proxy.layer.idle()
+            assert t["cache_n"] >= n_a1 - UB                      # A's slot, as the server alone
+            assert await _prompt_total(s, srv.url) - before == t["prompt_n"]
+            table = proxy.layer.table
+            assert table[1].tokens and not table[1].foreign and table[0].foreign
+            nxt = copy.deepcopy(a2)
+            nxt["messages"].append({"role": "assistant", "content": "ok"})
+            nxt["messages"].append({"role": "user", "content": "and then?"})
+            async with s.post(base + CHAT, json=nxt, headers=hdrs(A2)) as r:
+                assert r.status == 200 and r.headers["X-OCache-Slot"] == "1"
+                predicted = int(r.headers["X-OCache-Predicted-Cache"])
+                t2 = (await r.json())["timings"]
+            await proxy.wait_background()
+            await proxy.layer.idle()
+            assert abs(t2["cache_n"] - predicted) <= UB and predicted > n_a1 - UB
+            assert proxy.layer.counters["server_placed"] == 1

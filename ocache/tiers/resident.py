@@ -249,3 +249,24 @@ class ResidentTier:
 
     async def evict(self, bytes_needed: int) -> int:
         return 0
+
+
+def server_should_choose(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
+                         min_useful: int = 64) -> bool:
+    """Whether to forward this request without ``id_slot`` and let llama-server choose the slot.
+
+    True when some idle slot holds content ocache cannot see (``foreign``: a server that ran before
+    this ocache started, a client that bypassed it) of at least ``min_useful`` tokens, and no slot
+    whose content ocache knows gives a usable reuse. Then only the server can tell whether that
+    content is this request's prefix: it picks the slot by prompt similarity (docs/llama-server.md
+    §9), exactly as it would without ocache, so the request prefills no more than the server alone
+    (rule 2; measured: ocache restarted in front of a warm server routed a 13k-token turn to the
+    wrong slot and prefilled 6,085 tokens where the server alone prefilled 1).
+    """
+    by_id = {s.id: s for s in slots}
+    foreign = [c for c in ranked if by_id[c.slot].foreign and not c.busy
+               and (by_id[c.slot].n_total or 0) >= min_useful]
+    if not foreign:
+        return False
+    known_best = max((c.reuse.cache_n for c in ranked if not by_id[c.slot].foreign), default=0)
+    return known_best < min_useful
