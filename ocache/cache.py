@@ -1180,13 +1180,16 @@ class OCacheLayer:
             return None
 
         async def pick_slot() -> int:
-            """An idle slot that holds no live conversation (LRU among those), else the planner's
-            choice for a guest (which ranks protected conversations last)."""
+            """An idle slot that holds no live conversation: an empty one first, then a guest's or
+            a head, then one whose content ocache cannot see (it may be a conversation), LRU among
+            equals; else the planner's choice for a guest (which ranks protected conversations
+            last; ``prepare_slot`` then hands it to the tiers)."""
             await self._ensure_ready()
             snap = self.table.snapshot()
             free = [s for s in snap if not s.busy and s.kind not in ("agent", "other")]
             if free:
-                return min(free, key=lambda s: (bool(s.tokens), s.last_used)).id
+                return min(free, key=lambda s: (bool(s.foreign and s.n_total), bool(s.tokens or s.n_total),
+                                                s.last_used)).id
             ctx = RequestContext(kind="guest", task=self.table.next_task())
             return plan_request([0], snap, [], ctx, self.table.params).slot
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import fcntl
 import logging
 import os
@@ -255,6 +256,9 @@ async def test_head_files_are_store_entries(start_server, tmp_path, capsys):
     assert "head" in cli("ls")
     assert "deleted 1 entries" in cli("clear", "--kind", "heads")
     assert not heads_on_disk()
+    async with aiohttp.ClientSession() as s:   # else the new ocache leaves the slot it cannot see to the server
+        async with s.post(srv.url + "/slots/0?action=erase") as r:
+            assert r.status == 200
     async with through_ocache(make_config(srv, cache)) as (base, proxy), aiohttp.ClientSession() as s:
         await send(s, base, proxy, a, hdrs(A1))
         assert heads_on_disk()
@@ -701,3 +705,44 @@ async def test_started_in_front_of_a_warm_server_it_lets_the_server_choose(start
             await proxy.layer.idle()
             assert abs(t2["cache_n"] - predicted) <= UB and predicted > n_a1 - UB
             assert proxy.layer.counters["server_placed"] == 1
+
+
+@pytest.mark.server
+async def test_warm_dir_spills_the_conversation_it_replaces(start_server, tmp_path):
+    """``ocache warm DIR`` when every slot holds a conversation: the one it replaces is handed to the
+    tiers first (the session tier spills it), so it comes back from the session tier (it was
+    overwritten and lost, unspilled); a folder whose head a slot already starts with is not warmed a
+    second time."""
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    from ocache.warm import folder_of
+
+    pi = body_of("pi_turn1.json")
+    convs = {"pi-1": pi, hdrs(A1)["x-session-affinity"]: body_of(A1), hdrs(B1)["x-session-affinity"]: body_of(B1)}
+    convs = {o: (b, folder_of(b)) for o, b in convs.items()}
+    assert len({f for _, f in convs.values()}) == 3
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with through_ocache(make_config(srv, tmp_path / "state", spill_min=256)) as (base, proxy):
+        async with aiohttp.ClientSession() as s:
+
+            async def warm(folder: str) -> dict:
+                async with s.post(base + "/v1/cache/warm", json={"dir": folder}, headers=auth) as r:
+                    assert r.status == 200
+                    return [json.loads(x) for x in (await r.text()).splitlines()][-1]
+
+            for owner, (body, _) in convs.items():
+                await send(s, base, proxy, body, {"x-session-affinity": owner})
+            table, session = proxy.layer.table, proxy.layer._session_tier
+            held = {table[i].owner for i in range(2)}
+            gone = next(o for o in convs if o not in held)
+            last = await warm(convs[next(iter(held))][1])
+            assert last.get("source") == "resident", last       # its conversation starts with it
+            assert {table[i].owner for i in range(2)} == held
+            target = convs[gone][1]
+            spills = session.counters["spills"]
+            last = await warm(target)
+            assert last.get("done") and not last.get("error"), last
+            await proxy.layer.idle()
+            assert session.counters["spills"] == spills + 1
+            replaced = next(o for o in held if o not in {table[i].owner for i in range(2)})
+            rec = await send(s, base, proxy, convs[replaced][0], {"x-session-affinity": replaced})
+            assert rec["tier"] == "session", rec
