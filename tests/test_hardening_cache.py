@@ -746,3 +746,31 @@ async def test_warm_dir_spills_the_conversation_it_replaces(start_server, tmp_pa
             replaced = next(o for o in held if o not in {table[i].owner for i in range(2)})
             rec = await send(s, base, proxy, convs[replaced][0], {"x-session-affinity": replaced})
             assert rec["tier"] == "session", rec
+
+
+@pytest.mark.server
+async def test_a_damaged_anchor_falls_back_to_the_next_one(start_server, tmp_path):
+    """The longest anchor for a request is damaged: the store's check deletes it and the disk tier
+    is asked once more: the next anchor (the harness head's) is restored instead of serving the
+    request cold, and the answer is a cold run's (measured before: 11,817 tokens prefilled although
+    valid 9,364- and 7,840-token anchors were on disk)."""
+    srv = start_server("dense", n_parallel=1, ctx_size=16384, **SERVER)
+    async with through_ocache(make_config(srv, tmp_path / "state", disk_min=512)) as (base, proxy), \
+            aiohttp.ClientSession() as s:
+        await send(s, base, proxy, body_of(A1), hdrs(A1))
+        layer = proxy.layer
+        store = layer.disk_tier.store
+        anchors = sorted(store.entries("a"), key=lambda e: e.n_tokens)
+        assert len(anchors) >= 2, anchors
+        longest, nxt = anchors[-1], anchors[-2]
+        assert (await layer.clear("resident"))["cleared"] == 1
+        [path] = [Path(srv.slot_save_path) / f.name for f in longest.files.values() if f.name.endswith(".bin")]
+        flip(path, "bytes", longest.n_tokens)
+        b = body_of(A2)
+        r = await send(s, base, proxy, b, hdrs(A2))
+        assert r["tier"] == "disk", r["tier"]
+        assert r["data"]["timings"]["cache_n"] >= nxt.n_tokens - UB
+        assert layer.counters["bring_failures"] == 1 and layer.counters["bring_retries"] == 1
+        assert longest.key not in {e.key for e in store.entries("a")}
+        ref = await cold(srv.url, b)
+        assert r["data"]["choices"][0]["message"] == ref["choices"][0]["message"]
