@@ -17,7 +17,7 @@ machine (never two heavy processes at once), each scenario on freshly started pr
 
 Presets: ``tiny`` (the smoke run: the tiny hybrid model, three scenarios: growth,
 restart_mid_session, new_session_other_folder) and ``bench`` (the README's main command: the
-bench-sized hybrid model, four scenarios, ``-t 1``); ``--all-scenarios`` runs all eight.
+bench-sized hybrid model, four scenarios, ``-t 1``); ``--all-scenarios`` runs every scenario in ``scenarios/`` (12).
 
 Per scenario and configuration: the tokens llama-server prefilled (its ``/metrics`` counter, so
 ocache's own warm-ups count, beside the clients' ``prompt_n``), the oracle's total, prefill
@@ -101,7 +101,7 @@ PRESETS = {
     # for this model under load; docs/decisions.md D6)
     # At -t 1 this model prefills ~185 tokens/s here, so a 7.3k-token opencode turn takes ~40 s
     # and every scenario costs ~6-8 minutes (replays + cold references): the default is the
-    # four most telling ones (~30 min); --all-scenarios runs all eight (~1 h).
+    # four most telling ones (~30 min); --all-scenarios runs every scenario (12; ~1.5 h on the bench models).
     "bench": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=1024,
                     scenarios=("growth", "restart_mid_session", "aba_one_slot",
                                "new_session_other_folder")),
