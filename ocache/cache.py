@@ -158,6 +158,36 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
                     best if take_offer else None, tuple(warnings))
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """One server's answer to the router's "what could you reuse for this request?"
+    (``OCacheLayer.estimate``). ``n_tokens``: the prompt in tokens; ``usable``: the predicted
+    ``cache_n`` there (resident, or what the head/disk/session tiers would restore first), in tokens;
+    ``tier``: where it would come from; ``slot``/``busy``: the slot the plan would take and whether
+    a request is running in it; ``destroys``: tokens of another live conversation the plan would
+    overwrite there without the session tier saving them first (0: none);
+    ``restore_s``: the chosen offer's estimated read time (seconds); ``own_session``: a slot holds
+    this request's session; ``prefill_tps``: this server's measured prefill rate (tokens/s, None
+    before the first measurement); ``head_key``: the harness fingerprint; ``warm``: the plan would
+    prefill the head itself first (no server holds it yet); ``prefix_key``: a hash of the first 256
+    tokens (in-process only: requests that start alike)."""
+
+    n_tokens: int
+    usable: int
+    tier: str
+    slot: int
+    busy: bool
+    destroys: int
+    restore_s: float
+    kind: str
+    own_session: bool
+    head_len: int
+    prefill_tps: float | None
+    head_key: str | None = None
+    warm: bool = False
+    prefix_key: int | None = None
+
+
 # ----------------------------------------------------------------------------------------------
 # the head tier: warmed harness heads saved to slot files
 
@@ -766,6 +796,58 @@ class OCacheLayer:
 
         return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": kind, "X-OCache-Slot": "server"},
                         context=placed, release=release)
+
+    async def estimate(self, req: Any) -> "Estimate | None":
+        """What this server could do for ``req`` if it were planned here, read-only: the router
+        (``ocache/router.py``) asks every server's layer and picks one before calling its ``plan``.
+
+        The same steps as ``plan`` up to the decision (token view, classify, head, every tier's
+        ``lookup``, ``plan_request`` on ``SlotTable.snapshot()``), without the slot lock, the
+        journal, counters or any table change. Returns None for a request ``plan`` would not pin
+        (unrenderable, unconvertible, too long). Raises what ``_ensure_ready`` / the token view
+        raise when the server cannot be asked (the router then skips it).
+        """
+        await self._ensure_ready()
+        table = self.table
+        body, path = req.body or {}, req.path
+        if path in convert.CONVERTED_ROUTES:
+            if path in convert.ANTHROPIC_ROUTES and not self._anthropic_pin_ok():
+                return None
+            try:
+                body = convert.to_chat(path, body)
+            except convert.ConversionError:
+                return None
+            path = "/v1/chat/completions"
+        chat = path in CHAT_ROUTES
+        kind = fp_mod.classify(body, self.markers) if chat else "other"
+        head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
+        try:
+            view = await self._viewer.view(path, body, head)
+        except TokenViewError as exc:
+            if 400 <= exc.status < 500:
+                return None
+            raise
+        tokens = view.tokens
+        if not tokens or len(tokens) >= table.params.n_ctx_slot:
+            return None
+        head_len = view.head_end or 0
+        head_key = fp_mod.fingerprint(head, self._ident()) if head is not None and head_len else None
+        session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
+        ctx = RequestContext(kind=kind, session=session, head_key=head_key, head_len=head_len,
+                             task=getattr(table, "_task_seq", 0) + 1,
+                             user_starts=tuple(view.user_starts) if (chat or body.get("message_delimiters")) else ())
+        dec = await self._decide(view, ctx)
+        snap = table.snapshot()
+        own = bool(session) and any(s.owner == session for s in snap)
+        spills = getattr(self, "_session_tier", None)
+        destroys = 0
+        if dec.evicts and not (spills is not None and spills.will_spill(dec.slot)):
+            destroys = len(snap[dec.slot].tokens)
+        return Estimate(n_tokens=len(tokens), usable=dec.predicted, tier=dec.tier, slot=dec.slot,
+                        busy=dec.choice.busy, destroys=destroys,
+                        restore_s=dec.offer.cost_s if dec.offer else 0.0, kind=kind, own_session=own,
+                        head_len=head_len, prefill_tps=self.prefill_tps, head_key=head_key,
+                        warm="warm_head" in dec.steps, prefix_key=hash(tuple(tokens[:256])))
 
     async def _refresh(self, req: Any) -> None:
         """Reconcile the slot table with ``GET /slots``; a failure only logs (the plan then uses

@@ -48,6 +48,15 @@ class Config:
     port: int = _f(8081, "TCP port to listen on (1-65535; 0: any free port, logged)", min=0, max=65535)
     upstream: str = _f("http://127.0.0.1:8080", "base URL of llama-server (http://host:port); with "
                        "`launch`, the launched server's URL replaces it")
+    upstreams: list[str] = _f([], "several llama-servers of one model behind one ocache (one per "
+                              "GPU or host): their base URLs; the router picks one per request by "
+                              "usable prefix and load (ocache/router.py); unset: `upstream` alone")
+    route_policy: str = _f("prefix", "with several servers: `prefix` (least expected work: prefill "
+                           "the server's cache leaves + its load) or `round_robin` (for comparisons)",
+                           choices=("prefix", "round_robin"))
+    route_load_weight: float = _f(0.5, "with several servers: seconds of load a request in flight "
+                                  "adds, as a fraction of the server's mean request time (the "
+                                  "router's beta)", min=0)
     upstream_api_key: str | None = _f(None, "API key ocache itself uses for its probes of a server "
                                       "started with --api-key (/metrics, /props, /slots); clients' "
                                       "own Authorization headers are always forwarded as they are")
@@ -98,6 +107,12 @@ class Config:
     record_redact: bool = _f(False, "with record_dir: drop all text, keep structure and counts")
     launch: list[str] = _f([], "llama-server arguments: ocache starts the (patched) server as a "
                            "child with them and restarts it if it dies (`serve --launch -- ARGS`)")
+    launch_replicas: int = _f(1, "with `launch`: how many llama-server children to start (one per "
+                              "GPU), each on its own free port with the same arguments; the router "
+                              "spreads requests over them", min=1)
+    launch_devices: list[str] = _f([], "with `launch`: per child, the value of CUDA_VISIBLE_DEVICES "
+                                   "(e.g. [\"0\", \"1\"]; `--device` in the arguments works too); "
+                                   "unset: the children inherit the environment")
     launch_binary: str | None = _f(None, "llama-server binary for `launch`; default: the patched "
                                    "engine build (`ocache engine path`)")
     launch_backend: str = _f("cpu", "which `ocache engine build --backend` build `launch` runs when "
@@ -227,6 +242,9 @@ def _coerce(name: str, value: Any, source: str, from_env: bool = False) -> Any:
         raise ConfigError(f"{where}: {value!r} is not one of {', '.join(meta['choices'])}")
     if name == "upstream":
         _check_url(value, where)
+    if name == "upstreams":
+        for v in value:
+            _check_url(v, where)
     return value
 
 

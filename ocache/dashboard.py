@@ -35,7 +35,12 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
 * ``tiers``: ``head`` (saves, restores), ``disk`` (anchors, restores, hits, save/restore p50 s),
   ``session`` (spills, restores, hits, spill/restore p50 s, entries, bytes);
 * ``store``: ``entries``, ``bytes``, ``budget_bytes``, ``by_kind`` (``anchor``/``spill`` →
-  entries, bytes, hits), ``next_eviction`` (the entry eviction would take first).
+  entries, bytes, hits), ``next_eviction`` (the entry eviction would take first);
+* ``servers`` (several llama-servers behind one ocache, ocache/router.py; empty with one): per
+  server ``url``, ``state``, ``epoch``, ``inflight``, ``routed`` (requests sent there), ``reasons``
+  (routed by reason: ``prefix``, ``round robin``, ``only ready server``, ...), ``slots``,
+  ``busy_slots``, ``tokens`` (held in its slots), ``prefilled``/``reused`` (its layer's totals).
+  ``requests`` rows then carry ``upstream``.
 """
 
 from __future__ import annotations
@@ -121,7 +126,8 @@ def view(stats: dict, admin: bool = False) -> dict:
                          "prefilled": _int(r.get("prompt_n")), "reused": _int(r.get("cache_n")),
                          "restore_ms": r.get("restore_ms"),
                          "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
-                         "status": r.get("status")})
+                         "status": r.get("status"),
+                         **({"upstream": r["upstream"]} if r.get("upstream") else {})})
     by_kind = {KIND_NAMES.get(k, k): v for k, v in (store.get("by_kind") or {}).items()}
     return {
         "time": time.time(),
@@ -159,7 +165,25 @@ def view(stats: dict, admin: bool = False) -> dict:
                   "by_folder": store.get("by_folder") or [],
                   "next_eviction": store.get("next_eviction")},
         "setup_warnings": list(layer.get("setup_warnings") or []),
+        "servers": _servers(layer),
     }
+
+
+def _servers(layer: dict) -> list[dict]:
+    """One row per server behind the router (``layer.router.servers``, ocache/router.py); empty
+    with one server."""
+    rows = []
+    for r in ((layer.get("router") or {}).get("servers") or []):
+        ls = r.get("layer") if isinstance(r.get("layer"), dict) else {}
+        slots = ls.get("slots") or []
+        rows.append({"url": r.get("url"), "state": r.get("state"), "epoch": r.get("epoch"),
+                     "inflight": _int(r.get("inflight")), "routed": _int(r.get("routed")),
+                     "reasons": dict(r.get("reasons") or {}),
+                     "busy_slots": sum(1 for x in slots if x.get("busy")), "slots": len(slots),
+                     "tokens": sum(_int(x.get("tokens")) for x in slots),
+                     "prefilled": _int(ls.get("prefilled_tokens")),
+                     "reused": _int(ls.get("reused_tokens"))})
+    return rows
 
 
 # ---------------------------------------------------------------------- routes

@@ -80,6 +80,8 @@ class Plan:
     ``split_tokens``/``split_ms``: tokens (and their prefill milliseconds) the layer prefilled
     itself for this request before forwarding it (head warm-up, anchor split); when > 0 the proxy
     corrects the reuse figures of the response, its log line and its stats (ocache/api/figures.py).
+    ``upstream``: the base URL of the server to forward to when several serve behind one ocache
+    (``ocache/router.py`` sets it); None: the proxy's one (first healthy) upstream.
     """
 
     body_updates: dict = field(default_factory=dict)
@@ -88,6 +90,7 @@ class Plan:
     release: Callable[[], Awaitable[None]] | None = None
     split_tokens: int = 0
     split_ms: float = 0.0
+    upstream: str | None = None
 
 
 @dataclass

@@ -43,6 +43,14 @@ Relay rules:
 * An upstream that is not llama-server (``Upstream.state == "foreign"``) is reported once in the log;
   requests are forwarded to it without the cache layer.
 
+Several llama-servers (config ``upstreams``, or ``launch_replicas`` > 1 with ``--launch``): one
+``Upstream`` per server, the layer is ``ocache.router.Router`` (one cache layer per server), and a
+planned request goes to the server its plan names (``Plan.upstream``; ``X-OCache-Upstream`` and
+``X-OCache-Route`` say which and why), everything else to the first ready server. Each rule above
+holds per server (its probe, its 503, its hung forwards ended). A request whose server refuses the
+connection (it never reached it) is planned once more on the others; nothing that reached a server
+is sent again.
+
 Routes served by ocache itself (everything else, ``/metrics`` included, goes to llama-server):
 
 | route | answer |
@@ -66,7 +74,8 @@ Response headers added by ocache (all ``X-OCache-*``):
 |---|---|---|
 | ``X-OCache-Request-Id`` | every response | id of this request in ocache's log lines |
 | ``X-OCache-Fail-Open`` | completion, layer raised | ``plan``: the cache layer failed; request forwarded untouched |
-| ``X-OCache-Upstream`` | 503 from ocache | the upstream URL that could not be reached |
+| ``X-OCache-Upstream`` | 503 from ocache; several servers: every planned request | the upstream URL that could not be reached / that served the request |
+| ``X-OCache-Route`` | several servers, planned request | why that server (ocache/router.py) |
 | ``X-OCache-Tier`` | set by the layer | where the reused prefix came from (``resident``/``head``/``disk``/``session``/``cold``) |
 | ``X-OCache-Split``, ``-Prefilled``, ``-Reused`` | set by the layer | tokens ocache prefilled itself for this request; tokens the server prefills for it (ocache's steps included); tokens reused from before it (see ``ocache/cache.py``) |
 | other ``X-OCache-*`` | set by the layer | see ``ocache/cache.py`` (e.g. ``X-OCache-Slot``) |
@@ -84,6 +93,8 @@ of a start) stops and exits with status 1, printing the last child's log tail (o
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import itertools
 import json
 import logging
@@ -136,6 +147,15 @@ PROBE_WAIT_S = 1.0
 #: A JSON escape of a UTF-16 surrogate: only a body with one can hold a lone surrogate.
 _SURROGATE_ESC = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+#: The upstream the current request is forwarded to (set per request task in ``Proxy._proxy``;
+#: several servers behind one ocache: ``ocache/router.py``). Unset: the first upstream.
+_CURRENT_UPSTREAM: contextvars.ContextVar[Upstream] = contextvars.ContextVar("ocache_upstream")
+
+
+#: request key: this request's forward could not connect (nothing reached the server)
+_CONNECT_FAILED = admin._Key("ocache_connect_failed", bool) if admin._Key else "ocache_connect_failed"
 
 
 class UpstreamHung(aiohttp.ClientConnectionError):
@@ -356,15 +376,30 @@ class Proxy:
 
     ``layer_factory(upstream, config) -> CacheLayer`` builds the cache layer once the upstream
     object exists. ``pid_source`` (the supervisor's) feeds the upstream's restart detection.
+
+    Several servers (config ``upstreams``, or ``launch_replicas`` > 1): one ``Upstream`` each
+    (``upstreams``; ``pid_sources`` one per server), the layer is ``ocache.router.Router`` over one
+    ``layer_factory`` layer per server (``server_configs``: each server's Config, default this one
+    with its ``upstream``), and each request is forwarded to the server its plan names
+    (``Plan.upstream``), other routes to the first ready one. ``upstream`` is the current request's
+    server (a context variable set per request), else the first.
     """
 
     def __init__(self, config: Config, layer_factory: Callable[[Upstream, Config], Any] | None = None,
                  pid_source: Callable[[], int | None] | None = None,
-                 monitor: bool = True) -> None:
+                 monitor: bool = True, pid_sources: list | None = None,
+                 server_configs: list[Config] | None = None) -> None:
         self.config = config
-        self.upstream = Upstream(config.upstream, api_key=config.upstream_api_key,
-                                 probe_interval_s=config.probe_interval_s, pid_source=pid_source,
-                                 probe_timeout_s=config.probe_timeout_s)
+        urls = list(config.upstreams or []) or [config.upstream]
+        pids = list(pid_sources or []) or [pid_source]
+        self.upstreams = [Upstream(u, api_key=config.upstream_api_key,
+                                   probe_interval_s=config.probe_interval_s,
+                                   pid_source=pids[i] if i < len(pids) else None,
+                                   probe_timeout_s=config.probe_timeout_s)
+                          for i, u in enumerate(urls)]
+        self.server_configs = server_configs or (
+            [dataclasses.replace(config, upstream=u, upstreams=[]) for u in urls] if len(urls) > 1
+            else None)
         self._layer_factory = layer_factory or default_layer_factory(config.no_cache)
         self.layer: Any = None
         self.stats = Stats(layer_stats=self._layer_stats)
@@ -385,6 +420,23 @@ class Proxy:
         self._sending: set[asyncio.Task] = set()   # handler tasks awaiting an answer's head
         self._aborted: set[asyncio.Task] = set()   # of those, the ones _abort_forwards cancelled
         self._relaying: set[aiohttp.ClientResponse] = set()
+        self._forward_up: dict[Any, Upstream] = {}  # send task / response -> its upstream
+
+    @property
+    def upstream(self) -> Upstream:
+        """The upstream of the request being handled (``Plan.upstream``), else the first."""
+        return _CURRENT_UPSTREAM.get(self.upstreams[0])
+
+    def default_upstream(self) -> Upstream:
+        """Where a request goes that no plan routes: the first ready server, else the first not
+        known hung, else the first."""
+        for up in self.upstreams:
+            if up.state == "ready":
+                return up
+        for up in self.upstreams:
+            if not up.hung:
+                return up
+        return self.upstreams[0]
 
     def _extra_routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:
         """Admin routes whose handlers live with their tier: ``POST /v1/cache/warm`` (``ocache warm
@@ -426,30 +478,49 @@ class Proxy:
             from ocache.record import Recorder
 
             self.recorder = Recorder(self.config.record_dir, redact=self.config.record_redact)
-        await self.upstream.start(monitor=self._monitor)
-        self.layer = self._layer_factory(self.upstream, self.config)
-        self.upstream.on_restart(self._on_upstream_restart)
-        self.upstream.on_hung(self._abort_forwards)
-        log.info("ocache proxy -> %s (%s, layer %s)", self.upstream.base_url, self.upstream.state,
-                 type(self.layer).__name__)
+        await asyncio.gather(*(up.start(monitor=self._monitor) for up in self.upstreams))
+        if len(self.upstreams) > 1:
+            from ocache.router import Router
+
+            self.layer = Router(self.upstreams, self.config, self._layer_factory,
+                                configs=self.server_configs)
+        else:
+            self.layer = self._layer_factory(self.upstream, self.config)
+        self.upstreams[0].on_restart(self._on_upstream_restart)
+        for up in self.upstreams[1:]:
+            up.on_restart(self._count_restart)
+        for up in self.upstreams:
+            up.on_hung(lambda reason, up=up: self._abort_forwards(reason, up))
+        log.info("ocache proxy -> %s (%s, layer %s)",
+                 ", ".join(u.base_url for u in self.upstreams),
+                 ", ".join(u.state for u in self.upstreams), type(self.layer).__name__)
+
+    async def _count_restart(self) -> None:
+        self.stats.upstream_restart()
 
     async def close(self) -> None:
         await self.wait_background()
-        await self.upstream.close()
+        for up in self.upstreams:
+            await up.close()
         if self.recorder is not None:
             self.recorder.close()
 
-    def _abort_forwards(self, reason: str) -> None:
-        """The upstream stopped answering: end every forward in flight now (their answers would
-        never come; without this they would wait for ``upstream_read_timeout_s``)."""
-        if self._sending or self._relaying:
+    def _abort_forwards(self, reason: str, up: Upstream | None = None) -> None:
+        """The upstream ``up`` stopped answering: end every forward in flight to it now (their
+        answers would never come; without this they would wait for ``upstream_read_timeout_s``)."""
+        def on(x: Any) -> bool:
+            return up is None or self._forward_up.get(x, self.upstreams[0]) is up
+
+        sending = [t for t in self._sending if on(t)]
+        relaying = [r for r in self._relaying if on(r)]
+        if sending or relaying:
             log.warning("upstream stopped answering: ending %d forward(s) in flight",
-                        len(self._sending) + len(self._relaying))
-        for task in list(self._sending):
+                        len(sending) + len(relaying))
+        for task in sending:
             if task not in self._aborted:
                 self._aborted.add(task)
                 task.cancel(msg="upstream hung")
-        for resp in list(self._relaying):
+        for resp in relaying:
             resp.content.set_exception(UpstreamHung(f"stopped answering mid-response ({reason})"))
 
     async def _on_upstream_restart(self) -> None:
@@ -533,7 +604,8 @@ class Proxy:
             request[admin.ADMIN] = admin.token_ok(request, self.config.admin_token)
         elif path == "/ocache" or path.startswith("/ocache/"):  # the dashboard: like the stats
             request[admin.ADMIN] = admin.token_ok(request, self.config.admin_token)
-        elif admin.is_slot_action(request) and not isinstance(self.layer, NullLayer):
+        elif admin.is_slot_action(request) and getattr(self.layer, "owns_slots",
+                                                        not isinstance(self.layer, NullLayer)):
             log.warning("[%s] refused a client's %s %s (ocache owns the slots)", rid, request.method,
                         request.path_qs)
             resp = admin.slot_action_refused(request, self.upstream.base_url, rid)
@@ -626,6 +698,8 @@ class Proxy:
                                f"{self.config.client_idle_timeout_s:g} s (client_idle_timeout_s)",
                                "timeout_error", rid)
         is_completion = method == "POST" and path in COMPLETION_ROUTES
+        if len(self.upstreams) > 1:
+            _CURRENT_UPSTREAM.set(self.default_upstream())
         preq: ParsedRequest | None = None
         if is_completion:
             preq = self._parse(request, rid, method, path, body)
@@ -684,6 +758,10 @@ class Proxy:
                 if plan is None:
                     out_body = body
 
+        if plan is not None and plan.upstream and len(self.upstreams) > 1:
+            chosen = next((u for u in self.upstreams if u.base_url == plan.upstream.rstrip("/")), None)
+            if chosen is not None:
+                _CURRENT_UPSTREAM.set(chosen)
         obs = Observation(status=0, completed=False)
         up_resp: aiohttp.ClientResponse | None = None
         sent: web.StreamResponse | None = None
@@ -696,6 +774,16 @@ class Proxy:
         timeout = self._read_timeout(path, preq)
         try:
             up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs)
+            if (not isinstance(up_resp, aiohttp.ClientResponse) and request.get(_CONNECT_FAILED)
+                    and plan is not None and plan.upstream and preq is not None):
+                # the chosen server refused the connection (died since its last probe): the request
+                # never reached it, so it is planned again on the servers still up (once)
+                rerouted = await self._reroute(preq, plan, body)
+                if rerouted is not None:
+                    plan, out_body = rerouted
+                    extra = {"X-OCache-Request-Id": rid, **plan.headers}
+                    obs.status = 0
+                    up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs)
             if not isinstance(up_resp, aiohttp.ClientResponse):
                 return up_resp  # ocache's own 502/503/504
             if up_resp.status == 503 and path not in _PROBE_ROUTES and plannable:
@@ -748,6 +836,7 @@ class Proxy:
             obs.total_s = time.perf_counter() - t0
             if isinstance(up_resp, aiohttp.ClientResponse):
                 self._relaying.discard(up_resp)
+                self._forward_up.pop(up_resp, None)
                 if obs.completed:
                     up_resp.release()
                 else:
@@ -761,6 +850,33 @@ class Proxy:
             elif log.isEnabledFor(logging.DEBUG):
                 log.debug("[%s] %s %s %s %.1fms", rid, method, request.path_qs, obs.status,
                           obs.total_s * 1e3)
+
+    async def _reroute(self, preq: ParsedRequest, plan: Plan, body: bytes) -> tuple[Plan, bytes] | None:
+        """Several servers: the plan's server refused the connection (now marked down). End that
+        plan (release + observe as a 503) and plan the request again; the new plan, or None when
+        there is none elsewhere (the client then gets the 503)."""
+        if len(self.upstreams) < 2:
+            return None
+        dead = self.upstream
+        self._spawn(self._after(preq, plan, Observation(status=503, completed=False), True))
+        try:
+            new_plan, out_body = await self._plan(preq, body)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("[%s] re-planning after %s refused the connection failed", preq.request_id,
+                        dead.base_url, exc_info=True)
+            return None
+        chosen = next((u for u in self.upstreams
+                       if new_plan.upstream and u.base_url == new_plan.upstream.rstrip("/")), None)
+        if chosen is None or chosen is dead:
+            if new_plan.release is not None:
+                self._spawn(self._release_only(preq.request_id, new_plan))
+            return None
+        log.info("[%s] %s refused the connection: routed to %s instead", preq.request_id,
+                 dead.base_url, chosen.base_url)
+        _CURRENT_UPSTREAM.set(chosen)
+        return new_plan, out_body
 
     async def _upstream_state(self, rid: str, path: str) -> str:
         """The upstream state after the shared probe (waited for at most ``PROBE_WAIT_S``); while it
@@ -781,9 +897,11 @@ class Proxy:
         without answering, or an answer that is not valid HTTP: any aiohttp client error)."""
         task = asyncio.current_task()
         self._sending.add(task)
+        self._forward_up[task] = self.upstream
         try:
             resp = await self._send_upstream(request, body, has_body, timeout)
             self._relaying.add(resp)
+            self._forward_up[resp] = self.upstream
             return resp
         except asyncio.CancelledError:
             # _abort_forwards cancelled this handler once (the upstream stopped answering) and
@@ -796,6 +914,7 @@ class Proxy:
             return self._unavailable(rid)
         except aiohttp.ClientConnectorError as exc:
             obs.status = 503
+            request[_CONNECT_FAILED] = True
             self.upstream.notify_unreachable(f"{type(exc).__name__}: {exc}")
             self.stats.upstream_unavailable()
             return self._unavailable(rid)
@@ -815,6 +934,7 @@ class Proxy:
             return self._upstream_failed(rid, 502, "before answering", exc, timeout)
         finally:
             self._sending.discard(task)
+            self._forward_up.pop(task, None)
             self._aborted.discard(task)
 
     async def _held_503(self, request: web.Request, rid: str, body: bytes, has_body: bool,
@@ -835,6 +955,7 @@ class Proxy:
                  "to %g s)", rid, self.config.loading_wait_s)
         up_resp.release()
         self._relaying.discard(up_resp)
+        self._forward_up.pop(up_resp, None)
         # ready: the request is served; still loading after the bound: the client gets the
         # server's own 503, with Retry-After (added by the caller)
         await self.upstream.wait_ready(self.config.loading_wait_s)
@@ -1007,6 +1128,8 @@ class Proxy:
             "ttft_s": obs.ttft_s, "total_s": round(obs.total_s, 6), "completed": obs.completed,
             "epoch": self.upstream.epoch, "time": time.time(),
         }
+        if len(self.upstreams) > 1:
+            record["upstream"] = self.upstream.base_url
         if obs.completed or disconnected:
             self.stats.completion(preq.path, tier, timings, obs.ttft_s, record, split=split)
         log.info("[%s] %s", preq.request_id, request_line(record, preq.method, disconnected))
@@ -1049,9 +1172,12 @@ class Proxy:
         except Exception as exc:
             self.stats.layer_error("stats")
             layer = {"error": f"{type(exc).__name__}: {exc}"}
-        return {**self.stats.to_dict(), "inflight": self.inflight,
+        body = {**self.stats.to_dict(), "inflight": self.inflight,
                 "upstream": self.upstream.to_dict(), "layer": layer,
                 "layer_class": type(self.layer).__name__}
+        if len(self.upstreams) > 1:
+            body["upstreams"] = [u.to_dict() for u in self.upstreams]
+        return body
 
     async def _admin(self, request: web.Request, rid: str, path: str) -> web.Response:
         """ocache's own routes; method and token were checked by ``_guard`` (ocache/admin.py)."""
@@ -1098,7 +1224,8 @@ def request_line(rec: dict, method: str, disconnected: bool = False) -> str:
         state = "" if rec.get("completed") else " INCOMPLETE"
     head = (f"{method} {rec['path']}{' stream' if rec.get('stream') else ''} {rec['status']}{state}"
             f" {rec.get('kind') or 'other'}"
-            f" slot {'?' if rec.get('slot') is None else rec['slot']}")
+            f" slot {'?' if rec.get('slot') is None else rec['slot']}"
+            + (f" on {rec['upstream'].split('://', 1)[-1]}" if rec.get("upstream") else ""))
     parts = []
     if rec.get("prompt_n") is not None or rec.get("cache_n") is not None:
         reuse = f"prefilled {n(rec.get('prompt_n'))}, reused {n(rec.get('cache_n'))}"
@@ -1138,25 +1265,41 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
                 signals.append(sig)
             except (NotImplementedError, RuntimeError):
                 pass
-    supervisor = None
+    supervisors: list = []
     runner = None
     try:
         if config.launch:
             from ocache.paths import state_root
 
-            # the child's stdout+stderr: where a failed start explains itself (tail logged on exit)
-            supervisor = Supervisor(config.launch, binary=config.launch_binary,
-                                    log_path=state_root() / "llama-server.log",
-                                    max_quick_failures=config.launch_max_failures,
-                                    backend=config.launch_backend)
-            supervisor.on_give_up = stop.set  # a child that cannot start: stop, exit non-zero
-            config.upstream = supervisor.url
-            await supervisor.start()
+            n = config.launch_replicas
+            from ocache.llama.flags import given_flags
+
+            if n > 1 and given_flags(list(config.launch)).get("port") is not None:
+                raise LaunchError("launch_replicas > 1 gives each child its own free port: remove "
+                                  "--port from the llama-server arguments")
+            for i in range(n):
+                kw = {}
+                if config.launch_devices:
+                    kw["env"] = {"CUDA_VISIBLE_DEVICES": config.launch_devices[i % len(config.launch_devices)]}
+                # the child's stdout+stderr: where a failed start explains itself (tail logged on exit)
+                sup = Supervisor(config.launch, binary=config.launch_binary,
+                                 log_path=state_root() / ("llama-server.log" if n == 1
+                                                          else f"llama-server-{i}.log"),
+                                 max_quick_failures=config.launch_max_failures,
+                                 backend=config.launch_backend, **kw)
+                sup.on_give_up = stop.set  # a child that cannot start: stop, exit non-zero
+                supervisors.append(sup)
+            config.upstream = supervisors[0].url
+            if n > 1:
+                config.upstreams = [s.url for s in supervisors]
+            for sup in supervisors:
+                await sup.start()
         proxy = Proxy(config, layer_factory=layer_factory,
-                      pid_source=supervisor.pid if supervisor else None)
+                      pid_source=supervisors[0].pid if supervisors else None,
+                      pid_sources=[s.pid for s in supervisors] or None)
         proxy.stop_event = stop
-        if supervisor:
-            supervisor.on_start = proxy.upstream.poke
+        for sup, up in zip(supervisors, proxy.upstreams):
+            sup.on_start = up.poke
         runner = web.AppRunner(proxy.make_app(), handler_cancellation=True,
                                shutdown_timeout=config.drain_timeout_s,
                                keepalive_timeout=config.client_keepalive_s, **RUNNER_KWARGS)
@@ -1165,24 +1308,26 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         await site.start()
         # the bound port (differs from config.port when that is 0: the OS picked one)
         port = next((a[1] for a in runner.addresses if isinstance(a, tuple)), config.port)
-        log.info("ocache listening on http://%s:%d -> %s", config.host, port, config.upstream)
+        log.info("ocache listening on http://%s:%d -> %s", config.host, port,
+                 ", ".join(config.upstreams) if len(config.upstreams) > 1 else config.upstream)
         if config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("listening on %s, not loopback: anyone who can reach this port can use the "
                         "model%s", config.host, "" if config.admin_token else " (and no admin_token is set)")
         if ready:
             ready(proxy, port)
         await stop.wait()
-        if supervisor is not None and supervisor.failed:
+        failed = next((s.failed for s in supervisors if s.failed), None)
+        if failed:
             await site.stop()
-            raise LaunchError(supervisor.failed)
+            raise LaunchError(failed)
         log.info("stopping: no new connections, draining %d in-flight request(s)", proxy.inflight)
         await site.stop()
         await proxy.drain(config.drain_timeout_s)
     finally:
         if runner is not None:
             await runner.cleanup()
-        if supervisor:
-            await supervisor.stop()
+        for sup in supervisors:
+            await sup.stop()
         for sig in signals:
             loop.remove_signal_handler(sig)
         log.info("ocache stopped")

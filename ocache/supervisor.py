@@ -62,7 +62,7 @@ class Supervisor:
 
     def __init__(self, args: list[str], binary: str | None = None, log_path: Path | None = None,
                  stop_timeout: float = 20.0, max_quick_failures: int | None = None,
-                 backend: str = "cpu") -> None:
+                 backend: str = "cpu", env: dict[str, str] | None = None) -> None:
         self.binary, self.args = resolve_binary(args, binary, backend)
         given = given_flags(self.args)
         host = given.get("host") or "127.0.0.1"
@@ -75,6 +75,8 @@ class Supervisor:
         if not given.get("metrics"):
             self.args.append("--metrics")
         self.url = f"http://{host}:{port}"
+        #: extra environment of the child (e.g. ``CUDA_VISIBLE_DEVICES`` per replica), over ours
+        self.env = dict(env) if env else None
         self.log_path = log_path
         self.stop_timeout = stop_timeout
         self.proc: asyncio.subprocess.Process | None = None
@@ -114,14 +116,16 @@ class Supervisor:
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 self.binary, *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **self.env} if self.env else None)
         except OSError as exc:
             raise LaunchError(f"cannot start {self.binary}: {exc}") from None
         finally:
             if out is not asyncio.subprocess.DEVNULL:
                 out.close()
         self.starts += 1
-        log.info("launched llama-server pid %d at %s: %s %s", self.proc.pid, self.url, self.binary,
+        log.info("launched llama-server pid %d at %s: %s%s %s", self.proc.pid, self.url,
+                 "".join(f"{k}={v} " for k, v in (self.env or {}).items()), self.binary,
                  " ".join(self.args))
         if self.on_start:
             self.on_start()

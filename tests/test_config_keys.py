@@ -521,6 +521,113 @@ async def p_session_resume(tmp_path, mp):
     assert _session(tmp_path, tiers={"session": {"resume": False}}).cfg.resume is False
 
 
+async def p_upstreams(tmp_path, mp):
+    """Several upstreams: one Upstream each and the Router over them; /health goes to the first
+    ready one (none is: 503 naming the first)."""
+    from ocache.router import Router
+
+    ups = [_closed_upstream(), _closed_upstream()]
+    async with _proxy(upstreams=ups) as (base, proxy, c):
+        assert [u.base_url for u in proxy.upstreams] == ups
+        assert isinstance(proxy.layer, Router) and len(proxy.layer.servers) == 2
+        status, headers, _ = await _get(c, base + "/health")
+        assert status == 503 and headers["X-OCache-Upstream"] == ups[0]
+    async with _proxy() as (_, proxy, _c):
+        assert len(proxy.upstreams) == 1 and not isinstance(proxy.layer, Router)
+
+
+def _router(**kw):
+    from ocache.router import Router
+
+    ups = [SimpleNamespace(base_url=f"http://127.0.0.1:{i}", state="ready") for i in (1, 2)]
+    return Router(ups, Config(**kw), lambda u, c: SimpleNamespace(estimate=None))
+
+
+async def p_route_policy(tmp_path, mp):
+    assert _router(route_policy="round_robin").policy == "round_robin"
+    assert _router().policy == "prefix"
+    r = _router(route_policy="round_robin")
+    picks = [(await r.choose(SimpleNamespace(request_id="x"))).server.index for _ in range(4)]
+    assert picks == [0, 1, 0, 1]
+
+
+async def p_route_load_weight(tmp_path, mp):
+    from ocache.cache import Estimate
+    from ocache.router import Server, _InFlight, cost_s
+
+    est = Estimate(n_tokens=100, usable=0, tier="cold", slot=0, busy=False, destroys=0, restore_s=0.0,
+                   kind="agent", own_session=False, head_len=0, prefill_tps=None)
+    busy = Server(0, None, None, mean_request_s=2.0)
+    busy.inflight["r"] = _InFlight(0, 0.0)
+    w = _router(route_load_weight=3.0).load_weight
+    assert w == 3.0 and _router().load_weight == 0.5
+    assert cost_s(est, busy, 100.0, w) == 1.0 + 3.0 * 2.0
+
+
+def _fake_supervisors(mp) -> list:
+    """Supervisor stand-ins that record each child's ``env`` and stop ``serve()`` at the first start."""
+    from ocache import supervisor
+
+    made: list = []
+
+    class Fake:
+        def __init__(self, args, **kw):
+            self.url = f"http://127.0.0.1:{9000 + len(made)}"
+            self.failed = None
+            made.append(kw.get("env"))
+
+        async def start(self):
+            raise _Launched()
+
+        async def stop(self):
+            return None
+
+    mp.setattr(supervisor, "Supervisor", Fake)
+    return made
+
+
+async def p_launch_replicas(tmp_path, mp):
+    from ocache import supervisor
+
+    made = _fake_supervisors(mp)
+    cfg = Config(launch=["-m", "x.gguf"], launch_replicas=3)
+    with pytest.raises(_Launched):
+        await proxy_mod.serve(cfg, handle_signals=False)
+    assert len(made) == 3 and cfg.upstreams == [f"http://127.0.0.1:{9000 + i}" for i in range(3)]
+    made.clear()
+    cfg = Config(launch=["-m", "x.gguf"])
+    with pytest.raises(_Launched):
+        await proxy_mod.serve(cfg, handle_signals=False)
+    assert len(made) == 1 and cfg.upstreams == []
+    with pytest.raises(supervisor.LaunchError, match="--port"):
+        await proxy_mod.serve(Config(launch=["-m", "x.gguf", "--port", "1"], launch_replicas=2),
+                              handle_signals=False)
+
+
+async def p_launch_devices(tmp_path, mp):
+    from ocache import supervisor
+
+    real = supervisor.Supervisor
+    made = _fake_supervisors(mp)
+    with pytest.raises(_Launched):
+        await proxy_mod.serve(Config(launch=["-m", "x.gguf"], launch_replicas=2,
+                                     launch_devices=["0", "1"]), handle_signals=False)
+    assert made == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    made.clear()
+    with pytest.raises(_Launched):
+        await proxy_mod.serve(Config(launch=["-m", "x.gguf"], launch_replicas=2), handle_signals=False)
+    assert made == [None, None]
+    # the real supervisor starts its child with that variable set
+    out = tmp_path / "env.txt"
+    script = tmp_path / "child.sh"
+    script.write_text(f'#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES" > {out}\n')
+    script.chmod(0o755)
+    sup = real([], binary=str(script), env={"CUDA_VISIBLE_DEVICES": "1"})
+    await sup._spawn()
+    await sup.proc.wait()
+    assert out.read_text().strip() == "1"
+
+
 PROBES = {
     "host": p_host, "port": p_port, "upstream": p_upstream, "upstream_api_key": p_upstream_api_key,
     "admin_token": p_admin_token, "allowed_hosts": p_allowed_hosts, "cache_dir": p_cache_dir,
@@ -545,6 +652,8 @@ PROBES = {
     "tiers.session.slot_save_path": p_session_slot_save_path,
     "tiers.session.drain_min_tokens": p_session_drain_min_tokens,
     "tiers.session.resume": p_session_resume,
+    "upstreams": p_upstreams, "route_policy": p_route_policy, "route_load_weight": p_route_load_weight,
+    "launch_replicas": p_launch_replicas, "launch_devices": p_launch_devices,
 }
 
 

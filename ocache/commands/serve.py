@@ -15,8 +15,11 @@ from ocache.proxy import serve
 
 
 def build_config(args: argparse.Namespace) -> Config:
+    ups = args.upstream if isinstance(args.upstream, list) else ([args.upstream] if args.upstream else [])
     overrides = {
-        "host": args.host, "port": args.port, "upstream": args.upstream,
+        "host": args.host, "port": args.port, "upstream": ups[0] if ups else None,
+        "upstreams": ups if len(ups) > 1 else None,
+        "launch_replicas": getattr(args, "replicas", None),
         "admin_token": args.admin_token, "record_dir": args.record,
         "no_cache": True if args.no_cache else None,
         "record_redact": True if args.redact else None,
@@ -70,7 +73,12 @@ def register(subparsers) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML config file (default ./ocache.yaml)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8081)")
-    p.add_argument("--upstream", metavar="URL", help="llama-server URL (default http://127.0.0.1:8080)")
+    p.add_argument("--upstream", metavar="URL", action="append",
+                   help="llama-server URL (default http://127.0.0.1:8080); repeat it for several "
+                        "servers of one model (config `upstreams`, ocache/router.py)")
+    p.add_argument("--replicas", type=int, metavar="N",
+                   help="with --launch: start N llama-server children (config launch_replicas; "
+                        "launch_devices gives each its CUDA_VISIBLE_DEVICES)")
     p.add_argument("--admin-token", help="token for POST /v1/cache/clear")
     p.add_argument("--record", metavar="DIR", help="record each completion request (JSON lines, ocache/record.py) in DIR")
     p.add_argument("--redact", action="store_true",

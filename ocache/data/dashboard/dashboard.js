@@ -98,6 +98,15 @@
       const li = document.createElement("li"); li.textContent = w; return li;
     }));
 
+    const servers = v.servers || [];
+    $("servers").hidden = !servers.length;
+    fill($("server-table").tBodies[0], servers.map((x) => row([
+      x.url ?? "?", x.state ?? "?", [String(x.epoch ?? "?"), "n"], [int(x.inflight), "n"],
+      [int(x.routed), "n"], Object.entries(x.reasons).map(([k, n]) => `${k} ${n}`).join(", ") || "–",
+      [`${int(x.busy_slots)}/${int(x.slots)}`, "n"], [int(x.tokens), "n tokens"],
+      [int(x.prefilled), "n"], [int(x.reused), "n"],
+    ], {server: x.url})));
+
     fill($("slot-table").tBodies[0], v.slots.map((s) => row([
       [String(s.id), "n"],
       (s.busy ? "busy · " : "") + (s.kind ?? (s.tokens ? "unknown" : "empty")) + (s.origin ? " (warmed head)" : ""),

@@ -1,0 +1,389 @@
+"""Several llama-servers behind one ocache: a ``CacheLayer`` (``ocache/layer.py``) over one
+``OCacheLayer`` per server, which picks the server for each completion and hands the request to
+that server's layer (docs/architecture.md §6).
+
+Each server keeps everything of its own: its ``Upstream`` (state, epoch, boot id), its
+``OCacheLayer`` (slot table, identity, tiers). What they share is the disk store (one
+``--slot-save-path`` and one ``cache_dir`` for all: ``ocache.tiers.store.shared_store`` is one
+object per process, so a slot file one server saved restores into another of the same identity)
+and the warmed heads the layers know (``share_heads``: the head tier's records point at store
+entries, which every server of the identity can restore).
+
+Policy ``prefix`` (the default, config ``route_policy``). For a completion the router asks every
+*ready* server's layer ``OCacheLayer.estimate(req)`` (read-only: what the plan would reuse there,
+resident or restored by the head/disk/session tiers) and picks the server with the least expected
+seconds of work for this request::
+
+    cost_s = (n_tokens - usable) / tps + restore_s + destroys / tps            # this request's prefill
+           + queued_prefill_tokens / tps + β · in_flight · mean_request_s      # the server's load
+
+``tps``: the prefill rate (tokens/s): the mean of the servers' measured rates (each layer's EWMA
+of ``timings``), one for all (``Router.tps`` says why); 1,000 before any measurement. ``destroys``: tokens of another live conversation
+the plan would overwrite without a spill (a guest goes where it destroys least). ``queued prefill``:
+the predicted prefill (``X-OCache-Prefilled``) of the requests routed there that have not finished
+(reserved when the server is chosen, before any await, so concurrent decisions see each other);
+``mean_request_s``: the server's EWMA of observed request durations (``Observation.total_s``;
+1 s before any); ``β``: config ``route_load_weight`` (default 0.5: a request in flight costs a new
+one about half of a mean request, the share of the server's time they split). A session stays where
+its state is because there ``usable`` is its whole conversation; it moves only when the other
+server's restore plus load is cheaper. Ties go to the server with fewer requests in flight, then
+the first listed.
+
+A prefix nobody holds yet is prefilled once: while one request's plan warms a harness head (on
+whichever server), the next requests with the same head wait for that plan (at most
+``GATE_WAIT_S``) and then restore its head file, since waiting for a warm-up that started earlier
+is never longer than prefilling the same head again. Likewise a request that no server can reuse
+even its first 256 tokens for waits while another request starting with the same 256 tokens is
+being planned (opencode's title requests are byte-identical across sessions and come together):
+once that plan recorded its tokens in its slot table, the estimates see them.
+
+Policy ``round_robin`` (for comparisons, ``scripts/bench-multi``): the next ready server in turn,
+whatever it holds; the chosen layer still plans the request.
+
+Fail-over: only servers whose ``Upstream.state`` is ``ready`` are considered, so a server that is
+down, hung, loading or restarting gets no new request; its conversations' next turns are planned
+on another server from what the shared store holds (head, anchors, spills). Requests in flight on
+a server that dies fail as they do with one server (the proxy answers 502/503; a generation is
+never retried). A server whose estimate raises (it died between probes) is skipped and its
+upstream poked.
+
+Response headers: ``X-OCache-Upstream`` (the base URL that served the request) and
+``X-OCache-Route`` (why: the policy, the chosen server's usable prefix and cost, the others').
+Non-completion routes go to the first ready server (the proxy's choice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ocache.layer import Plan
+
+log = logging.getLogger("ocache.router")
+
+POLICIES = ("prefix", "round_robin")
+#: prefill rate assumed for a server before any was measured (tokens/s): only ratios matter then
+DEFAULT_TPS = 1000.0
+#: request duration assumed before any was observed (seconds)
+DEFAULT_REQUEST_S = 1.0
+#: the longest a request waits for another request's plan of the same prefix (seconds); the wait
+#: is never longer than prefilling that prefix itself would be (the other started earlier, at the
+#: same rate), this bound only covers a server that hangs meanwhile
+GATE_WAIT_S = 120.0
+
+
+@dataclass
+class _InFlight:
+    prefill: int
+    since: float
+
+
+@dataclass
+class Server:
+    """One llama-server behind the router: its upstream, its cache layer, what is routed there."""
+
+    index: int
+    upstream: Any
+    layer: Any
+    inflight: dict[str, _InFlight] = field(default_factory=dict)
+    mean_request_s: float | None = None
+    routed: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    estimate_errors: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.upstream.base_url
+
+    @property
+    def ready(self) -> bool:
+        return getattr(self.upstream, "state", "ready") == "ready"
+
+    def queued_prefill(self) -> int:
+        return sum(f.prefill for f in self.inflight.values())
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The router's decision for one request (shown in ``X-OCache-Route``)."""
+
+    server: Server
+    reason: str
+    cost_s: float | None = None
+    gate: Any = None  # the plan there would prefill a prefix nobody holds: its key (see _gate_key)
+
+
+def cost_s(est: Any, server: Server, tps: float, load_weight: float) -> float:
+    """Expected seconds of work on ``server`` for a request with estimate ``est`` (the formula in
+    the module docstring). Pure."""
+    prefill = max(0, est.n_tokens - est.usable) / tps + float(est.restore_s or 0.0)
+    prefill += est.destroys / tps
+    mean = server.mean_request_s if server.mean_request_s is not None else DEFAULT_REQUEST_S
+    load = server.queued_prefill() / tps + load_weight * len(server.inflight) * mean
+    return prefill + load
+
+
+class Router:
+    """The ``CacheLayer`` over several servers (see the module docstring).
+
+    ``upstreams``: ``ocache.upstream.Upstream`` objects (started by the proxy); ``layer_factory(
+    upstream, config) -> CacheLayer`` builds each server's layer (``OCacheLayer``); ``configs``:
+    one ``Config`` per server (its own ``upstream`` and launch argv), default ``config`` for all.
+    """
+
+    def __init__(self, upstreams: Sequence[Any], config: Any, layer_factory: Callable[[Any, Any], Any],
+                 configs: Sequence[Any] | None = None) -> None:
+        self.config = config
+        self.policy = getattr(config, "route_policy", "prefix") or "prefix"
+        if self.policy not in POLICIES:
+            raise ValueError(f"route_policy {self.policy!r}: not one of {', '.join(POLICIES)}")
+        self.load_weight = float(getattr(config, "route_load_weight", 0.5))
+        configs = list(configs) if configs is not None else [config] * len(upstreams)
+        self.servers = [Server(i, up, layer_factory(up, cfg))
+                        for i, (up, cfg) in enumerate(zip(upstreams, configs))]
+        self._rr = itertools.count()
+        # layers without estimates (NullLayer, ``no_cache``): round robin is all there is
+        self._estimates = all(hasattr(s.layer, "estimate") for s in self.servers)
+        self.counters = {"planned": 0, "no_server": 0, "estimate_errors": 0, "moved": 0,
+                         "gate_waits": 0}
+        #: prefixes nobody held whose first plan runs now (gate key -> set when that plan is done)
+        self._planning: dict[Any, asyncio.Event] = {}
+        #: the longest wait for another request's plan of the same prefix (seconds)
+        self.gate_wait_s = GATE_WAIT_S
+        self._heads: dict = {}
+        for s in self.servers:
+            if hasattr(s.upstream, "on_restart"):
+                s.upstream.on_restart(self._restart_callback(s))
+
+    @property
+    def owns_slots(self) -> bool:
+        """Whether a cache layer owns the servers' slots (the proxy then refuses clients' slot
+        actions); False over NullLayers (``no_cache``)."""
+        from ocache.layer import NullLayer
+
+        return not all(isinstance(s.layer, NullLayer) for s in self.servers)
+
+    def _restart_callback(self, server: Server):
+        async def cb() -> None:
+            server.inflight.clear()
+            await server.layer.on_upstream_restart()
+        return cb
+
+    # -- choosing ------------------------------------------------------------------------------
+
+    def share_heads(self) -> None:
+        """Let every layer see the heads any of them saved: the head tier's records name store
+        entries (slot files) that any server of the same identity restores (one store)."""
+        for s in self.servers:
+            ht = getattr(s.layer, "head_tier", None)
+            if ht is not None and getattr(ht, "heads", None) is not self._heads:
+                self._heads.update(ht.heads)
+                ht.heads = self._heads
+
+    def ready_servers(self) -> list[Server]:
+        return [s for s in self.servers if s.ready]
+
+    def tps(self) -> float:
+        """One prefill rate for every server (tokens/s): the mean of the servers' measured rates.
+        The servers of one identity are alike (one per GPU of one kind); their separately measured
+        rates differ by noise (3x between the two servers of one ``scripts/bench-multi`` run on a
+        loaded 2-core machine), which would move sessions for nothing."""
+        known = [float(getattr(s.layer, "prefill_tps", 0) or 0) for s in self.servers]
+        known = [k for k in known if k > 0]
+        return sum(known) / len(known) if known else DEFAULT_TPS
+
+    async def choose(self, req: Any) -> Choice | None:
+        ready = self.ready_servers()
+        if not ready:
+            return None
+        if self.policy == "round_robin" or len(ready) == 1 or not self._estimates:
+            server = ready[next(self._rr) % len(ready)]
+            why = "only ready server" if len(ready) == 1 else "round robin"
+            if not self._estimates and self.policy != "round_robin":
+                why += " (no cache layer)"
+            server.inflight[req.request_id] = _InFlight(0, time.monotonic())
+            return Choice(server, why)
+        results = await asyncio.gather(*(s.layer.estimate(req) for s in ready), return_exceptions=True)
+        self.share_heads()  # layers made ready by the estimate registered their head tiers
+        scored: list[tuple[float, int, int, Server, Any]] = []
+        tps = self.tps()
+        for s, est in zip(ready, results):
+            if isinstance(est, BaseException):
+                if isinstance(est, asyncio.CancelledError):
+                    raise est
+                s.estimate_errors += 1
+                self.counters["estimate_errors"] += 1
+                log.warning("[%s] %s: estimate failed (%s: %s); not routed there", req.request_id,
+                            s.url, type(est).__name__, est)
+                poke = getattr(s.upstream, "poke", None)
+                if poke:
+                    poke()
+                continue
+            if est is None:
+                continue
+            c = cost_s(est, s, tps, self.load_weight)
+            scored.append((c, len(s.inflight), s.index, s, est))
+        if not scored:
+            server = ready[0]
+            server.inflight[req.request_id] = _InFlight(0, time.monotonic())
+            return Choice(server, "first ready server (no estimate)")
+        scored.sort(key=lambda t: (round(t[0], 6), t[1], t[2]))
+        cost, _, _, server, est = scored[0]
+        others = "; ".join(f"{_short(s.url)} {c:.3f} s (usable {e.usable} {e.tier}, {len(s.inflight)} in flight)"
+                           for c, _, _, s, e in scored[1:])
+        why = (f"prefix: usable {est.usable} of {est.n_tokens} from {est.tier}, "
+               f"{len(server.inflight)} in flight, cost {cost:.3f} s"
+               + (f"; others: {others}" if others else ""))
+        if any(e.own_session for *_, s, e in scored if s is not server):
+            self.counters["moved"] += 1
+        # reserved now, before any await: requests deciding concurrently see this one's load
+        server.inflight[req.request_id] = _InFlight(max(0, est.n_tokens - est.usable), time.monotonic())
+        return Choice(server, why, cost, _gate_key(est, [e for *_, e in scored]))
+
+    # -- CacheLayer ----------------------------------------------------------------------------
+
+    async def plan(self, req: Any) -> Plan:
+        rid = req.request_id
+        choice = await self.choose(req)
+        if choice is not None and choice.gate is not None and choice.gate in self._planning:
+            # another request's plan is prefilling this prefix right now (on some server): wait for
+            # it, then reuse what it left instead of prefilling the same tokens a second time
+            choice.server.inflight.pop(rid, None)
+            self.counters["gate_waits"] += 1
+            try:
+                await asyncio.wait_for(asyncio.shield(self._planning[choice.gate].wait()),
+                                       self.gate_wait_s)
+            except asyncio.TimeoutError:
+                log.info("[%s] the plan of the same prefix elsewhere not done in %g s: planning anyway",
+                         rid, self.gate_wait_s)
+            choice = await self.choose(req)
+        if choice is None:
+            self.counters["no_server"] += 1
+            raise RuntimeError("no ready upstream")
+        server = choice.server
+        gate = None
+        if choice.gate is not None and choice.gate not in self._planning:
+            gate = self._planning[choice.gate] = asyncio.Event()
+        try:
+            plan = await server.layer.plan(req)
+        except BaseException:
+            server.inflight.pop(rid, None)
+            raise
+        finally:
+            if gate is not None:
+                gate.set()
+                self._planning.pop(choice.gate, None)
+        self.share_heads()
+        plan.upstream = server.url
+        plan.headers["X-OCache-Upstream"] = server.url
+        plan.headers["X-OCache-Route"] = choice.reason
+        try:
+            prefill = int(plan.headers.get("X-OCache-Prefilled") or 0)
+        except ValueError:
+            prefill = 0
+        server.inflight[rid] = _InFlight(prefill, time.monotonic())
+        server.routed += 1
+        key = choice.reason.split(":", 1)[0]
+        server.reasons[key] = server.reasons.get(key, 0) + 1
+        self.counters["planned"] += 1
+        inner = plan.release
+
+        async def release() -> None:
+            server.inflight.pop(rid, None)
+            if inner is not None:
+                await inner()
+
+        plan.release = release
+        return plan
+
+    def _server_of(self, req: Any, plan: Plan) -> Server | None:
+        """The server a plan was made for (``Plan.upstream``); a plan the router did not make (the
+        proxy's fail-open ``Plan()``) belongs to the first ready server, where the proxy sent it."""
+        url = getattr(plan, "upstream", None)
+        for s in self.servers:
+            if url and s.url == url:
+                return s
+        ready = self.ready_servers()
+        return ready[0] if ready else None
+
+    async def observe(self, req: Any, plan: Plan, obs: Any) -> None:
+        server = self._server_of(req, plan)
+        if server is None:
+            return
+        server.inflight.pop(req.request_id, None)
+        if obs.completed and obs.status == 200 and obs.total_s:
+            m = server.mean_request_s
+            server.mean_request_s = obs.total_s if m is None else 0.8 * m + 0.2 * obs.total_s
+        await server.layer.observe(req, plan, obs)
+
+    async def on_upstream_restart(self) -> None:
+        """The proxy's callback for its first upstream: each server's restart is handled by the
+        callback the router registered on that server's ``Upstream``."""
+        return None
+
+    async def drain(self) -> None:
+        for s in self.servers:
+            try:
+                await s.layer.drain()
+            except Exception:
+                log.exception("drain of %s failed", s.url)
+
+    async def idle(self) -> None:
+        for s in self.servers:
+            idle = getattr(s.layer, "idle", None)
+            if idle is not None:
+                await idle()
+
+    async def clear(self, tier: str) -> dict:
+        out: dict = {"tier": tier, "cleared": 0, "servers": []}
+        for s in self.servers:
+            r = await s.layer.clear(tier)
+            out["servers"].append({"url": s.url, **(r if isinstance(r, dict) else {})})
+            if isinstance(r, dict) and isinstance(r.get("cleared"), int):
+                out["cleared"] += r["cleared"]
+        return out
+
+    def warm_deps(self) -> Any:
+        for s in self.ready_servers() or self.servers:
+            get = getattr(s.layer, "warm_deps", None)
+            if get is not None:
+                return get()
+        return None
+
+    def stats(self) -> dict:
+        """The first server's layer stats (what the dashboard reads) plus ``router``: the policy and
+        one row per server (URL, state, epoch, in flight, routed, reasons, its layer's stats)."""
+        rows = []
+        for s in self.servers:
+            try:
+                ls = s.layer.stats()
+            except Exception as exc:  # noqa: BLE001 - a row per server, whatever one of them does
+                ls = {"error": f"{type(exc).__name__}: {exc}"}
+            rows.append({"url": s.url, "state": getattr(s.upstream, "state", None),
+                         "epoch": getattr(s.upstream, "epoch", None), "inflight": len(s.inflight),
+                         "queued_prefill": s.queued_prefill(), "routed": s.routed,
+                         "reasons": dict(s.reasons), "mean_request_s": s.mean_request_s,
+                         "estimate_errors": s.estimate_errors, "layer": ls})
+        first = rows[0]["layer"] if rows and isinstance(rows[0]["layer"], dict) else {}
+        return {**first, "router": {"policy": self.policy, "load_weight": self.load_weight,
+                                    **self.counters, "servers": rows}}
+
+
+def _gate_key(chosen: Any, ests: list) -> Any:
+    """The key under which concurrent plans of one new prefix wait for each other, or None: the
+    harness head when the chosen plan would warm it (no server holds it), else the first 256
+    tokens when no server can reuse even those."""
+    if chosen.warm and chosen.head_key:
+        return ("head", chosen.head_key)
+    first = min(chosen.n_tokens, 256)
+    if chosen.prefix_key is not None and all(e.usable < first for e in ests):
+        return ("prefix", chosen.prefix_key)
+    return None
+
+
+def _short(url: str) -> str:
+    return url.split("://", 1)[-1]

@@ -1,0 +1,257 @@
+"""Several llama-servers behind one ocache (ocache/router.py): routing by usable prefix and load,
+fail-over, one disk store for all servers of one identity.
+
+Real parts: two patched llama-servers on the tiny dense model on loopback, both with the same
+``--slot-save-path`` (the ``start_server`` fixture's default: one folder per test), the in-process
+proxy with a Router over one OCacheLayer per server, real opencode request bodies (two project
+folders). Exactness is judged per token against a cold run of the same prompt alone on a server
+(``ocache.bench.exact``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from ocache.bench.exact import PROBS_FIELDS, Generation, compare, describe
+from ocache.cache import OCacheLayer
+from ocache.config import Config
+from ocache.proxy import RUNNER_KWARGS, Proxy
+from ocache.router import Router, Server, cost_s
+
+from test_spill import CHAT, SERVER, body_of, session_headers
+
+A1, A2 = "opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json"
+B1, B2 = "opencode_run3_proj2_agent_turn1.json", "opencode_run3_proj2_agent_turn1_after_tool.json"
+
+
+def router_config(servers, cache_dir, **kw) -> Config:
+    return Config(upstream=servers[0].url, upstreams=[s.url for s in servers], cache_dir=str(cache_dir),
+                  tiers={"resident": {"server_args": servers[0].command()[1:]}}, **kw)
+
+
+@asynccontextmanager
+async def through_router(config: Config):
+    """A proxy with the Router over one OCacheLayer per upstream; yields (base_url, proxy)."""
+    proxy = Proxy(config, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
+    server = TestServer(proxy.make_app(), host="127.0.0.1")
+    await server.start_server(**RUNNER_KWARGS)
+    try:
+        assert isinstance(proxy.layer, Router)
+        yield f"http://127.0.0.1:{server.port}", proxy
+    finally:
+        await server.close()
+
+
+def body(name: str, max_tokens: int = 8) -> dict:
+    return {**body_of(name, max_tokens), **PROBS_FIELDS}
+
+
+def new_session(b: dict, text: str) -> dict:
+    """Another session in the same folder: the same system prompt and tools, another first user
+    message."""
+    out = copy.deepcopy(b)
+    first_user = next(i for i, m in enumerate(out["messages"]) if m["role"] == "user")
+    out["messages"] = out["messages"][:first_user] + [{"role": "user", "content": text}]
+    return out
+
+
+async def send(s, base, proxy, b: dict, headers: dict) -> dict:
+    async with s.post(base + CHAT, json=b, headers=headers) as r:
+        data = await r.json()
+        assert r.status == 200, data
+        rec = {"upstream": r.headers.get("X-OCache-Upstream"), "route": r.headers.get("X-OCache-Route"),
+               "tier": r.headers.get("X-OCache-Tier"), "timings": data["timings"], "data": data}
+    print(f"{rec['upstream']} {rec['tier']} cache_n {rec['timings']['cache_n']} "
+          f"prompt_n {rec['timings']['prompt_n']}: {rec['route']}")
+    await proxy.wait_background()
+    await proxy.layer.idle()
+    return rec
+
+
+async def cold(url: str, b: dict) -> dict:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + CHAT, json=dict(b, cache_prompt=False, id_slot=0)) as r:
+            data = await r.json()
+    assert data["timings"]["cache_n"] == 0
+    return data
+
+
+def assert_exact(ref: dict, rec: dict) -> None:
+    v = compare(Generation.from_response(ref), Generation.from_response(rec["data"]))
+    assert v.exact and v.compared >= 4, (describe(v), rec["route"])
+
+
+def two_servers(start_server):
+    return [start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER) for _ in range(2)]
+
+
+# --------------------------------------------------------------------------------- the cost model
+
+def test_cost_prefers_the_server_holding_the_prefix_and_weighs_load():
+    """Pure: more usable prefix is cheaper; a request in flight costs β × the mean request time;
+    a conversation destroyed without a spill costs its re-prefill."""
+    from ocache.cache import Estimate
+    from ocache.router import _InFlight
+
+    def est(usable, destroys=0, restore_s=0.0):
+        return Estimate(n_tokens=8000, usable=usable, tier="resident", slot=0, busy=False,
+                        destroys=destroys, restore_s=restore_s, kind="agent", own_session=False,
+                        head_len=7000, prefill_tps=None)
+
+    idle = Server(0, None, None)
+    busy = Server(1, None, None, mean_request_s=4.0)
+    busy.inflight["x"] = _InFlight(prefill=0, since=0.0)
+    assert cost_s(est(7900), idle, 1000.0, 0.5) < cost_s(est(7000), idle, 1000.0, 0.5)
+    # 900 tokens more to prefill (0.9 s) beat sharing a server whose requests take 4 s
+    assert cost_s(est(7000), idle, 1000.0, 0.5) < cost_s(est(7900), busy, 1000.0, 0.5)
+    assert cost_s(est(7900), busy, 1000.0, 0.0) < cost_s(est(7000), idle, 1000.0, 0.0)
+    assert cost_s(est(100, destroys=5000), idle, 1000.0, 0.5) > cost_s(est(0), idle, 1000.0, 0.5)
+
+
+# --------------------------------------------------------------------------------- real servers
+
+@pytest.mark.server
+async def test_new_session_goes_to_the_server_holding_its_folder(start_server, tmp_path):
+    """Folder B's first session ran on server 2 (server 1 was down: fail-over); server 1 is back.
+    A new session in folder B goes to server 2, where its folder's prefix is resident (beyond the
+    harness head both servers can get from the shared store), and reuses more than the head."""
+    s1, s2 = two_servers(start_server)
+    b1 = body(B1)
+    hb = session_headers(B1)
+    async with through_router(router_config([s1, s2], tmp_path / "cache")) as (base, proxy), \
+            aiohttp.ClientSession() as s:
+        s1.stop()
+        assert await proxy.upstreams[0].probe() == "down"
+        first = await send(s, base, proxy, b1, hb)
+        assert first["upstream"] == s2.url, first["route"]
+        s1.start()
+        assert await proxy.upstreams[0].probe() == "ready"
+        nb = new_session(b1, "Another question about this project: what does the build do?")
+        rec = await send(s, base, proxy, nb, {"x-session-affinity": "ses_new_b"})
+        assert rec["upstream"] == s2.url, rec["route"]
+        head = proxy.layer.servers[1].layer.table[0].head_len or 0
+        assert rec["timings"]["cache_n"] > head > 0, (rec["timings"], head, rec["route"])
+        ref = await cold(s1.url, nb)
+    assert_exact(ref, rec)
+
+
+@pytest.mark.server
+async def test_busy_servers_second_conversation_goes_to_the_idle_one(start_server, tmp_path):
+    """Two conversations live on server 1; while the first generates a long answer there, the
+    second's next turn is served by the idle server 2 (from the shared store), exactly."""
+    s1, s2 = two_servers(start_server)
+    a1, b1, b2 = body(A1), body(B1), body(B2)
+    ha, hb = session_headers(A1), session_headers(B1)
+    async with through_router(router_config([s1, s2], tmp_path / "cache")) as (base, proxy), \
+            aiohttp.ClientSession() as s:
+        r = [await send(s, base, proxy, a1, ha), await send(s, base, proxy, b1, hb)]
+        assert [x["upstream"] for x in r] == [s1.url, s1.url], [x["route"] for x in r]
+        long = dict(body(A2, max_tokens=4000), stream=True)
+        async with s.post(base + CHAT, json=long, headers=ha) as held:
+            assert held.headers["X-OCache-Upstream"] == s1.url, held.headers.get("X-OCache-Route")
+            await held.content.readline()  # the first event: A's generation is under way on server 1
+            rec = await send(s, base, proxy, b2, hb)
+        assert rec["upstream"] == s2.url, rec["route"]
+        assert "in flight" in rec["route"]
+        ref = await cold(s1.url, b2)
+    assert_exact(ref, rec)
+
+
+@pytest.mark.server
+async def test_kill_9_of_one_server_its_conversation_continues_on_the_other(start_server, tmp_path):
+    """kill -9 of server 1 with a generation in flight: that request fails (no retry); the
+    conversation's next turn is served by server 2 from the shared store with cache_n >= the head,
+    and its greedy output equals a cold run."""
+    s1, s2 = two_servers(start_server)
+    a1, a2 = body(A1), body(A2)
+    ha = session_headers(A1)
+    async with through_router(router_config([s1, s2], tmp_path / "cache")) as (base, proxy), \
+            aiohttp.ClientSession() as s:
+        first = await send(s, base, proxy, a1, ha)
+        assert first["upstream"] == s1.url, first["route"]
+        head = proxy.layer.servers[0].layer.table[int(first["data"].get("id_slot", 0) or 0)].head_len
+        head = head or max(st.head_len for st in proxy.layer.servers[0].layer.table.snapshot())
+        assert head > 0
+        long = dict(body(A2, max_tokens=4000), stream=True)
+        async with s.post(base + CHAT, json=long, headers=ha) as held:
+            assert held.headers["X-OCache-Upstream"] == s1.url
+            await held.content.readline()
+            s1.kill()
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await held.read()  # cut, not completed (no retry of a generation)
+        await proxy.wait_background()
+        rec = await send(s, base, proxy, a2, ha)
+        assert rec["upstream"] == s2.url, rec["route"]
+        assert rec["timings"]["cache_n"] >= head, (rec["timings"], head, rec["tier"])
+        ref = await cold(s2.url, a2)
+    assert_exact(ref, rec)
+
+
+@pytest.mark.server
+async def test_non_completion_routes_and_stats(start_server, tmp_path):
+    """/health, /v1/models go to the first ready server (server 2 while server 1 is down); the
+    stats list both servers."""
+    s1, s2 = two_servers(start_server)
+    async with through_router(router_config([s1, s2], tmp_path / "cache")) as (base, proxy), \
+            aiohttp.ClientSession() as s:
+        s1.stop()
+        assert await proxy.upstreams[0].probe() == "down"
+        async with s.get(base + "/v1/models") as r:
+            assert r.status == 200
+        async with s.get(base + "/health") as r:
+            assert r.status == 200
+        async with s.get(base + "/v1/cache/stats") as r:
+            st = await r.json()
+        rows = st["layer"]["router"]["servers"]
+        assert [x["url"] for x in rows] == [s1.url, s2.url]
+        assert [x["state"] for x in rows] == ["down", "ready"]
+        assert [u["url"] for u in st["upstreams"]] == [s1.url, s2.url]
+        json.dumps(st)
+
+
+@pytest.mark.server
+async def test_serve_launch_replicas_starts_two_children_behind_the_router(engine_patched, models_tiny, tmp_path):
+    """``serve --launch`` with ``launch_replicas: 2``: two children, each on its own port with the
+    same --slot-save-path (one store), each its own log; a completion is served by one of them and
+    says which (X-OCache-Upstream); the dashboard view has a row per server."""
+    from ocache import proxy as proxy_mod
+    from ocache.dashboard import view
+    from ocache.llama.server import free_port
+
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    args = [str(engine_patched.binary), "-m", str(models_tiny["dense"]), "-np", "2", "-c", "16384",
+            "-t", "1", "-ub", "128", "--slot-save-path", str(slots), "--jinja", "-fit", "off"]
+    cfg = Config(port=free_port(), launch=args, launch_replicas=2, cache_dir=str(tmp_path / "cache"))
+    stop = asyncio.Event()
+    got: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(proxy_mod.serve(cfg, stop=stop, handle_signals=False,
+                                               ready=lambda p, port: got.set_result((p, port))))
+    try:
+        done, _ = await asyncio.wait({task, got}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+        assert got in done, task.exception() if task.done() else "serve() did not come up"
+        proxy, port = got.result()
+        assert len(cfg.upstreams) == 2 and cfg.upstreams[0] != cfg.upstreams[1]
+        for up in proxy.upstreams:
+            assert await up.wait_ready(120), up.to_dict()
+        b = body(A1)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}{CHAT}", json=b, headers=session_headers(A1)) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["X-OCache-Upstream"] in cfg.upstreams
+            async with s.get(f"http://127.0.0.1:{port}/v1/cache/stats") as r:
+                st = await r.json()
+        rows = view(st, admin=False)["servers"]
+        assert [x["url"] for x in rows] == cfg.upstreams and sum(x["routed"] for x in rows) == 1
+        logs = sorted(p.name for p in (tmp_path / "ocache-state").glob("llama-server-*.log"))
+        assert logs == ["llama-server-0.log", "llama-server-1.log"], logs
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
