@@ -170,7 +170,7 @@ class Estimate:
     this request's session; ``prefill_tps``: this server's measured prefill rate (tokens/s, None
     before the first measurement); ``head_key``: the harness fingerprint; ``warm``: the plan would
     prefill the head itself first (no server holds it yet); ``prefix_key``: a hash of the first 256
-    tokens (in-process only: requests that start alike)."""
+    tokens (in-process only: requests that start alike); ``ubatch``: the server's ``-ub`` (tokens)."""
 
     n_tokens: int
     usable: int
@@ -186,6 +186,7 @@ class Estimate:
     head_key: str | None = None
     warm: bool = False
     prefix_key: int | None = None
+    ubatch: int = 512
 
 
 # ----------------------------------------------------------------------------------------------
@@ -847,7 +848,8 @@ class OCacheLayer:
                         busy=dec.choice.busy, destroys=destroys,
                         restore_s=dec.offer.cost_s if dec.offer else 0.0, kind=kind, own_session=own,
                         head_len=head_len, prefill_tps=self.prefill_tps, head_key=head_key,
-                        warm="warm_head" in dec.steps, prefix_key=hash(tuple(tokens[:256])))
+                        warm="warm_head" in dec.steps, prefix_key=hash(tuple(tokens[:256])),
+                        ubatch=table.params.n_ubatch)
 
     async def _refresh(self, req: Any) -> None:
         """Reconcile the slot table with ``GET /slots``; a failure only logs (the plan then uses

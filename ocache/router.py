@@ -11,8 +11,10 @@ entries, which every server of the identity can restore).
 
 Policy ``prefix`` (the default, config ``route_policy``). For a completion the router asks every
 *ready* server's layer ``OCacheLayer.estimate(req)`` (read-only: what the plan would reuse there,
-resident or restored by the head/disk/session tiers) and picks the server with the least expected
-seconds of work for this request::
+resident or restored by the head/disk/session tiers). The candidates are the servers where the
+request costs the fewest tokens (prefill + another conversation destroyed), up to one ubatch more
+(the granularity of the ``cache_n`` prediction): load never buys latency with more prefill than one
+server alone would do (rule 2). Among them it picks the least expected seconds of work::
 
     cost_s = (n_tokens - usable) / tps + restore_s + destroys / tps            # this request's prefill
            + queued_prefill_tokens / tps + β · in_flight · mean_request_s      # the server's load
@@ -25,8 +27,9 @@ the predicted prefill (``X-OCache-Prefilled``) of the requests routed there that
 ``mean_request_s``: the server's EWMA of observed request durations (``Observation.total_s``;
 1 s before any); ``β``: config ``route_load_weight`` (default 0.5: a request in flight costs a new
 one about half of a mean request, the share of the server's time they split). A session stays where
-its state is because there ``usable`` is its whole conversation; it moves only when the other
-server's restore plus load is cheaper. Ties go to the server with fewer requests in flight, then
+its state is because there ``usable`` is its whole conversation; it moves only when another
+server can restore it to within one ubatch (the shared store: a spill, an anchor) and its load
+makes it cheaper. Ties go to the server with fewer requests in flight, then
 the first listed.
 
 A prefix nobody holds yet is prefilled once: while one request's plan warms a harness head (on
@@ -231,7 +234,13 @@ class Router:
             server = ready[0]
             server.inflight[req.request_id] = _InFlight(0, time.monotonic())
             return Choice(server, "first ready server (no estimate)")
-        scored.sort(key=lambda t: (round(t[0], 6), t[1], t[2]))
+        # rule 2 (never worse than one server): only servers whose prefill for this request is
+        # within one ubatch of the least (the granularity of the cache_n prediction) are candidates;
+        # among them the least expected seconds (load) decides
+        least = min(_tokens_cost(e) for *_, e in scored)
+        eligible = [t for t in scored if _tokens_cost(t[4]) <= least + t[4].ubatch]
+        eligible.sort(key=lambda t: (round(t[0], 6), t[1], t[2]))
+        scored.sort(key=lambda t: (t[3] is not eligible[0][3], round(t[0], 6), t[1], t[2]))
         cost, _, _, server, est = scored[0]
         others = "; ".join(f"{_short(s.url)} {c:.3f} s (usable {e.usable} {e.tier}, {len(s.inflight)} in flight)"
                            for c, _, _, s, e in scored[1:])
@@ -371,6 +380,11 @@ class Router:
         first = rows[0]["layer"] if rows and isinstance(rows[0]["layer"], dict) else {}
         return {**first, "router": {"policy": self.policy, "load_weight": self.load_weight,
                                     **self.counters, "servers": rows}}
+
+
+def _tokens_cost(est: Any) -> int:
+    """Tokens a request costs on a server: what it prefills there plus what it destroys."""
+    return max(0, est.n_tokens - est.usable) + est.destroys
 
 
 def _gate_key(chosen: Any, ests: list) -> Any:
