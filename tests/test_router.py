@@ -115,6 +115,51 @@ def test_cost_prefers_the_server_holding_the_prefix_and_weighs_load():
     assert cost_s(est(100, destroys=5000), idle, 1000.0, 0.5) > cost_s(est(0), idle, 1000.0, 0.5)
 
 
+def _fake_router(ests: list, load_weight: float = 0.5) -> Router:
+    """A Router over stand-in layers whose ``estimate`` answers the given Estimates (no server)."""
+    from types import SimpleNamespace
+
+    def layer(est):
+        async def estimate(req):
+            return est
+        return SimpleNamespace(estimate=estimate, prefill_tps=1000.0)
+
+    ups = [SimpleNamespace(base_url=f"http://127.0.0.1:{i + 1}", state="ready") for i in range(len(ests))]
+    it = iter(ests)
+    return Router(ups, Config(route_load_weight=load_weight), lambda u, c: layer(next(it)))
+
+
+def _est(n, usable, ubatch=128, destroys=0):
+    from ocache.cache import Estimate
+
+    return Estimate(n_tokens=n, usable=usable, tier="resident" if usable else "cold", slot=0, busy=False,
+                    destroys=destroys, restore_s=0.0, kind="guest", own_session=False, head_len=0,
+                    prefill_tps=1000.0, ubatch=ubatch)
+
+
+async def test_load_never_buys_latency_with_more_prefill_than_one_ubatch():
+    """Rule 2 across servers: a request whose prefix is resident on a busy server stays there when
+    the idle one would prefill more than one ubatch more (a title request: 540 of 541 resident);
+    within one ubatch the load decides (the busy server's conversation moves)."""
+    from ocache.router import _InFlight
+
+    req = type("R", (), {"request_id": "r1"})()
+    r = _fake_router([_est(541, 540), _est(541, 0)])
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 4.0
+    assert (await r.choose(req)).server.index == 0
+    r = _fake_router([_est(8000, 7926), _est(8000, 7909)])  # 74 vs 91 tokens to prefill
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 4.0
+    c = await r.choose(req)
+    assert c.server.index == 1 and "in flight" in c.reason
+    # the choice is reserved at once: a concurrent decision sees it as load
+    assert "r1" in r.servers[1].inflight
+    # a guest goes where it destroys least: same prefill, one server would overwrite a conversation
+    r = _fake_router([_est(600, 0, destroys=5000), _est(600, 0)])
+    assert (await r.choose(type("R", (), {"request_id": "g"})())).server.index == 1
+
+
 # --------------------------------------------------------------------------------- real servers
 
 @pytest.mark.server
