@@ -88,8 +88,8 @@ def assert_exact(ref: dict, rec: dict) -> None:
     assert v.exact and v.compared >= 4, (describe(v), rec["route"])
 
 
-def two_servers(start_server):
-    return [start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER) for _ in range(2)]
+def two_servers(start_server, model: str = "dense"):
+    return [start_server(model, n_parallel=2, ctx_size=2 * 16384, **SERVER) for _ in range(2)]
 
 
 # --------------------------------------------------------------------------------- the cost model
@@ -210,11 +210,12 @@ async def test_busy_servers_second_conversation_goes_to_the_idle_one(start_serve
 
 
 @pytest.mark.server
-async def test_kill_9_of_one_server_its_conversation_continues_on_the_other(start_server, tmp_path):
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+async def test_kill_9_of_one_server_its_conversation_continues_on_the_other(start_server, tmp_path, model):
     """kill -9 of server 1 with a generation in flight: that request fails (no retry); the
     conversation's next turn is served by server 2 from the shared store with cache_n >= the head,
     and its greedy output equals a cold run."""
-    s1, s2 = two_servers(start_server)
+    s1, s2 = two_servers(start_server, model)
     a1, a2 = body(A1), body(A2)
     ha = session_headers(A1)
     async with through_router(router_config([s1, s2], tmp_path / "cache")) as (base, proxy), \
