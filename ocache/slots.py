@@ -37,6 +37,7 @@ import aiohttp
 
 from ocache.llama.flags import ServerParams
 from ocache.llama.reuse import Checkpoint, predict_reuse
+from ocache.tiers.base import Rate
 
 log = logging.getLogger("ocache.slots")
 
@@ -168,6 +169,27 @@ class SlotState:
         self.foreign = True
 
 
+class RestoreRate(Rate):
+    """Bytes/s of this process's slot restores, measured end to end: the wall time of
+    :meth:`SlotTable.restore` (HTTP round trip, the wait for the server's task loop, the file read
+    wherever the build does it, the copy into the slot), divided by the server's ``n_read`` bytes.
+
+    Owned by the :class:`SlotTable` (one per process, every tier restores through it), so the disk,
+    session and head tiers price a restore with the same measured rate. The server's own
+    ``timings.restore_ms`` is not used: with patches/0004 it covers only the task loop's copy, not the
+    file read (``timings.read_ms``, done before on an HTTP thread). ``value``: the exponentially
+    weighted mean of :class:`ocache.tiers.base.Rate` (weight ``alpha`` per measurement), ``guess``
+    (bytes/s) until the first one.
+    """
+
+    def __init__(self, guess: float = 5e8, alpha: float = 0.3) -> None:
+        super().__init__(float(guess), alpha)
+
+    def cost_s(self, nbytes: float) -> float:
+        """Seconds a restore of ``nbytes`` bytes is expected to take at the measured rate."""
+        return max(0.0, float(nbytes)) / self.value
+
+
 class SlotLease:
     """Ownership of one slot: holds the slot's ``asyncio.Lock`` from :meth:`SlotTable.lease` until
     :meth:`release`, which is idempotent and synchronous, so every exit path (a return, an
@@ -226,6 +248,8 @@ class SlotTable:
         #: (``timings.prompt_n``/``prompt_ms``); the cache layer takes the delta over a request's
         #: steps to correct the figures that request reports (ocache/api/figures.py)
         self.own_prefill: dict[int, tuple[int, float]] = {}
+        #: bytes/s of :meth:`restore`, end to end (what the tiers price a restore with)
+        self.restore_rate = RestoreRate()
 
     # -- table ----------------------------------------------------------------------------------
 
@@ -459,9 +483,11 @@ class SlotTable:
         the file was saved; the patched server's sidecar restores the newest ``n_checkpoints`` of
         them, a stock build none (docs/llama-server.md §6). On failure a stock server has erased the slot
         (docs/llama-server.md §5), the patched pre-check leaves it untouched; the table follows ``GET /slots``.
+        A successful restore's wall time and ``n_read`` feed :attr:`restore_rate`.
         """
         self._check_filename(filename)
         st = self.slots[slot]
+        t0 = time.monotonic()
         try:
             data = await self._slot_action(slot, "restore", {"filename": filename})
         except SlotError:
@@ -477,6 +503,7 @@ class SlotTable:
                 st.clear()
             raise
         n = int(data.get("n_restored", 0))
+        self.restore_rate.add(float(data.get("n_read") or 0), time.monotonic() - t0)
         st.clear()
         if tokens is not None and len(tokens) == n:
             st.tokens = list(tokens)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -457,3 +458,34 @@ def test_a_few_shared_template_tokens_never_justify_an_overwrite():
     b = toks(14, 1) + toks(2000, 3)
     d = plan_request(b, slots, [], RequestContext(kind="other"), DENSE, can_spill=True)
     assert d.slot == 1 and not d.evicts
+
+
+# --- the restore cost model (ocache.slots.RestoreRate) ---------------------------------------
+
+def test_restore_rate_is_the_measured_mean_and_prices_a_restore():
+    from ocache.slots import RestoreRate
+
+    r = RestoreRate(guess=1e9, alpha=0.5)
+    assert r.cost_s(2e9) == pytest.approx(2.0)          # the guess until measured
+    r.add(0, 1.0)
+    r.add(1e6, 0.0)                                     # nothing measured: ignored
+    assert (r.n, r.value) == (0, 1e9)
+    r.add(4e8, 1.0)                                     # the first measurement replaces the guess
+    assert (r.n, r.value) == (1, 4e8)
+    r.add(8e8, 1.0)
+    assert r.value == pytest.approx(6e8)                # then an exponentially weighted mean
+    assert r.cost_s(1.2e9) == pytest.approx(2.0)
+
+
+def test_tiers_price_restores_with_the_slot_tables_measured_rate():
+    """The disk and session tiers read one rate, the slot table's (measured end to end on every
+    restore of the process), not a per-tier guess fed by the server's ``restore_ms``."""
+    from ocache.tiers.disk import DiskTier
+    from ocache.tiers.spill import SessionTier
+
+    table = SlotTable(None, "http://127.0.0.1:9")
+    disk, session = DiskTier(None, table), SessionTier(None, table, resume_path=Path("/nonexistent"))
+    table.restore_rate.add(1e8, 1.0)                   # a slow restore measured once: 100 MB/s
+    for tier in (disk, session):
+        verify = 1e9 / tier.verify_rate.value
+        assert tier.read_cost_s(1e9) == pytest.approx(verify + 10.0)

@@ -166,7 +166,11 @@ class DiskTier:
         self.slots = slots
         self.cfg = config or DiskConfig()
         self.prefill = Rate(self.cfg.prefill_tok_s)
-        self.restore_rate = Rate(self.cfg.restore_bytes_s)
+        # bytes/s of a restore: the slot table's, measured end to end over every tier's restores in
+        # this process (ocache.slots.RestoreRate); a SlotOps without one gets the tier's own
+        shared = getattr(slots, "restore_rate", None)
+        self._own_restore_rate = shared is None
+        self.restore_rate = Rate(self.cfg.restore_bytes_s) if shared is None else shared
         self.verify_rate = Rate(self.cfg.verify_bytes_s)
         self.bytes_per_token: float | None = None
         self.fixed_bytes: float = 0.0
@@ -352,7 +356,9 @@ class DiskTier:
 
     # ------------------------------------------------------------------ lookup / bring
     def read_cost_s(self, nbytes: int) -> float:
-        """Seconds to verify and restore ``nbytes`` at the measured rates."""
+        """Seconds to verify and restore ``nbytes`` at the measured rates (the verify's xxh3 reads the
+        file, at the disk's rate when it is not in the page cache; the restore's rate is the slot
+        table's, end to end, ``ocache.slots.RestoreRate``)."""
         return nbytes / self.verify_rate.value + nbytes / self.restore_rate.value
 
     def _check_identity(self) -> None:
@@ -426,9 +432,8 @@ class DiskTier:
             self.counters["restore_failed"] += 1
             await asyncio.to_thread(self.store.delete, e.key, "restored token count differs")
             raise DiskTierError("restore", f"n_restored={_get(resp, 'n_restored')} != {e.n_tokens}")
-        restore_ms = float(_get(_get(resp, "timings", {}), "restore_ms", 0.0) or 0.0)
-        self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes),
-                              restore_ms / 1000.0 if restore_ms else time.monotonic() - t1)
+        if self._own_restore_rate:  # else the slot table measured it
+            self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes), time.monotonic() - t1)
         self.restore_s.append(time.monotonic() - t0)
         self.counters["restores"] += 1
         self._pending[slot] = _Pending(e.key, e.n_tokens, time.monotonic())

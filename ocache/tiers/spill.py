@@ -215,7 +215,11 @@ class SessionTier:
         self.table = table
         self.cfg = config or SpillConfig()
         self.resume_path = Path(resume_path) if resume_path else Path(store.meta_dir) / RESUME_MARKER
-        self.restore_rate = Rate(self.cfg.restore_bytes_s)
+        # bytes/s of a restore: the slot table's, end to end over every tier in this process
+        # (ocache.slots.RestoreRate); a table without one gets the tier's own
+        shared = getattr(table, "restore_rate", None)
+        self._own_restore_rate = shared is None
+        self.restore_rate = Rate(self.cfg.restore_bytes_s) if shared is None else shared
         self.verify_rate = Rate(self.cfg.verify_bytes_s)
         self.bytes_per_token: float = 0.0
         self._seen: dict[int, _SlotSeen] = {}
@@ -246,7 +250,8 @@ class SessionTier:
         return [Checkpoint(int(n)) for n in (e.meta.get("checkpoints") or [])]
 
     def read_cost_s(self, nbytes: int) -> float:
-        """Seconds to verify and restore ``nbytes`` at the measured rates."""
+        """Seconds to verify and restore ``nbytes`` at the measured rates (the restore's: the slot
+        table's, end to end, ``ocache.slots.RestoreRate``)."""
         return nbytes / self.verify_rate.value + nbytes / self.restore_rate.value
 
     def _spillable(self, slot: int) -> tuple[bool, str]:
@@ -558,8 +563,8 @@ class SessionTier:
             self.table[slot].unknown(None)
             await asyncio.to_thread(self.store.delete, key, "restored token count differs")
             raise SpillError("restore", f"n_restored={_get(resp, 'n_restored')} != {e.n_tokens}")
-        ms = float(_get(_get(resp, "timings", {}), "restore_ms", 0.0) or 0.0)
-        self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes), ms / 1000.0 if ms else time.monotonic() - t1)
+        if self._own_restore_rate:  # else the slot table measured it
+            self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes), time.monotonic() - t1)
         self.restore_s.append(time.monotonic() - t0)
         self.counters["restores"] += 1
         self._pending[slot] = (key, e.n_tokens)
