@@ -106,3 +106,14 @@ def test_bad_grid_and_efficiency():
         Oracle(grid=0)
     assert efficiency(50, 100) == 0.5
     assert efficiency(0, 0) is None
+
+
+def test_long_bench_oracle_counts_only_tokens_no_earlier_prompt_shared():
+    from ocache.bench.long import oracle_new
+
+    a = list(range(100))
+    assert oracle_new([], a) == 100                        # nothing before: all of it
+    assert oracle_new([a], a + [7, 8]) == 2                # a next turn: its new tokens
+    assert oracle_new([a, a[:40] + [999] * 10], a[:40] + [999] * 10 + [5]) == 1
+    assert oracle_new([a], a) == 1                         # identical: the last token is evaluated
+    assert oracle_new([a[:30], a], a[:60] + [1, 2]) == 2   # the longest shared prefix counts

@@ -511,3 +511,75 @@ def test_restore_keeps_the_newest_checkpoints_within_ctx_checkpoints(start_serve
     # below the oldest kept checkpoint nothing is left: full prefill
     t = complete(small, diverging(corpus, sc.entries[-4]["n_tokens"] + 10), n_predict=2)["timings"]
     assert t["cache_n"] == 0
+
+
+def _metric(srv: LlamaServer, name: str) -> float:
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_0004_restore_reads_the_file_before_the_task_loop_runs_it(start_server, corpus, model):
+    """patches/0004: the slot file of a restore is read on the HTTP thread, before the task is queued.
+
+    Slot 0 streams a long generation, so the task loop defers a restore into it (server-context.cpp
+    ``SERVER_TASK_TYPE_SLOT_RESTORE``: ``queue_tasks.defer`` while the slot is processing). Once
+    ``/metrics`` counts the deferred task the file is deleted, then the stream is closed, which frees
+    the slot and runs the restore. The patched build restores what its HTTP thread read (the next
+    request reuses it; ``timings.read_ms`` reports that read); the stock build, which reads the file
+    in the task loop, finds none.
+    """
+    import concurrent.futures
+    import threading
+
+    a = corpus[:2000]
+    results = {}
+    for stock in (True, False):
+        srv = start_server(model=model, stock=stock, n_parallel=1, **SRV)
+        slots = srv.slot_save_path
+        complete(srv, a)
+        saved = save(srv, "a.bin")
+        complete(srv, corpus[N_PROMPT:N_PROMPT + 300])  # the slot now holds another prompt
+        started, stop = threading.Event(), threading.Event()
+
+        def generate() -> None:
+            body = {"prompt": corpus[N_PROMPT:N_PROMPT + 300], "n_predict": 6000, "ignore_eos": True,
+                    "stream": True, "id_slot": 0, "cache_prompt": True, **GREEDY}
+            req = urllib.request.Request(srv.url + "/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                for line in resp:
+                    if line.startswith(b"data: "):
+                        started.set()
+                    if stop.is_set():
+                        break  # closing the connection stops the generation and frees the slot
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            gen = pool.submit(generate)
+            assert started.wait(120), srv.log_tail()
+            fut = pool.submit(restore, srv, "a.bin")
+            for _ in range(600):  # bounded: 60 s
+                if _metric(srv, "llamacpp:requests_deferred") >= 1 or fut.done():
+                    break
+                stop.wait(0.1)
+            assert not fut.done(), fut.result()  # the restore waits for the slot
+            (slots / "a.bin").unlink()
+            Path(str(slots / "a.bin") + ".ckpt").unlink(missing_ok=True)
+            stop.set()
+            status, res = fut.result(timeout=120)
+            gen.result(timeout=120)
+        results[stock] = status
+        if not stock:
+            assert status == 200, res
+            assert res["n_restored"] == len(a) and res["n_read"] == saved["n_written"]
+            assert res["timings"]["read_ms"] >= 0
+            t = complete(srv, a + corpus[2000:2100], n_predict=2)["timings"]
+            assert t["cache_n"] >= len(a) - UBATCH, t
+        else:
+            assert "read_ms" not in (res.get("timings") or {})
+        assert healthy(srv)
+        srv.stop()
+    assert results == {True: 400, False: 200}

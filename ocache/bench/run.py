@@ -691,6 +691,10 @@ def load_scenarios(directory: Path, fixtures: Path, names: list[str] | None = No
 
 def _cmd(args: argparse.Namespace) -> int:
     fixtures = Path(args.fixtures) if args.fixtures else default_fixtures()
+    if args.preset == "long":  # real sizes, ocache vs direct: its own runner and report
+        from ocache.bench.long import run_long
+
+        return run_long(args, fixtures)
     if args.recording:
         scenarios = [scenario_from_recording(r) for r in args.recording]
     else:
@@ -731,8 +735,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="replay agent sessions: stock vs tuned llama-server vs ocache, vs the oracle",
         description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="bench",
-                   help="model sizes and server threads (tiny: a ~1-2 minute smoke run)")
+    p.add_argument("--preset", choices=sorted([*PRESETS, "long"]), default="bench",
+                   help="model sizes and server threads (tiny: a ~1-2 minute smoke run; long: "
+                   "32k/64k/128k-token conversations, ocache vs direct, ocache/bench/long.py)")
+    p.add_argument("--long-sizes", metavar="N,N", help="long: prompt sizes in tokens "
+                   "(default 32768,65536,126000)")
+    p.add_argument("--long-turns", type=int, default=3, help="long: warm next turns after the growth")
+    p.add_argument("--long-max-tokens", type=int, default=32, help="long: tokens per answer")
     p.add_argument("--scenarios", default=str(repo_root() / "scenarios"), metavar="DIR",
                    help="folder of scenario YAML files (default: the shipped scenarios/)")
     p.add_argument("--scenario", action="append", metavar="NAME",
