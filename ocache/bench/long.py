@@ -272,7 +272,7 @@ class Side:
 def oracle_new(prompts: list[list[int]], tokens: list[int]) -> int:
     """Tokens an ideal cache prefills for ``tokens``: those beyond the longest prefix shared with any
     earlier prompt in ``prompts`` (pure; at least 1: the server always evaluates the last token)."""
-    from ocache.slots import common_prefix
+    from ocache.llama.reuse import common_prefix
 
     best = max((common_prefix(p, tokens) for p in prompts), default=0)
     return max(1, len(tokens) - best)
