@@ -18,6 +18,8 @@ machine (never two heavy processes at once), each scenario on freshly started pr
 Presets: ``tiny`` (the smoke run: the tiny hybrid model, three scenarios: growth,
 restart_mid_session, new_session_other_folder) and ``bench`` (the README's main command: the
 bench-sized hybrid model, four scenarios, ``-t 1``); ``--all-scenarios`` runs every scenario in ``scenarios/`` (12).
+``long`` (32k/64k/128k-token conversations, ocache vs llama-server alone) has its own runner and
+report: ``ocache.bench.long``.
 
 Per scenario and configuration: the tokens llama-server prefilled (its ``/metrics`` counter, so
 ocache's own warm-ups count, beside the clients' ``prompt_n``), the oracle's total, prefill
