@@ -37,11 +37,11 @@ Reported per size (``bench-long.md``, ``.json``, ``long-<model>.png``):
 * bytes written per turn: ``write_bytes`` of ``/proc/PID/io`` of llama-server + ocache, per request
   (the slot files the server writes on ocache's saves, ocache's records).
 
-Run time (2 cores, -t 1): a cold prefill costs ~25 s at 32k, 100-250 s at 64k, ~4x that at 126k on
-the tiny models here; per size the direct path prefills 3 × the size, the ocache path 2 ×, so
-``--models dense`` (the default) takes ~15 min at 32k+64k and ~1 h with 126k on a loaded 2-core
-machine; ``--long-sizes`` picks sizes (e.g. ``8192,16384`` for a 3-minute check). Not part of the
-test suite.
+Run time (2 cores, -t 1, loaded): 4.8 min at 32k, 30 min at 64k (a 64k prefill: 170-250 s); the
+direct side prefills the whole conversation 6 times (B takes A's slot), the ocache side twice, and a
+126k prefill costs ~4 x a 64k one, so the default sizes are estimated at ~3 h (126k alone ~2 h);
+``--models dense`` is the default; ``--long-sizes`` picks sizes (``8192`` checks it in under a
+minute). Not part of the test suite.
 """
 
 from __future__ import annotations
