@@ -93,6 +93,7 @@ of a start) stops and exits with status 1, printing the last child's log tail (o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import itertools
@@ -635,8 +636,14 @@ class Proxy:
             return resp
         self.inflight += 1
         self._idle.clear()
+        # a completion is in flight from here (before its plan) to its last byte relayed:
+        # background work that needs the server's CPU, such as the checks the plan spawns, waits
+        # until none is (Upstream.quiet, ocache/upstream.py)
+        generation = (self.upstream.generation() if request.method == "POST" and path in COMPLETION_ROUTES
+                      else contextlib.nullcontext())
         try:
-            return await self._proxy(request, rid)
+            with generation:
+                return await self._proxy(request, rid)
         finally:
             self.inflight -= 1
             if self.inflight == 0:
