@@ -636,11 +636,14 @@ class Proxy:
             return resp
         self.inflight += 1
         self._idle.clear()
-        # a completion is in flight from here (before its plan) to its last byte relayed:
-        # background work that needs the server's CPU, such as the checks the plan spawns, waits
-        # until none is (Upstream.quiet, ocache/upstream.py)
-        generation = (self.upstream.generation() if request.method == "POST" and path in COMPLETION_ROUTES
-                      else contextlib.nullcontext())
+        # a completion is in flight from here (before its plan, so before it is routed) to its last
+        # byte relayed, on every upstream (servers behind one ocache may share the machine's
+        # cores): background work that needs a server's CPU, such as the checks the plan spawns,
+        # waits until none is (Upstream.quiet, ocache/upstream.py)
+        generation = contextlib.ExitStack()
+        if request.method == "POST" and path in COMPLETION_ROUTES:
+            for up in self.upstreams:
+                generation.enter_context(up.generation())
         try:
             with generation:
                 return await self._proxy(request, rid)
