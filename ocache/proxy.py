@@ -93,6 +93,7 @@ of a start) stops and exits with status 1, printing the last child's log tail (o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import itertools
@@ -635,8 +636,17 @@ class Proxy:
             return resp
         self.inflight += 1
         self._idle.clear()
+        # a completion is in flight from here (before its plan, so before it is routed) to its last
+        # byte relayed, on every upstream (servers behind one ocache may share the machine's
+        # cores): background work that needs a server's CPU, such as the checks the plan spawns,
+        # waits until none is (Upstream.quiet, ocache/upstream.py)
+        generation = contextlib.ExitStack()
+        if request.method == "POST" and path in COMPLETION_ROUTES:
+            for up in self.upstreams:
+                generation.enter_context(up.generation())
         try:
-            return await self._proxy(request, rid)
+            with generation:
+                return await self._proxy(request, rid)
         finally:
             self.inflight -= 1
             if self.inflight == 0:

@@ -291,7 +291,8 @@ class TokenViewer:
                  user_delimiter: str = "<|im_start|>user", max_renders: int = 256, max_texts: int = 256,
                  max_tokens: int = 4_000_000, timeout_s: float = 120.0,
                  max_render_bytes: int = 8 << 20, max_token_bytes: int = 8 << 20,
-                 delta: bool = True, verify_first: int = 8, verify_every: int = 16):
+                 delta: bool = True, verify_first: int = 8, verify_every: int = 16,
+                 verify_wait_s: float = 60.0):
         if isinstance(upstream, str):
             self._upstream = None
             self.base_url = upstream.rstrip("/")
@@ -314,6 +315,7 @@ class TokenViewer:
         self.delta = delta
         self.delta_ok = True
         self.verify_first, self.verify_every = verify_first, verify_every
+        self.verify_wait_s = verify_wait_s
         self._n_delta = 0
         self._verifying: set[asyncio.Task] = set()
         # head.key -> (head prefix text, its tokens); a few harnesses at a time, so a small LRU
@@ -323,7 +325,8 @@ class TokenViewer:
         self._epoch = getattr(upstream, "epoch", None)
         self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
                          "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0,
-                         "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0, "delta_refused": 0}
+                         "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0, "delta_refused": 0,
+                         "delta_verify_late": 0}
 
     # --- HTTP -----------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
@@ -424,7 +427,10 @@ class TokenViewer:
         list at its top; Qwen3's own templates are not, they drop past reasoning). The claim is
         checked on real bodies: the first ``verify_first`` delta renders and every
         ``verify_every``-th after them are compared with a full render in the background (off the
-        request's path); one difference switches delta renders off until the next epoch and is
+        request's path, and once no completion is in flight on the server: ``Upstream.quiet``, at
+        most ``verify_wait_s``; a check that waited that long runs anyway, counted
+        ``delta_verify_late``; a full render of a 32k-token conversation is 60-160 ms of the server's
+        CPU, which made a concurrent answer's ``predicted_ms`` longer on 2 cores); one difference switches delta renders off until the next epoch and is
         counted (``delta_mismatch``). A wrong text can only cost a misprediction (the server renders
         the forwarded request itself). Cost: proportional to the new messages, plus hashing and
         one ``json.dumps`` of each message (C speed)."""
@@ -536,6 +542,9 @@ class TokenViewer:
                 task = asyncio.get_running_loop().create_task(self._verify(dict(payload), key, text))
                 self._verifying.add(task)
                 task.add_done_callback(self._verifying.discard)
+                track = getattr(self._upstream, "track_background", None)
+                if track is not None:
+                    track(task)
             return text
         return None
 
@@ -543,6 +552,11 @@ class TokenViewer:
         """Compare a delta render with the full render (background); on a difference the full
         render replaces it in the cache."""
         epoch = self._epoch
+        quiet = getattr(self._upstream, "quiet", None)
+        if quiet is not None and not await quiet(self.verify_wait_s):
+            self.counters["delta_verify_late"] += 1
+        if epoch != self._epoch:
+            return
         try:
             full = await self._render_full(payload)
         except TokenViewError as exc:

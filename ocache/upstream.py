@@ -31,6 +31,13 @@ nor 503 "Loading model", tools/server/server-http.cpp:307-327; or a ``/props`` t
 llama-server's) is in state ``"foreign"``: reported once in the log, and the proxy forwards to it
 without the cache layer.
 
+Generations in flight: the proxy brackets every completion request (accepted, before its plan ->
+last byte relayed) with ``generation()``; ``quiet(timeout_s)`` waits until none is in flight. Background
+work that asks the server for CPU but is on no request's path (the token view's full-render check,
+ocache/tokens.py) waits for it, so it does not run on the server's cores while a slot decodes: on a
+2-core machine a 32k-token ``/apply-template`` (60-160 ms of the server's CPU) overlapping a
+64-token answer made its ``predicted_ms`` longer (``scripts/bench-decode``, README "Measured").
+
 Epochs count from 1 (the first process seen); ``epoch == 0`` means the upstream has never been
 reachable. Each change after the first calls the registered restart callbacks.
 """
@@ -38,11 +45,12 @@ reachable. Each change after the first calls the registered restart callbacks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 import aiohttp
 
@@ -108,6 +116,10 @@ class Upstream:
         self._probe_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._wake = asyncio.Event()
+        self.generating = 0                # completions forwarded and not yet fully relayed
+        self._quiet = asyncio.Event()      # set while ``generating`` is 0
+        self._quiet.set()
+        self._background: set[asyncio.Task] = set()  # ocache's own server work off any request's path
         self._monitor: asyncio.Task | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -203,6 +215,37 @@ class Upstream:
         if not (self.state == "down" and self.hung):
             await asyncio.wait({task}, timeout=wait_s)
         return self.state
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[None]:
+        """Bracket one completion request, from its arrival (before the plan) to its last byte
+        relayed or its failure; concurrent uses count."""
+        self.generating += 1
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self.generating -= 1
+            if self.generating <= 0:
+                self.generating = 0
+                self._quiet.set()
+
+    async def quiet(self, timeout_s: float) -> bool:
+        """Wait until no completion is in flight (``generation``), at most ``timeout_s`` seconds;
+        True if none is."""
+        if self.generating == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._quiet.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return self.generating == 0
+
+    def track_background(self, task: asyncio.Task) -> None:
+        """Count ``task`` (server work on no request's path, e.g. a render check) in
+        ``to_dict()["background"]`` until it is done."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def poke(self) -> None:
         """Probe soon (e.g. the supervisor just started a new child)."""
@@ -374,6 +417,8 @@ class Upstream:
             "total_slots": (self.props or {}).get("total_slots"),
             "last_error": self.last_error,
             "epoch_started": self.epoch_started,
+            "generating": self.generating,
+            "background": len(self._background),
         }
 
 

@@ -616,6 +616,34 @@ async def test_client_disconnect_frees_slot(real):
     await poll(lambda: proxy.stats.to_dict()["client_disconnects"] == 1, what="disconnect counted")
 
 
+@pytest.mark.server
+async def test_a_completion_counts_as_in_flight_until_its_last_byte(real):
+    """``upstream.generating`` (``/v1/cache/stats``) counts a completion from its arrival to its last
+    byte relayed (what ``Upstream.quiet`` waits for: background server work never overlaps a
+    decode); other routes, and a completion's end, leave it at 0."""
+    srv, base, proxy, c = real
+
+    async def generating():
+        async with c.get(base + "/v1/cache/stats") as r:
+            return (await r.json())["upstream"]["generating"]
+
+    assert await generating() == 0 and await proxy.upstream.quiet(0)
+    body = {"messages": [{"role": "user", "content": "count to a thousand"}], "stream": True,
+            "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    async with c.post(base + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        await resp.content.readline()  # the first event arrived: the answer is being relayed
+        assert await generating() == 1
+        waiter = asyncio.ensure_future(proxy.upstream.quiet(120))
+        events = [line async for line in resp.content if line.startswith(b"data: ")]
+    assert events[-1].strip() == b"data: [DONE]"
+    assert await waiter is True  # quiet once the stream ended
+    assert await generating() == 0
+    async with c.get(base + "/props") as r:  # not a completion
+        assert r.status == 200
+    assert await generating() == 0
+
+
 async def _idle(c, url):
     return not (await _slots(c, url))[0]["is_processing"]
 

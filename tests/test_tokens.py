@@ -9,6 +9,7 @@ in different folders with each other.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import tracemalloc
 import types
@@ -133,6 +134,55 @@ async def test_delta_render_equals_the_full_render(start_server):
         assert viewer.counters["delta_mismatch"] == 0 and viewer.delta_ok
     finally:
         await viewer.close()
+
+
+@pytest.mark.server
+async def test_the_full_render_check_waits_until_no_completion_is_in_flight(start_server):
+    """The background check of a delta render asks the server for a full render of the whole
+    conversation (60-160 ms of its CPU at 32k tokens): it runs only once no completion is in
+    flight on the upstream (``Upstream.generation``), so it never competes with a decode; after
+    ``verify_wait_s`` of completions without a pause it runs anyway, counted ``delta_verify_late``."""
+    from ocache.upstream import Upstream
+
+    srv = start_server("dense")
+    up = Upstream(srv.url)
+    await up.start(monitor=False)
+    viewer = TokenViewer(up, verify_first=100)
+    full_renders = []
+    render_full = viewer._render_full
+
+    async def counted(payload):
+        full_renders.append(len(payload.get("messages") or ()))
+        return await render_full(payload)
+
+    viewer._render_full = counted
+    try:
+        b0, b1, b2 = _grown_conversation()[:3]
+        await viewer.render(b0)
+        full_renders.clear()
+        with up.generation():  # the request of b1 is in flight (planned, then streaming)
+            await viewer.render(b1)  # (the delta's own render: the stub and the new messages)
+            assert viewer.counters["delta_renders"] == 1 and len(viewer._verifying) == 1
+            full_renders.clear()
+            # let the check run up to where it waits (loop turns, not time)
+            for _ in range(1000):
+                if up._quiet._waiters:
+                    break
+                await asyncio.sleep(0)
+            assert up._quiet._waiters, "the check did not wait for the completion in flight"
+            assert full_renders == [] and viewer.counters["delta_verified"] == 0
+        await viewer.wait_verified()  # the completion ended: the check ran
+        assert full_renders == [len(b1["messages"])] and viewer.counters["delta_verified"] == 1
+        assert viewer.counters["delta_verify_late"] == 0
+        # completions without a pause: the check runs after verify_wait_s, counted late
+        viewer.verify_wait_s = 0.05
+        with up.generation():
+            await viewer.render(b2)
+            await viewer.wait_verified()
+        assert viewer.counters["delta_verified"] == 2 and viewer.counters["delta_verify_late"] == 1
+    finally:
+        await viewer.close()
+        await up.close()
 
 
 @pytest.mark.server
