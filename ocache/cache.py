@@ -77,8 +77,11 @@ class Decision:
     ``slot``: the slot to pin. ``tier``: where the reused prefix comes from (``resident``, an
     offer's tier, ``head`` for a warm-up in place, ``cold``). ``predicted``/``upper``: the predicted
     ``cache_n`` and the most the server may reuse (see ``ocache.llama.reuse.Reuse``). ``steps``: what to do
-    before forwarding, in order: ``before_evict``, ``warm_head``, ``bring``. ``evicts``: the slot
-    holds another live conversation. ``choice``: the resident ranking entry of the slot.
+    before forwarding, in order: ``before_evict``, ``bring`` or ``warm_head``, ``anchors``.
+    ``evicts``: the slot holds another live conversation. ``choice``: the resident ranking entry of
+    the slot. ``anchors``: the disk tier's anchor lines ``((length, reason), ...)``
+    (``DiskTier.anchor_lines``), split off the prefill by the ``anchors`` step (the lines the
+    prefill passes cold after the steps before it: ``DiskTier.lines_above``).
     """
 
     slot: int
@@ -90,12 +93,14 @@ class Decision:
     choice: SlotChoice
     offer: Offer | None = None
     warnings: tuple[str, ...] = ()
+    anchors: tuple[tuple[int, str], ...] = ()
 
 
 def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[Offer | None],
                  ctx: RequestContext, params: ServerParams, *, head_resident: bool = True,
                  prefill_tps: float | None = None, forced_slot: int | None = None,
-                 can_spill: bool | Collection[int] = False) -> Decision:
+                 can_spill: bool | Collection[int] = False,
+                 anchors: Sequence[tuple[int, str]] | None = None) -> Decision:
     """Choose a slot and the steps for a request of ``tokens`` (pure).
 
     ``slots``: ``SlotTable.snapshot()``. ``offers``: non-resident tiers' ``lookup`` answers.
@@ -106,6 +111,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
     ``forced_slot``: plan for this slot only (re-planning after waiting for its lock).
     ``can_spill``: the slot ids whose conversation the session tier would save before it is
     evicted (its ``before_evict`` hook; ``SessionTier.will_spill``), or True for every slot.
+    ``anchors``: the disk tier's anchor lines (``DiskTier.anchor_lines``), None without a disk
+    tier; when given, the plan ends with the ``anchors`` step.
 
     Another live conversation's slot is protected, but not at any price: see
     ``ocache.tiers.resident.overwrite_choice`` (the protection rule).
@@ -154,8 +161,10 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
         steps.append("warm_head")
         tier, predicted = "head", ctx.head_len
         upper = max(upper, predicted)
+    if anchors is not None:
+        steps.append("anchors")
     return Decision(choice.slot, tier, predicted, upper, tuple(steps), evicts, choice,
-                    best if take_offer else None, tuple(warnings))
+                    best if take_offer else None, tuple(warnings), tuple(anchors or ()))
 
 
 @dataclass(frozen=True)
@@ -533,9 +542,9 @@ class OCacheLayer:
             "planned": 0, "plan_errors": 0, "observed": 0, "mispredictions": 0, "mispredict_low": 0,
             "mispredict_high": 0, "predicted_tokens": 0, "observed_cache_tokens": 0,
             "prompt_tokens": 0, "warmups": 0, "warmup_tokens": 0, "head_saves": 0, "head_restores": 0,
-            "origin_rebuilds": 0, "origin_skipped": 0, "server_placed": 0, "no_cache_prompt": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
-            "bring_failures": 0, "bring_retries": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0, "user_splits": 0,
-            "split_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0,
+            "origin_rebuilds": 0, "origin_skipped": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
+            "bring_failures": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0, "user_splits": 0,
+            "split_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0, "replans": 0,
         }
         self.by_tier: dict[str, int] = {}
         self.recent_mispredictions: deque = deque(maxlen=20)
@@ -709,9 +718,9 @@ class OCacheLayer:
         ctx = RequestContext(kind=kind, session=session, head_key=head_key, head_len=head_len,
                              task=table.next_task(), user_starts=user_starts,
                              labels=_labels(body, getattr(req, "headers", None), kind))
-        if self._server_should_choose(view, ctx):
-            return await self._plan_server_placed(req, view, ctx, kind)
-        dec = await self._decide(view, ctx)
+        # every tier is asked once per request; the plan and any re-plan use these answers
+        offers, anchors = await self._lookups(view, ctx)
+        dec, seen = self._decide(view, ctx, offers, anchors)
         # the slot's lease is released on every path out of here but the success one (which hands
         # it to the proxy's release()): an exception or a cancellation (the client went away) at any
         # await below must never leave the slot locked
@@ -719,15 +728,22 @@ class OCacheLayer:
         executing = False
         try:
             for attempt in range(3):
-                # the table may have changed while we waited for the lock (another request took the
-                # slot): plan again; move to a better idle slot rather than evict a conversation
-                fresh = await self._decide(view, ctx, held=dec.slot)
+                if seen == self._inputs(dec.slot, ctx):
+                    break  # nothing the plan read about this slot changed while we waited
+                # the slot changed while we waited for its lease (another request used it): plan
+                # again (pure, same offers); move to a better idle slot rather than evict a
+                # conversation
+                self.counters["replans"] += 1
+                fresh, fresh_seen = self._decide(view, ctx, offers, anchors, held=dec.slot)
                 if fresh.slot == dec.slot or fresh.choice.busy or attempt == 2:
+                    if fresh.slot == dec.slot:
+                        dec = fresh
+                    else:
+                        dec, _ = self._decide(view, ctx, offers, anchors, forced_slot=dec.slot, held=dec.slot)
                     break
                 lease.release()
-                dec = fresh
+                dec, seen = fresh, fresh_seen
                 lease = await table.lease(dec.slot)
-            dec = await self._decide(view, ctx, forced_slot=dec.slot, held=dec.slot)
             executing = True
             pctx = await self._execute(req, view, ctx, dec)
         except BaseException:
@@ -859,10 +875,10 @@ class OCacheLayer:
         except SlotError as exc:
             log.debug("[%s] GET /slots failed: %s", req.request_id, exc)
 
-    async def _decide(self, view: Any, ctx: RequestContext, forced_slot: int | None = None,
-                      held: int | None = None) -> Decision:
-        """``held``: the slot whose lock this request holds (not busy for its own plan)."""
-        table = self.table
+    async def _lookups(self, view: Any, ctx: RequestContext) -> tuple[list[Offer | None], Any]:
+        """The lookup phase, once per request: every tier's ``lookup`` (head tier first), and the
+        disk tier's anchor lines (None without a disk tier). A tier whose lookup raises offers
+        nothing."""
         offers: list[Offer | None] = []
         tiers: list[Any] = [self.head_tier, *self.tiers]
         for tier in tiers:
@@ -870,17 +886,41 @@ class OCacheLayer:
                 offers.append(await tier.lookup(view, ctx))
             except Exception:
                 log.exception("tier %s lookup failed", getattr(tier, "name", tier))
-        head_resident = True
+        anchors = None
+        if self.disk_tier is not None:
+            try:
+                anchors = self.disk_tier.anchor_lines(view)
+            except Exception:
+                log.exception("disk tier anchor lines failed")
+                anchors = ()
+        return offers, anchors
+
+    def _head_resident(self, ctx: RequestContext) -> bool:
         if ctx.head_key and self.opt_warm:
-            head_resident = ctx.head_key in self.head_tier.heads
+            return ctx.head_key in self.head_tier.heads
+        return True
+
+    def _inputs(self, slot: int, ctx: RequestContext) -> tuple:
+        """What a plan read that can change while the request waits for ``slot``'s lease: the slot's
+        write counter and whether the request's head is known."""
+        return (self.table.version(slot), self._head_resident(ctx))
+
+    def _decide(self, view: Any, ctx: RequestContext, offers: Sequence[Offer | None], anchors: Any,
+                forced_slot: int | None = None, held: int | None = None) -> tuple[Decision, tuple]:
+        """``plan_request`` on a snapshot of the table with the lookup phase's answers (pure but for
+        reading the table). ``held``: the slot whose lock this request holds (not busy for its own
+        plan). Returns the decision and :meth:`_inputs` of its slot as read for it."""
+        table = self.table
+        head_resident = self._head_resident(ctx)
         snap = table.snapshot()
         if held is not None:
             snap[held].busy = False
         session = getattr(self, "_session_tier", None)
         spillable = frozenset(s.id for s in snap if session.will_spill(s.id)) if session else frozenset()
-        return plan_request(view.tokens, snap, offers, ctx, table.params,
-                            head_resident=head_resident, prefill_tps=self.prefill_tps,
-                            forced_slot=forced_slot, can_spill=spillable)
+        dec = plan_request(view.tokens, snap, offers, ctx, table.params,
+                           head_resident=head_resident, prefill_tps=self.prefill_tps,
+                           forced_slot=forced_slot, can_spill=spillable, anchors=anchors)
+        return dec, (snap[dec.slot].version, head_resident)
 
     async def _execute(self, req: Any, view: Any, ctx: RequestContext, dec: Decision) -> PlanContext:
         """Run ``dec.steps`` on the locked slot and record the slot's new content."""
@@ -922,13 +962,14 @@ class OCacheLayer:
         if "warm_head" in dec.steps:
             await self._warm_head_in(slot, tokens[:ctx.head_len], ctx.head_key, req.request_id)
             await self._split_at_first_user(slot, tokens, ctx, req.request_id)
-        if self.disk_tier is not None:
-            # admission (docs/decisions.md D2): split the coming prefill at the anchor lines and save them; the
-            # slot then holds the last anchor, which this request strictly extends
+        if "anchors" in dec.steps and self.disk_tier is not None:
+            # admission (docs/decisions.md D2): split the coming prefill at the planned anchor lines
+            # it passes cold and save them; the slot then holds the last anchor, which this request
+            # strictly extends
             st = table[slot]
             before = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
                                    user_starts=ctx.user_starts, task=ctx.task)
-            await self.disk_tier.prepare(view, slot, before.cache_n, ctx)
+            await self.disk_tier.write_anchors(view, slot, dec.anchors, before.cache_n, ctx)
         st = table[slot]
         reuse = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
                               user_starts=ctx.user_starts, task=ctx.task,

@@ -144,6 +144,15 @@ class SlotState:
     labels: dict = field(default_factory=dict)
     #: the slot file the content was restored from (``restore``), until anything replaces it
     restored_from: str | None = None
+    #: bumped by every write of any other field (``busy`` aside: a snapshot's view of the lock), so a
+    #: planner that waited for the slot's lease can tell whether the slot changed meanwhile
+    #: (``SlotTable.version``)
+    version: int = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name not in ("version", "busy"):
+            object.__setattr__(self, "version", getattr(self, "version", 0) + 1)
 
     def clear(self) -> None:
         """The slot is empty (erase, restart, failed restore)."""
@@ -285,6 +294,12 @@ class SlotTable:
         self._check(slot)
         return self.slots[slot]
 
+    def version(self, slot: int) -> int:
+        """``slot``'s write counter (``SlotState.version``): equal values mean nothing about the slot
+        changed in between."""
+        self._check(slot)
+        return self.slots[slot].version
+
     def __len__(self) -> int:
         return len(self.slots)
 
@@ -293,8 +308,8 @@ class SlotTable:
         out = []
         for s, lk in zip(self.slots, self._locks):
             c = copy.copy(s)
-            c.tokens = s.tokens  # read-only use; lists are replaced, never mutated in place
-            c.checkpoints = list(s.checkpoints)
+            # read-only use of tokens; lists are replaced, never mutated in place
+            object.__setattr__(c, "checkpoints", list(s.checkpoints))
             c.busy = lk.locked()
             out.append(c)
         return out

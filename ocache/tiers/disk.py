@@ -186,19 +186,21 @@ class DiskTier:
         self.restore_s: list[float] = []    # seconds of each verify + restore
 
     # ------------------------------------------------------------------ admission
-    def plan_anchors(self, view: Any, cached_n: int, ctx: Any = None) -> list[tuple[int, str]]:
-        """Which prefix lengths the coming prefill should be split at to write anchors.
+    def anchor_lines(self, view: Any) -> tuple[tuple[int, str], ...]:
+        """The prefix lengths worth an anchor for this request, before any slot is chosen: the
+        ``"anchors"`` step of the plan (``ocache.cache.Decision.anchors``), computed once per
+        request in the lookup phase.
 
-        ``view``: a TokenView (``tokens``, ``head_end``, ``user_starts``); ``cached_n``: tokens the
-        chosen slot will reuse (what the prefill does not pass cold). Returns ``[(length, reason)]``
-        ascending, each with ``cached_n < length < len(tokens)`` and ``length >= min_tokens``, not
-        already stored, at most ``max_anchors_per_request``. Pure apart from reading the store index.
+        ``view``: a TokenView (``tokens``, ``head_end``, ``user_starts``). Returns ``((length,
+        reason), ...)`` ascending, each ``min_tokens <= length < len(tokens)``, not already stored;
+        :func:`lines_above` later keeps those the prefill will pass cold. Reads the store index and
+        the grid-line counters; changes nothing but the ``skipped_short`` counter.
         """
         toks: Sequence[int] = view.tokens
         n = len(toks)
         if n < self.cfg.min_tokens:
             self.counters["skipped_short"] += 1
-            return []
+            return ()
         want: dict[int, str] = {}
         head_end = _get(view, "head_end")
         if self.cfg.head and head_end:
@@ -207,30 +209,52 @@ class DiskTier:
         if self.cfg.session_start and len(users) == 1:
             want.setdefault(int(users[0]), "session")
         if self.cfg.repeat:
+            # the highest repeated grid line; with a cached prefix c, the search of lines above c
+            # finds the same line or none (lines_above drops it then)
             g = self.cfg.grid
             chain = grid_hashes(toks, g)
-            for line in range((n - 1) // g * g, cached_n, -g):
-                if line <= 0:
-                    break
+            for line in range((n - 1) // g * g, 0, -g):
                 if self._lines.get(chain[line // g - 1], 0) >= self.cfg.admit_after - 1:
                     want.setdefault(line, "repeat")
                     break
         out = []
         for length, reason in sorted(want.items()):
-            if not (cached_n < length < n and length >= self.cfg.min_tokens):
+            if not (length < n and length >= self.cfg.min_tokens):
                 continue
             if self.store.identity is None or self.store.get(entry_key(self.store.identity, KIND, toks[:length])):
                 continue
             out.append((length, reason))
-        return out[-self.cfg.max_anchors_per_request:]
+        return tuple(out)
+
+    def lines_above(self, lines: Sequence[tuple[int, str]], cached_n: int) -> list[tuple[int, str]]:
+        """Of :meth:`anchor_lines`' answer, the lines the coming prefill passes cold (``cached_n``:
+        tokens the slot reuses), at most ``max_anchors_per_request`` (the highest). Pure."""
+        return [ln for ln in lines if ln[0] > cached_n][-self.cfg.max_anchors_per_request:]
+
+    def plan_anchors(self, view: Any, cached_n: int, ctx: Any = None) -> list[tuple[int, str]]:
+        """Which prefix lengths the coming prefill should be split at to write anchors:
+        ``lines_above(anchor_lines(view), cached_n)``. ``cached_n``: tokens the chosen slot will
+        reuse (what the prefill does not pass cold). Returns ``[(length, reason)]`` ascending, each
+        with ``cached_n < length < len(tokens)`` and ``length >= min_tokens``, not already stored,
+        at most ``max_anchors_per_request``."""
+        return self.lines_above(self.anchor_lines(view), cached_n)
 
     async def prepare(self, view: Any, slot: int, cached_n: int, ctx: Any = None) -> list[int]:
-        """Write the anchors :meth:`plan_anchors` chose, by splitting the coming prefill in ``slot``.
+        """:meth:`write_anchors` with the lines :meth:`anchor_lines` finds now (tests and tools;
+        the cache layer plans the lines once per request and runs the ``"anchors"`` step)."""
+        return await self.write_anchors(view, slot, self.anchor_lines(view), cached_n, ctx)
 
-        The caller holds the slot's lock and forwards the request right after; the slot then holds
-        exactly the last anchor's tokens, which the request strictly extends. Failures are logged
-        and counted, never raised (the request proceeds; at worst the slot's reuse is what the last
-        successful warm left, always a prefix of the request). Returns the lengths saved.
+    async def write_anchors(self, view: Any, slot: int, lines: Sequence[tuple[int, str]], cached_n: int,
+                            ctx: Any = None) -> list[int]:
+        """The ``"anchors"`` step: write the anchors of ``lines`` the prefill passes cold
+        (:meth:`lines_above` ``cached_n``) by splitting the coming prefill in ``slot``.
+
+        The caller holds the slot's lease and forwards the request right after; the slot then holds
+        exactly the last anchor's tokens, which the request strictly extends. When the slot already
+        holds exactly a wanted prefix (the head warm-up left it), that is saved as it is (costs the
+        save only). Failures are logged and counted, never raised (the request proceeds; at worst
+        the slot's reuse is what the last successful warm left, always a prefix of the request).
+        Returns the lengths saved.
         """
         done = []
         await asyncio.to_thread(self._check_identity)
@@ -241,7 +265,10 @@ class DiskTier:
             if await self.save_slot(slot, list(held), fingerprint=_get(ctx, "fingerprint") or _get(ctx, "head_key"),
                                     reason=self._save_held(view, held), labels=_get(ctx, "labels")):
                 done.append(len(held))
-        for length, reason in self.plan_anchors(view, cached_n, ctx):
+        # a line stored since the plan (the held save above, another request) is not written again
+        todo = [ln for ln in lines if self.store.identity is not None
+                and not self.store.get(entry_key(self.store.identity, KIND, view.tokens[:ln[0]]))]
+        for length, reason in self.lines_above(todo, cached_n):
             prefix = list(view.tokens[:length])
             users = [u for u in (_get(view, "user_starts") or []) if u < length]
             try:
