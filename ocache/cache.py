@@ -273,8 +273,7 @@ class HeadTier:
     async def bring(self, offer: Offer, slot: int) -> None:
         await self.restore_into(slot, offer.ref)
         rec: HeadRecord = offer.ref
-        st = self.table[slot]
-        st.head_key, st.head_len = rec.key, len(rec.tokens)
+        self.table.mark_head(slot, rec.key, len(rec.tokens))
 
     async def restore_into(self, slot: int, rec: HeadRecord) -> None:
         """Verify the head's entry, then restore it into ``slot`` (the caller holds the slot's lease).
@@ -305,8 +304,7 @@ class HeadTier:
             await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")
             raise HeadTierError("restore", str(exc)) from exc
         if int(resp.get("n_restored", -1)) != len(rec.tokens):
-            self.counters["restore_failed"] += 1
-            self.table[slot].unknown(None)
+            self.counters["restore_failed"] += 1   # the table holds what restore found (unknown)
             rec.entry = None
             await asyncio.to_thread(self.store.delete, e.key, "restored token count differs")
             raise HeadTierError("restore", f"n_restored={resp.get('n_restored')} != {len(rec.tokens)}")
@@ -750,7 +748,7 @@ class OCacheLayer:
             if executing and lease.held:
                 # stopped part way through the slot's steps (a restore, a warm-up, a save): what the
                 # slot holds is unknown until GET /slots says
-                table[lease.slot].unknown(None)
+                table.mark_unknown(lease.slot)
             lease.release()
             raise
 
@@ -912,9 +910,7 @@ class OCacheLayer:
         plan). Returns the decision and :meth:`_inputs` of its slot as read for it."""
         table = self.table
         head_resident = self._head_resident(ctx)
-        snap = table.snapshot()
-        if held is not None:
-            snap[held].busy = False
+        snap = table.snapshot(held=held)
         session = getattr(self, "_session_tier", None)
         spillable = frozenset(s.id for s in snap if session.will_spill(s.id)) if session else frozenset()
         dec = plan_request(view.tokens, snap, offers, ctx, table.params,
@@ -955,10 +951,10 @@ class OCacheLayer:
                     self.counters["head_restores"] += 1
             except Exception as exc:
                 self.counters["bring_failures"] += 1
-                log.warning("[%s] %s bring into slot %d failed (%s)", req.request_id,
-                            dec.offer.tier, slot, exc)
-                table[slot].clear()
-                brought, restore_s = await self._bring_next(req, view, ctx, slot, tier, dec.offer)
+                # the slot holds what the failed restore left (SlotTable.restore asked the server:
+                # erased by a stock build, untouched by the patched pre-check or a failed check)
+                log.warning("[%s] %s bring into slot %d failed (%s); serving from what the slot holds",
+                            req.request_id, dec.offer.tier, slot, exc)
         if "warm_head" in dec.steps:
             await self._warm_head_in(slot, tokens[:ctx.head_len], ctx.head_key, req.request_id)
             await self._split_at_first_user(slot, tokens, ctx, req.request_id)
@@ -989,19 +985,10 @@ class OCacheLayer:
         pctx = PlanContext(req.request_id, slot, decision, view, ctx, 0, len(tokens), reuse.cache_n,
                            reuse.upper, list(st.checkpoints), time.monotonic(), restore_s, split, split_ms)
         keep_head = st.head_key if (st.head_key == ctx.head_key) else None
-        st.clear()
-        st.tokens = list(tokens)
-        st.n_total = None
-        st.pending = True
-        st.checkpoints = list(reuse.checkpoints_after)
-        st.user_starts = list(ctx.user_starts)
-        st.owner = ctx.session
-        st.kind = ctx.kind
-        st.labels = dict(ctx.labels)
-        st.head_key = ctx.head_key or keep_head
-        st.head_len = ctx.head_len if ctx.head_key else 0
-        st.last_used = time.monotonic()
-        pctx.seq = st.seq
+        pctx.seq = table.assign(slot, tokens, checkpoints=reuse.checkpoints_after, user_starts=ctx.user_starts,
+                                owner=ctx.session, kind=ctx.kind, labels=dict(ctx.labels),
+                                head_key=ctx.head_key or keep_head,
+                                head_len=ctx.head_len if ctx.head_key else 0)
         log.debug("[%s] slot %d %s kind=%s N=%d lcp=%d predicted=%d upper=%d reason=%s steps=%s",
                   req.request_id, slot, decision.tier, ctx.kind, len(tokens), reuse.lcp, reuse.cache_n,
                   reuse.upper, reuse.reason, ",".join(dec.steps))
@@ -1070,8 +1057,7 @@ class OCacheLayer:
         t = await table.warm(slot, head_tokens)
         self.counters["warmups"] += 1
         self.counters["warmup_tokens"] += int(t.get("prompt_n") or 0)
-        st = table[slot]
-        st.kind, st.head_key, st.head_len, st.origin = "head", key, len(head_tokens), True
+        table.mark_origin(slot, key, len(head_tokens))
         if key is None:
             return t
         rec = self.head_tier.heads.get(key) or HeadRecord(key, list(head_tokens))
@@ -1096,8 +1082,7 @@ class OCacheLayer:
         if not isinstance(pctx, PlanContext):
             return
         table = self.table
-        st = table[pctx.slot]
-        mine = st.seq == pctx.seq
+        mine = table[pctx.slot].seq == pctx.seq
         timings = obs.timings or {}
         # the final timings arrived: the server finished, even if the client then closed the
         # stream before its last bytes (Codex CLI closes as soon as it has response.completed)
@@ -1109,9 +1094,9 @@ class OCacheLayer:
                 if obs.status == 200:
                     # started but cut short (client gone, upstream error mid-stream): the slot holds
                     # the prompt if its prefill finished; GET /slots tells before the next plan
-                    st.n_total, st.pending = None, True
+                    table.interrupted(pctx.slot, pctx.seq)
                 else:
-                    st.unknown(None)  # rejected: content unknown until reconciled
+                    table.mark_unknown(pctx.slot)  # rejected: content unknown until reconciled
             return
         self.counters["observed"] += 1
         cache_n = int(timings["cache_n"])
@@ -1145,12 +1130,12 @@ class OCacheLayer:
                 self.prefill_tps = tps if self.prefill_tps is None else 0.8 * self.prefill_tps + 0.2 * tps
         if mine:
             gen = int(timings.get("predicted_n") or 0)
-            st.n_total = pctx.n_prompt + max(gen, 1) - 1
-            st.pending = False
+            corrected = None
             if cache_n != pctx.predicted and table.params.checkpoints:
                 kept = [c for c in pctx.checkpoints_before if c.n_tokens - 1 <= cache_n + 1]
-                st.checkpoints = simulate_prefill(kept, cache_n, pctx.n_prompt, pctx.ctx.user_starts,
-                                                  table.params, pctx.ctx.task)
+                corrected = simulate_prefill(kept, cache_n, pctx.n_prompt, pctx.ctx.user_starts,
+                                             table.params, pctx.ctx.task)
+            table.finish(pctx.slot, pctx.seq, pctx.n_prompt + max(gen, 1) - 1, corrected)
         for tier in self.tiers:
             try:
                 await tier.admit(pctx.view, pctx.slot, obs)
@@ -1223,9 +1208,7 @@ class OCacheLayer:
                 except (HeadTierError, SlotError) as exc:
                     log.warning("re-establishing head %s in slot %d failed: %s", rec.key, target.id, exc)
                     return
-                st = table[target.id]
-                st.kind, st.head_key, st.head_len, st.origin = "head", rec.key, len(rec.tokens), True
-                st.last_used = 0.0
+                table.mark_origin(target.id, rec.key, len(rec.tokens), last_used=0.0)
                 self.counters["origin_rebuilds"] += 1
                 log.info("head %s re-established in slot %d (%d tokens)", rec.key, target.id, len(rec.tokens))
 
@@ -1451,7 +1434,7 @@ class OCacheLayer:
                     try:
                         await self.table.erase(st.id)
                     except SlotNotSupported:
-                        st.unknown(st.n_total)   # no --slot-save-path: the server keeps it
+                        self.table.mark_unknown(st.id, st.n_total)   # no --slot-save-path: the server keeps it
                         continue
                     cleared += 1
         if tier in ("head", "all") and self.head_tier is not None:

@@ -303,16 +303,101 @@ class SlotTable:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def snapshot(self) -> list[SlotState]:
-        """Deep copies of every slot's state (for the pure planner); ``busy`` = ocache holds its lock."""
+    def snapshot(self, held: int | None = None) -> list[SlotState]:
+        """Copies of every slot's state (for the pure planner); ``busy`` = ocache holds its lock,
+        except for ``held``, the slot whose lease the caller itself holds."""
         out = []
         for s, lk in zip(self.slots, self._locks):
             c = copy.copy(s)
             # read-only use of tokens; lists are replaced, never mutated in place
             object.__setattr__(c, "checkpoints", list(s.checkpoints))
-            c.busy = lk.locked()
+            object.__setattr__(c, "busy", lk.locked() and s.id != held)
             out.append(c)
         return out
+
+    def held_exactly(self, slot: int) -> list[int] | None:
+        """The token ids ``slot`` holds exactly as far as the table can vouch (its content is known,
+        no response pending, the server's count equals the ids), else None."""
+        st = self[slot]
+        if not st.tokens or st.pending or st.foreign or (st.n_total is not None and st.n_total != len(st.tokens)):
+            return None
+        return list(st.tokens)
+
+    # -- the verbs that change what a slot holds (the only writers of SlotState besides the
+    #    slot calls below and the reconcile with GET /slots) -------------------------------------
+
+    def assign(self, slot: int, tokens: Sequence[int], *, checkpoints: Sequence[Checkpoint] = (),
+               user_starts: Sequence[int] = (), owner: str | None = None, kind: str | None = None,
+               labels: Mapping | None = None, head_key: str | None = None, head_len: int = 0) -> int:
+        """What a request forwarded to ``slot`` (whose lease the caller holds) will leave there: its
+        prompt ``tokens`` with the predicted ``checkpoints``, the server's count unknown until the
+        response (``pending``). Returns the slot's new ``seq``, for :meth:`finish`."""
+        st = self[slot]
+        st.clear()
+        st.tokens = list(tokens)
+        st.n_total = None
+        st.pending = True
+        st.checkpoints = list(checkpoints)
+        st.user_starts = list(user_starts)
+        st.owner = owner
+        st.kind = kind
+        st.labels = dict(labels or {})
+        st.head_key = head_key
+        st.head_len = head_len
+        st.last_used = time.monotonic()
+        return st.seq
+
+    def finish(self, slot: int, seq: int, n_total: int, checkpoints: Sequence[Checkpoint] | None = None) -> bool:
+        """The request :meth:`assign` returned ``seq`` for finished: the slot holds ``n_total``
+        tokens (prompt + generated - 1), and ``checkpoints`` when the prediction was corrected.
+        Returns False (nothing changed) when the slot was assigned again since."""
+        st = self[slot]
+        if st.seq != seq:
+            return False
+        st.n_total = n_total
+        st.pending = False
+        if checkpoints is not None:
+            st.checkpoints = list(checkpoints)
+        return True
+
+    def interrupted(self, slot: int, seq: int) -> bool:
+        """The request :meth:`assign` returned ``seq`` for started but was cut short (client gone,
+        upstream error mid-stream): the slot holds the prompt if its prefill finished; the count is
+        unknown until ``GET /slots`` says. False when the slot was assigned again since."""
+        st = self[slot]
+        if st.seq != seq:
+            return False
+        st.n_total, st.pending = None, True
+        return True
+
+    def mark_origin(self, slot: int, head_key: str | None, head_len: int, *, last_used: float | None = None) -> None:
+        """``slot`` holds exactly a warmed harness head (``head_len`` tokens, fingerprint
+        ``head_key``) that no conversation has consumed yet: the shared *origin*."""
+        st = self[slot]
+        st.kind, st.head_key, st.head_len, st.origin = "head", head_key, head_len, True
+        if last_used is not None:
+            st.last_used = last_used
+
+    def mark_head(self, slot: int, head_key: str, head_len: int) -> None:
+        """``slot``'s content starts with the harness head ``head_key`` (``head_len`` tokens)."""
+        st = self[slot]
+        st.head_key, st.head_len = head_key, head_len
+
+    def adopt(self, slot: int, *, owner: str | None, kind: str | None, head_key: str | None) -> int:
+        """``slot`` (restored from a conversation's file) belongs to that conversation: its session
+        ``owner``, request ``kind`` and head. Returns the slot's ``seq``."""
+        st = self[slot]
+        st.owner, st.kind, st.head_key = owner, kind, head_key
+        return st.seq
+
+    def mark_unknown(self, slot: int, n_total: int | None = None) -> None:
+        """``slot`` holds something ocache cannot name (a step stopped part way, a rejected request);
+        ``n_total``: the server's count when known."""
+        self[slot].unknown(n_total)
+
+    def forget(self, slot: int) -> None:
+        """``slot`` is empty (as far as ocache knows)."""
+        self[slot].clear()
 
     def reset_all(self, epoch: Any = None) -> None:
         """A new upstream process: every slot is empty (docs/llama-server.md §16 restart detection)."""

@@ -55,3 +55,41 @@ async def test_one_lookup_per_tier_when_waiting_for_the_slot():
     assert plan_b.body_updates == {"id_slot": 0}
     assert plan_b.headers["X-OCache-Tier"] == "resident"
     await plan_b.release()
+
+
+class RefusedFileTier(CountingTier):
+    """Offers a long prefix whose slot file the server refuses (400): the patched pre-check leaves
+    the slot as it was."""
+
+    name = "refused"
+
+    def __init__(self, table, usable: int) -> None:
+        super().__init__()
+        self.table = table
+        self.usable = usable
+
+    async def lookup(self, view, ctx):
+        from ocache.tiers.base import Offer
+
+        self.lookups += 1
+        return Offer(self.name, self.usable, 0.0, verified=True)
+
+    async def bring(self, offer, slot):
+        await self.table.restore(slot, "oc-a-refused.bin", tokens=[1] * offer.tokens_usable)
+
+
+async def test_a_failed_bring_leaves_the_slot_as_the_restore_found_it():
+    """SlotTable.restore asks the server after a refused file; the slot it found intact is served
+    from (before: the layer cleared it, predicted a cold prefill, and the server's reuse was a
+    counted misprediction)."""
+    layer = make_layer(n_slots=1)
+    first = list(range(1, 601))
+    await serve(layer, request(first, "a", session="s"))
+    tier = RefusedFileTier(layer.table, 1500)
+    layer.add_tier(tier)
+    plan, timings = await serve(layer, request(first + list(range(1000, 2000)), "b", session="s"))
+    assert layer.counters["bring_failures"] == 1
+    assert timings["cache_n"] == 600
+    assert plan.headers["X-OCache-Tier"] == "resident"
+    assert plan.headers["X-OCache-Reused"] == "600"
+    assert layer.counters["mispredictions"] == 0

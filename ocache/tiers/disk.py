@@ -110,6 +110,7 @@ class SlotOps(Protocol):
                       checkpoints: Sequence[Any] | None = None) -> dict: ...
     async def warm(self, slot: int, tokens: Sequence[int], *, message_delimiters: list | None = None,
                    user_starts: Sequence[int] = ()) -> dict: ...
+    def held_exactly(self, slot: int) -> list[int] | None: ...
 
 
 @dataclass
@@ -283,16 +284,12 @@ class DiskTier:
         return done
 
     def _held(self, slot: int) -> list[int] | None:
-        """The token ids the slot table believes ``slot`` holds exactly, or None when unknown."""
+        """The token ids the slot table believes ``slot`` holds exactly, or None when unknown
+        (``SlotOps.held_exactly``)."""
         try:
-            st = self.slots[slot]  # type: ignore[index]
-        except Exception:  # noqa: BLE001 - a SlotOps without a table
+            return self.slots.held_exactly(slot)
+        except Exception:  # noqa: BLE001 - an unknown slot: nothing to vouch for
             return None
-        toks = _get(st, "tokens")
-        n_total = _get(st, "n_total")
-        if not toks or _get(st, "pending", False) or (n_total is not None and n_total != len(toks)):
-            return None
-        return list(toks)
 
     def _save_held(self, view: Any, held: Sequence[int]) -> str | None:
         """The reason to anchor the slot's current content as it is, or None."""

@@ -469,12 +469,10 @@ class SessionTier:
                 self.counters["resume_failed"] += 1
                 log.warning("session: resume of %s failed: %s", key[:12], exc)
                 return None
-            st = self.table[slot]
-            st.owner = e.meta.get("owner")
-            st.kind = e.meta.get("kind") or "agent"
-            st.head_key = e.meta.get("head_key")
-            self._seen[slot] = _SlotSeen(st.seq, e.meta.get("session"), int(e.meta.get("prompt_n") or 0),
-                                         st.kind, st.owner, st.head_key)
+            owner, kind, head_key = e.meta.get("owner"), e.meta.get("kind") or "agent", e.meta.get("head_key")
+            seq = self.table.adopt(slot, owner=owner, kind=kind, head_key=head_key)
+            self._seen[slot] = _SlotSeen(seq, e.meta.get("session"), int(e.meta.get("prompt_n") or 0),
+                                         kind, owner, head_key)
         self.counters["resumed"] += 1
         log.info("session: resumed %d tokens into slot %d after a drained stop", e.n_tokens, slot)
         return slot
@@ -559,8 +557,7 @@ class SessionTier:
             await asyncio.to_thread(self.store.delete, key, f"server refused the restore: {exc}")
             raise SpillError("restore", str(exc)) from exc
         if int(_get(resp, "n_restored", -1)) != e.n_tokens:
-            self.counters["restore_failed"] += 1
-            self.table[slot].unknown(None)
+            self.counters["restore_failed"] += 1   # the table holds what restore found (unknown)
             await asyncio.to_thread(self.store.delete, key, "restored token count differs")
             raise SpillError("restore", f"n_restored={_get(resp, 'n_restored')} != {e.n_tokens}")
         if self._own_restore_rate:  # else the slot table measured it
