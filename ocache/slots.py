@@ -360,6 +360,15 @@ class SlotTable:
             st.checkpoints = list(checkpoints)
         return True
 
+    def predict_checkpoints(self, slot: int, seq: int, checkpoints: Sequence[Checkpoint]) -> bool:
+        """The checkpoints the content :meth:`learn_placement` or :meth:`assign` returned ``seq``
+        for has, as predicted from the response. False when the slot was assigned again since."""
+        st = self[slot]
+        if st.seq != seq:
+            return False
+        st.checkpoints = list(checkpoints)
+        return True
+
     def interrupted(self, slot: int, seq: int) -> bool:
         """The request :meth:`assign` returned ``seq`` for started but was cut short (client gone,
         upstream error mid-stream): the slot holds the prompt if its prefill finished; the count is

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from ocache.llama.flags import ServerParams
 from ocache.llama.reuse import common_prefix
 from ocache.slots import SlotTable
-from ocache.tiers.base import Offer
+from ocache.tiers.base import Offer, TierBase
 from ocache.tokens import TokenView
 
 
@@ -135,7 +135,7 @@ class FakeViewer:
         return TokenView(list(body["prompt"]), body.get("_head_end"), list(body.get("_user_starts") or []), "")
 
 
-class CountingTier:
+class CountingTier(TierBase):
     """A tier that offers nothing and counts its hooks (``lookups`` etc.)."""
 
     name = "counting"
@@ -158,18 +158,13 @@ class CountingTier:
     async def before_evict(self, slot: int) -> None:
         self.evicts.append(slot)
 
-    async def evict(self, bytes_needed: int) -> int:
-        return 0
-
 
 def make_layer(n_slots: int = 2, n_ctx: int = 8192, tiers: Sequence[Any] = (), config: Any = None) -> Any:
     """An ``OCacheLayer`` over a :class:`FakeSlotTable` (``layer.table``) and a :class:`FakeViewer`."""
-    from ocache.cache import HeadTier, OCacheLayer
+    from ocache.cache import OCacheLayer
 
-    layer = OCacheLayer(FakeUpstream(), config, viewer=FakeViewer(), tiers=list(tiers))
-    table = FakeSlotTable(n_slots, n_ctx)
-    layer.table = table
-    layer.head_tier = HeadTier(table)
+    layer = OCacheLayer(FakeUpstream(), config, viewer=FakeViewer(), tiers=list(tiers),
+                        table=FakeSlotTable(n_slots, n_ctx))
     layer.param_overrides = {**layer.param_overrides, "cache_ram": 0, "checkpoints": False}
     return layer
 

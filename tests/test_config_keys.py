@@ -378,8 +378,7 @@ async def p_head_budget_gb(tmp_path, mp):
     """``tiers.head.budget_gb`` is the head store's byte budget (0: no head files)."""
     import types
 
-    from ocache import cache
-    from ocache.tiers import store
+    from ocache.tiers import head, store
 
     seen = []
     mp.setattr(store, "shared_store", lambda *a, **kw: seen.append(kw["kind_budget_bytes"]) or
@@ -388,12 +387,10 @@ async def p_head_budget_gb(tmp_path, mp):
     slots.mkdir()
     for gb, want in ((2, [2 * 10**9]), (0, [])):
         seen.clear()
-        layer = types.SimpleNamespace(
-            head_tier=types.SimpleNamespace(store=None),
-            config=Config(cache_dir=str(tmp_path / "state"),
-                          tiers={"head": {"budget_gb": gb}, "session": {"slot_save_path": str(slots)}}),
-            table=None, _ident=lambda: types.SimpleNamespace(key="k"))
-        cache.OCacheLayer._head_store_ready(layer)
+        tier = head.HeadTier(None)
+        config = Config(cache_dir=str(tmp_path / "state"),
+                        tiers={"head": {"budget_gb": gb}, "session": {"slot_save_path": str(slots)}})
+        head.open_head_store(tier, config, None, "k")
         assert seen == want
 
 

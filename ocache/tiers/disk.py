@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from ocache.tiers.base import Offer, Rate
+from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.config import field_of as _get, slot_save_path
 from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, reserve_async, shared_store
@@ -148,7 +148,7 @@ class _Pending:
     t: float
 
 
-class DiskTier:
+class DiskTier(TierBase):
     """The anchor tier over a :class:`Store` (see the module docstring).
 
     ``slots``: a :class:`SlotOps`. ``identity``: optional callable returning the server's current
@@ -263,7 +263,7 @@ class DiskTier:
         if held is not None and self._save_held(view, held):
             # the slot holds exactly a wanted prefix already (e.g. the layer's head warm-up): the
             # prefill will not pass that line, so save it as it is (costs the save only)
-            if await self.save_slot(slot, list(held), fingerprint=_get(ctx, "fingerprint") or _get(ctx, "head_key"),
+            if await self.save_slot(slot, list(held), fingerprint=_get(ctx, "head_key"),
                                     reason=self._save_held(view, held), labels=_get(ctx, "labels")):
                 done.append(len(held))
         # a line stored since the plan (the held save above, another request) is not written again
@@ -278,7 +278,7 @@ class DiskTier:
                 log.warning("disk: warm of a %d-token %s anchor in slot %d failed: %s", length, reason, slot, exc)
                 self.counters["save_failed"] += 1
                 break
-            fpr = _get(ctx, "fingerprint") or _get(ctx, "head_key")
+            fpr = _get(ctx, "head_key")
             if await self.save_slot(slot, prefix, fingerprint=fpr, reason=reason, labels=_get(ctx, "labels")):
                 done.append(length)
         return done
@@ -395,16 +395,15 @@ class DiskTier:
             self.counters["identity_switches"] = self.counters.get("identity_switches", 0) + 1
 
     async def lookup(self, view: Any, ctx: Any = None) -> Offer | None:
-        """The longest anchor that is a prefix of ``view.tokens`` and pays for its read, or None.
-
-        ``ctx.resident_usable`` (tokens a resident slot already offers, default 0) must be beaten.
+        """The longest anchor that is a prefix of ``view.tokens`` and pays for its read (the prefill
+        it saves, at the measured rate, is longer than its verify + restore), or None.
         ``tokens_usable``: the anchor's length when the request extends it, one less when the request
         is identical (the server re-evaluates the last token, docs/llama-server.md §11).
         """
         self.counters["lookups"] += 1
         await asyncio.to_thread(self._check_identity)
         toks = view.tokens
-        resident = int(_get(ctx, "resident_usable", 0) or 0)
+        resident = 0  # the planner weighs the offer against each slot's own reuse (plan_request)
         cands = await asyncio.to_thread(self.store.find_prefixes, toks, KIND)
         for e in cands:
             usable = e.n_tokens if e.n_tokens < len(toks) else e.n_tokens - 1
@@ -499,12 +498,6 @@ class DiskTier:
         restart): count the pending restore as unconfirmed."""
         if self._pending.pop(slot, None) is not None:
             self.counters["unconfirmed"] += 1
-
-    async def before_evict(self, slot: int) -> None:
-        return None
-
-    async def evict(self, bytes_needed: int) -> int:
-        return await asyncio.to_thread(self.store.evict, bytes_needed)
 
     async def on_upstream_restart(self) -> None:
         for slot in list(self._pending):

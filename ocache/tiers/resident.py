@@ -29,33 +29,10 @@ from typing import Any, Collection, Sequence
 from ocache.llama.reuse import Reuse, predict_reuse
 from ocache.llama.flags import ServerParams
 from ocache.slots import SlotState
-from ocache.tiers.base import Offer
+from ocache.tiers.base import RequestContext  # noqa: F401 - re-exported for callers of the ranking
 
 #: Tie order of slot roles (higher first) when two slots offer the same score.
 ROLE_RANK = {"own": 5, "empty": 4, "unknown": 3, "guest": 3, "origin": 2, "other": 0}
-
-
-@dataclass(frozen=True)
-class RequestContext:
-    """What the planner knows about a request besides its tokens.
-
-    ``kind``: ``agent`` | ``guest`` | ``other`` (``ocache.fingerprint.classify``). ``session``: the
-    client's session key (opencode ``x-session-affinity``) or None. ``head_key``/``head_len``: the
-    harness fingerprint and the head length in tokens, if the request has a known head. ``task``:
-    the request's id in the checkpoint model. ``user_starts``: token positions of user-message
-    starts *as the server will see them* (empty on raw routes without ``message_delimiters``).
-    """
-
-    kind: str = "other"
-    session: str | None = None
-    head_key: str | None = None
-    head_len: int = 0
-    task: int = -1
-    user_starts: tuple[int, ...] = ()
-    #: what the request is about, for the store's entries and the dashboard: ``folder`` (the
-    #: project folder named in the system prompt, agent requests only), ``client``
-    #: (``fingerprint.client_of``), ``model`` (the body's ``model`` alias); values may be None
-    labels: tuple[tuple[str, str | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -213,42 +190,6 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
     if not taken:
         return None
     return max(taken, key=lambda c: (c.reuse.cache_n - loss(c), -c.last_used))
-
-
-class ResidentTier:
-    """The resident tier as a ``Tier``: its offers are the slots themselves; ``bring`` is a no-op.
-
-    The planner (``ocache.cache.plan_request``) calls ``rank_slots`` directly because a resident
-    offer is tied to its slot; ``lookup`` exists so tools that only speak the Tier protocol (stats,
-    ``ocache warm``) can ask "is this prompt resident anywhere?".
-    """
-
-    name = "resident"
-
-    def __init__(self, table: Any) -> None:
-        self.table = table
-
-    async def lookup(self, view: Any, ctx: Any) -> Offer | None:
-        if not len(self.table):
-            return None
-        ranked = rank_slots(view.tokens, self.table.snapshot(), ctx or RequestContext(), self.table.params)
-        best = max(ranked, key=lambda c: c.reuse.cache_n)
-        if best.reuse.cache_n <= 0:
-            return None
-        return Offer("resident", best.reuse.cache_n, 0.0, ref=best, slot=best.slot)
-
-    async def bring(self, offer: Offer, slot: int) -> None:
-        if offer.slot is not None and offer.slot != slot:
-            raise ValueError(f"resident offer for slot {offer.slot} cannot be brought into slot {slot}")
-
-    async def admit(self, view: Any, slot: int, obs: Any) -> None:
-        return None
-
-    async def before_evict(self, slot: int) -> None:
-        return None
-
-    async def evict(self, bytes_needed: int) -> int:
-        return 0
 
 
 def server_should_choose(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],

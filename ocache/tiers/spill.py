@@ -99,7 +99,7 @@ from typing import Any, Sequence
 
 import xxhash
 
-from ocache.tiers.base import Offer, Rate
+from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.config import field_of as _get, slot_save_path
 from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
@@ -200,7 +200,7 @@ def session_key(hint: str | None, view: Any) -> str | None:
     return "t:" + prefix_hash(toks[:end])
 
 
-class SessionTier:
+class SessionTier(TierBase):
     """The session tier over the shared :class:`Store` and the cache layer's ``SlotTable``.
 
     ``table``: ``ocache.slots.SlotTable`` (save/restore/params and the per-slot beliefs).
@@ -406,7 +406,7 @@ class SessionTier:
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
-    async def on_drain(self) -> dict:
+    async def on_drain(self, table: Any = None) -> dict:
         """Planned stop (after in-flight requests finished and ``before_evict`` ran on every live
         slot): spill every remaining safe conversation of at least ``drain_min_tokens``, wait for all
         commits, and write the resume marker naming the most recent one. Returns
@@ -591,9 +591,6 @@ class SessionTier:
             return
         self._seen[slot] = _SlotSeen(st.seq, session_key(st.owner, view), len(view.tokens), st.kind,
                                      st.owner, st.head_key)
-
-    async def evict(self, bytes_needed: int) -> int:
-        return await asyncio.to_thread(self.store.evict, bytes_needed)
 
     async def on_upstream_restart(self) -> None:
         self._seen.clear()

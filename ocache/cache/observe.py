@@ -1,0 +1,113 @@
+"""Observe: after the response, what the server did against what the plan predicted.
+
+A ``cache_n`` outside ``[predicted - ubatch, upper + ubatch]`` is a counted misprediction (a bug
+in the reuse model, ``ocache/llama/reuse.py``); the prefill rate is measured from ``timings``; the
+slot's new content is recorded through the slot table's verbs (``finish``, ``interrupted``,
+``mark_unknown``); then every tier's ``admit`` runs (disk: anchor bookkeeping; session: the
+conversation it may spill later).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Sequence
+
+from ocache.api import convert
+from ocache.cache.execute import PlanContext, ServerPlaced
+from ocache.llama.reuse import simulate_prefill
+from ocache.slots import SlotTable
+from ocache.tiers.base import TierBase
+
+log = logging.getLogger("ocache.cache")
+
+#: prefills shorter than this (tokens) do not enter the measured prefill rate: their fixed costs
+#: (one ubatch at least, the sampling of the first token) dominate the per-token figure
+PREFILL_RATE_MIN_TOKENS = 512
+
+
+class Observer:
+    """The observe step and what it measures. ``counters``: the layer's (``observed``,
+    ``mispredictions``, token totals, ...). ``prefill_tps``: the measured prefill rate (tokens/s,
+    an exponential mean over responses that prefilled >= 64 tokens; None until measured), which the
+    planner weighs offers with. ``recent_mispredictions``: the last 20, for the stats."""
+
+    def __init__(self, counters: dict) -> None:
+        self.counters = counters
+        self.prefill_tps: float | None = None
+        self.recent_mispredictions: deque = deque(maxlen=20)
+
+    async def observe(self, table: SlotTable, tiers: Sequence[TierBase], req: Any, pctx: PlanContext,
+                      obs: Any) -> bool:
+        """Record one response. Returns True when it completed with ``timings`` (then every tier
+        admitted it), False otherwise (the slot's content is then unknown or pending)."""
+        mine = table[pctx.slot].seq == pctx.seq
+        timings = obs.timings or {}
+        # the final timings arrived: the server finished, even if the client then closed the
+        # stream before its last bytes (Codex CLI closes as soon as it has response.completed)
+        ok = obs.status == 200 and (obs.completed or ("cache_n" in timings and req.path in
+                                                      convert.CONVERTED_ROUTES)) and "cache_n" in timings
+        if not ok:
+            self.counters["failed_responses"] += 1
+            if mine and not table.lock(pctx.slot).locked():
+                if obs.status == 200:
+                    # started but cut short (client gone, upstream error mid-stream): the slot holds
+                    # the prompt if its prefill finished; GET /slots tells before the next plan
+                    table.interrupted(pctx.slot, pctx.seq)
+                else:
+                    table.mark_unknown(pctx.slot)  # rejected: content unknown until reconciled
+            return False
+        self.counters["observed"] += 1
+        cache_n = int(timings["cache_n"])
+        prompt_n = int(timings.get("prompt_n") or 0)
+        ub = table.params.n_ubatch
+        self.counters["predicted_tokens"] += pctx.predicted
+        self.counters["observed_cache_tokens"] += cache_n   # the server's, split included (vs predicted)
+        self.counters["prompt_tokens"] += pctx.n_prompt
+        # what the client was told (figures.py): reuse from before the request, all prefill
+        self.counters["reused_tokens"] += max(0, cache_n - pctx.split)
+        self.counters["prefilled_tokens"] += prompt_n + pctx.split
+        low = cache_n < pctx.predicted - ub
+        high = cache_n > pctx.upper + ub
+        if low or high:
+            self.counters["mispredictions"] += 1
+            self.counters["mispredict_low" if low else "mispredict_high"] += 1
+            d = pctx.decision
+            rec = {"request_id": pctx.request_id, "slot": pctx.slot, "n_prompt": pctx.n_prompt,
+                   "predicted": pctx.predicted, "upper": pctx.upper, "observed": cache_n,
+                   "reason": d.choice.reuse.reason, "tier": d.tier, "kind": pctx.ctx.kind}
+            self.recent_mispredictions.append(rec)
+            log.warning("[%s] cache_n misprediction on slot %d: predicted %d (upper %d), observed %d, "
+                        "prompt %d tokens (%s)", pctx.request_id, pctx.slot, pctx.predicted, pctx.upper,
+                        cache_n, pctx.n_prompt, d.choice.reuse.reason)
+        # the prefill rate (tokens/s): from every prefill long enough to be dominated by its tokens,
+        # the forwarded request's and ocache's own steps alike (a cold request is mostly a split:
+        # measured 1,060 tok/s from a 94-token tail where the 7,251-token cold prefill ran at 7,526)
+        for n, ms in ((prompt_n, timings.get("prompt_ms")), (pctx.split, pctx.split_ms)):
+            if n >= PREFILL_RATE_MIN_TOKENS and ms:
+                tps = n / (float(ms) / 1000.0)
+                self.prefill_tps = tps if self.prefill_tps is None else 0.8 * self.prefill_tps + 0.2 * tps
+        if mine:
+            gen = int(timings.get("predicted_n") or 0)
+            corrected = None
+            if cache_n != pctx.predicted and table.params.checkpoints:
+                kept = [c for c in pctx.checkpoints_before if c.n_tokens - 1 <= cache_n + 1]
+                corrected = simulate_prefill(kept, cache_n, pctx.n_prompt, pctx.ctx.user_starts,
+                                             table.params, pctx.ctx.task)
+            table.finish(pctx.slot, pctx.seq, pctx.n_prompt + max(gen, 1) - 1, corrected)
+        for tier in tiers:
+            try:
+                await tier.admit(pctx.view, pctx.slot, obs)
+            except Exception:
+                log.exception("[%s] tier %s admit failed", pctx.request_id, tier.name)
+        return True
+
+    def observe_placed(self, table: SlotTable, placed: ServerPlaced, obs: Any) -> None:
+        """The checkpoints a server-placed request's prefill made (hybrid models), from its
+        ``cache_n``; those the slot had before are not known and not counted on."""
+        cache_n = (obs.timings or {}).get("cache_n")
+        if placed.slot is None or cache_n is None or not table.params.checkpoints:
+            return
+        table.predict_checkpoints(placed.slot, placed.seq,
+                                  simulate_prefill([], int(cache_n), len(placed.tokens), placed.ctx.user_starts,
+                                                   table.params, placed.ctx.task))

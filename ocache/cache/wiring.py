@@ -1,0 +1,110 @@
+"""Tier wiring, apart from the per-request path: the layer's options from the config, the server's
+identity, the tiers built from the config when the layer gets ready (``OCacheLayer._ensure_ready``).
+
+Each builder returns None when its tier cannot work (logged once) and never raises: a tier that
+fails to set up stays off, the layer serves without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ocache import fingerprint as fp_mod
+from ocache.llama import flags as llama_flags, gguf as llama_gguf
+from ocache.llama.flags import ServerParams
+
+log = logging.getLogger("ocache.cache")
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """``tiers.resident`` keys the layer reads (``ocache serve --help-config``): ``warm`` (head
+    warm-up, default true), ``keep_origin`` (default true), ``reconcile`` (default true),
+    ``server_args`` (the argv of a server ocache did not launch; else ``config.launch``), and any
+    ``ServerParams`` field as an override (``n_ubatch``, ``checkpoints``, ...)."""
+
+    warm: bool = True
+    keep_origin: bool = True
+    reconcile: bool = True
+    argv: tuple[str, ...] | None = None
+    param_overrides: tuple[tuple[str, Any], ...] = ()
+
+
+def layer_options(config: Any) -> LayerOptions:
+    tiers_cfg = dict((getattr(config, "tiers", None) or {}).get("resident") or {})
+    warm = bool(tiers_cfg.pop("warm", True))
+    keep_origin = bool(tiers_cfg.pop("keep_origin", True))
+    reconcile = bool(tiers_cfg.pop("reconcile", True))
+    overrides = tuple((k, v) for k, v in tiers_cfg.items() if k in ServerParams.__dataclass_fields__)
+    server_args = tiers_cfg.pop("server_args", None)
+    argv = list(server_args or getattr(config, "launch", None) or []) or None
+    return LayerOptions(warm, keep_origin, reconcile, tuple(argv) if argv else None, overrides)
+
+
+def server_identity(props: Any, argv: Sequence[str] | None) -> Any:
+    """The server's identity (``ocache.fingerprint.identity``) from ``/props`` and the launch argv:
+    GGUF header hash (unreadable file: None), build, chat templates, state-shaping flags."""
+    props = props or {}
+    flags = llama_flags.state_flags(argv, props)
+    path = props.get("model_path")
+    try:
+        gguf = llama_gguf.gguf_identity(path) if path else None
+    except (OSError, ValueError):
+        gguf = None
+    return fp_mod.identity(gguf, props.get("build_info", ""), props.get("chat_template", ""), flags,
+                           props.get("chat_template_tool_use"))
+
+
+def sync_store_identity(tiers: Sequence[Any], key: str | None) -> None:
+    """Tell the tiers' store the server's identity (re)computed from the fresh ``/props``: after a
+    restart with another model or flags only that identity's entries are served, the others stay on
+    disk (``Store.set_identity``); the session tier's resume marker is checked against it too."""
+    stores = {id(s): s for s in (getattr(t, "store", None) for t in tiers) if s is not None}
+    if key:
+        for store in stores.values():
+            store.set_identity(key)
+
+
+def build_session_tier(config: Any, table: Any, identity: Any) -> Any:
+    """``ocache.tiers.spill.make_session_tier`` (None: off, see there)."""
+    from ocache.tiers.spill import make_session_tier
+
+    try:
+        return make_session_tier(config, table, identity)
+    except Exception:
+        log.exception("session tier setup failed; it stays off")
+        return None
+
+
+def build_disk_tier(config: Any, table: Any, identity_fn: Any) -> Any:
+    """``ocache.tiers.disk.make_disk_tier`` (None: off, see there); ``identity_fn`` is re-read
+    before every lookup and write."""
+    from ocache.tiers.disk import make_disk_tier
+
+    try:
+        return make_disk_tier(config, table, identity_fn, ubatch=table.params.n_ubatch)
+    except Exception:
+        log.exception("disk tier setup failed; it stays off")
+        return None
+
+
+async def setup_findings(session: Any, base_url: str, headers: dict, params: ServerParams, props: Any,
+                         slots: Any, argv: Sequence[str] | None) -> tuple[list, bool | None] | None:
+    """``ocache.llama.checks``' advice on the server's setup (each non-ok finding logged) and
+    whether its slot actions work (False: no ``--slot-save-path``); None when the checks could not
+    run. Never raises."""
+    try:
+        from ocache.llama.checks import check, probe_endpoints
+
+        metrics_ok, actions_ok = await probe_endpoints(session, base_url, headers)
+        findings = check(params, props or {}, slots, argv=list(argv) if argv else None,
+                         metrics_ok=metrics_ok, slot_actions_ok=actions_ok)
+        for f in findings:
+            if f.level != "ok":
+                log.warning("llama-server setup: %s", f)
+        return findings, actions_ok
+    except Exception:  # the checks are advice; never block serving
+        log.debug("setup checks failed", exc_info=True)
+        return None
