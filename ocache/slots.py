@@ -315,6 +315,15 @@ class SlotTable:
             out.append(c)
         return out
 
+    def needs_reconcile(self, max_age_s: float) -> bool:
+        """Whether a plan should read ``GET /slots`` first: the table was never reconciled or not
+        for ``max_age_s`` seconds (a restart or foreign use may have happened since), or a slot
+        ocache does not hold the lock of has a count the table cannot vouch for (a response
+        pending or cut short)."""
+        if not self.reconciled_at or time.monotonic() - self.reconciled_at > max_age_s:
+            return True
+        return any((s.pending or s.n_total is None) and not lk.locked() for s, lk in zip(self.slots, self._locks))
+
     def held_exactly(self, slot: int) -> list[int] | None:
         """The token ids ``slot`` holds exactly as far as the table can vouch (its content is known,
         no response pending, the server's count equals the ids), else None."""
@@ -452,6 +461,7 @@ class SlotTable:
         lock for, compare ``n_prompt_tokens`` with the belief. A missing key means "never ran a
         task": unknown content if ocache thinks it holds something restored, else empty. A slot the
         server reports processing without ocache's lock is foreign use (content unknown)."""
+        versions = [s.version for s in self.slots]
         data = await self.fetch_slots()
         n_ctx = int(data[0].get("n_ctx") or 0) if data else 0
         self._ensure(len(data), n_ctx or None)
@@ -462,6 +472,7 @@ class SlotTable:
                         "or went back): every slot is empty")
             self.counters["restarts_seen_in_slots"] += 1
             self.reset_all(self.epoch)
+            versions = [s.version for s in self.slots]
         if data and (self.params.n_slots != len(data) or (n_ctx and self.params.n_ctx_slot != n_ctx)):
             self.params = replace(self.params, n_slots=len(data), n_ctx_slot=n_ctx or self.params.n_ctx_slot)
         for entry in data:
@@ -470,6 +481,8 @@ class SlotTable:
                 continue
             if self._locks[sid].locked():
                 continue  # ocache is using it; its belief is being updated by the user of the lock
+            if sid < len(versions) and self.slots[sid].version != versions[sid]:
+                continue  # changed while GET /slots was in flight: the answer is older than the belief
             st = self.slots[sid]
             self.reconcile_one(st, entry)
         self.reconciled_at = time.monotonic()

@@ -93,3 +93,45 @@ async def test_a_failed_bring_leaves_the_slot_as_the_restore_found_it():
     assert plan.headers["X-OCache-Tier"] == "resident"
     assert plan.headers["X-OCache-Reused"] == "600"
     assert layer.counters["mispredictions"] == 0
+
+
+def _slot_reads(table) -> int:
+    return sum(1 for c in table.calls if c == ("GET", "/slots"))
+
+
+async def test_a_plan_reads_get_slots_only_when_the_table_cannot_vouch():
+    layer = make_layer(n_slots=2)
+    toks = list(range(1, 301))
+    await serve(layer, request(toks, "a", session="s"))
+    await layer.idle()                        # the reconcile after the response ran
+    table = layer.table
+    assert table[0].n_total == 300 or table[1].n_total == 300
+    n0 = _slot_reads(table)
+    plan = await layer.plan(request(toks + [7] * 20, "b", session="s"))
+    assert _slot_reads(table) == n0           # nothing to reconcile: no GET /slots before forwarding
+    await plan.release()
+    # a slot whose response was cut short: the table cannot vouch for its count
+    table.interrupted(plan.body_updates["id_slot"], table[plan.body_updates["id_slot"]].seq)
+    plan = await layer.plan(request(toks + [7] * 40, "c", session="s"))
+    assert _slot_reads(table) == n0 + 1
+    await plan.release()
+
+
+async def test_a_restart_inside_the_probe_window_is_seen_once_the_reconcile_is_old():
+    """The server restarted (id_task went back) and the upstream probe has not said so: a plan
+    after ``RECONCILE_MAX_AGE_S`` reads GET /slots, sees the restart, and plans cold."""
+    from ocache.cache import orchestrator
+
+    layer = make_layer(n_slots=1)
+    toks = list(range(1, 301))
+    await serve(layer, request(toks, "a", session="s"))
+    await serve(layer, request(toks + [5] * 10, "a2", session="s"))
+    await layer.idle()
+    table = layer.table
+    table.restart()
+    table.reconciled_at -= orchestrator.RECONCILE_MAX_AGE_S + 1
+    plan, timings = await serve(layer, request(toks + [5] * 30, "b", session="s"))
+    assert table.counters["restarts_seen_in_slots"] == 1
+    assert plan.headers["X-OCache-Tier"] == "cold"
+    assert timings["cache_n"] == 0
+    assert layer.counters["mispredictions"] == 0
