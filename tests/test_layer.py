@@ -135,3 +135,53 @@ async def test_a_restart_inside_the_probe_window_is_seen_once_the_reconcile_is_o
     assert plan.headers["X-OCache-Tier"] == "cold"
     assert timings["cache_n"] == 0
     assert layer.counters["mispredictions"] == 0
+
+
+async def test_a_plan_cancelled_while_waiting_for_the_lease_leaves_the_slot_free():
+    tier = CountingTier()
+    layer = make_layer(n_slots=1, tiers=[tier])
+    toks = list(range(1, 301))
+    plan_a = await layer.plan(request(toks, "a"))
+    table = layer.table
+    task_b = asyncio.ensure_future(layer.plan(request(toks, "b")))
+    await _until(lambda: table.lock(0)._waiters, "b waits for the lease")
+    task_b.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task_b
+    await plan_a.release()
+    assert not table.lock(0).locked()
+    plan_c = await asyncio.wait_for(layer.plan(request(toks, "c")), 10)
+    assert plan_c.body_updates == {"id_slot": 0}
+    await plan_c.release()
+
+
+async def test_a_cut_short_or_rejected_response_leaves_the_slot_unvouched():
+    from ocache.layer import Observation
+
+    layer = make_layer(n_slots=2)
+    toks = list(range(1, 301))
+    req = request(toks, "a")
+    plan = await layer.plan(req)
+    slot = plan.body_updates["id_slot"]
+    await plan.release()
+    await layer.observe(req, plan, Observation(200, False, None))        # client went away
+    st = layer.table[slot]
+    assert (st.tokens, st.n_total, st.pending) == (toks, None, True)
+    req2 = request(toks + [3] * 5, "b")
+    plan2 = await layer.plan(req2)
+    slot2 = plan2.body_updates["id_slot"]
+    await plan2.release()
+    await layer.observe(req2, plan2, Observation(400, True, None))       # rejected
+    st = layer.table[slot2]
+    assert st.foreign and st.tokens == []
+    assert layer.counters["failed_responses"] == 2
+
+
+async def test_drain_tells_every_tier_about_each_live_conversation():
+    tier = CountingTier()
+    layer = make_layer(n_slots=2, tiers=[tier])
+    await serve(layer, request(list(range(1, 301)), "a", session="s1"))
+    await serve(layer, request(list(range(1000, 1400)), "b", session="s2"))
+    await layer.drain()
+    assert sorted(tier.evicts) == [0, 1]
+    assert tier.admits == 2
