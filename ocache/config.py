@@ -330,7 +330,7 @@ REMOVED = {
 }
 
 #: Keys each tier reads from ``tiers.<name>``: (type, default, what it does), printed by
-#: ``describe()``. Readers: ``OCacheLayer.__init__`` (ocache/cache.py), ``make_disk_tier``
+#: ``describe()``. Readers: ``layer_options`` (ocache/cache/wiring.py), ``make_disk_tier``
 #: (ocache/tiers/disk.py), ``make_session_tier`` (ocache/tiers/spill.py).
 TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
     "resident": {

@@ -77,8 +77,8 @@ Response headers added by ocache (all ``X-OCache-*``):
 | ``X-OCache-Upstream`` | 503 from ocache; several servers: every planned request | the upstream URL that could not be reached / that served the request |
 | ``X-OCache-Route`` | several servers, planned request | why that server (ocache/router.py) |
 | ``X-OCache-Tier`` | set by the layer | where the reused prefix came from (``resident``/``head``/``disk``/``session``/``cold``) |
-| ``X-OCache-Split``, ``-Prefilled``, ``-Reused`` | set by the layer | tokens ocache prefilled itself for this request; tokens the server prefills for it (ocache's steps included); tokens reused from before it (see ``ocache/cache.py``) |
-| other ``X-OCache-*`` | set by the layer | see ``ocache/cache.py`` (e.g. ``X-OCache-Slot``) |
+| ``X-OCache-Split``, ``-Prefilled``, ``-Reused`` | set by the layer | tokens ocache prefilled itself for this request; tokens the server prefills for it (ocache's steps included); tokens reused from before it (see ``ocache/cache/orchestrator.py``) |
+| other ``X-OCache-*`` | set by the layer | see ``ocache/cache/orchestrator.py`` (e.g. ``X-OCache-Slot``) |
 
 Logging: one line per completion at INFO (request id, route, status, slot, tier, ``split N`` when
 ocache prefilled N tokens itself, the corrected timings, TTFT, total); other routes at DEBUG.

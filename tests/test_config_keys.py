@@ -5,7 +5,7 @@
 than its default and checks what the owning code does with it: the proxy's answers (guard, admin
 routes, body limit, 503 while the upstream is down), what ``serve()`` binds and launches, the tiers
 the factories build (ocache/tiers/disk.py ``make_disk_tier``, ocache/tiers/spill.py
-``make_session_tier``) and the cache layer's options (ocache/cache.py ``OCacheLayer.__init__``).
+``make_session_tier``) and the cache layer's options (ocache/cache/wiring.py ``layer_options``).
 No llama-server is needed: the upstream is a closed loopback port (nothing listens there), and the
 tier factories get a slot table stand-in that only carries ``params``.
 """

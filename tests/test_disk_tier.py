@@ -446,7 +446,7 @@ async def test_a_head_already_in_the_slot_is_saved_without_a_prefill(harness):
     t1 = load_fixture("opencode_agent_turn1.json")
     v = await h.view(t1)
     async with h.slots.lock(0):
-        await h.slots.warm(0, v.tokens[: v.head_end])  # what OCacheLayer._warm_head_in does
+        await h.slots.warm(0, v.tokens[: v.head_end])  # what HeadTier.warm_in does
         saved = await h.tier.prepare(v, 0, cached_n=v.head_end)
         await h.tier.flush()
     assert saved[0] == v.head_end

@@ -1,5 +1,5 @@
 """Unit tests of the pure parts: the model of llama-server's reuse rules (``ocache.slots``), the
-resident ranking (``ocache.tiers.resident``), the planner (``ocache.cache.plan_request``), the
+resident ranking (``ocache.tiers.resident``), the planner (``ocache.cache.plan.plan_request``), the
 error mapping, the ``/slots`` reconciliation and ``ocache doctor``'s checks. No server needed; the
 integration tests in ``tests/test_resident.py`` check the same model against the real server.
 """

@@ -2,8 +2,8 @@
 prefill ocache did itself for that same request.
 
 Why a correction is needed: before forwarding a request, ocache may prefill part of its prompt in
-separate steps on the pinned slot — the harness head warm-up (``OCacheLayer._warm_head_in``) and the
-disk tier's anchor split (``DiskTier.prepare``: ``/completion`` of exactly ``tokens[:L]`` with
+separate steps on the pinned slot — the harness head warm-up (``HeadTier.warm_in``, ocache/tiers/head.py) and the
+disk tier's anchor split (``DiskTier.write_anchors``: ``/completion`` of exactly ``tokens[:L]`` with
 ``n_predict: 0``, then ``action=save``). The server then reports, for the forwarded request,
 ``timings.cache_n`` = everything the slot already held, including the tokens those steps prefilled
 moments earlier; ``usage.prompt_tokens_details.cached_tokens`` is the same number

@@ -20,21 +20,22 @@ chosen slot (docs/llama-server.md §13: the slot then holds exactly those tokens
 name, then the real request continues from there (it strictly extends the anchor, which is what a
 hybrid model needs, docs/llama-server.md §15). The prefill work is the same as without the split; the request is
 delayed by the save itself (measured: ``stats()["save_s"]``); hashing and the commit run afterwards in
-the background. That is :meth:`DiskTier.prepare`, which the cache layer calls after ``bring`` and
-before forwarding, holding the slot's lock.
+the background. The lines are the plan's ``anchors`` step (:meth:`DiskTier.anchor_lines`, computed
+once per request in the lookup phase); the executor runs it (:meth:`DiskTier.write_anchors`) after
+``bring`` / the head warm-up and before forwarding, holding the slot's lease.
 
 Lookup/restore (``lookup``/``bring``): the longest anchor whose tokens are a prefix of the request,
-offered when it beats ``ctx.resident_usable`` and its read (verify + restore, at the measured bytes/s)
-costs less than the prefill it saves (at the measured prefill tokens/s). Before any byte reaches the
+offered when its read (verify + restore, at the measured bytes/s) costs less than the prefill it saves (at the measured prefill tokens/s). Before any byte reaches the
 engine the store verifies identity, every file's size and xxh3 and the token ids in the slot file's
 header against the request's; a failure deletes the entry and ``bring`` raises (the request then goes
 cold). The restore is confirmed by the next response's ``cache_n`` (≥ anchor tokens − one ubatch) in
 ``admit``; an unconfirmed restore is a counted miss (``stats()["unconfirmed"]``).
 
-Wiring in the cache layer (``ocache.cache.OCacheLayer``): register ``make_disk_tier(config, table,
-identity, ubatch=...)`` with ``add_tier``; call ``prepare(view, slot, predicted_cache_n, ctx)`` after
-the plan's steps (bring / head warm-up) and before forwarding, then re-predict the slot's reuse (the
-slot then holds the last anchor); ``on_upstream_restart`` voids unconfirmed restores. States a
+Wiring in the cache layer (``ocache.cache.OCacheLayer``, ``ocache/cache/wiring.py``): register
+``make_disk_tier(config, table, identity, ubatch=...)`` with ``add_tier``; the layer passes
+``anchor_lines(view)`` to the planner, the executor calls ``write_anchors(view, slot, lines,
+cached_n, ctx)`` after the plan's other steps, then re-predicts the slot's reuse (the slot then
+holds the last anchor); ``on_upstream_restart`` voids unconfirmed restores. States a
 speculative/verify round wrote are never saved: the tier saves only slots it just filled with a
 ``/completion`` of exact token ids (``n_predict: 0``), or that the slot table says hold exactly a
 wanted prefix.

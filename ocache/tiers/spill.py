@@ -41,7 +41,7 @@ Session identity
 Reads
     ``lookup`` offers the spilled conversation whose usable prefix is longest; the planner takes it
     when it beats every resident slot and every anchor by more than its read cost
-    (``ocache.cache.plan_request``). ``bring`` verifies the entry (identity, each file's size and
+    (``ocache.cache.plan.plan_request``). ``bring`` verifies the entry (identity, each file's size and
     xxh3, the slot file's token header against the record; a failure deletes the entry and the
     request goes cold) and restores it with its checkpoints. ``admit`` confirms it by ``cache_n``.
 

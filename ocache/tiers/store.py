@@ -1,5 +1,5 @@
 """One content-addressed store for saved slot states, shared by the disk tier (kind ``"a"``), the
-session tier (``"s"``) and the cache layer's head tier (``"h"``, ``ocache.cache.HeadTier``): every
+session tier (``"s"``) and the cache layer's head tier (``"h"``, ``ocache.tiers.head.HeadTier``): every
 slot file ocache restores is an entry here.
 
 What an entry is
