@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -443,6 +444,13 @@ class SlotTable:
                 # the request is read. Every slot call is safe to send again (save/restore/erase
                 # replace state, a warm-up prefills the same tokens), so retry once.
                 if attempt == 0:
+                    continue
+                raise UpstreamError(f"{what} {method} {path}: {exc!r}", 0, None, slot) from exc
+            except aiohttp.ClientOSError as exc:
+                # the same dead keep-alive connection, seen as ECONNRESET/EPIPE on the send (seen
+                # once: ClientOSError(104, 'Connection reset by peer') on a spill's save in
+                # tests/test_hardening_cache.py on a loaded machine)
+                if attempt == 0 and exc.errno in (errno.ECONNRESET, errno.EPIPE):
                     continue
                 raise UpstreamError(f"{what} {method} {path}: {exc!r}", 0, None, slot) from exc
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

@@ -185,3 +185,42 @@ async def test_drain_tells_every_tier_about_each_live_conversation():
     await layer.drain()
     assert sorted(tier.evicts) == [0, 1]
     assert tier.admits == 2
+
+
+async def test_a_slot_call_on_a_reset_connection_is_sent_once_more():
+    """ECONNRESET on the send (a pooled keep-alive connection the server had closed): the call is
+    sent again once (every slot call is idempotent); a second reset is an UpstreamError."""
+    import contextlib
+    import errno
+
+    import aiohttp
+
+    from ocache.slots import SlotTable, UpstreamError
+
+    class Resp:
+        status = 200
+
+        async def json(self, content_type=None):
+            return [{"id": 0, "n_ctx": 4096}]
+
+    class Session:
+        def __init__(self, resets: int) -> None:
+            self.resets, self.calls = resets, 0
+
+        @contextlib.asynccontextmanager
+        async def _req(self):
+            self.calls += 1
+            if self.calls <= self.resets:
+                raise aiohttp.ClientOSError(errno.ECONNRESET, "Connection reset by peer")
+            yield Resp()
+
+        def request(self, *a, **kw):
+            return self._req()
+
+    s = Session(resets=1)
+    assert await SlotTable(s, "http://x").fetch_slots() == [{"id": 0, "n_ctx": 4096}]
+    assert s.calls == 2
+    s = Session(resets=2)
+    with pytest.raises(UpstreamError):
+        await SlotTable(s, "http://x").fetch_slots()
+    assert s.calls == 2
