@@ -16,6 +16,10 @@ llama-server reuses a prompt only against the slot it lands on (``docs/llama-ser
   ``cache_n`` by the cache layer.
 * owner session key, request kind (agent / guest / other / head), last use, one ``asyncio.Lock``.
 
+The table is the only writer of this state: the cache layer and the tiers change a slot through
+its slot calls (``warm``, ``save``, ``restore``, ``erase``) and its verbs (``assign``, ``finish``,
+``interrupted``, ``mark_origin``, ``mark_head``, ``adopt``, ``mark_unknown``, ``forget``).
+
 Only a slot whose lock ocache holds is ever pinned with ``id_slot`` (a pinned *busy* slot with the
 RAM cache on can be overwritten by the server, docs/llama-server.md §9 "Hazard"). The table is reconciled with
 ``GET /slots`` and voided on a new upstream epoch (a restart empties every slot).
@@ -120,8 +124,10 @@ def error_from_response(status: int, body: Any, slot: int | None, what: str) -> 
 
 @dataclass
 class SlotState:
-    """ocache's belief about one slot (see the module docstring). ``seq`` increments on every change
-    so a planner can tell whether a snapshot is stale. ``origin``: the slot holds a warmed harness
+    """ocache's belief about one slot (see the module docstring). Only this module writes it (the
+    table's slot calls, its reconcile and its verbs; ``tests/test_owners.py``). ``seq`` increments
+    whenever the slot's content is replaced (``clear``): a response or a spill belongs to the content
+    it was planned for only while ``seq`` is unchanged; ``version`` counts every write. ``origin``: the slot holds a warmed harness
     head (``head_key``) that no conversation has consumed yet. ``foreign``: the server reported
     something ocache did not send (content unknown)."""
 
