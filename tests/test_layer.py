@@ -224,3 +224,21 @@ async def test_a_slot_call_on_a_reset_connection_is_sent_once_more():
     with pytest.raises(UpstreamError):
         await SlotTable(s, "http://x").fetch_slots()
     assert s.calls == 2
+
+
+def test_the_disk_tiers_anchor_lines_are_a_declared_step_of_the_plan():
+    from ocache.cache import RequestContext, plan_request
+    from ocache.llama.flags import ServerParams
+    from ocache.slots import SlotState
+    from ocache.tiers.disk import DiskConfig, DiskTier
+
+    params = ServerParams(n_slots=1, n_ctx_slot=16384, cache_ram=0, checkpoints=False)
+    toks = list(range(1, 6001))
+    lines = ((1024, "repeat"), (4096, "head"), (5120, "session"))
+    dec = plan_request(toks, [SlotState(0, n_ctx=16384)], [], RequestContext(), params, anchors=lines)
+    assert dec.steps[-1] == "anchors" and dec.anchors == lines
+    assert "anchors" not in plan_request(toks, [SlotState(0, n_ctx=16384)], [], RequestContext(), params).steps
+    tier = DiskTier(None, None, DiskConfig(max_anchors_per_request=2))   # lines_above is pure
+    assert tier.lines_above(lines, 0) == [(4096, "head"), (5120, "session")]
+    assert tier.lines_above(lines, 4096) == [(5120, "session")]
+    assert tier.lines_above(lines, 6000) == []
