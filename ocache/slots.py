@@ -428,6 +428,7 @@ class SlotTable:
         """A new upstream process: every slot is empty (docs/llama-server.md §16 restart detection)."""
         for s in self.slots:
             s.clear()
+        self._id_task.clear()   # its task ids start again: the next GET /slots is the new baseline
         self.epoch = epoch
         self.counters["restarts"] += 1
 
@@ -481,11 +482,23 @@ class SlotTable:
         self._ensure(len(data), n_ctx or None)
         if self._restarted(data):
             # a restart the upstream's probe has not seen yet (it polls every 2 s): a restored
-            # slot of the old process looks exactly like a fresh empty one, so trust nothing
+            # slot of the old process looks exactly like a fresh empty one, so trust nothing but
+            # what a request ocache sent to the new process left (the slot reports a task of the
+            # new process and the count ocache recorded when that request finished)
+            by_id = {int(e.get("id", -1)): e for e in data}
+            kept = 0
+            for st, lk in zip(self.slots, self._locks):
+                e = by_id.get(st.id) or {}
+                if (not lk.locked() and st.tokens and not st.pending and st.n_total is not None
+                        and e.get("id_task") is not None and e.get("n_prompt_tokens") == st.n_total):
+                    kept += 1
+                    continue
+                st.clear()
             log.warning("GET /slots shows a new llama-server process (a slot's id_task vanished "
-                        "or went back): every slot is empty")
+                        "or went back): every slot is empty%s",
+                        f" but {kept} a request of the new process filled" if kept else "")
             self.counters["restarts_seen_in_slots"] += 1
-            self.reset_all(self.epoch)
+            self.counters["restarts"] += 1
             versions = [s.version for s in self.slots]
         if data and (self.params.n_slots != len(data) or (n_ctx and self.params.n_ctx_slot != n_ctx)):
             self.params = replace(self.params, n_slots=len(data), n_ctx_slot=n_ctx or self.params.n_ctx_slot)

@@ -242,3 +242,28 @@ def test_the_disk_tiers_anchor_lines_are_a_declared_step_of_the_plan():
     assert tier.lines_above(lines, 0) == [(4096, "head"), (5120, "session")]
     assert tier.lines_above(lines, 4096) == [(5120, "session")]
     assert tier.lines_above(lines, 6000) == []
+
+
+async def test_a_restart_seen_in_slots_keeps_what_a_request_of_the_new_process_left():
+    """A request ran on the new process before the table saw the restart: the reconcile after its
+    response keeps that slot (the server reports its task and the count ocache recorded) and empties
+    the others. Before: every slot was emptied and the next turn restored from a tier what the slot
+    already held (bench restart_mid_session, tiny dense: prefilled 156 where the server alone
+    prefilled 48)."""
+    layer = make_layer(n_slots=2)
+    table = layer.table
+    a, b = list(range(1, 301)), list(range(2000, 2400))
+    await serve(layer, request(a, "a", session="s1"))
+    await serve(layer, request(b, "b", session="s2"))
+    await layer.idle()
+    slot_a = next(s.id for s in table.slots if s.owner == "s1")
+    table.restart()
+    table.held[slot_a] = []                      # (the new process holds nothing yet)
+    plan, timings = await serve(layer, request(a + [9] * 20, "a2", session="s1"))   # planned stale
+    assert plan.body_updates["id_slot"] == slot_a and timings["cache_n"] == 0
+    await layer.idle()                           # the reconcile after it sees the restart
+    assert table.counters["restarts_seen_in_slots"] == 1
+    assert table[slot_a].tokens == a + [9] * 20 and table[slot_a].n_total == len(a) + 20
+    assert table[1 - slot_a].tokens == [] and table[1 - slot_a].n_total == 0
+    plan, timings = await serve(layer, request(a + [9] * 20 + [8] * 10, "a3", session="s1"))
+    assert plan.headers["X-OCache-Tier"] == "resident" and timings["cache_n"] == len(a) + 20
