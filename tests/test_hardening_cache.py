@@ -560,8 +560,10 @@ async def test_a_sidecar_write_killed_part_way_leaves_no_temp_file(start_server,
             while time.monotonic() < deadline:  # bounded wait for the condition "pipe full"
                 fcntl.ioctl(fd, termios.FIONREAD, buf)
                 if int.from_bytes(buf, "little") >= cap:
-                    srv.kill()
+                    # noted first: kill() waits for the process to exit, and the request may see
+                    # the dead connection and finish before that wait returns
                     killed.append(cap)
+                    srv.kill()
                     return
                 time.sleep(0.01)
         finally:
