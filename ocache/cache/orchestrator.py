@@ -379,6 +379,103 @@ class OCacheLayer:
         return _mk_plan(body_updates={"id_slot": dec.slot}, headers=headers, context=pctx, release=release,
                         split_tokens=pctx.split, split_ms=pctx.split_ms)
 
+    def _server_should_choose(self, view: Any, ctx: RequestContext) -> bool:
+        """``tiers/resident.py`` ``server_should_choose`` on the current table."""
+        snap = self.table.snapshot()
+        return server_should_choose(rank_slots(view.tokens, snap, ctx, self.table.params), snap)
+
+    async def _plan_server_placed(self, req: Any, view: Any, ctx: RequestContext, kind: str) -> Any:
+        """Forward without ``id_slot`` and let the server choose the slot (``server_should_choose``):
+        ocache holds every slot's lease meanwhile (taken in slot order, so two such requests never
+        deadlock), so that no other request runs and the one slot whose ``id_task`` grows is the
+        server's choice; ``release`` records what it now holds (``SlotTable.learn_placement``)
+        before letting the leases go, and ``observe`` predicts the checkpoints its prefill made.
+        The answer's figures are the server's own (nothing was split)."""
+        table = self.table
+        leases: list[Any] = []
+        try:
+            for i in range(len(table)):
+                leases.append(await table.lease(i))
+            await table.refresh()          # the id_task of every slot, right before the request
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+        before = table.task_ids()
+        placed = ServerPlaced(req.request_id, view.tokens, ctx)
+        self.counters["server_placed"] += 1
+
+        async def release() -> None:
+            try:
+                placed.slot = await table.learn_placement(
+                    before, view.tokens, owner=ctx.session, kind=ctx.kind, user_starts=ctx.user_starts,
+                    labels=dict(ctx.labels))
+                if placed.slot is not None:
+                    placed.seq = table[placed.slot].seq
+                    log.info("[%s] the server placed the request in slot %d", req.request_id, placed.slot)
+            except SlotError as exc:
+                log.warning("[%s] which slot the server chose is unknown (%s)", req.request_id, exc)
+            finally:
+                for lease in leases:
+                    lease.release()
+
+        return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": kind, "X-OCache-Slot": "server"},
+                        context=placed, release=release)
+
+    async def estimate(self, req: Any) -> Estimate | None:
+        """What this server could do for ``req`` if it were planned here, read-only: the router
+        (``ocache/router.py``) asks every server's layer and picks one before calling its ``plan``.
+
+        The same steps as ``plan`` up to the decision (token view, classify, head, the lookup
+        phase, ``plan_request`` on ``SlotTable.snapshot()``), without the slot lease, the journal,
+        counters or any table change. (The chosen server's ``plan`` asks its tiers again: two
+        lookups per tier for a routed request.) Returns None for a request ``plan`` would not pin
+        (unrenderable, unconvertible, too long). Raises what ``_ensure_ready`` / the token view
+        raise when the server cannot be asked (the router then skips it).
+        """
+        await self._ensure_ready()
+        table = self.table
+        body, path = req.body or {}, req.path
+        if path in convert.CONVERTED_ROUTES:
+            if path in convert.ANTHROPIC_ROUTES and not self._anthropic_pin_ok():
+                return None
+            try:
+                body = convert.to_chat(path, body)
+            except convert.ConversionError:
+                return None
+            path = "/v1/chat/completions"
+        chat = path in CHAT_ROUTES
+        kind = fp_mod.classify(body, self.markers) if chat else "other"
+        head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
+        try:
+            view = await self._viewer.view(path, body, head)
+        except TokenViewError as exc:
+            if 400 <= exc.status < 500:
+                return None
+            raise
+        tokens = view.tokens
+        if not tokens or len(tokens) >= table.params.n_ctx_slot:
+            return None
+        head_len = view.head_end or 0
+        head_key = fp_mod.fingerprint(head, self._ident()) if head is not None and head_len else None
+        session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
+        ctx = RequestContext(kind=kind, session=session, head_key=head_key, head_len=head_len,
+                             task=getattr(table, "_task_seq", 0) + 1,
+                             user_starts=tuple(view.user_starts) if (chat or body.get("message_delimiters")) else ())
+        offers, anchors = await self._lookups(view, ctx)
+        dec, _ = self._decide(view, ctx, offers, anchors)
+        snap = table.snapshot()
+        own = bool(session) and any(s.owner == session for s in snap)
+        destroys = 0
+        if dec.evicts and not any(t.will_spill(dec.slot) for t in self.tiers):
+            destroys = len(snap[dec.slot].tokens)
+        return Estimate(n_tokens=len(tokens), usable=dec.predicted, tier=dec.tier, slot=dec.slot,
+                        busy=dec.choice.busy, destroys=destroys,
+                        restore_s=dec.offer.cost_s if dec.offer else 0.0, kind=kind, own_session=own,
+                        head_len=head_len, prefill_tps=self.prefill_tps, head_key=head_key,
+                        warm="warm_head" in dec.steps, prefix_key=hash(tuple(tokens[:256])),
+                        ubatch=table.params.n_ubatch)
+
     async def _refresh(self, rid: str) -> None:
         """Reconcile the slot table with ``GET /slots``; a failure only logs (the plan then uses
         the table as it is)."""
