@@ -150,6 +150,10 @@ class OCacheLayer:
         """The measured prefill rate (tokens/s), see ``Observer``."""
         return self.observer.prefill_tps
 
+    @prefill_tps.setter
+    def prefill_tps(self, value: float | None) -> None:
+        self.observer.prefill_tps = value
+
     @property
     def recent_mispredictions(self) -> Any:
         return self.observer.recent_mispredictions
