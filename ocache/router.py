@@ -77,6 +77,10 @@ DEFAULT_REQUEST_S = 1.0
 #: is never longer than prefilling that prefix itself would be (the other started earlier, at the
 #: same rate), this bound only covers a server that hangs meanwhile
 GATE_WAIT_S = 120.0
+#: two servers whose expected costs differ by less than this (seconds) or this fraction of the
+#: best are a tie, which goes to the server that served the session last
+STICKY_S = 0.005
+STICKY_FRACTION = 0.05
 
 
 @dataclass
@@ -158,6 +162,8 @@ class Router:
         #: the longest wait for another request's plan of the same prefix (seconds)
         self.gate_wait_s = GATE_WAIT_S
         self._heads: dict = {}
+        #: the server that last served each client session (``_session_of``), insertion ordered
+        self._last_server: dict[str, Server] = {}
         for s in self.servers:
             if hasattr(s.upstream, "on_restart"):
                 s.upstream.on_restart(self._restart_callback(s))
@@ -240,6 +246,16 @@ class Router:
         least = min(_tokens_cost(e) for *_, e in scored)
         eligible = [t for t in scored if _tokens_cost(t[4]) <= least + t[4].ubatch]
         eligible.sort(key=lambda t: (round(t[0], 6), t[1], t[2]))
+        # a session stays where it was last served unless moving is clearly cheaper: costs within
+        # STICKY_S or STICKY_FRACTION of the best are one tie (measured costs jitter by a few ms)
+        session = _session_of(req)
+        last = self._last_server.get(session) if session else None
+        if last is not None and eligible[0][3] is not last:
+            best = eligible[0][0]
+            near = [t for t in eligible if t[3] is last
+                    and t[0] <= best + max(STICKY_S, STICKY_FRACTION * best)]
+            if near:
+                eligible.insert(0, eligible.pop(eligible.index(near[0])))
         scored.sort(key=lambda t: (t[3] is not eligible[0][3], round(t[0], 6), t[1], t[2]))
         cost, _, _, server, est = scored[0]
         others = "; ".join(f"{_short(s.url)} {c:.3f} s (usable {e.usable} {e.tier}, {len(s.inflight)} in flight)"
@@ -251,6 +267,10 @@ class Router:
             self.counters["moved"] += 1
         # reserved now, before any await: requests deciding concurrently see this one's load
         server.inflight[req.request_id] = _InFlight(max(0, est.n_tokens - est.usable), time.monotonic())
+        if session:
+            self._last_server[session] = server
+            while len(self._last_server) > 4096:
+                self._last_server.pop(next(iter(self._last_server)))
         return Choice(server, why, cost, _gate_key(est, [e for *_, e in scored]))
 
     # -- CacheLayer ----------------------------------------------------------------------------
@@ -380,6 +400,13 @@ class Router:
         first = rows[0]["layer"] if rows and isinstance(rows[0]["layer"], dict) else {}
         return {**first, "router": {"policy": self.policy, "load_weight": self.load_weight,
                                     **self.counters, "servers": rows}}
+
+
+def _session_of(req: Any) -> str | None:
+    """The client's session key of a request (``ParsedRequest.session_hint``, else its headers)."""
+    from ocache.fingerprint import session_key
+
+    return getattr(req, "session_hint", None) or session_key(getattr(req, "headers", None))
 
 
 def _tokens_cost(est: Any) -> int:

@@ -160,6 +160,26 @@ async def test_load_never_buys_latency_with_more_prefill_than_one_ubatch():
     assert (await r.choose(type("R", (), {"request_id": "g"})())).server.index == 1
 
 
+async def test_a_near_tie_goes_to_the_server_that_served_the_session_last():
+    """Costs that differ by measurement jitter (both servers can bring the conversation from the
+    shared store) do not move a session: the tie goes to where it was served last; a clearly
+    cheaper server still wins."""
+    from ocache.router import Server
+
+    def req(rid):
+        return type("R", (), {"request_id": rid, "session_hint": "ses-a", "headers": {}})()
+
+    r = _fake_router([_est(7328, 7251), _est(7328, 7251)])
+    r._last_server["ses-a"] = r.servers[1]
+    assert (await r.choose(req("1"))).server.index == 1          # an exact tie: not index order
+    r = _fake_router([_est(7328, 7251), _est(7328, 7251)])
+    r._last_server["ses-a"] = r.servers[1]
+    r.servers[0].mean_request_s = r.servers[1].mean_request_s = 1.0
+    r.servers[1].inflight["x"] = __import__("ocache.router", fromlist=["_InFlight"])._InFlight(0, 0.0)
+    assert (await r.choose(req("2"))).server.index == 0          # busy: clearly dearer, it moves
+    assert r._last_server["ses-a"] is r.servers[0] and isinstance(r.servers[0], Server)
+
+
 # --------------------------------------------------------------------------------- real servers
 
 @pytest.mark.server
