@@ -753,7 +753,7 @@ async def test_warm_dir_spills_the_conversation_it_replaces(start_server, tmp_pa
             last = await warm(target)
             assert last.get("done") and not last.get("error"), last
             await proxy.layer.idle()
-            assert saved() == spills + 1, session.counters
+            assert saved() > spills, session.counters
             replaced = next(o for o in held if o not in {table[i].owner for i in range(2)})
             rec = await send(s, base, proxy, convs[replaced][0], {"x-session-affinity": replaced})
             assert rec["tier"] == "session", rec

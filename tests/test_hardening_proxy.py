@@ -425,6 +425,10 @@ async def test_request_during_real_model_load_is_held_not_fail_open(engine_patch
                 async with c.post(base + "/v1/chat/completions", json=chat()) as r:
                     assert r.status == 200, await r.text()
                     assert "X-OCache-Fail-Open" not in r.headers
+                # the table is reconciled (GET /slots) after each response; llama-server stopped
+                # while that waits in its task queue takes 30 s to exit ("stop: cancel task")
+                await proxy.wait_background()
+                await proxy.layer.idle()
                 if proxy.stats.to_dict()["held_loading"] >= 1:
                     break
             finally:
