@@ -99,7 +99,12 @@ def _slot_reads(table) -> int:
     return sum(1 for c in table.calls if c == ("GET", "/slots"))
 
 
-async def test_a_plan_reads_get_slots_only_when_the_table_cannot_vouch():
+async def test_a_plan_reads_get_slots_only_when_the_table_cannot_vouch(monkeypatch):
+    """With a reconcile age bound (the default is 0: every plan reads GET /slots, see
+    ``RECONCILE_MAX_AGE_S``), a plan reads it only when the table cannot vouch for a slot."""
+    from ocache.cache import orchestrator
+
+    monkeypatch.setattr(orchestrator, "RECONCILE_MAX_AGE_S", 60.0)
     layer = make_layer(n_slots=2)
     toks = list(range(1, 301))
     await serve(layer, request(toks, "a", session="s"))
