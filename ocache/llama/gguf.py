@@ -8,6 +8,7 @@ header is read (memory-mapped); tensor data never is.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -129,23 +130,15 @@ def gguf_identity(path: str | os.PathLike) -> GGUFIdentity:
     memo = (str(p.resolve()), st.st_size, st.st_mtime_ns)
     if memo in _gguf_cache:
         return _gguf_cache[memo]
-    with open(p, "rb") as f:
-        if st.st_size < 24:
-            raise GGUFError(f"{p}: not a GGUF file (only {st.st_size} bytes)")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            r = _Reader(mm)
-            if r.read(4) != b"GGUF":
-                raise GGUFError(f"{p}: not a GGUF file (bad magic)")
-            version = r.u32()
-            n_tensors, n_kv = r.u64(), r.u64()
-            for _ in range(n_kv):
-                r.string()
-                r.value(r.u32())
-            for _ in range(n_tensors):
-                r.string()
-                n_dims = r.u32()
-                r.skip(8 * n_dims + 4 + 8)  # dims, ggml type, data offset
-            digest = xxhash.xxh3_128_hexdigest(mm[: r.pos])
+    with _header(p) as (mm, r, version, n_tensors, n_kv):
+        for _ in range(n_kv):
+            r.string()
+            r.value(r.u32())
+        for _ in range(n_tensors):
+            r.string()
+            n_dims = r.u32()
+            r.skip(8 * n_dims + 4 + 8)  # dims, ggml type, data offset
+        digest = xxhash.xxh3_128_hexdigest(mm[: r.pos])
     ident = GGUFIdentity(size=st.st_size, mtime_ns=st.st_mtime_ns, header_xxh3_128=digest,
                          header_bytes=r.pos, version=version, n_tensors=n_tensors, n_kv=n_kv)
     if len(_gguf_cache) > 64:
@@ -158,25 +151,34 @@ def gguf_architecture(path: str | os.PathLike) -> str:
     """``general.architecture`` of a GGUF file (the metadata key/values only). Raises GGUFError (a
     ValueError) for a file that is not GGUF v2/v3 or has no such key, OSError if unreadable."""
     p = Path(path)
+    with _header(p) as (_mm, r, version, _n_tensors, n_kv):
+        if version < 2:
+            raise GGUFError(f"{p}: GGUF version {version} unsupported")
+        for _ in range(n_kv):
+            key = r.read(r.u64())
+            vtype = r.u32()
+            if key == b"general.architecture" and vtype == _GGUF_STRING:
+                return r.read(r.u64()).decode("utf-8", "replace")
+            r.value(vtype)
+    raise GGUFError(f"{p}: no general.architecture")
+
+
+@contextlib.contextmanager
+def _header(p: Path):
+    """The file memory-mapped, past its fixed header: yields ``(mmap, reader, version, n_tensors,
+    n_kv)`` with the reader at the first key/value. Raises OSError if unreadable, GGUFError for a
+    file shorter than the fixed header or without the ``GGUF`` magic."""
     with open(p, "rb") as f:
-        if os.fstat(f.fileno()).st_size < 24:
-            raise GGUFError(f"{p}: not a GGUF file")
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise GGUFError(f"{p}: not a GGUF file (only {size} bytes)")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             r = _Reader(mm)
             if r.read(4) != b"GGUF":
                 raise GGUFError(f"{p}: not a GGUF file (bad magic)")
             version = r.u32()
-            if version < 2:
-                raise GGUFError(f"{p}: GGUF version {version} unsupported")
-            r.u64()  # n_tensors
-            n_kv = r.u64()
-            for _ in range(n_kv):
-                key = r.read(r.u64())
-                vtype = r.u32()
-                if key == b"general.architecture" and vtype == _GGUF_STRING:
-                    return r.read(r.u64()).decode("utf-8", "replace")
-                r.value(vtype)
-    raise GGUFError(f"{p}: no general.architecture")
+            n_tensors, n_kv = r.u64(), r.u64()
+            yield mm, r, version, n_tensors, n_kv
 
 
 def resumes_from_checkpoints(arch: str | None) -> bool | None:
