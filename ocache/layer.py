@@ -82,6 +82,10 @@ class Plan:
     corrects the reuse figures of the response, its log line and its stats (ocache/api/figures.py).
     ``upstream``: the base URL of the server to forward to when several serve behind one ocache
     (``ocache/router.py`` sets it); None: the proxy's one (first healthy) upstream.
+    ``completion``: a task that finishes the plan while the forwarded request runs (a known
+    conversation's next turn: ``OCacheLayer._plan_known``); it fills ``headers`` and ``context``.
+    The proxy waits for it (at most ``plan_completion_wait_s``) before it sends the response headers;
+    ``release`` waits for it too.
     """
 
     body_updates: dict = field(default_factory=dict)
@@ -91,6 +95,7 @@ class Plan:
     split_tokens: int = 0
     split_ms: float = 0.0
     upstream: str | None = None
+    completion: Any = None
 
 
 @dataclass

@@ -145,6 +145,10 @@ _HEALTH_ROUTES = frozenset({"/health", "/v1/health"})
 #: Seconds a request waits for the shared upstream probe when the upstream is not known ready
 #: (a refused connection answers in milliseconds; a hung one is not waited for at all).
 PROBE_WAIT_S = 1.0
+#: seconds the proxy waits for a plan's ``completion`` (``Plan.completion``: the token view and the
+#: figures of a known conversation's turn, computed while the server prefills) before it sends the
+#: response headers without its ``X-OCache-*`` figures
+PLAN_COMPLETION_WAIT_S = 30.0
 #: A JSON escape of a UTF-16 surrogate: only a body with one can hold a lone surrogate.
 _SURROGATE_ESC = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -696,6 +700,21 @@ class Proxy:
                 raise
         return plan, out_body
 
+    async def _plan_completed(self, rid: str, plan: Plan) -> None:
+        """Wait for ``plan.completion`` (bounded by ``PLAN_COMPLETION_WAIT_S``); a late or failed one
+        is logged and counted, and the answer is relayed without its figures."""
+        task = plan.completion
+        done, _ = await asyncio.wait({task}, timeout=PLAN_COMPLETION_WAIT_S)
+        if not done:
+            log.warning("[%s] the plan's figures were not ready in %g s: relayed without them",
+                        rid, PLAN_COMPLETION_WAIT_S)
+            self.stats.layer_error("plan_late")
+        elif not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            log.warning("[%s] the plan's figures failed (%s: %s): relayed without them",
+                        rid, type(exc).__name__, exc)
+            self.stats.layer_error("plan_completion")
+
     async def _proxy(self, request: web.Request, rid: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         method, path = request.method, request.path
@@ -781,6 +800,10 @@ class Proxy:
             extra["X-OCache-Fail-Open"] = "plan"
         if plan is not None:
             extra.update(plan.headers)
+        if preq is not None:
+            # ocache's own time on the request's critical path: receipt to forward (body read and
+            # parsed, planned, the steps before forwarding: a restore or a split included)
+            extra["X-OCache-Plan-Ms"] = f"{(time.perf_counter() - t0) * 1e3:.2f}"
         timeout = self._read_timeout(path, preq)
         try:
             up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs)
@@ -796,6 +819,10 @@ class Proxy:
                     up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs)
             if not isinstance(up_resp, aiohttp.ClientResponse):
                 return up_resp  # ocache's own 502/503/504
+            if plan is not None and plan.completion is not None:
+                # a plan finished while the server worked (OCacheLayer._plan_known): its figures
+                await self._plan_completed(rid, plan)
+                extra.update(plan.headers)
             if up_resp.status == 503 and path not in _PROBE_ROUTES and plannable:
                 up_resp = await self._held_503(request, rid, out_body, has_body, timeout, obs, up_resp)
                 if not isinstance(up_resp, aiohttp.ClientResponse):

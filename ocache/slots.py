@@ -151,6 +151,12 @@ class SlotState:
     labels: dict = field(default_factory=dict)
     #: the slot file the content was restored from (``restore``), until anything replaces it
     restored_from: str | None = None
+    #: the message key (``ocache.tokens.message_keys``: render fields + the first ``n_msgs``
+    #: messages) of the chat request whose prompt ``tokens`` are; None when the content did not come
+    #: from one (warm-up, restore, prompt route). The next turn of that conversation repeats these
+    #: messages, so it is recognised before its token view (``known_conversation_slot``).
+    msg_key: bytes | None = None
+    n_msgs: int = 0
     #: bumped by every write of any other field (``busy`` aside: a snapshot's view of the lock), so a
     #: planner that waited for the slot's lease can tell whether the slot changed meanwhile
     #: (``SlotTable.version``)
@@ -176,6 +182,8 @@ class SlotState:
         self.pending = False
         self.labels = {}
         self.restored_from = None
+        self.msg_key = None
+        self.n_msgs = 0
         self.seq += 1
 
     def unknown(self, n_total: int | None) -> None:
@@ -344,10 +352,12 @@ class SlotTable:
 
     def assign(self, slot: int, tokens: Sequence[int], *, checkpoints: Sequence[Checkpoint] = (),
                user_starts: Sequence[int] = (), owner: str | None = None, kind: str | None = None,
-               labels: Mapping | None = None, head_key: str | None = None, head_len: int = 0) -> int:
+               labels: Mapping | None = None, head_key: str | None = None, head_len: int = 0,
+               msg_key: bytes | None = None, n_msgs: int = 0) -> int:
         """What a request forwarded to ``slot`` (whose lease the caller holds) will leave there: its
         prompt ``tokens`` with the predicted ``checkpoints``, the server's count unknown until the
-        response (``pending``). Returns the slot's new ``seq``, for :meth:`finish`."""
+        response (``pending``); ``msg_key``/``n_msgs``: the request's message key (``TokenView``).
+        Returns the slot's new ``seq``, for :meth:`finish`."""
         st = self[slot]
         st.clear()
         st.tokens = list(tokens)
@@ -360,6 +370,7 @@ class SlotTable:
         st.labels = dict(labels or {})
         st.head_key = head_key
         st.head_len = head_len
+        st.msg_key, st.n_msgs = msg_key, n_msgs
         st.last_used = time.monotonic()
         return st.seq
 

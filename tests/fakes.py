@@ -130,7 +130,7 @@ class FakeViewer:
     def __init__(self) -> None:
         self.views = 0
 
-    async def view(self, path: str, body: dict, head: Any = None) -> TokenView:
+    async def view(self, path: str, body: dict, head: Any = None, keys: Any = None) -> TokenView:
         self.views += 1
         return TokenView(list(body["prompt"]), body.get("_head_end"), list(body.get("_user_starts") or []), "")
 

@@ -458,6 +458,11 @@ async def p_resident_reconcile(tmp_path, mp):
     assert _layer().opt_reconcile is True
 
 
+async def p_resident_fast_path(tmp_path, mp):
+    assert _layer(tiers={"resident": {"fast_path": False}}).opt_fast_path is False
+    assert _layer().opt_fast_path is True
+
+
 async def p_resident_server_params(tmp_path, mp):
     from ocache.llama.flags import params_from_argv
 
@@ -642,6 +647,7 @@ PROBES = {
     "tiers.resident.server_args": p_resident_server_args, "tiers.resident.warm": p_resident_warm,
     "tiers.resident.keep_origin": p_resident_keep_origin,
     "tiers.resident.reconcile": p_resident_reconcile,
+    "tiers.resident.fast_path": p_resident_fast_path,
     "tiers.resident.<ServerParams.field>": p_resident_server_params,
     "tiers.disk.enabled": p_disk_enabled, "tiers.disk.slot_save_path": p_disk_slot_save_path,
     "tiers.disk.grid": p_disk_grid, "tiers.disk.free_floor_gb": p_disk_free_floor_gb,

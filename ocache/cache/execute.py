@@ -155,7 +155,8 @@ async def execute(table: SlotTable, head: Any, tiers: Sequence[TierBase], disk: 
     pctx.seq = table.assign(slot, tokens, checkpoints=reuse.checkpoints_after, user_starts=ctx.user_starts,
                             owner=ctx.session, kind=ctx.kind, labels=dict(ctx.labels),
                             head_key=ctx.head_key or keep_head,
-                            head_len=ctx.head_len if ctx.head_key else 0)
+                            head_len=ctx.head_len if ctx.head_key else 0,
+                            msg_key=getattr(view, "msg_key", None), n_msgs=getattr(view, "n_msgs", 0))
     log.debug("[%s] slot %d %s kind=%s N=%d lcp=%d predicted=%d upper=%d reason=%s steps=%s",
               rid, slot, decision.tier, ctx.kind, len(tokens), reuse.lcp, reuse.cache_n,
               reuse.upper, reuse.reason, ",".join(dec.steps))

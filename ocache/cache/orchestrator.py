@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
 from ocache import fingerprint as fp_mod
@@ -48,8 +49,8 @@ from ocache.llama.flags import params_from_argv
 from ocache.slots import SlotError, SlotNotSupported, SlotTable
 from ocache.tiers.base import Offer, RequestContext, TierBase
 from ocache.tiers.head import HeadTier, open_head_store
-from ocache.tiers.resident import rank_slots, server_should_choose
-from ocache.tokens import TokenViewError
+from ocache.tiers.resident import known_conversation_slot, rank_slots, server_should_choose
+from ocache.tokens import TokenViewError, message_keys
 
 log = logging.getLogger("ocache.cache")
 
@@ -63,6 +64,9 @@ CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
 #: restart is seen and the session comes back from disk (about half). The per-plan read cost no
 #: measurable latency (scripts/bench-proxy: 1-token chat +2.5 ms p50 either way).
 RECONCILE_MAX_AGE_S = 0.0
+#: seconds the release of a known conversation's plan waits for its completion (the token view of
+#: the forwarded request, ``OCacheLayer._complete_known``) before it gives up on the slot's record
+KNOWN_COMPLETE_MAX_S = 120.0
 
 
 def _labels(body: Any, headers: Any, kind: str) -> tuple[tuple[str, str | None], ...]:
@@ -104,6 +108,7 @@ class OCacheLayer:
         self.opt_warm = opts.warm
         self.opt_keep_origin = opts.keep_origin
         self.opt_reconcile = opts.reconcile
+        self.opt_fast_path = opts.fast_path
         self.param_overrides = dict(opts.param_overrides)
         self.argv = list(opts.argv) if opts.argv else None
         self.markers = getattr(config, "volatile_markers", None) or fp_mod.DEFAULT_MARKERS
@@ -115,7 +120,8 @@ class OCacheLayer:
             "origin_rebuilds": 0, "origin_skipped": 0, "server_placed": 0, "no_cache_prompt": 0, "evictions": 0, "guest_on_agent_slot": 0, "client_pins_overridden": 0,
             "bring_failures": 0, "bring_retries": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0, "user_splits": 0,
             "split_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0, "replans": 0,
-            "plan_reconciles": 0,
+            "plan_reconciles": 0, "fast_path": 0, "fast_path_other_plan": 0,
+            "fast_path_anchors_skipped": 0, "fast_path_failed": 0,
         }
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
@@ -290,6 +296,13 @@ class OCacheLayer:
             return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": "other"})
         kind = fp_mod.classify(body, self.markers) if chat else "other"
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
+        keys = None
+        if chat and self.opt_fast_path and table.params.checkpoints is False \
+                and getattr(self._viewer, "append_only", False):
+            keys = message_keys(body)
+            known = await self._plan_known(req, body, path, kind, head, keys)
+            if known is not None:
+                return known
         # GET /slots only when the table cannot vouch for a slot (it then runs while the view is
         # built: neither needs the other); otherwise the reconcile after each response did it
         refreshed = None
@@ -297,7 +310,7 @@ class OCacheLayer:
             self.counters["plan_reconciles"] += 1
             refreshed = asyncio.ensure_future(self._refresh(req.request_id))
         try:
-            view = await self._viewer.view(path, body, head)
+            view = await self._viewer.view(path, body, head, keys)
         except TokenViewError as exc:
             if refreshed is not None:
                 await refreshed
@@ -318,20 +331,7 @@ class OCacheLayer:
         if len(tokens) >= params.n_ctx_slot or not tokens:
             self.counters["too_long"] += 1
             return _mk_plan(headers={"X-OCache-Tier": "cold", "X-OCache-Kind": kind})
-        head_len = view.head_end or 0
-        head_key = fp_mod.fingerprint(head, self._ident()) if head is not None and head_len else None
-        user_starts = tuple(view.user_starts) if (chat or body.get("message_delimiters")) else ()
-        if "id_slot" in (req.body or {}):
-            self.counters["client_pins_overridden"] += 1
-        if kind == "agent" and self.journal is not None:
-            try:
-                await asyncio.to_thread(self.journal.note, body, head_key)
-            except OSError as exc:
-                log.warning("[%s] folder journal not written: %s", req.request_id, exc)
-        session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
-        ctx = RequestContext(kind=kind, session=session, head_key=head_key, head_len=head_len,
-                             task=table.next_task(), user_starts=user_starts,
-                             labels=_labels(body, getattr(req, "headers", None), kind))
+        ctx = await self._context(req, body, view, kind, head, chat)
         if self._server_should_choose(view, ctx):
             return await self._plan_server_placed(req, view, ctx, kind)
         # every tier is asked once per request; the plan and any re-plan use these answers
@@ -374,19 +374,131 @@ class OCacheLayer:
         async def release() -> None:
             lease.release()
 
+        return _mk_plan(body_updates={"id_slot": dec.slot}, headers=self._planned(pctx, kind), context=pctx,
+                        release=release, split_tokens=pctx.split, split_ms=pctx.split_ms)
+
+    async def _context(self, req: Any, body: Mapping, view: Any, kind: str, head: Any, chat: bool) -> RequestContext:
+        """The request's ``RequestContext`` from its view (head key and length, user starts,
+        session, a new task id, labels); notes an agent request in the folder journal."""
+        head_len = view.head_end or 0
+        head_key = fp_mod.fingerprint(head, self._ident()) if head is not None and head_len else None
+        user_starts = tuple(view.user_starts) if (chat or body.get("message_delimiters")) else ()
+        if "id_slot" in (req.body or {}):
+            self.counters["client_pins_overridden"] += 1
+        if kind == "agent" and self.journal is not None:
+            try:
+                await asyncio.to_thread(self.journal.note, body, head_key)
+            except OSError as exc:
+                log.warning("[%s] folder journal not written: %s", req.request_id, exc)
+        session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
+        return RequestContext(kind=kind, session=session, head_key=head_key, head_len=head_len,
+                              task=self.table.next_task(), user_starts=user_starts,
+                              labels=_labels(body, getattr(req, "headers", None), kind))
+
+    def _planned(self, pctx: PlanContext, kind: str) -> dict[str, str]:
+        """Count a planned request and return its ``X-OCache-*`` headers. They are sent before the
+        body, so Prefilled/Reused come from the plan (what ocache prefilled itself, measured, plus
+        the predicted reuse of the forwarded request)."""
         self.counters["planned"] += 1
         self.counters["split_tokens"] += pctx.split
         self.by_tier[pctx.decision.tier] = self.by_tier.get(pctx.decision.tier, 0) + 1
-        # headers are sent before the body, so Prefilled/Reused come from the plan
-        # (what ocache prefilled itself, measured, plus the predicted reuse of the forwarded request)
-        headers = {"X-OCache-Slot": str(dec.slot), "X-OCache-Predicted-Cache": str(pctx.reused),
+        headers = {"X-OCache-Slot": str(pctx.slot), "X-OCache-Predicted-Cache": str(pctx.reused),
                    "X-OCache-Tier": pctx.decision.tier, "X-OCache-Kind": kind,
                    "X-OCache-Split": str(pctx.split), "X-OCache-Prefilled": str(pctx.prefilled),
                    "X-OCache-Reused": str(pctx.reused)}
         if pctx.restore_s is not None:
             headers["X-OCache-Restore-Ms"] = f"{pctx.restore_s * 1e3:.1f}"
-        return _mk_plan(body_updates={"id_slot": dec.slot}, headers=headers, context=pctx, release=release,
-                        split_tokens=pctx.split, split_ms=pctx.split_ms)
+        return headers
+
+    # -- the known conversation: forwarded first, viewed meanwhile ------------------------------
+
+    async def _plan_known(self, req: Any, body: Mapping, path: str, kind: str, head: Any,
+                          keys: tuple) -> Any:
+        """The next turn of a conversation a slot holds (``known_conversation_slot``: its earlier
+        messages unchanged, on a plain-KV model): pinned to that slot and forwarded at once, without
+        waiting for its token view. The plan is the one the planner makes for such a request (that
+        slot, no step before forwarding; the reason is in ``known_conversation_slot``); the view,
+        the prediction, the slot table's record and the ``X-OCache-*`` figures are computed while
+        the server works (``Plan.completion``; the proxy waits for it before it sends the response
+        headers, which llama-server sends after the prompt's prefill). Critical path: one
+        ``message_keys`` pass and ``GET /slots`` (the reconcile that sees a restart), nothing in
+        proportion to the prompt's tokens (``scripts/bench-long``).
+
+        What the planner would have done differently is counted after the fact:
+        ``fast_path_other_plan`` (another slot, a restore or a head warm-up) and
+        ``fast_path_anchors_skipped`` (the disk tier's anchor split of the new tokens; the session
+        tier still spills the conversation before an eviction). Returns None (plan as usual) when
+        no slot holds the conversation or the slot changed before its lease was taken."""
+        table = self.table
+        session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
+        slot = known_conversation_slot(table.snapshot(), keys[1], session, kind)
+        if slot is None:
+            return None
+        if self.opt_reconcile and table.needs_reconcile(RECONCILE_MAX_AGE_S):
+            self.counters["plan_reconciles"] += 1
+            await self._refresh(req.request_id)
+            if known_conversation_slot(table.snapshot(), keys[1], session, kind) != slot:
+                return None
+        version = table.version(slot)
+        lease = await table.lease(slot)
+        if table.version(slot) != version:
+            lease.release()
+            return None
+        self.counters["fast_path"] += 1
+        plan = _mk_plan(body_updates={"id_slot": slot},
+                        headers={"X-OCache-Slot": str(slot), "X-OCache-Kind": kind, "X-OCache-Path": "known"})
+        try:
+            task = asyncio.get_running_loop().create_task(
+                self._complete_known(req, plan, body, path, kind, head, keys, slot))
+        except BaseException:
+            lease.release()
+            raise
+        plan.completion = task
+
+        async def release() -> None:
+            try:
+                done, _ = await asyncio.wait({task}, timeout=KNOWN_COMPLETE_MAX_S)
+                if not done:
+                    task.cancel()
+                if not done or task.cancelled() or task.exception() is not None:
+                    table.mark_unknown(slot)   # forwarded there; what it holds now is for GET /slots
+            finally:
+                lease.release()
+
+        plan.release = release
+        return plan
+
+    async def _complete_known(self, req: Any, plan: Any, body: Mapping, path: str, kind: str,
+                              head: Any, keys: tuple, slot: int) -> None:
+        """``Plan.completion`` of :meth:`_plan_known`: the view, the planner's own decision (only
+        counted), the forced decision for ``slot`` without steps, ``execute`` (the table's record),
+        then ``plan.headers`` / ``plan.context``. Raises what the view raises (``release`` then marks
+        the slot unknown; the answer is relayed without figures)."""
+        table = self.table
+        try:
+            view = await self._viewer.view(path, body, head, keys)
+            if not view.tokens or len(view.tokens) >= table.params.n_ctx_slot:
+                self.counters["too_long"] += 1
+                raise TokenViewError("prompt does not fit the slot")
+            ctx = await self._context(req, body, view, kind, head, True)
+            offers, anchors = await self._lookups(view, ctx)
+            best, _ = self._decide(view, ctx, offers, anchors, held=slot)
+            if best.slot != slot or {"bring", "warm_head"} & set(best.steps):
+                self.counters["fast_path_other_plan"] += 1
+                log.info("[%s] known conversation forwarded to slot %d; the planner would have chosen "
+                         "slot %d (%s, predicted %d)", req.request_id, slot, best.slot,
+                         ",".join(best.steps) or "no steps", best.predicted)
+            elif anchors and self.disk_tier is not None and self.disk_tier.lines_above(anchors, best.predicted):
+                self.counters["fast_path_anchors_skipped"] += 1
+            dec, _ = self._decide(view, ctx, [], None, forced_slot=slot, held=slot)
+            dec = replace(dec, steps=(), evicts=False, offer=None)
+            pctx = await execute(table, self.head_tier, self.tiers, self.disk_tier, self.counters,
+                                 req.request_id, view, ctx, dec)
+        except BaseException:
+            self.counters["fast_path_failed"] += 1
+            raise
+        plan.headers.update(self._planned(pctx, kind))
+        plan.context = pctx
 
     def _server_should_choose(self, view: Any, ctx: RequestContext) -> bool:
         """``tiers/resident.py`` ``server_should_choose`` on the current table."""

@@ -22,14 +22,17 @@ log = logging.getLogger("ocache.cache")
 class LayerOptions:
     """``tiers.resident`` keys the layer reads (``ocache serve --help-config``): ``warm`` (head
     warm-up, default true), ``keep_origin`` (default true), ``reconcile`` (default true),
-    ``server_args`` (the argv of a server ocache did not launch; else ``config.launch``), and any
-    ``ServerParams`` field as an override (``n_ubatch``, ``checkpoints``, ...)."""
+    ``server_args`` (the argv of a server ocache did not launch; else ``config.launch``),
+    ``fast_path`` (default true: a known conversation's next turn is forwarded before its token
+    view, ``OCacheLayer._plan_known``), and any ``ServerParams`` field as an override
+    (``n_ubatch``, ``checkpoints``, ...)."""
 
     warm: bool = True
     keep_origin: bool = True
     reconcile: bool = True
     argv: tuple[str, ...] | None = None
     param_overrides: tuple[tuple[str, Any], ...] = ()
+    fast_path: bool = True
 
 
 def layer_options(config: Any) -> LayerOptions:
@@ -37,10 +40,11 @@ def layer_options(config: Any) -> LayerOptions:
     warm = bool(tiers_cfg.pop("warm", True))
     keep_origin = bool(tiers_cfg.pop("keep_origin", True))
     reconcile = bool(tiers_cfg.pop("reconcile", True))
+    fast_path = bool(tiers_cfg.pop("fast_path", True))
     overrides = tuple((k, v) for k, v in tiers_cfg.items() if k in ServerParams.__dataclass_fields__)
     server_args = tiers_cfg.pop("server_args", None)
     argv = list(server_args or getattr(config, "launch", None) or []) or None
-    return LayerOptions(warm, keep_origin, reconcile, tuple(argv) if argv else None, overrides)
+    return LayerOptions(warm, keep_origin, reconcile, tuple(argv) if argv else None, overrides, fast_path)
 
 
 def server_identity(props: Any, argv: Sequence[str] | None) -> Any:

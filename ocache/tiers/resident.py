@@ -211,3 +211,40 @@ def server_should_choose(ranked: Sequence[SlotChoice], slots: Sequence[SlotState
         return False
     known_best = max((c.reuse.cache_n for c in ranked if not by_id[c.slot].foreign), default=0)
     return known_best < min_useful
+
+
+def known_conversation_slot(slots: Sequence[SlotState], digests: Sequence[bytes], session: str | None,
+                            kind: str) -> int | None:
+    """The slot that holds the previous turn of this request's conversation, recognised from its
+    messages alone (before the request's token view exists), or None. Pure.
+
+    ``digests``: ``ocache.tokens.message_keys(body)[1]`` of the request (one chained digest per
+    message). A slot qualifies when its content came from a chat request (``SlotState.msg_key``)
+    whose render fields and ``n_msgs`` messages this request repeats unchanged
+    (``digests[n_msgs - 1] == msg_key``), of the same session and kind (the ranking's ``own`` role:
+    :func:`classify_slot`), idle, vouched for by the table (the response finished and the server's
+    count is known: not ``pending``, not ``foreign``, ``n_total`` set), and not a kept head
+    (``origin``). Two qualifying slots with the same message count: None (let the planner decide).
+
+    Why the planner would choose that slot (``ocache.cache.orchestrator`` forwards such a request to
+    it at once, ``tiers.resident.fast_path``): the slot holds a prompt rendered from a prefix of this
+    request's messages, and with an append-only template (the token view's delta renders check it:
+    ``TokenViewer.delta_ok``) that prompt is a prefix of this request's prompt; so the slot reuses at
+    least that whole prompt, more than any other slot or tier can hold of this conversation, and
+    overwrites nothing. That holds for a plain KV cache; on a hybrid (recurrent) model the reuse
+    depends on where the server's checkpoints are, so the caller uses this only when
+    ``ServerParams.checkpoints`` is False.
+    """
+    best: SlotState | None = None
+    tie = False
+    n = len(digests)
+    for s in slots:
+        if (s.msg_key is None or not 0 < s.n_msgs <= n or digests[s.n_msgs - 1] != s.msg_key
+                or s.busy or s.pending or s.foreign or s.origin or s.n_total is None
+                or not s.tokens or s.owner != session or s.kind != kind):
+            continue
+        if best is None or s.n_msgs > best.n_msgs:
+            best, tie = s, False
+        elif s.n_msgs == best.n_msgs:
+            tie = True
+    return None if best is None or tie else best.id

@@ -1,0 +1,151 @@
+"""The known conversation's next turn (``tiers.resident.fast_path``): forwarded to the slot that
+holds the conversation before its token view exists; the view, the prediction and the figures follow
+while the server works (``OCacheLayer._plan_known``, ``known_conversation_slot``)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import aiohttp
+import pytest
+
+from ocache.llama.flags import ServerParams  # noqa: F401 - the params the matcher is used under
+from ocache.slots import SlotState
+from ocache.tiers.resident import known_conversation_slot
+from ocache.tokens import message_keys
+
+from test_hardening_cache import A1, CHAT, SERVER, UB, _prompt_total, body_of, cold, hdrs, make_config, through_ocache
+
+# --------------------------------------------------------------------------- the matcher (pure)
+
+
+def _conv(*contents: str) -> dict:
+    return {"messages": [{"role": "system", "content": "sys"},
+                         *({"role": "user" if i % 2 == 0 else "assistant", "content": c}
+                           for i, c in enumerate(contents))]}
+
+
+def _slot(i: int, body: dict, **kw) -> SlotState:
+    _, digests, key = message_keys(body)
+    st = SlotState(id=i)
+    object.__setattr__(st, "tokens", [1, 2, 3])
+    object.__setattr__(st, "n_total", 9)
+    object.__setattr__(st, "owner", "s1")
+    object.__setattr__(st, "kind", "agent")
+    object.__setattr__(st, "msg_key", key)
+    object.__setattr__(st, "n_msgs", len(digests))
+    for k, v in kw.items():
+        object.__setattr__(st, k, v)
+    return st
+
+
+def test_known_slot_is_the_one_whose_messages_the_request_repeats():
+    turn1 = _conv("q1")
+    turn2 = _conv("q1", "a1", "q2")
+    other = _conv("another question")
+    digests = message_keys(turn2)[1]
+    slots = [_slot(0, other), _slot(1, turn1)]
+    assert known_conversation_slot(slots, digests, "s1", "agent") == 1
+    # an earlier message edited: no slot holds this conversation's prefix
+    edited = _conv("q1 (edited)", "a1", "q2")
+    assert known_conversation_slot(slots, message_keys(edited)[1], "s1", "agent") is None
+    # the render fields count: tools added to the request
+    assert known_conversation_slot(slots, message_keys(dict(turn2, tools=[{"type": "function"}]))[1],
+                                   "s1", "agent") is None
+    # another session, another kind, a slot the table cannot vouch for: never
+    assert known_conversation_slot(slots, digests, "s2", "agent") is None
+    assert known_conversation_slot(slots, digests, "s1", "guest") is None
+    for bad in ({"pending": True}, {"foreign": True}, {"n_total": None}, {"busy": True}, {"origin": True}):
+        assert known_conversation_slot([_slot(0, other), _slot(1, turn1, **bad)], digests, "s1", "agent") is None
+    # the longest recorded prefix wins; two equal ones: the planner decides
+    assert known_conversation_slot([_slot(0, turn1), _slot(1, turn2)], digests, "s1", "agent") == 1
+    assert known_conversation_slot([_slot(0, turn1), _slot(1, turn1)], digests, "s1", "agent") is None
+    # a request shorter than what the slot was sent is not its next turn
+    assert known_conversation_slot([_slot(0, turn2)], message_keys(turn1)[1], "s1", "agent") is None
+
+
+# --------------------------------------------------------------------------- against the server
+
+def _next_turn(body: dict, answer: str, question: str) -> dict:
+    nxt = copy.deepcopy(body)
+    nxt["messages"].append({"role": "assistant", "content": answer})
+    nxt["messages"].append({"role": "user", "content": question})
+    return nxt
+
+
+@pytest.mark.server
+async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact(start_server, tmp_path):
+    """Turn 3 of a conversation (turn 2 checked the template append-only): the token view waits
+    until the request was forwarded (it would time out on the usual path, which builds the view
+    first, and the request would go out unplanned); the answer still carries the slot's exact
+    predicted reuse, the server prefills only the new tokens, and greedy output equals a cold
+    prefill of the same prompt."""
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    h = hdrs(A1)
+    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
+        async with aiohttp.ClientSession() as s:
+            t1 = body_of(A1)
+            async with s.post(base + CHAT, json=t1, headers=h) as r:
+                assert r.status == 200
+                a1 = (await r.json())["choices"][0]["message"]["content"] or "ok"
+            await proxy.wait_background()
+            t2 = _next_turn(t1, a1, "Now list the files you would change.")
+            async with s.post(base + CHAT, json=t2, headers=h) as r:
+                assert r.status == 200
+                slot2 = r.headers["X-OCache-Slot"]
+                a2 = (await r.json())["choices"][0]["message"]["content"] or "ok"
+            await proxy.wait_background()
+            await proxy.layer.idle()
+            layer = proxy.layer
+            await layer._viewer.wait_verified()
+            assert layer._viewer.append_only and layer.counters["fast_path"] == 0
+
+            forwarded = asyncio.Event()
+            real_forward, real_view = proxy._forward, layer._viewer.view
+            order: list[str] = []
+
+            async def forward(*a, **kw):
+                order.append("forward")
+                forwarded.set()
+                return await real_forward(*a, **kw)
+
+            async def view(*a, **kw):
+                order.append("view")
+                await asyncio.wait_for(forwarded.wait(), 20)   # the usual path: times out, plan fails open
+                return await real_view(*a, **kw)
+
+            proxy._forward, layer._viewer.view = forward, view
+            t3 = _next_turn(t2, a2, "Which one first?")
+            before = await _prompt_total(s, srv.url)
+            async with s.post(base + CHAT, json=t3, headers=h) as r:
+                assert r.status == 200 and "X-OCache-Fail-Open" not in r.headers
+                assert r.headers["X-OCache-Slot"] == slot2
+                predicted = int(r.headers["X-OCache-Predicted-Cache"])
+                data = await r.json()
+            await proxy.wait_background()
+            await layer.idle()
+            proxy._forward, layer._viewer.view = real_forward, real_view
+            t = data["timings"]
+            assert order[:2] == ["forward", "view"]
+            assert layer.counters["fast_path"] == 1 and layer.counters["fast_path_other_plan"] == 0
+            assert layer.counters["mispredictions"] == 0
+            assert predicted == t["cache_n"] and t["cache_n"] > 0
+            assert await _prompt_total(s, srv.url) - before == t["prompt_n"]
+            # the slot table recorded turn 3: turn 4, streamed, takes the known path again
+            t4 = dict(_next_turn(t3, data["choices"][0]["message"]["content"] or "ok", "Go on."),
+                      stream=True)
+            async with s.post(base + CHAT, json=t4, headers=h) as r:
+                assert r.status == 200 and r.headers["X-OCache-Slot"] == slot2
+                predicted = int(r.headers["X-OCache-Predicted-Cache"])
+                last = None
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        ev = json.loads(line[6:])
+                        last = ev.get("timings") or last
+            await proxy.wait_background()
+            assert layer.counters["fast_path"] == 2 and last is not None
+            assert abs(predicted - last["cache_n"]) <= UB and layer.counters["mispredictions"] == 0
+            ref = await cold(srv.url, t3)       # (overwrites a slot: last)
+            assert data["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
