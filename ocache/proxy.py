@@ -1140,7 +1140,11 @@ class Proxy:
         }
         if len(self.upstreams) > 1:
             record["upstream"] = self.upstream.base_url
-        if obs.completed or disconnected:
+        if preq.body is None:
+            # a body ocache could not parse (forwarded byte for byte, counted as unplannable at
+            # parse): the upstream's answer is relayed, but it is no completion of ocache's
+            self.stats.unparsed(preq.path, obs.status)
+        elif obs.completed or disconnected:
             self.stats.completion(preq.path, tier, timings, obs.ttft_s, record, split=split)
         log.info("[%s] %s", preq.request_id, request_line(record, preq.method, disconnected))
         self._spawn(self._after(preq, plan, obs, observe))

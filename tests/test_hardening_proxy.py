@@ -117,6 +117,34 @@ async def test_bodies_ocache_cannot_reencode_are_forwarded_byte_for_byte(dense, 
     assert errors_logged(caplog) == []
 
 
+@pytest.mark.server
+@pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "hi"}', b"hello, not json",
+                                 b"[1, 2, 3]"], ids=["truncated", "text", "array"])
+async def test_unparsed_body_is_relayed_and_not_counted_as_a_completion(dense, raw):
+    """A completion body ocache cannot parse (not JSON, not an object): the upstream's answer is
+    relayed byte for byte, and the stats count it as ``unparsed`` by status, never as a completion
+    (``completions``, the token totals, ``last_completions``, the Prometheus families, the view that
+    ``ocache stats`` and the dashboard print)."""
+    from ocache.dashboard import view
+
+    srv, base, proxy = dense
+    async with client() as c:
+        ds, _, draw = await post_raw(c, srv.url, raw)
+        ps, ph, praw = await post_raw(c, base, raw)
+    assert (ps, praw) == (ds, draw)
+    assert "X-OCache-Fail-Open" not in ph
+    await proxy.wait_background()
+    st = proxy.stats.to_dict()
+    assert st["unplannable"] == {"body": 1}
+    assert st["completions"] == {} and st["last_completions"] == [] and st["tokens"] == {}, st
+    assert st["unparsed"] == {"/v1/chat/completions": {str(ds): 1}}
+    prom = proxy.stats.prometheus().decode()
+    assert "ocache_completions_total{" not in prom
+    assert f'ocache_unparsed_total{{route="/v1/chat/completions",status="{ds}"}} 1.0' in prom
+    totals = view(st)["totals"]
+    assert totals["completions"] == 0 and totals["unparsed"] == 1
+
+
 # --------------------------------------------------------------------------------------------------
 # §4 upstream protocol errors: 502 with the reason, never aiohttp's 500
 @pytest.mark.server
