@@ -31,6 +31,7 @@ in ``ocache/llama/reuse.py``; the launch parameters in ``ocache/llama/flags.py``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import errno
 import logging
@@ -271,6 +272,11 @@ class SlotTable:
         self.own_prefill: dict[int, tuple[int, float]] = {}
         #: bytes/s of :meth:`restore`, end to end (what the tiers price a restore with)
         self.restore_rate = RestoreRate()
+        #: slot HTTP calls (``GET /slots``, save/restore/erase, warm-ups) sent and not answered yet;
+        #: a planned stop waits for them before llama-server gets SIGTERM (:meth:`wait_calls`)
+        self.calls_inflight = 0
+        self._calls_idle = asyncio.Event()
+        self._calls_idle.set()
 
     # -- table ----------------------------------------------------------------------------------
 
@@ -468,8 +474,28 @@ class SlotTable:
 
     # -- HTTP -----------------------------------------------------------------------------------
 
+    async def wait_calls(self, timeout_s: float) -> int:
+        """Wait until no slot call is in flight, at most ``timeout_s`` seconds; returns how many
+        still are (0 when none)."""
+        if self.calls_inflight:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._calls_idle.wait(), timeout_s)
+        return self.calls_inflight
+
     async def _request(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
                        what: str = "slot call") -> tuple[int, Any]:
+        self.calls_inflight += 1
+        self._calls_idle.clear()
+        try:
+            return await self._request_once(method, path, json_body=json_body, slot=slot, what=what)
+        finally:
+            self.calls_inflight -= 1
+            if self.calls_inflight <= 0:
+                self.calls_inflight = 0
+                self._calls_idle.set()
+
+    async def _request_once(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
+                            what: str = "slot call") -> tuple[int, Any]:
         url = self.base_url + path
         for attempt in (0, 1):
             try:
