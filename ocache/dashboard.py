@@ -20,7 +20,8 @@ wide (several proxies in one process share it).
 
 Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` seconds, ``*_ms`` ms):
 
-* ``totals``: ``completions``, ``prefilled`` (Σ ``timings.prompt_n``: tokens the server computed),
+* ``totals``: ``completions``, ``unparsed`` (answers to completion bodies ocache could not parse,
+  forwarded byte for byte: not completions, no figures), ``prefilled`` (Σ ``timings.prompt_n``: tokens the server computed),
   ``reused`` (Σ ``timings.cache_n``: tokens it took from the slot's KV cache), ``own_prefill``
   (tokens ocache prefilled itself to warm harness heads, ``layer.warmup_tokens``; they show up
   in a later ``cache_n``), ``saved`` = ``reused - own_prefill`` (at least 0), ``prefill_tok_s`` (the
@@ -108,6 +109,8 @@ def view(stats: dict, admin: bool = False) -> dict:
     rate = float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
     completions = sum(_int(n) for by_tier in (stats.get("completions") or {}).values()
                       for n in by_tier.values())
+    unparsed = sum(_int(n) for by_status in (stats.get("unparsed") or {}).values()
+                   for n in by_status.values())
     up = stats.get("upstream") or {}
     slots = []
     for s in layer.get("slots") or []:
@@ -134,7 +137,7 @@ def view(stats: dict, admin: bool = False) -> dict:
         "uptime_s": stats.get("uptime_s"),
         "admin": admin,
         "totals": {
-            "completions": completions, "prefilled": prefilled, "reused": reused,
+            "completions": completions, "unparsed": unparsed, "prefilled": prefilled, "reused": reused,
             "own_prefill": own, "saved": saved, "prefill_tok_s": rate,
             "saved_s": None if rate is None else round(saved / rate, 3),
             "disk_bytes": _int(store.get("bytes")),

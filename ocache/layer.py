@@ -22,6 +22,11 @@ Contract (the proxy's side):
   epoch): slots are empty, every resident assumption is void.
 * ``drain`` is called on a planned stop, after in-flight requests finished and before the
   upstream child (if launched) is stopped.
+* Optional, looked up with ``getattr`` (``NullLayer`` has no-op ones): ``begin_stop()`` when a
+  planned stop begins (start no more background work against the server), ``quiesce(timeout_s)
+  -> int`` last, before the proxy closes its connections and the child gets SIGTERM (wait, bounded,
+  for background work and slot calls in flight; returns those still in flight) and
+  ``calls_inflight() -> int``.
 
 Plan header conventions the proxy understands (all optional, set by the layer in ``Plan.headers``
 and sent to the client as is): ``X-OCache-Tier`` (where the reused prefix came from: ``resident``,
@@ -155,6 +160,15 @@ class NullLayer:
 
     async def drain(self) -> None:
         return None
+
+    def begin_stop(self) -> None:
+        return None
+
+    async def quiesce(self, timeout_s: float) -> int:
+        return 0
+
+    def calls_inflight(self) -> int:
+        return 0
 
     def stats(self) -> dict:
         return {"layer": "null"}

@@ -136,6 +136,11 @@ _SKIP_AUTO = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type
 #: when not SSE, to observe ``timings``).
 _READ_WHOLE_MAX = 4 << 20
 #: Keyword arguments for aiohttp's AppRunner / TestServer (besides handler_cancellation=True).
+#: seconds a stop waits for ocache's own calls to llama-server still in flight (``Proxy.quiesce``): a
+#: ``GET /slots`` waits in the server's task queue for at most one batch step; a probe is bounded
+#: by ``probe_timeout_s`` (5 s)
+QUIESCE_S = 10.0
+
 RUNNER_KWARGS = dict(auto_decompress=False, access_log=None, max_field_size=65536)
 
 _PROBE_ROUTES = frozenset({"/health", "/v1/health", "/metrics", "/props", "/slots"})
@@ -503,7 +508,50 @@ class Proxy:
     async def _count_restart(self) -> None:
         self.stats.upstream_restart()
 
+    def begin_stop(self) -> None:
+        """A planned stop began: the layer starts no more background work against the server
+        (``layer.begin_stop``: no ``GET /slots`` reconcile after a response); in-flight requests and
+        the drain still run."""
+        fn = getattr(self.layer, "begin_stop", None)
+        if fn is not None:
+            fn()
+
+    def calls_inflight(self) -> int:
+        """ocache's own calls to the server(s) not answered yet: the layer's slot calls plus the
+        probes in flight (0 when nothing of ocache's waits on llama-server's task queue)."""
+        fn = getattr(self.layer, "calls_inflight", None)
+        n = int(fn()) if fn is not None else 0
+        return n + sum(1 for up in self.upstreams if up.probe_inflight())
+
+    async def quiesce(self, timeout_s: float = QUIESCE_S) -> int:
+        """The last step of a stop, before the connections close and a launched child gets SIGTERM
+        (README "Limitations": llama-server does not exit while one of ocache's ``GET /slots`` waits
+        in its task queue): ``begin_stop``, end each upstream's monitor after its running probe,
+        wait for the release/observe tasks, then ``layer.quiesce`` (background work and slot calls
+        in flight), all within ``timeout_s`` seconds (an upstream known to be hung is not waited
+        for). Returns :meth:`calls_inflight` after it (0: nothing of ocache's is left waiting). Idempotent."""
+        self.begin_stop()
+        deadline = time.monotonic() + timeout_s
+        hung = any(up.hung for up in self.upstreams)
+        bound = 0.0 if hung else timeout_s
+        for up in self.upstreams:
+            await up.stop_monitor(max(0.0, min(bound, deadline - time.monotonic())))
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=max(0.0, deadline - time.monotonic()))
+        fn = getattr(self.layer, "quiesce", None)
+        if fn is not None:
+            try:
+                await fn(max(0.0, min(bound, deadline - time.monotonic())))
+            except Exception:
+                self.stats.layer_error("quiesce")
+                log.exception("cache layer quiesce() failed")
+        left = self.calls_inflight()
+        if left:
+            log.warning("stopping with %d call(s) of ocache's still waiting on llama-server", left)
+        return left
+
     async def close(self) -> None:
+        await self.quiesce()
         await self.wait_background()
         for up in self.upstreams:
             await up.close()
@@ -1167,7 +1215,11 @@ class Proxy:
         }
         if len(self.upstreams) > 1:
             record["upstream"] = self.upstream.base_url
-        if obs.completed or disconnected:
+        if preq.body is None:
+            # a body ocache could not parse (forwarded byte for byte, counted as unplannable at
+            # parse): the upstream's answer is relayed, but it is no completion of ocache's
+            self.stats.unparsed(preq.path, obs.status)
+        elif obs.completed or disconnected:
             self.stats.completion(preq.path, tier, timings, obs.ttft_s, record, split=split)
         log.info("[%s] %s", preq.request_id, request_line(record, preq.method, disconnected))
         self._spawn(self._after(preq, plan, obs, observe))
@@ -1337,6 +1389,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         proxy.stop_event = stop
         for sup, up in zip(supervisors, proxy.upstreams):
             sup.on_start = up.poke
+            sup.calls_inflight = proxy.calls_inflight   # recorded when SIGTERM is sent
         runner = web.AppRunner(proxy.make_app(), handler_cancellation=True,
                                shutdown_timeout=config.drain_timeout_s,
                                keepalive_timeout=config.client_keepalive_s, **RUNNER_KWARGS)
@@ -1353,6 +1406,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         if ready:
             ready(proxy, port)
         await stop.wait()
+        proxy.begin_stop()   # no more background GET /slots: the drain's own calls are awaited
         failed = next((s.failed for s in supervisors if s.failed), None)
         if failed:
             await site.stop()
@@ -1362,6 +1416,9 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         await proxy.drain(config.drain_timeout_s)
     finally:
         if runner is not None:
+            # cancels what is still in flight, then Proxy.close: quiesce (the monitors, the
+            # reconciles, every slot call answered, bounded) and the connections closed; only then
+            # does a launched llama-server get SIGTERM (README "Limitations")
             await runner.cleanup()
         for sup in supervisors:
             await sup.stop()

@@ -361,6 +361,23 @@ class Router:
             except Exception:
                 log.exception("drain of %s failed", s.url)
 
+    def begin_stop(self) -> None:
+        for s in self.servers:
+            fn = getattr(s.layer, "begin_stop", None)
+            if fn is not None:
+                fn()
+
+    async def quiesce(self, timeout_s: float) -> int:
+        """Every server's layer's ``quiesce`` (concurrently, each bounded by ``timeout_s``)."""
+        async def one(layer: Any) -> int:
+            fn = getattr(layer, "quiesce", None)
+            return int(await fn(timeout_s)) if fn is not None else 0
+
+        return sum(await asyncio.gather(*(one(s.layer) for s in self.servers)))
+
+    def calls_inflight(self) -> int:
+        return sum(int(getattr(s.layer, "calls_inflight", lambda: 0)()) for s in self.servers)
+
     async def idle(self) -> None:
         for s in self.servers:
             idle = getattr(s.layer, "idle", None)

@@ -31,6 +31,7 @@ in ``ocache/llama/reuse.py``; the launch parameters in ``ocache/llama/flags.py``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import errno
 import logging
@@ -146,6 +147,10 @@ class SlotState:
     seq: int = 0
     busy: bool = False
     pending: bool = False   # a request is in flight: n_total will be known after it
+    #: the last request ocache sent was cut short after its prefill may have finished (client gone
+    #: mid-stream, ``SlotTable.interrupted``): the slot holds the prompt plus the tokens generated
+    #: so far, counted by the next ``GET /slots``; cleared by anything that replaces the content
+    interrupted: bool = False
     foreign: bool = False
     #: ``RequestContext.labels`` of the conversation held (folder, client, model), for spills
     labels: dict = field(default_factory=dict)
@@ -180,6 +185,7 @@ class SlotState:
         self.origin = False
         self.foreign = False
         self.pending = False
+        self.interrupted = False
         self.labels = {}
         self.restored_from = None
         self.msg_key = None
@@ -262,7 +268,7 @@ class SlotTable:
         self.epoch: Any = None
         self.reconciled_at: float = 0.0
         self.counters: dict[str, int] = {"reconcile_mismatch": 0, "foreign_busy": 0, "restarts": 0,
-                                         "restarts_seen_in_slots": 0}
+                                         "restarts_seen_in_slots": 0, "interrupted_busy": 0}
         # highest ``id_task`` each slot reported (GET /slots): within one server process it only
         # grows and never disappears (``task_prev`` is kept, tools/server/server-context.cpp
         # ``server_slot::to_json``), so a slot that loses or lowers it is on a new process
@@ -274,6 +280,11 @@ class SlotTable:
         self.own_prefill: dict[int, tuple[int, float]] = {}
         #: bytes/s of :meth:`restore`, end to end (what the tiers price a restore with)
         self.restore_rate = RestoreRate()
+        #: slot HTTP calls (``GET /slots``, save/restore/erase, warm-ups) sent and not answered yet;
+        #: a planned stop waits for them before llama-server gets SIGTERM (:meth:`wait_calls`)
+        self.calls_inflight = 0
+        self._calls_idle = asyncio.Event()
+        self._calls_idle.set()
 
     # -- table ----------------------------------------------------------------------------------
 
@@ -403,8 +414,37 @@ class SlotTable:
         st = self[slot]
         if st.seq != seq:
             return False
-        st.n_total, st.pending = None, True
+        st.n_total, st.pending, st.interrupted = None, True, True
         return True
+
+    async def settle_interrupted(self, slot: int, wait_s: float = 3.0, poll_s: float = 0.1) -> bool:
+        """For a slot whose last request was cut short (``interrupted``, count still pending) and
+        whose lock the caller holds: ``GET /slots`` until the server has finished cancelling that
+        request (``is_processing`` false), at most ``wait_s`` seconds, then reconcile the slot with
+        that entry (``reconcile_one``: the prompt plus the tokens generated so far when
+        ``n_prompt_tokens`` covers the prompt, else unknown). The server notices a client gone from
+        a stream on its next write or within ``HTTP_POLLING_SECONDS`` (1 s, tools/server/
+        server-context.cpp:40; the reader polls ``should_stop`` at that interval,
+        server-queue.cpp:550-560) and then cancels the task. Returns True when the slot's count is
+        known after it (``pending`` false and the content still ocache's). Raises SlotError when
+        ``GET /slots`` fails."""
+        st = self[slot]
+        if not (st.interrupted and st.pending):
+            return not st.pending and not st.foreign
+        deadline = time.monotonic() + wait_s
+        while True:
+            data = await self.fetch_slots()
+            entry = next((e for e in data if int(e.get("id", -1)) == slot), None)
+            if entry is None:
+                return False
+            if not entry.get("is_processing") or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(poll_s)  # bounded poll of the server's state (wait_s), not a test sync
+        if self._restarted(data):
+            st.clear()   # another process: the slot is empty (the upstream's probe resets the rest)
+            return False
+        self.reconcile_one(st, entry)
+        return not st.pending and not st.foreign and bool(st.tokens)
 
     def mark_origin(self, slot: int, head_key: str | None, head_len: int, *, last_used: float | None = None) -> None:
         """``slot`` holds exactly a warmed harness head (``head_len`` tokens, fingerprint
@@ -445,8 +485,28 @@ class SlotTable:
 
     # -- HTTP -----------------------------------------------------------------------------------
 
+    async def wait_calls(self, timeout_s: float) -> int:
+        """Wait until no slot call is in flight, at most ``timeout_s`` seconds; returns how many
+        still are (0 when none)."""
+        if self.calls_inflight:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._calls_idle.wait(), timeout_s)
+        return self.calls_inflight
+
     async def _request(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
                        what: str = "slot call") -> tuple[int, Any]:
+        self.calls_inflight += 1
+        self._calls_idle.clear()
+        try:
+            return await self._request_once(method, path, json_body=json_body, slot=slot, what=what)
+        finally:
+            self.calls_inflight -= 1
+            if self.calls_inflight <= 0:
+                self.calls_inflight = 0
+                self._calls_idle.set()
+
+    async def _request_once(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
+                            what: str = "slot call") -> tuple[int, Any]:
         url = self.base_url + path
         for attempt in (0, 1):
             try:
@@ -579,6 +639,12 @@ class SlotTable:
     def reconcile_one(self, st: SlotState, entry: Mapping) -> None:
         """Reconcile one idle slot's belief with its ``GET /slots`` entry (docs/llama-server.md §4 caveats)."""
         if entry.get("is_processing"):
+            if st.interrupted and st.pending:
+                # ocache's own request, cut short: the server is still cancelling it (it notices
+                # the closed connection within HTTP_POLLING_SECONDS, see settle_interrupted); the
+                # count is read by a later GET /slots
+                self.counters["interrupted_busy"] += 1
+                return
             self.counters["foreign_busy"] += 1
             st.unknown(None)
             return

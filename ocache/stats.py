@@ -18,6 +18,7 @@ Metric families (all prefixed ``ocache_``):
 | upstream_restarts_total | counter | | new upstream processes detected (epoch changes) |
 | layer_errors_total | counter | stage | cache-layer exceptions (plan: request forwarded untouched) |
 | unplannable_total | counter | reason | completion bodies forwarded byte for byte, never planned (``body``: not UTF-8 JSON object / lone surrogate; ``nesting``: too deep for the layer) |
+| unparsed_total | counter | route, status | answers to those bodies, by the upstream's status: never counted in ``completions_total``, the token counters or ``ttft_seconds`` (ocache neither planned nor read them; the JSON view's ``unparsed``) |
 | held_loading_total | counter | | requests held while llama-server loaded its model |
 | layer_stat | gauge | key | numeric leaves of ``layer.stats()`` (flattened with dots) |
 """
@@ -117,6 +118,9 @@ class Stats:
                                     ["stage"], registry=r)
         self.unplannable_c = Counter("ocache_unplannable_total", "completion bodies forwarded byte "
                                      "for byte without a plan", ["reason"], registry=r)
+        self.unparsed_c = Counter("ocache_unparsed_total", "answers to completion bodies ocache could "
+                                  "not parse (forwarded byte for byte; not completions)",
+                                  ["route", "status"], registry=r)
         self.held_loading_c = Counter("ocache_held_loading_total", "requests held while "
                                       "llama-server loaded its model", registry=r)
         if layer_stats is not None:
@@ -126,6 +130,7 @@ class Stats:
         self._request_children: dict = {}
         self._completion_children: dict = {}
         self._completions: _Counter = _Counter()
+        self._unparsed: _Counter = _Counter()
         self._tokens: _Counter = _Counter()
         self._misc: _Counter = _Counter()
         self.last_completions: list[dict] = []
@@ -186,6 +191,15 @@ class Stats:
         self.last_completions.append(record)
         del self.last_completions[:-20]
 
+    def unparsed(self, path: str, status: int) -> None:
+        """Count the answer to a completion body ocache could not parse (``unplannable``: forwarded
+        byte for byte, never planned). Not a completion: its figures (if the upstream sent any) are
+        not ocache's to report, so it stays out of ``completions``, the token totals, the TTFT
+        histogram and ``last_completions``. ``status``: the upstream's (0: no answer)."""
+        route = route_label(path)
+        self.unparsed_c.labels(route, str(status)).inc()
+        self._unparsed[(route, status)] += 1
+
     def disconnect(self, path: str) -> None:
         self.disconnects.labels(route_label(path)).inc()
         self._misc["client_disconnects"] += 1
@@ -221,12 +235,16 @@ class Stats:
         completions: dict[str, dict[str, int]] = {}
         for (route, tier), n in sorted(self._completions.items()):
             completions.setdefault(route, {})[tier] = n
+        unparsed: dict[str, dict[str, int]] = {}
+        for (route, status), n in sorted(self._unparsed.items()):
+            unparsed.setdefault(route, {})[str(status)] = n
         layer_errors = {k.split(".", 1)[1]: v for k, v in self._misc.items()
                         if k.startswith("layer_errors.")}
         return {
             "uptime_s": round(time.time() - self.started, 3),
             "requests": requests,
             "completions": completions,
+            "unparsed": unparsed,
             "tokens": dict(self._tokens),
             "client_disconnects": self._misc["client_disconnects"],
             "upstream_unavailable": self._misc["upstream_unavailable"],

@@ -87,6 +87,12 @@ class Supervisor:
         self.on_give_up = None  # callable() run once when the supervisor stops restarting
         self.failed: str | None = None  # why it gave up (with the last child's log tail)
         self._log_offset = 0
+        #: callable() -> int: ocache's calls to the server still in flight (``Proxy.calls_inflight``),
+        #: read when SIGTERM is sent; ``term_calls_inflight`` keeps that figure (None: not stopped
+        #: yet or not known) and ``stop_s`` the seconds from SIGTERM to the child's exit
+        self.calls_inflight = None
+        self.term_calls_inflight: int | None = None
+        self.stop_s: float | None = None
         if max_quick_failures is not None:
             self.max_quick_failures = max_quick_failures
 
@@ -176,7 +182,9 @@ class Supervisor:
                 log.exception("restart failed")
 
     async def stop(self) -> None:
-        """Stop the child: SIGTERM to its process group, SIGKILL after ``stop_timeout``."""
+        """Stop the child: SIGTERM to its process group, SIGKILL after ``stop_timeout``. ``ocache
+        serve`` calls it after ``Proxy.close`` (quiesce: no call of ocache's left waiting on the
+        server, its connections closed)."""
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
@@ -187,6 +195,17 @@ class Supervisor:
         p = self.proc
         if p is None or p.returncode is not None:
             return
+        if self.calls_inflight is not None:
+            try:
+                self.term_calls_inflight = int(self.calls_inflight())
+            except Exception:  # noqa: BLE001 - a figure for the log only
+                self.term_calls_inflight = None
+            if self.term_calls_inflight:
+                # llama-server waits for a client whose task result is pending (it polls it every
+                # HTTP_POLLING_SECONDS, tools/server/server-context.cpp:40): the exit may wait
+                log.warning("SIGTERM to llama-server pid %d with %d call(s) of ocache's in flight",
+                            p.pid, self.term_calls_inflight)
+        t0 = time.monotonic()
         try:
             os.killpg(p.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -197,4 +216,5 @@ class Supervisor:
             log.warning("llama-server pid %d ignored SIGTERM; killing", p.pid)
             os.killpg(p.pid, signal.SIGKILL)
             await p.wait()
-        log.info("llama-server pid %d stopped (%s)", p.pid, p.returncode)
+        self.stop_s = time.monotonic() - t0
+        log.info("llama-server pid %d stopped (%s) %.2f s after SIGTERM", p.pid, p.returncode, self.stop_s)

@@ -135,6 +135,31 @@ class Upstream:
         if monitor and self._monitor is None:
             self._monitor = asyncio.create_task(self._run_monitor(), name="ocache-upstream-monitor")
 
+    async def stop_monitor(self, timeout_s: float) -> bool:
+        """A planned stop: end the background monitor after the probe it is running (each of its
+        steps is bounded by ``probe_timeout_s``; ``GET /metrics`` waits in llama-server's task queue
+        like ``GET /slots``), waiting at most ``timeout_s`` seconds, then cancel what is left.
+        Returns True when no probe was left in flight."""
+        clean = True
+        for task in (self._monitor, self._probe_task):   # the monitor first: it starts no new probe
+            if task is None or task.done():
+                continue
+            if task is self._monitor:
+                task.cancel()   # it only waits between probes; the probe itself is the shared task
+            else:
+                done, _ = await asyncio.wait([task], timeout=timeout_s)
+                if not done:
+                    clean = False
+                    task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._monitor = None
+        return clean
+
+    def probe_inflight(self) -> bool:
+        """Whether a probe (``/health``, ``/metrics``, ``/props``) is waiting for the server."""
+        return self._probe_task is not None and not self._probe_task.done()
+
     async def close(self) -> None:
         if self._probe_task is not None and not self._probe_task.done():
             self._probe_task.cancel()

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import contextlib
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -115,6 +116,34 @@ async def test_bodies_ocache_cannot_reencode_are_forwarded_byte_for_byte(dense, 
     st = proxy.stats.to_dict()
     assert st["layer_errors"] == {} and st["unplannable"] == {"body": 1}
     assert errors_logged(caplog) == []
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "hi"}', b"hello, not json",
+                                 b"[1, 2, 3]"], ids=["truncated", "text", "array"])
+async def test_unparsed_body_is_relayed_and_not_counted_as_a_completion(dense, raw):
+    """A completion body ocache cannot parse (not JSON, not an object): the upstream's answer is
+    relayed byte for byte, and the stats count it as ``unparsed`` by status, never as a completion
+    (``completions``, the token totals, ``last_completions``, the Prometheus families, the view that
+    ``ocache stats`` and the dashboard print)."""
+    from ocache.dashboard import view
+
+    srv, base, proxy = dense
+    async with client() as c:
+        ds, _, draw = await post_raw(c, srv.url, raw)
+        ps, ph, praw = await post_raw(c, base, raw)
+    assert (ps, praw) == (ds, draw)
+    assert "X-OCache-Fail-Open" not in ph
+    await proxy.wait_background()
+    st = proxy.stats.to_dict()
+    assert st["unplannable"] == {"body": 1}
+    assert st["completions"] == {} and st["last_completions"] == [] and st["tokens"] == {}, st
+    assert st["unparsed"] == {"/v1/chat/completions": {str(ds): 1}}
+    prom = proxy.stats.prometheus().decode()
+    assert "ocache_completions_total{" not in prom
+    assert f'ocache_unparsed_total{{route="/v1/chat/completions",status="{ds}"}} 1.0' in prom
+    totals = view(st)["totals"]
+    assert totals["completions"] == 0 and totals["unparsed"] == 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -667,3 +696,82 @@ def test_doctor_without_command_line_says_unknown_not_warning(start_server, tmp_
     for flag in ("-fa", "--cache-ram", "-kvu"):
         assert lines[flag] == ["unknown"], (flag, p.stdout)
     assert "warning" not in p.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# planned stop of a supervised llama-server: nothing of ocache's waits on it at SIGTERM
+@pytest.mark.server
+async def test_launch_stop_sends_sigterm_with_no_get_slots_in_flight(engine_patched, models_tiny,
+                                                                     monkeypatch, tmp_path):
+    """``serve --launch`` stopped while a stream is in flight (the stop waits for it): the stream's
+    end would start the usual ``GET /slots`` reconcile, and llama-server does not exit while a
+    client waits for a task result (README "Limitations"). Every ``GET /slots`` that starts after
+    the stop was asked for is held until SIGTERM is sent (at most 15 s), so that a reconcile the
+    stop does not prevent shows: as one in flight at SIGTERM, or (before the fix) as a stop that
+    waited for it. The stop must start none and send SIGTERM with none in flight."""
+    from ocache import supervisor as sup_mod
+    from ocache.slots import SlotTable
+
+    stop = asyncio.Event()
+    termed = asyncio.Event()
+    inflight = {"n": 0, "started_after_stop": 0}
+    at_term: list[dict] = []
+    real_fetch = SlotTable.fetch_slots
+
+    async def fetch_slots(self):
+        inflight["n"] += 1
+        try:
+            if stop.is_set():
+                inflight["started_after_stop"] += 1
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(termed.wait(), 15)
+            return await real_fetch(self)
+        finally:
+            inflight["n"] -= 1
+
+    real_killpg = os.killpg
+
+    def killpg(pid, sig):
+        if sig == signal.SIGTERM and not termed.is_set():
+            at_term.append(dict(inflight, t=time.monotonic()))
+            termed.set()
+        return real_killpg(pid, sig)
+
+    monkeypatch.setattr(SlotTable, "fetch_slots", fetch_slots)
+    monkeypatch.setattr(sup_mod.os, "killpg", killpg)
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    cfg = Config(port=0, probe_interval_s=0.2, cache_dir=str(tmp_path / "cache"),
+                 launch_binary=str(engine_patched.binary),
+                 launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "2", "-c", "4096",
+                         "--no-webui", "--slot-save-path", str(slots)])
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(cfg, stop=stop, handle_signals=False,
+                                     ready=lambda p, port: ready.set_result((p, port))))
+    try:
+        proxy, port = await asyncio.wait_for(ready, 60)
+        base = f"http://127.0.0.1:{port}"
+        await poll(lambda: proxy.upstream.state == "ready", timeout=60, what="child ready")
+        async with client() as c:
+            body = chat("hello there " * 40, max_tokens=600, stream=True, ignore_eos=True)
+            async with c.post(base + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                n = 0
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        n += 1
+                        if n == 3:
+                            t_stop = time.monotonic()
+                            stop.set()  # planned stop while the stream is in flight
+                        last = line
+                assert last.strip() == b"data: [DONE]"   # the stop let it finish
+        await asyncio.wait_for(task, 60)
+    finally:
+        stop.set()
+        if not task.done():
+            await asyncio.wait_for(task, 60)
+    [term] = at_term
+    print(f"\nstop -> SIGTERM {term['t'] - t_stop:.2f} s (the stream's rest included); "
+          f"GET /slots started after the stop: {term['started_after_stop']}, in flight at SIGTERM: {term['n']}")
+    # the stop ended ocache's own reconciles (none started after it) and left none in flight
+    assert term["started_after_stop"] == 0 and term["n"] == 0, term

@@ -246,6 +246,27 @@ def test_reconcile():
     assert s2.foreign                                 # busy without ocache's lock: someone else's
 
 
+def test_reconcile_an_interrupted_answer():
+    """A request ocache sent was cut short (``interrupted``): while the server still cancels it
+    (``is_processing``) the belief waits; then the count covers the prompt plus the partial answer;
+    a count below the prompt (cut during the prefill) is content ocache cannot name."""
+    t = SlotTable(None, "http://x", DENSE)
+    t._ensure(1)
+    seq = t.assign(0, toks(10))
+    assert t.interrupted(0, seq)
+    s = t.slots[0]
+    assert s.interrupted and s.pending and s.n_total is None
+    t.reconcile_one(s, {"id": 0, "is_processing": True, "n_prompt_tokens": 12})
+    assert s.pending and not s.foreign and len(s.tokens) == 10 and t.counters["interrupted_busy"] == 1
+    t.reconcile_one(s, {"id": 0, "is_processing": False, "n_prompt_tokens": 17})
+    assert not s.pending and s.n_total == 17 and s.interrupted and s.seq == seq
+    seq = t.assign(0, toks(10))
+    assert not t.slots[0].interrupted                  # new content clears the mark
+    t.interrupted(0, seq)
+    t.reconcile_one(s, {"id": 0, "is_processing": False, "n_prompt_tokens": 6})
+    assert s.foreign and not s.interrupted and s.tokens == []
+
+
 # --- ranking and planning ----------------------------------------------------------------------------
 
 def slot(i, tokens=(), n_total=None, kind=None, owner=None, last=0.0, origin=False, head_key=None,

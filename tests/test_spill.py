@@ -362,30 +362,105 @@ def test_session_identity():
     assert spill_mod.session_key(None, V([1, 2, 3], [])) is None
 
 
-# --------------------------------------------------------------------------- never spill a partial generation
+# --------------------------------------------------------------------------- an answer cut mid-stream
+
+async def cut_stream(s: aiohttp.ClientSession, base: str, proxy, body: dict, headers: dict,
+                     events: int = 8) -> dict:
+    """Stream ``body`` through ocache and close the connection after ``events`` text deltas (a
+    coding agent's user pressing Esc). Returns the assistant message received so far."""
+    text: dict[str, list[str]] = {"content": [], "reasoning_content": []}
+    async with s.post(base + CHAT, json=body, headers=headers) as r:
+        assert r.status == 200
+        n = 0
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            delta = (json.loads(line[6:])["choices"] or [{}])[0].get("delta") or {}
+            for k in text:
+                if delta.get(k):
+                    text[k].append(delta[k])
+                    n += 1
+            if n >= events:
+                break
+        assert n >= events, "the answer ended before it could be cut"
+        r.close()   # the client goes away mid-stream
+    assert await proxy.wait_idle(60)
+    await proxy.wait_background()
+    await proxy.layer.idle()
+    msg = {"role": "assistant", **{k: "".join(v) for k, v in text.items() if v}}
+    msg.setdefault("content", "[interrupted]")   # the server refuses an assistant turn without content
+    return msg
+
 
 @pytest.mark.server
-async def test_client_disconnect_mid_stream_is_never_spilled(start_server, tmp_path):
-    """A conversation whose client disconnected mid-stream holds a partial generation: when another
-    session takes the slot, nothing is spilled."""
-    srv = start_server("dense", n_parallel=1, ctx_size=16384, **SERVER)
-    a1 = body_of("opencode_agent_turn1.json", max_tokens=4000)
-    a1["stream"] = True
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("stop", ["evict", "drain"])
+async def test_interrupted_stream_is_spilled_and_its_next_turn_restored(start_server, tmp_path, model, stop):
+    """A streamed answer cut off mid-stream leaves the prompt plus a partial answer in the slot.
+    ``evict``: another session takes the only slot (-np 1); ``drain``: a planned stop, then a new
+    ocache on the same server and store (the slot was erased meanwhile). Either way the session tier
+    spills the cut conversation, and its next turn (the prompt + the partial answer + a new user
+    message) is restored from it: ``cache_n`` covers at least the cut request's prompt (dense; on the
+    hybrid model what its checkpoints reach, as the tier predicted), and the greedy answer equals a
+    cold prefill of that turn (``ocache.bench.exact``)."""
+    srv = start_server(model, n_parallel=1, ctx_size=16384, **SERVER)
+    a1 = body_of("opencode_agent_turn1.json", max_tokens=2000)
+    a1.update(stream=True, ignore_eos=True)
     b1 = body_of("opencode_run3_proj2_agent_turn1.json")
     ha, hb = session_headers("opencode_agent_turn1.json"), session_headers("opencode_run3_proj2_agent_turn1.json")
-    cfg = make_config(srv, tmp_path / "cache", 2000)
+    na1 = await n_prompt(srv.url, a1)
+    cfg = make_config(srv, tmp_path / "cache", 2000, resume=False)   # the next turn finds it by lookup
+
+    async def next_turn(s, base, proxy, partial) -> tuple[dict, dict]:
+        a2 = copy.deepcopy(a1)
+        a2.update(stream=False, max_tokens=12, **PROBS_FIELDS)
+        a2.pop("ignore_eos")
+        a2["messages"] += [partial, {"role": "user", "content": "go on, and list the files"}]
+        rec = await send(s, base, proxy, a2, ha)
+        assert rec["tier"] == "session", rec
+        assert tier_of(proxy).counters["hits"] == 1, tier_of(proxy).stats()
+        return a2, rec
+
     async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
-        async with s.post(base + CHAT, json=a1, headers=ha) as r:
-            assert r.status == 200
-            await r.content.readline()   # the first event arrived: generation under way
-            r.close()                    # the client goes away mid-stream
-        await proxy.wait_idle(60)
-        await proxy.wait_background()
-        await send(s, base, proxy, b1, hb)
+        partial = await cut_stream(s, base, proxy, a1, ha)
         tier = tier_of(proxy)
+        st = proxy.layer.table[0]
+        assert st.interrupted and len(st.tokens) == na1
+        assert tier.counters["interrupted_seen"] == 1
+        if stop == "evict":
+            await send(s, base, proxy, b1, hb)   # B takes A's slot: A is spilled first
+        else:
+            await proxy.drain(30)
         await tier.flush()
-        assert tier.counters["spills"] == 0 and not tier.store.entries("s"), tier.stats()
-        assert proxy.layer.counters["failed_responses"] >= 1
+        assert tier.counters["spills"] == 1, tier.stats()   # A's cut conversation, nothing else
+        assert tier.counters["interrupted_spills"] == 1, tier.stats()
+        [ea] = [e for e in tier.store.entries("s") if e.meta.get("interrupted")]
+        assert ea.meta["session"] == spill_mod.hint_key(ha["x-session-affinity"])
+        assert ea.meta["reason"] == stop and ea.meta["prompt_n"] == na1
+        assert ea.n_tokens > na1     # the prompt + the tokens generated before the cut
+        if stop == "evict":
+            a2, rec = await next_turn(s, base, proxy, partial)
+    if stop == "drain":
+        # the next start: a new ocache, the server's slot emptied meanwhile
+        async with aiohttp.ClientSession() as s:
+            async with s.post(srv.url + "/slots/0?action=erase") as r:
+                assert r.status == 200
+        forget_store(tmp_path / "cache")
+        async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+            a2, rec = await next_turn(s, base, proxy, partial)
+    t = rec["timings"]
+    assert abs(t["cache_n"] - rec["predicted"]) <= UB, (t, rec["predicted"])
+    # dense: the whole prompt (and any generated token the new turn repeats); hybrid: from the
+    # checkpoint the prefill left near the prompt's end (docs/llama-server.md §14)
+    assert t["cache_n"] >= (na1 if model == "dense" else na1 - UB), (t, na1)
+    print(f"\n{model}/{stop}: cut prompt {na1} tokens, spilled {ea.n_tokens}; next turn "
+          f"cache_n {t['cache_n']}, prompt_n {t['prompt_n']}")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(srv.url + CHAT, json=dict(a2, cache_prompt=False, id_slot=0)) as r:
+            cold = await r.json()
+    assert cold["timings"]["cache_n"] == 0
+    v = compare(Generation.from_response(cold), Generation.from_response(rec["data"]))
+    assert v.exact and v.compared >= 4, describe(v)
 
 
 @pytest.mark.server

@@ -4,7 +4,8 @@ A ``cache_n`` outside ``[predicted - ubatch, upper + ubatch]`` is a counted misp
 in the reuse model, ``ocache/llama/reuse.py``); the prefill rate is measured from ``timings``; the
 slot's new content is recorded through the slot table's verbs (``finish``, ``interrupted``,
 ``mark_unknown``); then every tier's ``admit`` runs (disk: anchor bookkeeping; session: the
-conversation it may spill later).
+conversation it may spill later), or, for a response cut short, every tier's ``interrupted``
+(session: the partial conversation it may spill once ``GET /slots`` counted it).
 """
 
 from __future__ import annotations
@@ -53,7 +54,12 @@ class Observer:
                 if obs.status == 200:
                     # started but cut short (client gone, upstream error mid-stream): the slot holds
                     # the prompt if its prefill finished; GET /slots tells before the next plan
-                    table.interrupted(pctx.slot, pctx.seq)
+                    if table.interrupted(pctx.slot, pctx.seq):
+                        for tier in tiers:
+                            try:
+                                await tier.interrupted(pctx.view, pctx.slot, obs)
+                            except Exception:
+                                log.exception("[%s] tier %s interrupted failed", pctx.request_id, tier.name)
                 else:
                     table.mark_unknown(pctx.slot)  # rejected: content unknown until reconciled
             return False

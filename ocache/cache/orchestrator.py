@@ -139,6 +139,8 @@ class OCacheLayer:
         self._disk_tier_off = False
         self._session_tier: Any = None
         self._session_tier_off = False
+        #: a planned stop began (:meth:`begin_stop`): no new GET /slots reconcile or origin upkeep
+        self._stopping = False
         self.journal: Any = None
         try:
             from ocache.warm import journal_for
@@ -306,7 +308,7 @@ class OCacheLayer:
         # GET /slots only when the table cannot vouch for a slot (it then runs while the view is
         # built: neither needs the other); otherwise the reconcile after each response did it
         refreshed = None
-        if self.opt_reconcile and table.needs_reconcile(RECONCILE_MAX_AGE_S):
+        if self.opt_reconcile and not self._stopping and table.needs_reconcile(RECONCILE_MAX_AGE_S):
             self.counters["plan_reconciles"] += 1
             refreshed = asyncio.ensure_future(self._refresh(req.request_id))
         try:
@@ -659,6 +661,8 @@ class OCacheLayer:
         if not isinstance(pctx, PlanContext):
             return
         ok = await self.observer.observe(self.table, self.tiers, req, pctx, obs)
+        if self._stopping:
+            return  # a planned stop: nothing new is sent to the server off a request's path
         if self.opt_reconcile:
             # the server's count for the slot just used (and a restart seen in the id_task values),
             # off the next request's path
@@ -758,6 +762,31 @@ class OCacheLayer:
                 await tier.on_upstream_restart()
             except Exception:
                 log.exception("tier %s on_upstream_restart failed", tier.name)
+
+    def begin_stop(self) -> None:
+        """A planned stop began: from now on no background ``GET /slots`` reconcile (after a
+        response, or before a plan) and no origin upkeep is started; :meth:`drain` and what it
+        awaits still talk to the server."""
+        self._stopping = True
+
+    def calls_inflight(self) -> int:
+        """Slot HTTP calls to the server not answered yet (``SlotTable.calls_inflight``)."""
+        return self.table.calls_inflight if self.table is not None else 0
+
+    async def quiesce(self, timeout_s: float) -> int:
+        """The last step before llama-server is stopped: :meth:`begin_stop`, then wait (at most
+        ``timeout_s`` seconds in all) for background work and for every slot call in flight, so
+        that no connection of ocache's waits on the server's task queue when it gets SIGTERM
+        (llama-server does not exit while a client waits for a task's result: it polls the client
+        every ``HTTP_POLLING_SECONDS``, tools/server/server-context.cpp:40, server-queue.cpp:550-560;
+        README "Limitations"). Returns the slot calls still in flight (0 when none)."""
+        self.begin_stop()
+        deadline = time.monotonic() + timeout_s
+        if self._bg:
+            await asyncio.wait(list(self._bg), timeout=max(0.0, deadline - time.monotonic()))
+        if self.table is None:
+            return 0
+        return await self.table.wait_calls(max(0.0, deadline - time.monotonic()))
 
     async def drain(self) -> None:
         """Planned stop: finish background work, then every tier's drain step (by default its

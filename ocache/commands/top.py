@@ -82,7 +82,9 @@ def summary_lines(v: dict, url: str) -> list[str]:
         f"saved   {n(t['saved'])} tokens = {secs(t['saved_s'])} of prefill{rate} "
         f"(reused {n(t['reused'])} minus {n(t['own_prefill'])} ocache prefilled itself)",
         f"served  {n(t['completions'])} completions: prefilled {n(t['prefilled'])}, reused {n(t['reused'])}"
-        f" tokens; reused by source: {by_tier}",
+        f" tokens; reused by source: {by_tier}"
+        + (f"; {n(t['unparsed'])} unparsed bodies forwarded as they were (not counted)"
+           if t.get("unparsed") else ""),
         f"tiers   head {n(tr['head']['saves'])} saved / {n(tr['head']['restores'])} restored; disk "
         f"{n(tr['disk']['anchors'])} anchors, {n(tr['disk']['restores'])} restores"
         f" (p50 {secs(tr['disk']['restore_s_p50'])}); session {n(tr['session']['spills'])} spills, "

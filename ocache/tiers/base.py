@@ -97,6 +97,13 @@ class TierBase:
         to keep (called off the client's path)."""
         return None
 
+    async def interrupted(self, view: Any, slot: int, obs: Any) -> None:
+        """After a request on ``slot`` that started (status 200) but was cut short (client gone
+        mid-stream, upstream error mid-response): ``SlotTable.interrupted`` has marked the slot (the
+        prompt ``view.tokens`` plus the tokens generated so far, counted by the next ``GET
+        /slots``). Called off the client's path."""
+        return None
+
     def will_spill(self, slot: int) -> bool:
         """Whether :meth:`before_evict` would save ``slot``'s conversation if it were evicted now
         (the planner then counts an overwrite of it as free). Pure."""

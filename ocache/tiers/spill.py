@@ -20,11 +20,22 @@ the disk tier (``ocache.tiers.store``, kind ``"s"``, its own byte budget) at exa
   while it gets ready, so a request arriving meanwhile waits for it: a restore never races a
   prefill).
 
-What is never spilled: a slot whose last response did not complete (client disconnect, upstream
-error: the cache layer marks it unknown or leaves it ``pending``), a slot whose content ocache cannot
-name (``foreign``), guests, warmed heads, and a slot the tier did not see finish (its ``seq`` differs
-from the one ``admit`` recorded). The saved file's token header is compared with what ocache sent
-the slot before the entry is committed: a mismatch is discarded, never attributed to a session.
+An **interrupted** answer (the client cut a stream off, e.g. a coding agent's user pressing Esc;
+``SlotTable.interrupted``) is spilled too: the slot holds what the server kept, the prompt plus the
+tokens generated so far (docs/llama-server.md §7). The tier records the conversation when the cut
+is observed (:meth:`SessionTier.interrupted`) and spills it once its count is known: the next
+``GET /slots`` (every plan reads it) or, when the slot is evicted or drained before that,
+``SlotTable.settle_interrupted`` under the slot's lock. The saved file's tokens start with the
+prompt (checked, as for every spill); the next turn (the prompt plus the partial or a new answer)
+restores at least the prompt part. Measured: ``pytest -s tests/test_spill.py -k interrupted``.
+
+What is never spilled: a slot whose last response was rejected (non-200: the cache layer marks it
+unknown), a cut answer whose prefill had not finished (``GET /slots`` counts fewer tokens than the
+prompt: content unknown) or whose count cannot be read, a slot whose content ocache cannot name
+(``foreign``), guests, warmed heads, and a slot the tier did not see finish or get cut (its ``seq``
+differs from the one ``admit``/``interrupted`` recorded). The saved file's token header is compared
+with what ocache sent the slot before the entry is committed: a mismatch is discarded, never
+attributed to a session.
 
 Session identity
     A *hint*, from what the client sends: opencode's ``x-session-affinity``/``x-session-id`` header
@@ -162,6 +173,9 @@ class _SlotSeen:
     kind: str | None
     owner: str | None
     head_key: str | None
+    #: the response was cut short (``SessionTier.interrupted``): the slot holds the prompt plus a
+    #: partial answer
+    partial: bool = False
 
 
 def hint_key(hint: str | None) -> str | None:
@@ -232,7 +246,7 @@ class SessionTier(TierBase):
             "verify_failed": 0, "restore_failed": 0, "spills": 0, "spill_failed": 0,
             "spill_skipped_short": 0, "spill_skipped_unsafe": 0, "spill_skipped_budget": 0,
             "spill_dedup": 0, "superseded": 0, "resumed": 0, "resume_failed": 0,
-            "restore_upstream_failed": 0,
+            "restore_upstream_failed": 0, "interrupted_seen": 0, "interrupted_spills": 0,
         }
         self.spill_s: list[float] = []     # seconds each spill held its request (the server's save)
         self.commit_s: list[float] = []    # seconds of each background commit (fsync + hash + rename)
@@ -260,6 +274,8 @@ class SessionTier(TierBase):
         if not st.tokens or st.foreign:
             return False, "unknown content"
         if st.pending:
+            if st.interrupted and seen is not None and seen.partial and seen.seq == st.seq:
+                return False, "answer cut short, its length not read yet (GET /slots)"
             return False, "response not finished"
         if st.kind not in ("agent", "other") or st.origin:
             return False, f"kind {st.kind}"
@@ -284,9 +300,35 @@ class SessionTier(TierBase):
         if it is long enough (``min_tokens``) and safe (see the module docstring). Never raises."""
         await self._spill(slot, self.cfg.min_tokens, "evict")
 
+    async def interrupted(self, view: Any, slot: int, obs: Any) -> None:
+        """The response on ``slot`` was cut short after it started (see the module docstring):
+        remember the conversation (session identity, ``seq``, the prompt's length) as a partial one,
+        spillable once ``GET /slots`` has counted what the slot holds."""
+        self._pending.pop(slot, None)   # a restore this request used is not confirmed by a cut answer
+        st = self.table[slot]
+        if not st.interrupted or st.tokens != list(view.tokens):
+            self._seen.pop(slot, None)
+            return
+        self.counters["interrupted_seen"] += 1
+        self._seen[slot] = _SlotSeen(st.seq, session_key(st.owner, view), len(view.tokens), st.kind,
+                                     st.owner, st.head_key, partial=True)
+
+    async def _settle(self, slot: int) -> None:
+        """A partial conversation whose count is still pending (no ``GET /slots`` since the cut):
+        read it now (the caller holds the slot's lock; ``SlotTable.settle_interrupted``, bounded)."""
+        st = self.table[slot]
+        seen = self._seen.get(slot)
+        if not (st.pending and st.interrupted and seen is not None and seen.partial and seen.seq == st.seq):
+            return
+        try:
+            await asyncio.wait_for(self.table.settle_interrupted(slot), 10.0)
+        except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - then it is not spilled
+            log.info("session: slot %d: the cut answer's length could not be read (%s)", slot, exc)
+
     async def _spill(self, slot: int, min_tokens: int, reason: str) -> str | None:
         """Save ``slot`` as a session entry. Returns the entry key (also when already stored), or None
         when skipped or failed. The commit runs in the background (:meth:`flush` waits for it)."""
+        await self._settle(slot)
         ok, why = self._spillable(slot)
         if not ok:
             self.counters["spill_skipped_unsafe"] += 1
@@ -348,6 +390,7 @@ class SessionTier(TierBase):
         key = entry_key(self.store.identity or "", KIND, tokens)
         meta = {"session": seen.session, "owner": seen.owner, "kind": seen.kind, "slot": slot,
                 "prompt_n": seen.prompt_n, "reason": reason, "head_key": seen.head_key,
+                **({"interrupted": True} if seen.partial else {}),
                 **{k: v for k, v in (getattr(st, "labels", None) or {}).items() if v}}
         task = asyncio.create_task(self._commit(pkey, tmp, tokens, meta, slot, seen.head_key))
         self._bg.add(task)
@@ -386,6 +429,8 @@ class SessionTier(TierBase):
         self.spill_bytes.append(e.bytes)
         self.bytes_per_token = max(self.bytes_per_token, e.bytes / max(1, e.n_tokens))
         self.counters["spills"] += 1
+        if meta.get("interrupted"):
+            self.counters["interrupted_spills"] += 1
         log.info("session: spilled slot %d (%s, %d tokens, %d bytes, %s)", slot, meta["reason"],
                  e.n_tokens, e.bytes, (meta.get("session") or "-")[:12])
         # a session's newer state supersedes its older spills (same identity; without one, only an
