@@ -299,7 +299,8 @@ class SlotTable:
             self._locks.append(asyncio.Lock())
         if n_ctx:
             for s in self.slots:
-                s.n_ctx = n_ctx
+                if s.n_ctx != n_ctx:   # a write bumps SlotState.version: only a real change
+                    s.n_ctx = n_ctx
 
     def lock(self, slot: int) -> asyncio.Lock:
         self._check(slot)

@@ -149,3 +149,55 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
             assert abs(predicted - last["cache_n"]) <= UB and layer.counters["mispredictions"] == 0
             ref = await cold(srv.url, t3)       # (overwrites a slot: last)
             assert data["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+
+
+@pytest.mark.server
+async def test_a_known_turn_whose_view_fails_is_served_and_the_slot_relearned(start_server, tmp_path):
+    """The token view of a known turn fails after the request was forwarded (the server refused
+    /tokenize, say): the answer is the server's own, relayed without ocache's figures; the slot's
+    content is unknown to the table until GET /slots (never a wrong record), and the next turn is
+    planned the usual way with exact figures."""
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    h = hdrs(A1)
+    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
+        async with aiohttp.ClientSession() as s:
+            body = body_of(A1)
+            for q in ("First question?", "Second question?"):
+                async with s.post(base + CHAT, json=body, headers=h) as r:
+                    assert r.status == 200
+                    answer = (await r.json())["choices"][0]["message"]["content"] or "ok"
+                await proxy.wait_background()
+                body = _next_turn(body, answer, q)
+            layer = proxy.layer
+            await layer._viewer.wait_verified()
+            real_view = layer._viewer.view
+
+            async def broken(*a, **kw):
+                raise RuntimeError("view failed")
+
+            layer._viewer.view = broken
+            async with s.post(base + CHAT, json=body, headers=h) as r:
+                assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+                assert "X-OCache-Predicted-Cache" not in r.headers
+                slot = int(r.headers["X-OCache-Slot"])
+                data = await r.json()
+            await proxy.wait_background()
+            layer._viewer.view = real_view
+            assert layer.counters["fast_path_failed"] == 1
+            assert layer.table[slot].msg_key is None            # no record from a failed view
+            held = data["timings"]["cache_n"] + data["timings"]["prompt_n"]
+            nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "Third?")
+            before = await _prompt_total(s, srv.url)
+            async with s.post(base + CHAT, json=nxt, headers=h) as r:
+                # content ocache cannot name: the server picks the slot by similarity (as alone)
+                assert r.status == 200 and r.headers.get("X-OCache-Path") is None
+                t = (await r.json())["timings"]
+            await proxy.wait_background()
+            assert t["cache_n"] >= held - 1 and await _prompt_total(s, srv.url) - before == t["prompt_n"]
+            nxt = _next_turn(nxt, "ok", "Fourth?")
+            async with s.post(base + CHAT, json=nxt, headers=h) as r:
+                assert r.status == 200 and r.headers["X-OCache-Slot"] == str(slot)
+                predicted = int(r.headers["X-OCache-Predicted-Cache"])
+                t = (await r.json())["timings"]
+            await proxy.wait_background()
+            assert layer.counters["mispredictions"] == 0 and abs(predicted - t["cache_n"]) <= UB

@@ -272,3 +272,18 @@ async def test_a_restart_seen_in_slots_keeps_what_a_request_of_the_new_process_l
     assert table[1 - slot_a].tokens == [] and table[1 - slot_a].n_total == 0
     plan, timings = await serve(layer, request(a + [9] * 20 + [8] * 10, "a3", session="s1"))
     assert plan.headers["X-OCache-Tier"] == "resident" and timings["cache_n"] == len(a) + 20
+
+
+async def test_get_slots_reconciles_a_slot_the_table_cannot_vouch_for():
+    """``SlotTable.refresh`` corrects an idle slot's belief from ``GET /slots``. Before, sizing the
+    table rewrote every slot's ``n_ctx`` on each call, which bumped each slot's version, so the
+    reconcile took every slot for "changed while GET /slots was in flight" and corrected none."""
+    from fakes import FakeSlotTable
+
+    table = FakeSlotTable(n_slots=2)
+    await table.refresh()
+    table.held[0], table.ran[0] = list(range(50)), True
+    table._task(0)
+    table.mark_unknown(0)                 # e.g. a step stopped part way: the count is unknown
+    await table.refresh()
+    assert table[0].n_total == 50 and table[0].foreign

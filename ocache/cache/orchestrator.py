@@ -299,8 +299,7 @@ class OCacheLayer:
         kind = fp_mod.classify(body, self.markers) if chat else "other"
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
         keys = None
-        if chat and self.opt_fast_path and table.params.checkpoints is False \
-                and getattr(self._viewer, "append_only", False):
+        if chat and self.opt_fast_path and getattr(self._viewer, "append_only", False):
             keys = message_keys(body)
             known = await self._plan_known(req, body, path, kind, head, keys)
             if known is not None:
@@ -417,12 +416,13 @@ class OCacheLayer:
     async def _plan_known(self, req: Any, body: Mapping, path: str, kind: str, head: Any,
                           keys: tuple) -> Any:
         """The next turn of a conversation a slot holds (``known_conversation_slot``: its earlier
-        messages unchanged, on a plain-KV model): pinned to that slot and forwarded at once, without
+        messages unchanged, the template checked append-only): pinned to that slot and forwarded at once, without
         waiting for its token view. The plan is the one the planner makes for such a request (that
         slot, no step before forwarding; the reason is in ``known_conversation_slot``); the view,
         the prediction, the slot table's record and the ``X-OCache-*`` figures are computed while
         the server works (``Plan.completion``; the proxy waits for it before it sends the response
-        headers, which llama-server sends after the prompt's prefill). Critical path: one
+        headers, which llama-server sends only with its first result, after the prompt's prefill:
+        tools/server/server-context.cpp:4514-4517 of the pinned source). Critical path: one
         ``message_keys`` pass and ``GET /slots`` (the reconcile that sees a restart), nothing in
         proportion to the prompt's tokens (``scripts/bench-long``).
 

@@ -197,12 +197,15 @@ def server_should_choose(ranked: Sequence[SlotChoice], slots: Sequence[SlotState
     """Whether to forward this request without ``id_slot`` and let llama-server choose the slot.
 
     True when some idle slot holds content ocache cannot see (``foreign``: a server that ran before
-    this ocache started, a client that bypassed it) of at least ``min_useful`` tokens, and no slot
-    whose content ocache knows gives a usable reuse. Then only the server can tell whether that
-    content is this request's prefix: it picks the slot by prompt similarity (docs/llama-server.md
-    §9), exactly as it would without ocache, so the request prefills no more than the server alone
-    (rule 2; measured: ocache restarted in front of a warm server routed a 13k-token turn to the
-    wrong slot and prefilled 6,085 tokens where the server alone prefilled 1).
+    this ocache started, a client that bypassed it, a known turn whose token view failed after it
+    was forwarded) of at least ``min_useful`` tokens, and no slot whose content ocache knows gives a
+    usable reuse, or less than such a slot holds by ``min_useful`` tokens or more. Then only the
+    server can tell whether that content is this request's prefix: it picks the slot by prompt
+    similarity (docs/llama-server.md §9), exactly as it would without ocache, so the request
+    prefills no more than the server alone (rule 2; measured: ocache restarted in front of a warm
+    server routed a 13k-token turn to the wrong slot and prefilled 6,085 tokens where the server
+    alone prefilled 1; a known turn whose view failed, then its next turn: 6,942 reused from the
+    kept head where the unnamed slot held 7,291, ``tests/test_known_turn.py``).
     """
     by_id = {s.id: s for s in slots}
     foreign = [c for c in ranked if by_id[c.slot].foreign and not c.busy
@@ -210,7 +213,8 @@ def server_should_choose(ranked: Sequence[SlotChoice], slots: Sequence[SlotState
     if not foreign:
         return False
     known_best = max((c.reuse.cache_n for c in ranked if not by_id[c.slot].foreign), default=0)
-    return known_best < min_useful
+    held = max(by_id[c.slot].n_total or 0 for c in foreign)
+    return known_best < min_useful or known_best + min_useful <= held
 
 
 def known_conversation_slot(slots: Sequence[SlotState], digests: Sequence[bytes], session: str | None,
@@ -231,9 +235,11 @@ def known_conversation_slot(slots: Sequence[SlotState], digests: Sequence[bytes]
     request's messages, and with an append-only template (the token view's delta renders check it:
     ``TokenViewer.delta_ok``) that prompt is a prefix of this request's prompt; so the slot reuses at
     least that whole prompt, more than any other slot or tier can hold of this conversation, and
-    overwrites nothing. That holds for a plain KV cache; on a hybrid (recurrent) model the reuse
-    depends on where the server's checkpoints are, so the caller uses this only when
-    ``ServerParams.checkpoints`` is False.
+    overwrites nothing. On a hybrid (recurrent) model the slot resumes from its whole state when the
+    request strictly extends it, else from the server's last context checkpoint before the point
+    where the request departs from it (inside the previous answer, as the template renders it);
+    another tier could then only do better with a disk anchor between that checkpoint and that
+    point, which the caller counts after the fact (``fast_path_other_plan``).
     """
     best: SlotState | None = None
     tie = False
