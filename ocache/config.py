@@ -342,7 +342,7 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
                         "overwrote it, restore it there from the head's slot file"),
         "reconcile": ("bool", "true", "GET /slots before each plan to correct the slot table"),
         "fast_path": ("bool", "true", "forward the next turn of a conversation a slot holds (its "
-                      "earlier messages unchanged, plain-KV models) to that slot before its token "
+                      "earlier messages unchanged, the template checked append-only) to that slot before its token "
                       "view is built; the view and the figures follow while the server works"),
         "<ServerParams.field>": ("any", "from the argv",
                                  "override one field of ocache.llama.flags.ServerParams (e.g. n_ubatch, "

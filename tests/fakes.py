@@ -50,7 +50,7 @@ class FakeSlotTable(SlotTable):
         self.n_ctx = n_ctx
         self.held: list[list[int]] = [[] for _ in range(n_slots)]
         self.ran: list[bool] = [False] * n_slots
-        self.task_ids: list[int | None] = [None] * n_slots
+        self.id_tasks: list[int | None] = [None] * n_slots
         self.files: dict[str, list[int]] = {}
         self.fail_restore: set[str] = set()
         self.calls: list[tuple[str, str]] = []
@@ -58,7 +58,7 @@ class FakeSlotTable(SlotTable):
 
     def _task(self, slot: int) -> None:
         self._next_task += 1
-        self.task_ids[slot] = self._next_task
+        self.id_tasks[slot] = self._next_task
 
     async def _request(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
                        what: str = "slot call") -> tuple[int, Any]:
@@ -67,7 +67,7 @@ class FakeSlotTable(SlotTable):
             out = []
             for i in range(self.n_slots):
                 e: dict[str, Any] = {"id": i, "n_ctx": self.n_ctx, "is_processing": False,
-                                     "id_task": self.task_ids[i] if self.task_ids[i] is not None else -1}
+                                     "id_task": self.id_tasks[i] if self.id_tasks[i] is not None else -1}
                 if self.ran[i]:
                     e["n_prompt_tokens"] = len(self.held[i])
                 out.append(e)
@@ -119,7 +119,7 @@ class FakeSlotTable(SlotTable):
         """A new server process: every slot empty, task ids start again."""
         self.held = [[] for _ in range(self.n_slots)]
         self.ran = [False] * self.n_slots
-        self.task_ids = [None] * self.n_slots
+        self.id_tasks = [None] * self.n_slots
         self._next_task = 0
 
 

@@ -114,6 +114,7 @@ async def test_a_plan_reads_get_slots_only_when_the_table_cannot_vouch(monkeypat
     n0 = _slot_reads(table)
     plan = await layer.plan(request(toks + [7] * 20, "b", session="s"))
     assert _slot_reads(table) == n0           # nothing to reconcile: no GET /slots before forwarding
+    table.complete(plan.body_updates["id_slot"], toks + [7] * 20)   # its prefill ran, then it was cut
     await plan.release()
     # a slot whose response was cut short: the table cannot vouch for its count
     table.interrupted(plan.body_updates["id_slot"], table[plan.body_updates["id_slot"]].seq)
