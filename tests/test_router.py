@@ -160,6 +160,35 @@ async def test_load_never_buys_latency_with_more_prefill_than_one_ubatch():
     assert (await r.choose(type("R", (), {"request_id": "g"})())).server.index == 1
 
 
+async def test_load_decides_only_among_the_least_prefill_unless_an_idle_server_is_within_one_ubatch():
+    """Prefill first: a conversation resident on a busy server (1,007 tokens to prefill there) does
+    not move to another busy server that would prefill 16 tokens more, however much less loaded
+    that one is (bench-multi: such a move cost the two sessions already there their slots);
+    equal token costs go to the less loaded server; an idle server within one ubatch wins only
+    while every least-prefill server is busy, and a server more than one ubatch dearer never."""
+    from ocache.router import _InFlight
+
+    def req(rid):
+        return type("R", (), {"request_id": rid})()
+
+    r = _fake_router([_est(8242, 7235), _est(8242, 7219)])
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 2.0       # its load: 0.5 x 1 x 2 s = 1 s
+    r.servers[1].inflight["y"] = _InFlight(0, 0.0)
+    r.servers[1].mean_request_s = 0.2       # 0.1 s: cheaper in seconds by ~0.9 s
+    assert (await r.choose(req("1"))).server.index == 0
+    r = _fake_router([_est(8242, 7235), _est(8242, 7235)])   # equal tokens: the load decides
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    assert (await r.choose(req("2"))).server.index == 1
+    r = _fake_router([_est(8242, 7235), _est(8242, 7219)])   # the least-prefill server is idle too
+    r.servers[1].mean_request_s = 0.2
+    assert (await r.choose(req("3"))).server.index == 0
+    r = _fake_router([_est(8242, 7235), _est(8242, 7100)])   # idle but 135 > 128 tokens more
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 4.0
+    assert (await r.choose(req("4"))).server.index == 0
+
+
 async def test_a_near_tie_goes_to_the_server_that_served_the_session_last():
     """Costs that differ by measurement jitter (both servers can bring the conversation from the
     shared store) do not move a session: the tie goes to where it was served last; a clearly
