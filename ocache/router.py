@@ -11,13 +11,17 @@ entries, which every server of the identity can restore).
 
 Policy ``prefix`` (the default, config ``route_policy``). For a completion the router asks every
 *ready* server's layer ``OCacheLayer.estimate(req)`` (read-only: what the plan would reuse there,
-resident or restored by the head/disk/session tiers). Prefill first (rule 2): the candidates are
-the servers where the request costs the fewest tokens (prefill + another conversation destroyed);
-load is only the tiebreak among equal token costs, with one exception: when every such server has
-requests in flight, an idle server (nothing in flight) that costs at most one ubatch more (the
-granularity of the ``cache_n`` prediction) is a candidate too, because waiting behind or sharing
-the compute with the running requests can cost more than that extra prefill (the seconds below
-decide, with measured rates). Among the candidates it picks the least expected seconds of work::
+resident or restored by the head/disk/session tiers). Prefill first (rule 2), in three steps
+(``_eligible``): (1) of the servers within one ubatch (the granularity of the ``cache_n``
+prediction) of the fewest tokens (prefill + another conversation destroyed), those where the plan
+overwrites no other live conversation, if there are any (a conversation the session tier spills
+first still has to come back: three sessions on two slots lost 1,799 and 3,278 tokens to
+mispredicted restores in one ``scripts/bench-multi`` run); (2) of those, the fewest tokens: load
+is only the tiebreak among equal token costs; (3) one exception: when every such server has
+requests in flight, an idle one (nothing in flight) of the first step is a candidate too, because
+waiting behind or sharing the compute with running requests can cost more than that extra
+prefill (the seconds below decide, with measured rates). Among the candidates it picks the least
+expected seconds of work::
 
     cost_s = (n_tokens - usable) / tps + restore_s + destroys / tps            # this request's prefill
            + queued_prefill_tokens / tps + β · in_flight · mean_request_s      # the server's load
@@ -38,10 +42,15 @@ the first listed.
 A prefix nobody holds yet is prefilled once: while one request's plan warms a harness head (on
 whichever server), the next requests with the same head wait for that plan (at most
 ``GATE_WAIT_S``) and then restore its head file, since waiting for a warm-up that started earlier
-is never longer than prefilling the same head again. Likewise a request that no server can reuse
-even its first 256 tokens for waits while another request starting with the same 256 tokens is
-being planned (opencode's title requests are byte-identical across sessions and come together):
-once that plan recorded its tokens in its slot table, the estimates see them.
+is never longer than prefilling the same head again. Likewise a request for whose next 256
+tokens past the shared prefix (the first 256, or 256 past the harness head:
+``Estimate.prefix_key``) no server has a reuse (but by destroying an unsaved conversation, such as
+the running request that prefills them) waits while another request with the same tokens is being
+planned: opencode's title requests are byte-identical across sessions and come together, and a
+folder's sessions starting together share their folder section past the harness head. The
+waiters go on once that plan's saves (head file, anchors) are committed to the store, and a
+request whose estimates were asked while such a plan finished asks again (they could not see
+what it left): the slot table and the store then show its tokens.
 
 Policy ``round_robin`` (for comparisons, ``scripts/bench-multi``): the next ready server in turn,
 whatever it holds; the chosen layer still plans the request.
@@ -159,12 +168,16 @@ class Router:
         # layers without estimates (NullLayer, ``no_cache``): round robin is all there is
         self._estimates = all(hasattr(s.layer, "estimate") for s in self.servers)
         self.counters = {"planned": 0, "no_server": 0, "estimate_errors": 0, "moved": 0,
-                         "gate_waits": 0}
+                         "gate_waits": 0, "gate_rechecks": 0}
         #: prefixes nobody held whose first plan runs now (gate key -> set when that plan is done)
         self._planning: dict[Any, asyncio.Event] = {}
         #: the longest wait for another request's plan of the same prefix (seconds)
         self.gate_wait_s = GATE_WAIT_S
         self._heads: dict = {}
+        self._bg: set[asyncio.Task] = set()  # gates opening once a plan's saves are committed
+        #: gates opened so far, and the count at which each key's gate opened last
+        self._gate_seq = 0
+        self._opened: dict[Any, int] = {}
         #: the server that last served each client session (``_session_of``), insertion ordered
         self._last_server: dict[str, Server] = {}
         for s in self.servers:
@@ -278,19 +291,7 @@ class Router:
 
     async def plan(self, req: Any) -> Plan:
         rid = req.request_id
-        choice = await self.choose(req)
-        if choice is not None and choice.gate is not None and choice.gate in self._planning:
-            # another request's plan is prefilling this prefix right now (on some server): wait for
-            # it, then reuse what it left instead of prefilling the same tokens a second time
-            choice.server.inflight.pop(rid, None)
-            self.counters["gate_waits"] += 1
-            try:
-                await asyncio.wait_for(asyncio.shield(self._planning[choice.gate].wait()),
-                                       self.gate_wait_s)
-            except asyncio.TimeoutError:
-                log.info("[%s] the plan of the same prefix elsewhere not done in %g s: planning anyway",
-                         rid, self.gate_wait_s)
-            choice = await self.choose(req)
+        choice = await self._choose_past_gates(req)
         if choice is None:
             self.counters["no_server"] += 1
             raise RuntimeError("no ready upstream")
@@ -302,11 +303,14 @@ class Router:
             plan = await server.layer.plan(req)
         except BaseException:
             server.inflight.pop(rid, None)
-            raise
-        finally:
             if gate is not None:
                 gate.set()
                 self._planning.pop(choice.gate, None)
+            raise
+        if gate is not None:
+            # the waiters go on once what this plan saved is committed (not this request: it is
+            # forwarded now)
+            self._spawn(self._open_gate(choice.gate, gate, server))
         self.share_heads()
         plan.upstream = server.url
         plan.headers["X-OCache-Upstream"] = server.url
@@ -329,6 +333,56 @@ class Router:
 
         plan.release = release
         return plan
+
+    async def _choose_past_gates(self, req: Any) -> Choice | None:
+        """``choose``, again after waiting while another request's plan of the same new prefix
+        runs (at most ``gate_wait_s`` in all), and again when such a plan finished while this
+        request's estimates were asked (they could not see what it left)."""
+        rid = req.request_id
+        deadline = time.monotonic() + self.gate_wait_s
+        expired = False
+        for _ in range(64):  # each turn follows another request's plan of the same prefix
+            seq = self._gate_seq
+            choice = await self.choose(req)
+            key = choice.gate if choice is not None else None
+            if key is None or expired:
+                return choice
+            if key in self._planning:
+                # another request's plan is prefilling this prefix right now (on some server): wait
+                # for it, then reuse what it left instead of prefilling the same tokens again
+                choice.server.inflight.pop(rid, None)
+                self.counters["gate_waits"] += 1
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._planning[key].wait()),
+                                           max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    log.info("[%s] the plan of the same prefix elsewhere not done in %g s: planning anyway",
+                             rid, self.gate_wait_s)
+                    expired = True
+                continue
+            if self._opened.get(key, 0) > seq:
+                choice.server.inflight.pop(rid, None)
+                self.counters["gate_rechecks"] += 1
+                continue
+            return choice
+        return choice
+
+    async def _open_gate(self, key: Any, gate: asyncio.Event, server: Server) -> None:
+        try:
+            await _committed(server.layer, self.gate_wait_s)
+        finally:
+            self._gate_seq += 1
+            self._opened[key] = self._gate_seq
+            while len(self._opened) > 1024:
+                self._opened.pop(next(iter(self._opened)))
+            gate.set()
+            if self._planning.get(key) is gate:
+                self._planning.pop(key, None)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def _server_of(self, req: Any, plan: Plan) -> Server | None:
         """The server a plan was made for (``Plan.upstream``); a plan the router did not make (the
@@ -380,6 +434,8 @@ class Router:
         return sum(int(getattr(s.layer, "calls_inflight", lambda: 0)()) for s in self.servers)
 
     async def idle(self) -> None:
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
         for s in self.servers:
             idle = getattr(s.layer, "idle", None)
             if idle is not None:
@@ -434,15 +490,21 @@ def _eligible(scored: list) -> list:
     most one ubatch more (the granularity of the ``cache_n`` prediction), so that a busy server's
     conversation can move to an idle one when its expected seconds are less there. Pure.
 
-    Why not every server within one ubatch (the rule before): the seconds then decided between
-    servers that differ by a few tokens and by ms of load, and a session moved for 16 tokens more
-    and 30 ms less onto a server whose both slots were taken: the two sessions there lost their
-    slots, 3,549 tokens prefilled again (``scripts/bench-multi``: 35,443 tokens against 31,869 for
-    one server)."""
+    Before that, the servers within one ubatch of the fewest tokens where the plan overwrites no
+    other live conversation (``Estimate.evicts``) are preferred to those where it would, if any.
+
+    Why not the least seconds among every server within one ubatch (the rule before): the
+    seconds then decided between servers that differ by a few tokens and by ms of load, and a
+    session moved for 16 tokens more and 30 ms less onto a server whose both slots were taken:
+    the two sessions there lost their slots, 3,549 tokens prefilled again
+    (``scripts/bench-multi``: 35,443 tokens against 31,869 for one server)."""
     least = min(_tokens_cost(t[4]) for t in scored)
-    out = [t for t in scored if _tokens_cost(t[4]) == least]
+    near = [t for t in scored if _tokens_cost(t[4]) <= least + t[4].ubatch]
+    keep = [t for t in near if not t[4].evicts] if any(not t[4].evicts for t in near) else near
+    first = min(_tokens_cost(t[4]) for t in keep)
+    out = [t for t in keep if _tokens_cost(t[4]) == first]
     if all(t[3].inflight for t in out):
-        out += [t for t in scored if not t[3].inflight and least < _tokens_cost(t[4]) <= least + t[4].ubatch]
+        out += [t for t in keep if not t[3].inflight and first < _tokens_cost(t[4])]
     return out
 
 
@@ -453,14 +515,32 @@ def _tokens_cost(est: Any) -> int:
 
 def _gate_key(chosen: Any, ests: list) -> Any:
     """The key under which concurrent plans of one new prefix wait for each other, or None: the
-    harness head when the chosen plan would warm it (no server holds it), else the first 256
-    tokens when no server can reuse even those."""
+    harness head when the chosen plan would warm it (no server holds it), else the tokens up to
+    256 past the shared prefix (``Estimate.prefix_key``/``prefix_len``: the first 256, or 256
+    past the harness head) when no server can reuse them (but by destroying a conversation that
+    is not saved first, e.g. the running first turn that is prefilling them): opencode's title requests
+    (byte-identical across sessions) and a folder's sessions starting together (both would
+    prefill the same folder section past the shared harness head; ``scripts/bench-multi``
+    prefilled the 277-295-token section twice in 2 of 3 runs)."""
     if chosen.warm and chosen.head_key:
         return ("head", chosen.head_key)
-    first = min(chosen.n_tokens, 256)
-    if chosen.prefix_key is not None and all(e.usable < first for e in ests):
+    if chosen.prefix_key is not None and all(e.usable < chosen.prefix_len for e in ests if not e.destroys):
         return ("prefix", chosen.prefix_key)
     return None
+
+
+async def _committed(layer: Any, bound_s: float) -> None:
+    """Wait (at most ``bound_s`` seconds) until what ``layer``'s plan saved is in the store: the
+    head and disk tiers commit a saved slot file (hash, entry) in the background after the plan
+    returned (``DiskTier.save_slot``), and a request waiting for that plan finds the anchor only
+    once it is committed. Never raises."""
+    tiers = [t for t in (getattr(layer, "head_tier", None), getattr(layer, "disk_tier", None))
+             if t is not None and hasattr(t, "flush")]
+    try:
+        # shielded: a timeout ends the wait, never the tiers' commits
+        await asyncio.wait_for(asyncio.shield(asyncio.gather(*(t.flush() for t in tiers))), bound_s)
+    except Exception as exc:  # noqa: BLE001 - the waiters then plan with what is there
+        log.debug("commits after a gated plan not done: %s: %s", type(exc).__name__, exc)
 
 
 def _short(url: str) -> str:

@@ -129,12 +129,12 @@ def _fake_router(ests: list, load_weight: float = 0.5) -> Router:
     return Router(ups, Config(route_load_weight=load_weight), lambda u, c: layer(next(it)))
 
 
-def _est(n, usable, ubatch=128, destroys=0):
+def _est(n, usable, ubatch=128, destroys=0, **kw):
     from ocache.cache import Estimate
 
     return Estimate(n_tokens=n, usable=usable, tier="resident" if usable else "cold", slot=0, busy=False,
                     destroys=destroys, restore_s=0.0, kind="guest", own_session=False, head_len=0,
-                    prefill_tps=1000.0, ubatch=ubatch)
+                    prefill_tps=1000.0, ubatch=ubatch, **kw)
 
 
 async def test_load_never_buys_latency_with_more_prefill_than_one_ubatch():
@@ -187,6 +187,75 @@ async def test_load_decides_only_among_the_least_prefill_unless_an_idle_server_i
     r.servers[0].inflight["x"] = _InFlight(0, 0.0)
     r.servers[0].mean_request_s = 4.0
     assert (await r.choose(req("4"))).server.index == 0
+
+
+async def test_a_server_that_keeps_every_live_conversation_wins_within_one_ubatch():
+    """bench-multi's first turns: a session's head is on disk for both servers, one server would
+    reuse 44 tokens more by overwriting another live conversation's slot (spilled first: no
+    destroys). Within one ubatch the server that keeps every conversation wins; beyond one
+    ubatch, or when both would overwrite one, the fewest tokens do."""
+    def req(rid):
+        return type("R", (), {"request_id": rid})()
+
+    r = _fake_router([_est(7260, 6986, evicts=7236), _est(7260, 6942)])
+    assert (await r.choose(req("1"))).server.index == 1
+    r = _fake_router([_est(7260, 6986, evicts=7236), _est(7260, 6800)])   # 186 > 128 tokens more
+    assert (await r.choose(req("2"))).server.index == 0
+    r = _fake_router([_est(7260, 6942, evicts=7236), _est(7260, 6986, evicts=7251)])
+    assert (await r.choose(req("3"))).server.index == 1
+
+
+def test_gate_key_ignores_a_reuse_only_a_destroyed_conversation_offers():
+    """The second session of a folder starting while the first prefills the folder section: the
+    only server reusing past the harness head would overwrite the running first turn (not saved:
+    destroys), so the request waits for that plan (same key: 256 past the head) instead of
+    prefilling the section again; a server that reuses it without destroying one ends the wait."""
+    from ocache.router import _gate_key
+
+    chosen = _est(7236, 6942, prefix_key=11, prefix_len=7198)
+    assert _gate_key(chosen, [chosen, _est(7236, 7222, destroys=7245)]) == ("prefix", 11)
+    assert _gate_key(chosen, [chosen, _est(7236, 7219)]) is None
+    title = _est(541, 0, prefix_key=12, prefix_len=256)
+    assert _gate_key(title, [title, _est(541, 0)]) == ("prefix", 12)
+
+
+async def test_a_request_asks_again_when_a_plan_of_its_prefix_ended_while_it_estimated():
+    """Two identical title requests: B's estimates are asked before A's plan records the title in
+    server 0's slot and answer only after A's plan is done (and its gate open). B then asks
+    again and goes where the title is (server 0, 540 of 541), not to the other, idle server."""
+    from types import SimpleNamespace
+
+    from ocache.layer import Plan
+
+    held = {0: 0, 1: 0}          # tokens of the title each server's slots hold
+    answer_b = asyncio.Event()
+    asked_b = asyncio.Event()
+
+    def layer(i):
+        async def estimate(req):
+            usable = max(0, held[i] - 1)          # what this server holds when asked
+            if req.request_id == "b" and not answer_b.is_set():
+                asked_b.set()
+                await answer_b.wait()
+            return _est(541, usable, prefix_key=7 if usable < 256 else None, prefix_len=256)
+
+        async def plan(req):
+            held[i] = 541
+            return Plan()
+        return SimpleNamespace(estimate=estimate, plan=plan, prefill_tps=1000.0)
+
+    ups = [SimpleNamespace(base_url=f"http://127.0.0.1:{i + 1}", state="ready") for i in range(2)]
+    it = iter(range(2))
+    r = Router(ups, Config(), lambda u, c: layer(next(it)))
+    b = asyncio.ensure_future(r.plan(SimpleNamespace(request_id="b", headers={})))
+    await asyncio.wait_for(asked_b.wait(), 10)
+    a = await r.plan(SimpleNamespace(request_id="a", headers={}))
+    assert a.upstream == "http://127.0.0.1:1"
+    await r.idle()                                # A's gate opens (nothing to commit here)
+    answer_b.set()
+    pb = await asyncio.wait_for(b, 10)
+    assert pb.upstream == "http://127.0.0.1:1", pb.headers["X-OCache-Route"]
+    assert r.counters["gate_rechecks"] == 1
 
 
 async def test_a_near_tie_goes_to_the_server_that_served_the_session_last():
