@@ -13,12 +13,14 @@ Policy ``prefix`` (the default, config ``route_policy``). For a completion the r
 *ready* server's layer ``OCacheLayer.estimate(req)`` (read-only: what the plan would reuse there,
 resident or restored by the head/disk/session tiers). Prefill first (rule 2), in three steps
 (``_eligible``): (1) of the servers within one ubatch (the granularity of the ``cache_n``
-prediction) of the fewest tokens (prefill + another conversation destroyed), those where the plan
-overwrites no other live conversation, if there are any (a conversation the session tier spills
-first still has to come back: three sessions on two slots lost 1,799 and 3,278 tokens to
-mispredicted restores in one ``scripts/bench-multi`` run); (2) of those, the fewest tokens: load
+prediction) of the fewest tokens (prefill + another conversation destroyed), those that are not
+full (full: the plan overwrites another live conversation, and every slot holds one or that
+slot is busy: ``Estimate.full``), if there are any (a conversation the session tier spills first still has
+to come back, and three sessions on two slots lost 1,799 and 3,278 tokens to mispredicted
+restores in one ``scripts/bench-multi`` run); (2) of those, the fewest tokens: load
 is only the tiebreak among equal token costs; (3) one exception: when every such server has
-requests in flight, an idle one (nothing in flight) of the first step is a candidate too, because
+requests in flight, an idle one (nothing in flight) of the first step whose plan overwrites no
+live conversation is a candidate too, because
 waiting behind or sharing the compute with running requests can cost more than that extra
 prefill (the seconds below decide, with measured rates). Among the candidates it picks the least
 expected seconds of work::
@@ -487,11 +489,14 @@ def _eligible(scored: list) -> list:
     """The candidates among ``scored`` (tuples ``(cost_s, in_flight, index, Server, Estimate)``):
     the servers where the request costs the fewest tokens (:func:`_tokens_cost`); only when every
     one of those has requests in flight, also the idle servers (nothing in flight) that cost at
-    most one ubatch more (the granularity of the ``cache_n`` prediction), so that a busy server's
-    conversation can move to an idle one when its expected seconds are less there. Pure.
+    most one ubatch more (the granularity of the ``cache_n`` prediction) and overwrite no live
+    conversation there, so that a busy server's conversation can move to an idle one when its
+    expected seconds are less there (a move that overwrote another session's slot, spilled, for
+    3 tokens cost that session 799 tokens at its next turn in ``scripts/bench-multi``). Pure.
 
-    Before that, the servers within one ubatch of the fewest tokens where the plan overwrites no
-    other live conversation (``Estimate.evicts``) are preferred to those where it would, if any.
+    Before that, of the servers within one ubatch of the fewest tokens, those that are not full
+    (``Estimate.full``: the plan overwrites another live conversation, and every slot holds one
+    or that slot is busy) are preferred to those that are, if any.
 
     Why not the least seconds among every server within one ubatch (the rule before): the
     seconds then decided between servers that differ by a few tokens and by ms of load, and a
@@ -500,11 +505,11 @@ def _eligible(scored: list) -> list:
     (``scripts/bench-multi``: 35,443 tokens against 31,869 for one server)."""
     least = min(_tokens_cost(t[4]) for t in scored)
     near = [t for t in scored if _tokens_cost(t[4]) <= least + t[4].ubatch]
-    keep = [t for t in near if not t[4].evicts] if any(not t[4].evicts for t in near) else near
+    keep = [t for t in near if not t[4].full] if any(not t[4].full for t in near) else near
     first = min(_tokens_cost(t[4]) for t in keep)
     out = [t for t in keep if _tokens_cost(t[4]) == first]
     if all(t[3].inflight for t in out):
-        out += [t for t in keep if not t[3].inflight and first < _tokens_cost(t[4])]
+        out += [t for t in keep if not t[3].inflight and first < _tokens_cost(t[4]) and not t[4].evicts]
     return out
 
 

@@ -165,7 +165,8 @@ async def test_load_decides_only_among_the_least_prefill_unless_an_idle_server_i
     not move to another busy server that would prefill 16 tokens more, however much less loaded
     that one is (bench-multi: such a move cost the two sessions already there their slots);
     equal token costs go to the less loaded server; an idle server within one ubatch wins only
-    while every least-prefill server is busy, and a server more than one ubatch dearer never."""
+    while every least-prefill server is busy and only where it overwrites no live conversation,
+    and a server more than one ubatch dearer never."""
     from ocache.router import _InFlight
 
     def req(rid):
@@ -183,26 +184,34 @@ async def test_load_decides_only_among_the_least_prefill_unless_an_idle_server_i
     r = _fake_router([_est(8242, 7235), _est(8242, 7219)])   # the least-prefill server is idle too
     r.servers[1].mean_request_s = 0.2
     assert (await r.choose(req("3"))).server.index == 0
+    r = _fake_router([_est(8242, 7235), _est(8242, 7232, evicts=7244)])  # idle, but overwrites one
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 4.0
+    assert (await r.choose(req("5"))).server.index == 0
     r = _fake_router([_est(8242, 7235), _est(8242, 7100)])   # idle but 135 > 128 tokens more
     r.servers[0].inflight["x"] = _InFlight(0, 0.0)
     r.servers[0].mean_request_s = 4.0
     assert (await r.choose(req("4"))).server.index == 0
 
 
-async def test_a_server_that_keeps_every_live_conversation_wins_within_one_ubatch():
-    """bench-multi's first turns: a session's head is on disk for both servers, one server would
-    reuse 44 tokens more by overwriting another live conversation's slot (spilled first: no
-    destroys). Within one ubatch the server that keeps every conversation wins; beyond one
-    ubatch, or when both would overwrite one, the fewest tokens do."""
+async def test_a_server_with_room_wins_over_a_full_one_within_one_ubatch():
+    """bench-multi's first turns: a session's head is on disk for both servers; one server, whose
+    two slots hold two other live conversations, would reuse 44 tokens more by overwriting one of
+    them (spilled first: no destroys). Within one ubatch the server with room wins; beyond one
+    ubatch, or when both are full, the fewest tokens do."""
     def req(rid):
         return type("R", (), {"request_id": rid})()
 
-    r = _fake_router([_est(7260, 6986, evicts=7236), _est(7260, 6942)])
+    full = dict(evicts=7236, full=True)
+    r = _fake_router([_est(7260, 6986, **full), _est(7260, 6942)])
     assert (await r.choose(req("1"))).server.index == 1
-    r = _fake_router([_est(7260, 6986, evicts=7236), _est(7260, 6800)])   # 186 > 128 tokens more
+    r = _fake_router([_est(7260, 6986, **full), _est(7260, 6800)])   # 186 > 128 tokens more
     assert (await r.choose(req("2"))).server.index == 0
-    r = _fake_router([_est(7260, 6942, evicts=7236), _est(7260, 6986, evicts=7251)])
+    r = _fake_router([_est(7260, 6942, **full), _est(7260, 6986, **full)])
     assert (await r.choose(req("3"))).server.index == 1
+    # with room (a free slot besides the overwritten one) the fewest tokens win
+    r = _fake_router([_est(7260, 6986, evicts=7236), _est(7260, 6942)])
+    assert (await r.choose(req("4"))).server.index == 0
 
 
 def test_gate_key_ignores_a_reuse_only_a_destroyed_conversation_offers():
