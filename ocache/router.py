@@ -312,7 +312,7 @@ class Router:
         if gate is not None:
             # the waiters go on once what this plan saved is committed (not this request: it is
             # forwarded now)
-            self._spawn(self._open_gate(choice.gate, gate, server))
+            self._spawn(self._open_gate(choice.gate, gate, _pending_commits(server.layer)))
         self.share_heads()
         plan.upstream = server.url
         plan.headers["X-OCache-Upstream"] = server.url
@@ -369,9 +369,9 @@ class Router:
             return choice
         return choice
 
-    async def _open_gate(self, key: Any, gate: asyncio.Event, server: Server) -> None:
+    async def _open_gate(self, key: Any, gate: asyncio.Event, commits: list) -> None:
         try:
-            await _committed(server.layer, self.gate_wait_s)
+            await _committed(commits, self.gate_wait_s)
         finally:
             self._gate_seq += 1
             self._opened[key] = self._gate_seq
@@ -534,16 +534,26 @@ def _gate_key(chosen: Any, ests: list) -> Any:
     return None
 
 
-async def _committed(layer: Any, bound_s: float) -> None:
-    """Wait (at most ``bound_s`` seconds) until what ``layer``'s plan saved is in the store: the
-    head and disk tiers commit a saved slot file (hash, entry) in the background after the plan
-    returned (``DiskTier.save_slot``), and a request waiting for that plan finds the anchor only
-    once it is committed. Never raises."""
-    tiers = [t for t in (getattr(layer, "head_tier", None), getattr(layer, "disk_tier", None))
-             if t is not None and hasattr(t, "flush")]
+def _pending_commits(layer: Any) -> list:
+    """The background commits of ``layer``'s head and disk tiers running now: the tiers commit a
+    saved slot file (hash, entry) after the plan that saved it returned (``DiskTier.save_slot``),
+    and a request waiting for that plan finds the anchor only once it is committed."""
+    out: list = []
+    for tier in (getattr(layer, "head_tier", None), getattr(layer, "disk_tier", None)):
+        get = getattr(tier, "pending_commits", None)
+        if get is not None:
+            out.extend(get())
+    return out
+
+
+async def _committed(tasks: list, bound_s: float) -> None:
+    """Wait (at most ``bound_s`` seconds) for ``tasks`` (:func:`_pending_commits` as a plan
+    returned: what it saved, not what later requests save). Never raises."""
+    if not tasks:
+        return
     try:
         # shielded: a timeout ends the wait, never the tiers' commits
-        await asyncio.wait_for(asyncio.shield(asyncio.gather(*(t.flush() for t in tiers))), bound_s)
+        await asyncio.wait_for(asyncio.shield(asyncio.gather(*tasks, return_exceptions=True)), bound_s)
     except Exception as exc:  # noqa: BLE001 - the waiters then plan with what is there
         log.debug("commits after a gated plan not done: %s: %s", type(exc).__name__, exc)
 
