@@ -267,6 +267,41 @@ async def test_a_request_asks_again_when_a_plan_of_its_prefix_ended_while_it_est
     assert r.counters["gate_rechecks"] == 1
 
 
+async def test_a_gate_opens_when_the_commits_of_its_plan_are_done_not_later_ones():
+    """The first plan of a new prefix saved an anchor whose commit (hash, entry) runs after the plan
+    returned: a request of the same prefix waits until that commit is done (before, it would find
+    no anchor and prefill the section again), and not for a commit started after that plan (a
+    title waited until the stream ended)."""
+    from types import SimpleNamespace
+
+    from ocache.layer import Plan
+
+    first_commit, later_commit = asyncio.Event(), asyncio.Event()
+    tier = SimpleNamespace(tasks=[])
+    tier.pending_commits = lambda: [t for t in tier.tasks if not t.done()]
+
+    async def estimate(req):
+        return _est(7245, 6942, prefix_key=5, prefix_len=7198)
+
+    async def plan(req):
+        tier.tasks.append(asyncio.ensure_future(first_commit.wait()))
+        return Plan()
+
+    ups = [SimpleNamespace(base_url=f"http://127.0.0.1:{i + 1}", state="ready") for i in range(2)]
+    r = Router(ups, Config(), lambda u, c: SimpleNamespace(estimate=estimate, plan=plan, prefill_tps=1000.0,
+                                                         disk_tier=tier))
+    await r.plan(SimpleNamespace(request_id="a", headers={}))
+    tier.tasks.append(asyncio.ensure_future(later_commit.wait()))   # another request's save
+    b = asyncio.ensure_future(r.plan(SimpleNamespace(request_id="b", headers={})))
+    done, _ = await asyncio.wait({b}, timeout=0.5)
+    assert not done and r.counters["gate_waits"] == 1
+    first_commit.set()
+    await asyncio.wait_for(b, 10)
+    assert not later_commit.is_set()
+    later_commit.set()
+    await r.idle()
+
+
 async def test_a_near_tie_goes_to_the_server_that_served_the_session_last():
     """Costs that differ by measurement jitter (both servers can bring the conversation from the
     shared store) do not move a session: the tie goes to where it was served last; a clearly
