@@ -19,8 +19,8 @@ slot is busy: ``Estimate.full``), if there are any (a conversation the session t
 to come back, and three sessions on two slots lost 1,799 and 3,278 tokens to mispredicted
 restores in one ``scripts/bench-multi`` run); (2) of those, the fewest tokens: load
 is only the tiebreak among equal token costs; (3) one exception: when every such server has
-requests in flight, an idle one (nothing in flight) of the first step whose plan overwrites no
-live conversation is a candidate too, because
+requests in flight, an idle one (nothing in flight) of the first step with room (an empty slot
+or one holding only the kept head: ``Estimate.room``) is a candidate too, because
 waiting behind or sharing the compute with running requests can cost more than that extra
 prefill (the seconds below decide, with measured rates). Among the candidates it picks the least
 expected seconds of work::
@@ -489,10 +489,13 @@ def _eligible(scored: list) -> list:
     """The candidates among ``scored`` (tuples ``(cost_s, in_flight, index, Server, Estimate)``):
     the servers where the request costs the fewest tokens (:func:`_tokens_cost`); only when every
     one of those has requests in flight, also the idle servers (nothing in flight) that cost at
-    most one ubatch more (the granularity of the ``cache_n`` prediction) and overwrite no live
-    conversation there, so that a busy server's conversation can move to an idle one when its
-    expected seconds are less there (a move that overwrote another session's slot, spilled, for
-    3 tokens cost that session 799 tokens at its next turn in ``scripts/bench-multi``). Pure.
+    most one ubatch more (the granularity of the ``cache_n`` prediction) and have room for it
+    (``Estimate.room``: an empty slot, or one holding only the kept head; the plan overwrites no
+    live conversation), so that a busy server's conversation can move to an idle one when its
+    expected seconds are less there. Without room such moves cost more than they saved in
+    ``scripts/bench-multi``: one that overwrote another session's slot (spilled) for 3 tokens
+    cost that session 799 tokens at its next turn; one into a title's slot on a server whose two
+    slots two sessions used cost 1,323. Pure.
 
     Before that, of the servers within one ubatch of the fewest tokens, those that are not full
     (``Estimate.full``: the plan overwrites another live conversation, and every slot holds one
@@ -509,7 +512,8 @@ def _eligible(scored: list) -> list:
     first = min(_tokens_cost(t[4]) for t in keep)
     out = [t for t in keep if _tokens_cost(t[4]) == first]
     if all(t[3].inflight for t in out):
-        out += [t for t in keep if not t[3].inflight and first < _tokens_cost(t[4]) and not t[4].evicts]
+        out += [t for t in keep if not t[3].inflight and first < _tokens_cost(t[4])
+                and not t[4].evicts and t[4].room]
     return out
 
 

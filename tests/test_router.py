@@ -165,8 +165,8 @@ async def test_load_decides_only_among_the_least_prefill_unless_an_idle_server_i
     not move to another busy server that would prefill 16 tokens more, however much less loaded
     that one is (bench-multi: such a move cost the two sessions already there their slots);
     equal token costs go to the less loaded server; an idle server within one ubatch wins only
-    while every least-prefill server is busy and only where it overwrites no live conversation,
-    and a server more than one ubatch dearer never."""
+    while every least-prefill server is busy and only where it has room (a free slot: it overwrites
+    no live conversation), and a server more than one ubatch dearer never."""
     from ocache.router import _InFlight
 
     def req(rid):
@@ -188,6 +188,10 @@ async def test_load_decides_only_among_the_least_prefill_unless_an_idle_server_i
     r.servers[0].inflight["x"] = _InFlight(0, 0.0)
     r.servers[0].mean_request_s = 4.0
     assert (await r.choose(req("5"))).server.index == 0
+    r = _fake_router([_est(8242, 7235), _est(8242, 7219, room=False)])   # idle, no free slot
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 4.0
+    assert (await r.choose(req("6"))).server.index == 0
     r = _fake_router([_est(8242, 7235), _est(8242, 7100)])   # idle but 135 > 128 tokens more
     r.servers[0].inflight["x"] = _InFlight(0, 0.0)
     r.servers[0].mean_request_s = 4.0

@@ -609,6 +609,8 @@ class OCacheLayer:
                         head_len=head_len, prefill_tps=self.prefill_tps, head_key=head_key,
                         warm="warm_head" in dec.steps, prefix_key=hash(tuple(tokens[:block])) if block else None,
                         prefix_len=block, evicts=len(snap[dec.slot].tokens) if dec.evicts else 0, full=full,
+                        room=any(st.origin or (not st.tokens and not st.n_total and not st.foreign)
+                                 for st in snap),
                         ubatch=table.params.n_ubatch)
 
     async def _refresh(self, rid: str) -> None:

@@ -124,7 +124,8 @@ class Estimate:
     overwrite there without the session tier saving them first (0: none); ``evicts``: tokens of
     another live conversation the plan would overwrite there, saved first or not (0: none);
     ``full``: it overwrites one there and every slot holds another live conversation, or that
-    slot is busy (the plan would wait for its request);
+    slot is busy (the plan would wait for its request); ``room``: some slot there is empty or
+    holds only the kept harness head (``origin``): a conversation moving in overwrites none;
     ``restore_s``: the chosen offer's estimated read time (seconds); ``own_session``: a slot holds
     this request's session; ``prefill_tps``: this server's measured prefill rate (tokens/s, None
     before the first measurement); ``head_key``: the harness fingerprint; ``warm``: the plan would
@@ -152,3 +153,4 @@ class Estimate:
     ubatch: int = 512
     evicts: int = 0
     full: bool = False
+    room: bool = True
