@@ -50,7 +50,8 @@ tokens past the shared prefix (the first 256, or 256 past the harness head:
 the running request that prefills them) waits while another request with the same tokens is being
 planned: opencode's title requests are byte-identical across sessions and come together, and a
 folder's sessions starting together share their folder section past the harness head. The
-waiters go on once that plan's saves (head file, anchors) are committed to the store, and a
+waiters go on once that plan's saves (head file, anchors) are committed to the store (at most
+``COMMIT_WAIT_S`` after the plan), and a
 request whose estimates were asked while such a plan finished asks again (they could not see
 what it left): the slot table and the store then show its tokens.
 
@@ -93,6 +94,10 @@ DEFAULT_REQUEST_S = 1.0
 GATE_WAIT_S = 120.0
 #: two servers whose expected costs differ by less than this (seconds) or this fraction of the
 #: best are a tie, which goes to the server that served the session last
+#: the longest the waiters of a gate wait, after its plan returned, for the commits that plan
+#: started (seconds): they hash and enter one slot file each; in 4 runs of ``scripts/bench-multi``
+#: (tiny model, loaded 2-core machine) the longest took 0.31 s
+COMMIT_WAIT_S = 1.0
 STICKY_S = 0.005
 STICKY_FRACTION = 0.05
 
@@ -371,7 +376,7 @@ class Router:
 
     async def _open_gate(self, key: Any, gate: asyncio.Event, commits: list) -> None:
         try:
-            await _committed(commits, self.gate_wait_s)
+            await _committed(commits, min(COMMIT_WAIT_S, self.gate_wait_s))
         finally:
             self._gate_seq += 1
             self._opened[key] = self._gate_seq
