@@ -11,10 +11,19 @@ entries, which every server of the identity can restore).
 
 Policy ``prefix`` (the default, config ``route_policy``). For a completion the router asks every
 *ready* server's layer ``OCacheLayer.estimate(req)`` (read-only: what the plan would reuse there,
-resident or restored by the head/disk/session tiers). The candidates are the servers where the
-request costs the fewest tokens (prefill + another conversation destroyed), up to one ubatch more
-(the granularity of the ``cache_n`` prediction): load never buys latency with more prefill than one
-server alone would do (rule 2). Among them it picks the least expected seconds of work::
+resident or restored by the head/disk/session tiers). Prefill first (rule 2), in three steps
+(``_eligible``): (1) of the servers within one ubatch (the granularity of the ``cache_n``
+prediction) of the fewest tokens (prefill + another conversation destroyed), those that are not
+full (full: the plan overwrites another live conversation, and every slot holds one or that
+slot is busy: ``Estimate.full``), if there are any (a conversation the session tier spills first still has
+to come back, and three sessions on two slots lost 1,799 and 3,278 tokens to mispredicted
+restores in one ``scripts/bench-multi`` run); (2) of those, the fewest tokens: load
+is only the tiebreak among equal token costs; (3) one exception: when every such server has
+requests in flight, an idle one (nothing in flight) of the first step with room (an empty slot
+or one holding only the kept head: ``Estimate.room``) is a candidate too, because
+waiting behind or sharing the compute with running requests can cost more than that extra
+prefill (the seconds below decide, with measured rates). Among the candidates it picks the least
+expected seconds of work::
 
     cost_s = (n_tokens - usable) / tps + restore_s + destroys / tps            # this request's prefill
            + queued_prefill_tokens / tps + β · in_flight · mean_request_s      # the server's load
@@ -28,17 +37,23 @@ the predicted prefill (``X-OCache-Prefilled``) of the requests routed there that
 1 s before any); ``β``: config ``route_load_weight`` (default 0.5: a request in flight costs a new
 one about half of a mean request, the share of the server's time they split). A session stays where
 its state is because there ``usable`` is its whole conversation; it moves only when another
-server can restore it to within one ubatch (the shared store: a spill, an anchor) and its load
-makes it cheaper. Ties go to the server with fewer requests in flight, then
+server can restore as much of it (the shared store: a spill, an anchor) and its load makes it
+cheaper, or to an idle server within one ubatch while its own is busy. Ties go to the server with fewer requests in flight, then
 the first listed.
 
 A prefix nobody holds yet is prefilled once: while one request's plan warms a harness head (on
 whichever server), the next requests with the same head wait for that plan (at most
 ``GATE_WAIT_S``) and then restore its head file, since waiting for a warm-up that started earlier
-is never longer than prefilling the same head again. Likewise a request that no server can reuse
-even its first 256 tokens for waits while another request starting with the same 256 tokens is
-being planned (opencode's title requests are byte-identical across sessions and come together):
-once that plan recorded its tokens in its slot table, the estimates see them.
+is never longer than prefilling the same head again. Likewise a request for whose next 256
+tokens past the shared prefix (the first 256, or 256 past the harness head:
+``Estimate.prefix_key``) no server has a reuse (but by destroying an unsaved conversation, such as
+the running request that prefills them) waits while another request with the same tokens is being
+planned: opencode's title requests are byte-identical across sessions and come together, and a
+folder's sessions starting together share their folder section past the harness head. The
+waiters go on once that plan's saves (head file, anchors) are committed to the store (at most
+``COMMIT_WAIT_S`` after the plan), and a
+request whose estimates were asked while such a plan finished asks again (they could not see
+what it left): the slot table and the store then show its tokens.
 
 Policy ``round_robin`` (for comparisons, ``scripts/bench-multi``): the next ready server in turn,
 whatever it holds; the chosen layer still plans the request.
@@ -79,6 +94,10 @@ DEFAULT_REQUEST_S = 1.0
 GATE_WAIT_S = 120.0
 #: two servers whose expected costs differ by less than this (seconds) or this fraction of the
 #: best are a tie, which goes to the server that served the session last
+#: the longest the waiters of a gate wait, after its plan returned, for the commits that plan
+#: started (seconds): they hash and enter one slot file each; in 4 runs of ``scripts/bench-multi``
+#: (tiny model, loaded 2-core machine) the longest took 0.31 s
+COMMIT_WAIT_S = 1.0
 STICKY_S = 0.005
 STICKY_FRACTION = 0.05
 
@@ -156,12 +175,16 @@ class Router:
         # layers without estimates (NullLayer, ``no_cache``): round robin is all there is
         self._estimates = all(hasattr(s.layer, "estimate") for s in self.servers)
         self.counters = {"planned": 0, "no_server": 0, "estimate_errors": 0, "moved": 0,
-                         "gate_waits": 0}
+                         "gate_waits": 0, "gate_rechecks": 0}
         #: prefixes nobody held whose first plan runs now (gate key -> set when that plan is done)
         self._planning: dict[Any, asyncio.Event] = {}
         #: the longest wait for another request's plan of the same prefix (seconds)
         self.gate_wait_s = GATE_WAIT_S
         self._heads: dict = {}
+        self._bg: set[asyncio.Task] = set()  # gates opening once a plan's saves are committed
+        #: gates opened so far, and the count at which each key's gate opened last
+        self._gate_seq = 0
+        self._opened: dict[Any, int] = {}
         #: the server that last served each client session (``_session_of``), insertion ordered
         self._last_server: dict[str, Server] = {}
         for s in self.servers:
@@ -240,11 +263,9 @@ class Router:
             server = ready[0]
             server.inflight[req.request_id] = _InFlight(0, time.monotonic())
             return Choice(server, "first ready server (no estimate)")
-        # rule 2 (never worse than one server): only servers whose prefill for this request is
-        # within one ubatch of the least (the granularity of the cache_n prediction) are candidates;
-        # among them the least expected seconds (load) decides
-        least = min(_tokens_cost(e) for *_, e in scored)
-        eligible = [t for t in scored if _tokens_cost(t[4]) <= least + t[4].ubatch]
+        # rule 2 (prefill first): the candidates are the servers where the request costs the
+        # fewest tokens; load decides among them (see _eligible)
+        eligible = _eligible(scored)
         eligible.sort(key=lambda t: (round(t[0], 6), t[1], t[2]))
         # a session stays where it was last served unless moving is clearly cheaper: costs within
         # STICKY_S or STICKY_FRACTION of the best are one tie (measured costs jitter by a few ms)
@@ -277,19 +298,7 @@ class Router:
 
     async def plan(self, req: Any) -> Plan:
         rid = req.request_id
-        choice = await self.choose(req)
-        if choice is not None and choice.gate is not None and choice.gate in self._planning:
-            # another request's plan is prefilling this prefix right now (on some server): wait for
-            # it, then reuse what it left instead of prefilling the same tokens a second time
-            choice.server.inflight.pop(rid, None)
-            self.counters["gate_waits"] += 1
-            try:
-                await asyncio.wait_for(asyncio.shield(self._planning[choice.gate].wait()),
-                                       self.gate_wait_s)
-            except asyncio.TimeoutError:
-                log.info("[%s] the plan of the same prefix elsewhere not done in %g s: planning anyway",
-                         rid, self.gate_wait_s)
-            choice = await self.choose(req)
+        choice = await self._choose_past_gates(req)
         if choice is None:
             self.counters["no_server"] += 1
             raise RuntimeError("no ready upstream")
@@ -301,11 +310,14 @@ class Router:
             plan = await server.layer.plan(req)
         except BaseException:
             server.inflight.pop(rid, None)
-            raise
-        finally:
             if gate is not None:
                 gate.set()
                 self._planning.pop(choice.gate, None)
+            raise
+        if gate is not None:
+            # the waiters go on once what this plan saved is committed (not this request: it is
+            # forwarded now)
+            self._spawn(self._open_gate(choice.gate, gate, _pending_commits(server.layer)))
         self.share_heads()
         plan.upstream = server.url
         plan.headers["X-OCache-Upstream"] = server.url
@@ -328,6 +340,56 @@ class Router:
 
         plan.release = release
         return plan
+
+    async def _choose_past_gates(self, req: Any) -> Choice | None:
+        """``choose``, again after waiting while another request's plan of the same new prefix
+        runs (at most ``gate_wait_s`` in all), and again when such a plan finished while this
+        request's estimates were asked (they could not see what it left)."""
+        rid = req.request_id
+        deadline = time.monotonic() + self.gate_wait_s
+        expired = False
+        for _ in range(64):  # each turn follows another request's plan of the same prefix
+            seq = self._gate_seq
+            choice = await self.choose(req)
+            key = choice.gate if choice is not None else None
+            if key is None or expired:
+                return choice
+            if key in self._planning:
+                # another request's plan is prefilling this prefix right now (on some server): wait
+                # for it, then reuse what it left instead of prefilling the same tokens again
+                choice.server.inflight.pop(rid, None)
+                self.counters["gate_waits"] += 1
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._planning[key].wait()),
+                                           max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    log.info("[%s] the plan of the same prefix elsewhere not done in %g s: planning anyway",
+                             rid, self.gate_wait_s)
+                    expired = True
+                continue
+            if self._opened.get(key, 0) > seq:
+                choice.server.inflight.pop(rid, None)
+                self.counters["gate_rechecks"] += 1
+                continue
+            return choice
+        return choice
+
+    async def _open_gate(self, key: Any, gate: asyncio.Event, commits: list) -> None:
+        try:
+            await _committed(commits, min(COMMIT_WAIT_S, self.gate_wait_s))
+        finally:
+            self._gate_seq += 1
+            self._opened[key] = self._gate_seq
+            while len(self._opened) > 1024:
+                self._opened.pop(next(iter(self._opened)))
+            gate.set()
+            if self._planning.get(key) is gate:
+                self._planning.pop(key, None)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def _server_of(self, req: Any, plan: Plan) -> Server | None:
         """The server a plan was made for (``Plan.upstream``); a plan the router did not make (the
@@ -379,6 +441,8 @@ class Router:
         return sum(int(getattr(s.layer, "calls_inflight", lambda: 0)()) for s in self.servers)
 
     async def idle(self) -> None:
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
         for s in self.servers:
             idle = getattr(s.layer, "idle", None)
             if idle is not None:
@@ -426,6 +490,38 @@ def _session_of(req: Any) -> str | None:
     return getattr(req, "session_hint", None) or session_key(getattr(req, "headers", None))
 
 
+def _eligible(scored: list) -> list:
+    """The candidates among ``scored`` (tuples ``(cost_s, in_flight, index, Server, Estimate)``):
+    the servers where the request costs the fewest tokens (:func:`_tokens_cost`); only when every
+    one of those has requests in flight, also the idle servers (nothing in flight) that cost at
+    most one ubatch more (the granularity of the ``cache_n`` prediction) and have room for it
+    (``Estimate.room``: an empty slot, or one holding only the kept head; the plan overwrites no
+    live conversation), so that a busy server's conversation can move to an idle one when its
+    expected seconds are less there. Without room such moves cost more than they saved in
+    ``scripts/bench-multi``: one that overwrote another session's slot (spilled) for 3 tokens
+    cost that session 799 tokens at its next turn; one into a title's slot on a server whose two
+    slots two sessions used cost 1,323. Pure.
+
+    Before that, of the servers within one ubatch of the fewest tokens, those that are not full
+    (``Estimate.full``: the plan overwrites another live conversation, and every slot holds one
+    or that slot is busy) are preferred to those that are, if any.
+
+    Why not the least seconds among every server within one ubatch (the rule before): the
+    seconds then decided between servers that differ by a few tokens and by ms of load, and a
+    session moved for 16 tokens more and 30 ms less onto a server whose both slots were taken:
+    the two sessions there lost their slots, 3,549 tokens prefilled again
+    (``scripts/bench-multi``: 35,443 tokens against 31,869 for one server)."""
+    least = min(_tokens_cost(t[4]) for t in scored)
+    near = [t for t in scored if _tokens_cost(t[4]) <= least + t[4].ubatch]
+    keep = [t for t in near if not t[4].full] if any(not t[4].full for t in near) else near
+    first = min(_tokens_cost(t[4]) for t in keep)
+    out = [t for t in keep if _tokens_cost(t[4]) == first]
+    if all(t[3].inflight for t in out):
+        out += [t for t in keep if not t[3].inflight and first < _tokens_cost(t[4])
+                and not t[4].evicts and t[4].room]
+    return out
+
+
 def _tokens_cost(est: Any) -> int:
     """Tokens a request costs on a server: what it prefills there plus what it destroys."""
     return max(0, est.n_tokens - est.usable) + est.destroys
@@ -433,14 +529,42 @@ def _tokens_cost(est: Any) -> int:
 
 def _gate_key(chosen: Any, ests: list) -> Any:
     """The key under which concurrent plans of one new prefix wait for each other, or None: the
-    harness head when the chosen plan would warm it (no server holds it), else the first 256
-    tokens when no server can reuse even those."""
+    harness head when the chosen plan would warm it (no server holds it), else the tokens up to
+    256 past the shared prefix (``Estimate.prefix_key``/``prefix_len``: the first 256, or 256
+    past the harness head) when no server can reuse them (but by destroying a conversation that
+    is not saved first, e.g. the running first turn that is prefilling them): opencode's title requests
+    (byte-identical across sessions) and a folder's sessions starting together (both would
+    prefill the same folder section past the shared harness head; ``scripts/bench-multi``
+    prefilled the 277-295-token section twice in 2 of 3 runs)."""
     if chosen.warm and chosen.head_key:
         return ("head", chosen.head_key)
-    first = min(chosen.n_tokens, 256)
-    if chosen.prefix_key is not None and all(e.usable < first for e in ests):
+    if chosen.prefix_key is not None and all(e.usable < chosen.prefix_len for e in ests if not e.destroys):
         return ("prefix", chosen.prefix_key)
     return None
+
+
+def _pending_commits(layer: Any) -> list:
+    """The background commits of ``layer``'s head and disk tiers running now: the tiers commit a
+    saved slot file (hash, entry) after the plan that saved it returned (``DiskTier.save_slot``),
+    and a request waiting for that plan finds the anchor only once it is committed."""
+    out: list = []
+    for tier in (getattr(layer, "head_tier", None), getattr(layer, "disk_tier", None)):
+        get = getattr(tier, "pending_commits", None)
+        if get is not None:
+            out.extend(get())
+    return out
+
+
+async def _committed(tasks: list, bound_s: float) -> None:
+    """Wait (at most ``bound_s`` seconds) for ``tasks`` (:func:`_pending_commits` as a plan
+    returned: what it saved, not what later requests save). Never raises."""
+    if not tasks:
+        return
+    try:
+        # shielded: a timeout ends the wait, never the tiers' commits
+        await asyncio.wait_for(asyncio.shield(asyncio.gather(*tasks, return_exceptions=True)), bound_s)
+    except Exception as exc:  # noqa: BLE001 - the waiters then plan with what is there
+        log.debug("commits after a gated plan not done: %s: %s", type(exc).__name__, exc)
 
 
 def _short(url: str) -> str:

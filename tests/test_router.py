@@ -129,12 +129,12 @@ def _fake_router(ests: list, load_weight: float = 0.5) -> Router:
     return Router(ups, Config(route_load_weight=load_weight), lambda u, c: layer(next(it)))
 
 
-def _est(n, usable, ubatch=128, destroys=0):
+def _est(n, usable, ubatch=128, destroys=0, **kw):
     from ocache.cache import Estimate
 
     return Estimate(n_tokens=n, usable=usable, tier="resident" if usable else "cold", slot=0, busy=False,
                     destroys=destroys, restore_s=0.0, kind="guest", own_session=False, head_len=0,
-                    prefill_tps=1000.0, ubatch=ubatch)
+                    prefill_tps=1000.0, ubatch=ubatch, **kw)
 
 
 async def test_load_never_buys_latency_with_more_prefill_than_one_ubatch():
@@ -158,6 +158,152 @@ async def test_load_never_buys_latency_with_more_prefill_than_one_ubatch():
     # a guest goes where it destroys least: same prefill, one server would overwrite a conversation
     r = _fake_router([_est(600, 0, destroys=5000), _est(600, 0)])
     assert (await r.choose(type("R", (), {"request_id": "g"})())).server.index == 1
+
+
+async def test_load_decides_only_among_the_least_prefill_unless_an_idle_server_is_within_one_ubatch():
+    """Prefill first: a conversation resident on a busy server (1,007 tokens to prefill there) does
+    not move to another busy server that would prefill 16 tokens more, however much less loaded
+    that one is (bench-multi: such a move cost the two sessions already there their slots);
+    equal token costs go to the less loaded server; an idle server within one ubatch wins only
+    while every least-prefill server is busy and only where it has room (a free slot: it overwrites
+    no live conversation), and a server more than one ubatch dearer never."""
+    from ocache.router import _InFlight
+
+    def req(rid):
+        return type("R", (), {"request_id": rid})()
+
+    r = _fake_router([_est(8242, 7235), _est(8242, 7219)])
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 2.0       # its load: 0.5 x 1 x 2 s = 1 s
+    r.servers[1].inflight["y"] = _InFlight(0, 0.0)
+    r.servers[1].mean_request_s = 0.2       # 0.1 s: cheaper in seconds by ~0.9 s
+    assert (await r.choose(req("1"))).server.index == 0
+    r = _fake_router([_est(8242, 7235), _est(8242, 7235)])   # equal tokens: the load decides
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    assert (await r.choose(req("2"))).server.index == 1
+    r = _fake_router([_est(8242, 7235), _est(8242, 7219)])   # the least-prefill server is idle too
+    r.servers[1].mean_request_s = 0.2
+    assert (await r.choose(req("3"))).server.index == 0
+    r = _fake_router([_est(8242, 7235), _est(8242, 7232, evicts=7244)])  # idle, but overwrites one
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 4.0
+    assert (await r.choose(req("5"))).server.index == 0
+    r = _fake_router([_est(8242, 7235), _est(8242, 7219, room=False)])   # idle, no free slot
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 4.0
+    assert (await r.choose(req("6"))).server.index == 0
+    r = _fake_router([_est(8242, 7235), _est(8242, 7100)])   # idle but 135 > 128 tokens more
+    r.servers[0].inflight["x"] = _InFlight(0, 0.0)
+    r.servers[0].mean_request_s = 4.0
+    assert (await r.choose(req("4"))).server.index == 0
+
+
+async def test_a_server_with_room_wins_over_a_full_one_within_one_ubatch():
+    """bench-multi's first turns: a session's head is on disk for both servers; one server, whose
+    two slots hold two other live conversations, would reuse 44 tokens more by overwriting one of
+    them (spilled first: no destroys). Within one ubatch the server with room wins; beyond one
+    ubatch, or when both are full, the fewest tokens do."""
+    def req(rid):
+        return type("R", (), {"request_id": rid})()
+
+    full = dict(evicts=7236, full=True)
+    r = _fake_router([_est(7260, 6986, **full), _est(7260, 6942)])
+    assert (await r.choose(req("1"))).server.index == 1
+    r = _fake_router([_est(7260, 6986, **full), _est(7260, 6800)])   # 186 > 128 tokens more
+    assert (await r.choose(req("2"))).server.index == 0
+    r = _fake_router([_est(7260, 6942, **full), _est(7260, 6986, **full)])
+    assert (await r.choose(req("3"))).server.index == 1
+    # with room (a free slot besides the overwritten one) the fewest tokens win
+    r = _fake_router([_est(7260, 6986, evicts=7236), _est(7260, 6942)])
+    assert (await r.choose(req("4"))).server.index == 0
+
+
+def test_gate_key_ignores_a_reuse_only_a_destroyed_conversation_offers():
+    """The second session of a folder starting while the first prefills the folder section: the
+    only server reusing past the harness head would overwrite the running first turn (not saved:
+    destroys), so the request waits for that plan (same key: 256 past the head) instead of
+    prefilling the section again; a server that reuses it without destroying one ends the wait."""
+    from ocache.router import _gate_key
+
+    chosen = _est(7236, 6942, prefix_key=11, prefix_len=7198)
+    assert _gate_key(chosen, [chosen, _est(7236, 7222, destroys=7245)]) == ("prefix", 11)
+    assert _gate_key(chosen, [chosen, _est(7236, 7219)]) is None
+    title = _est(541, 0, prefix_key=12, prefix_len=256)
+    assert _gate_key(title, [title, _est(541, 0)]) == ("prefix", 12)
+
+
+async def test_a_request_asks_again_when_a_plan_of_its_prefix_ended_while_it_estimated():
+    """Two identical title requests: B's estimates are asked before A's plan records the title in
+    server 0's slot and answer only after A's plan is done (and its gate open). B then asks
+    again and goes where the title is (server 0, 540 of 541), not to the other, idle server."""
+    from types import SimpleNamespace
+
+    from ocache.layer import Plan
+
+    held = {0: 0, 1: 0}          # tokens of the title each server's slots hold
+    answer_b = asyncio.Event()
+    asked_b = asyncio.Event()
+
+    def layer(i):
+        async def estimate(req):
+            usable = max(0, held[i] - 1)          # what this server holds when asked
+            if req.request_id == "b" and not answer_b.is_set():
+                asked_b.set()
+                await answer_b.wait()
+            return _est(541, usable, prefix_key=7 if usable < 256 else None, prefix_len=256)
+
+        async def plan(req):
+            held[i] = 541
+            return Plan()
+        return SimpleNamespace(estimate=estimate, plan=plan, prefill_tps=1000.0)
+
+    ups = [SimpleNamespace(base_url=f"http://127.0.0.1:{i + 1}", state="ready") for i in range(2)]
+    it = iter(range(2))
+    r = Router(ups, Config(), lambda u, c: layer(next(it)))
+    b = asyncio.ensure_future(r.plan(SimpleNamespace(request_id="b", headers={})))
+    await asyncio.wait_for(asked_b.wait(), 10)
+    a = await r.plan(SimpleNamespace(request_id="a", headers={}))
+    assert a.upstream == "http://127.0.0.1:1"
+    await r.idle()                                # A's gate opens (nothing to commit here)
+    answer_b.set()
+    pb = await asyncio.wait_for(b, 10)
+    assert pb.upstream == "http://127.0.0.1:1", pb.headers["X-OCache-Route"]
+    assert r.counters["gate_rechecks"] == 1
+
+
+async def test_a_gate_opens_when_the_commits_of_its_plan_are_done_not_later_ones():
+    """The first plan of a new prefix saved an anchor whose commit (hash, entry) runs after the plan
+    returned: a request of the same prefix waits until that commit is done (before, it would find
+    no anchor and prefill the section again), and not for a commit started after that plan (a
+    title waited until the stream ended)."""
+    from types import SimpleNamespace
+
+    from ocache.layer import Plan
+
+    first_commit, later_commit = asyncio.Event(), asyncio.Event()
+    tier = SimpleNamespace(tasks=[])
+    tier.pending_commits = lambda: [t for t in tier.tasks if not t.done()]
+
+    async def estimate(req):
+        return _est(7245, 6942, prefix_key=5, prefix_len=7198)
+
+    async def plan(req):
+        tier.tasks.append(asyncio.ensure_future(first_commit.wait()))
+        return Plan()
+
+    ups = [SimpleNamespace(base_url=f"http://127.0.0.1:{i + 1}", state="ready") for i in range(2)]
+    r = Router(ups, Config(), lambda u, c: SimpleNamespace(estimate=estimate, plan=plan, prefill_tps=1000.0,
+                                                         disk_tier=tier))
+    await r.plan(SimpleNamespace(request_id="a", headers={}))
+    tier.tasks.append(asyncio.ensure_future(later_commit.wait()))   # another request's save
+    b = asyncio.ensure_future(r.plan(SimpleNamespace(request_id="b", headers={})))
+    done, _ = await asyncio.wait({b}, timeout=0.5)
+    assert not done and r.counters["gate_waits"] == 1
+    first_commit.set()
+    await asyncio.wait_for(b, 10)
+    assert not later_commit.is_set()
+    later_commit.set()
+    await r.idle()
 
 
 async def test_a_near_tie_goes_to_the_server_that_served_the_session_last():

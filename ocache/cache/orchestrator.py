@@ -592,11 +592,25 @@ class OCacheLayer:
         destroys = 0
         if dec.evicts and not any(t.will_spill(dec.slot) for t in self.tiers):
             destroys = len(snap[dec.slot].tokens)
+        # a live conversation overwritten (spilled or not) where every slot holds one, or in a slot
+        # that is busy (the plan waits for its request, and what it then finds is not this
+        # prediction): the router prefers a server with room (router._eligible)
+        full = bool(dec.evicts) and (dec.choice.busy or all(
+            c.protected for c in rank_slots(tokens, snap, ctx, table.params)))
+        # the tokens up to 256 past what requests of one folder share (the harness head when the
+        # plan reuses no more, else the usable prefix; none below 256): the key under which the
+        # router lets concurrent plans of one new prefix wait for each other (router._gate_key)
+        base = head_len if head_len and dec.predicted < head_len + 256 else (
+            dec.predicted if dec.predicted >= 256 else 0)
+        block = base + 256 if base + 256 <= len(tokens) or not base else 0
         return Estimate(n_tokens=len(tokens), usable=dec.predicted, tier=dec.tier, slot=dec.slot,
                         busy=dec.choice.busy, destroys=destroys,
                         restore_s=dec.offer.cost_s if dec.offer else 0.0, kind=kind, own_session=own,
                         head_len=head_len, prefill_tps=self.prefill_tps, head_key=head_key,
-                        warm="warm_head" in dec.steps, prefix_key=hash(tuple(tokens[:256])),
+                        warm="warm_head" in dec.steps, prefix_key=hash(tuple(tokens[:block])) if block else None,
+                        prefix_len=block, evicts=len(snap[dec.slot].tokens) if dec.evicts else 0, full=full,
+                        room=any(st.origin or (not st.tokens and not st.n_total and not st.foreign)
+                                 for st in snap),
                         ubatch=table.params.n_ubatch)
 
     async def _refresh(self, rid: str) -> None:

@@ -121,12 +121,19 @@ class Estimate:
     ``cache_n`` there (resident, or what the head/disk/session tiers would restore first), in tokens;
     ``tier``: where it would come from; ``slot``/``busy``: the slot the plan would take and whether
     a request is running in it; ``destroys``: tokens of another live conversation the plan would
-    overwrite there without the session tier saving them first (0: none);
+    overwrite there without the session tier saving them first (0: none); ``evicts``: tokens of
+    another live conversation the plan would overwrite there, saved first or not (0: none);
+    ``full``: it overwrites one there and every slot holds another live conversation, or that
+    slot is busy (the plan would wait for its request); ``room``: some slot there is empty or
+    holds only the kept harness head (``origin``): a conversation moving in overwrites none;
     ``restore_s``: the chosen offer's estimated read time (seconds); ``own_session``: a slot holds
     this request's session; ``prefill_tps``: this server's measured prefill rate (tokens/s, None
     before the first measurement); ``head_key``: the harness fingerprint; ``warm``: the plan would
-    prefill the head itself first (no server holds it yet); ``prefix_key``: a hash of the first 256
-    tokens (in-process only: requests that start alike); ``ubatch``: the server's ``-ub`` (tokens)."""
+    prefill the head itself first (no server holds it yet); ``prefix_key``: a hash of the first
+    ``prefix_len`` tokens: 256 past the harness head (``head_len``) when the plan reuses less than
+    that, else 256 past ``usable`` (just 256 when that is below 256; None when the prompt ends
+    before) (in-process only: requests that would prefill the same next tokens, e.g. two sessions
+    of one folder past the shared head); ``ubatch``: the server's ``-ub`` (tokens)."""
 
     n_tokens: int
     usable: int
@@ -142,4 +149,8 @@ class Estimate:
     head_key: str | None = None
     warm: bool = False
     prefix_key: int | None = None
+    prefix_len: int = 256
     ubatch: int = 512
+    evicts: int = 0
+    full: bool = False
+    room: bool = True

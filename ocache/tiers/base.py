@@ -132,6 +132,11 @@ class TierBase:
         """Wait for background work (commits)."""
         return None
 
+    def pending_commits(self) -> list:
+        """The background commits running now (``asyncio.Task``s; awaiting them waits for what was
+        saved so far, not for later saves as :meth:`flush` does)."""
+        return []
+
     async def clear(self) -> dict:
         """Delete what this tier keeps (``POST /v1/cache/clear?tier=<name>``). Returns
         ``{"deleted": n}``."""

@@ -379,6 +379,10 @@ class DiskTier(TierBase):
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
+    def pending_commits(self) -> list:
+        """The background commits running now (:meth:`TierBase.pending_commits`)."""
+        return list(self._bg)
+
     # ------------------------------------------------------------------ lookup / bring
     def read_cost_s(self, nbytes: int) -> float:
         """Seconds to verify and restore ``nbytes`` at the measured rates (the verify's xxh3 reads the

@@ -224,6 +224,10 @@ class HeadTier(TierBase):
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
+    def pending_commits(self) -> list:
+        """The background commits running now (:meth:`TierBase.pending_commits`)."""
+        return list(self._bg)
+
     async def clear(self) -> dict:
         """Forget every head and delete the head entries. Returns ``{"deleted": heads + entries}``."""
         await self.flush()
