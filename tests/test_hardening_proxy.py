@@ -29,7 +29,7 @@ from ocache.layer import NullLayer
 from ocache.proxy import RUNNER_KWARGS, Proxy, default_layer_factory, serve
 from ocache.llama.server import free_port
 
-from test_proxy import FakeUpstream, client, fake_upstream, normalise, poll
+from test_proxy import FakeUpstream, client, fake_upstream, normalise, poll, stream_with_stop
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -754,17 +754,7 @@ async def test_launch_stop_sends_sigterm_with_no_get_slots_in_flight(engine_patc
         await poll(lambda: proxy.upstream.state == "ready", timeout=60, what="child ready")
         async with client() as c:
             body = chat("hello there " * 40, max_tokens=600, stream=True, ignore_eos=True)
-            async with c.post(base + "/v1/chat/completions", json=body) as r:
-                assert r.status == 200
-                n = 0
-                async for line in r.content:
-                    if line.startswith(b"data: "):
-                        n += 1
-                        if n == 3:
-                            t_stop = time.monotonic()
-                            stop.set()  # planned stop while the stream is in flight
-                        last = line
-                assert last.strip() == b"data: [DONE]"   # the stop let it finish
+            t_stop = await stream_with_stop(c, base, body, stop)
         await asyncio.wait_for(task, 60)
     finally:
         stop.set()

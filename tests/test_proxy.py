@@ -54,6 +54,24 @@ async def client():
         yield s
 
 
+async def stream_with_stop(c: aiohttp.ClientSession, base: str, body: dict, stop: asyncio.Event) -> float:
+    """Stream ``body``, ask for a planned stop (``stop.set()``) at its third event, and check the
+    stream still ends with ``[DONE]`` (the stop lets it finish). Returns the monotonic time of the stop."""
+    t_stop = 0.0
+    async with c.post(base + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        n, last = 0, b""
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                n += 1
+                if n == 3:
+                    t_stop = time.monotonic()
+                    stop.set()  # planned stop while this stream is in flight
+                last = line
+        assert last.strip() == b"data: [DONE]"
+    return t_stop
+
+
 async def poll(cond, timeout: float = 5.0, what: str = "condition"):
     """Await ``cond()`` (sync or async) until truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -720,16 +738,7 @@ async def test_serve_launch_restarts_child_and_drains(engine_patched, models_tin
         async with client() as c:
             body = {"messages": [{"role": "user", "content": "go"}], "stream": True,
                     "max_tokens": 300, "ignore_eos": True, "temperature": 0}
-            async with c.post(base + "/v1/chat/completions", json=body) as r:
-                assert r.status == 200
-                n = 0
-                async for line in r.content:
-                    if line.startswith(b"data: "):
-                        n += 1
-                        if n == 3:
-                            stop.set()  # planned stop while this stream is in flight
-                        last = line
-                assert last.strip() == b"data: [DONE]"
+            await stream_with_stop(c, base, body, stop)
         await asyncio.wait_for(task, 60)
     finally:
         stop.set()
