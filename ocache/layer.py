@@ -72,6 +72,9 @@ class ParsedRequest:
     headers: Mapping[str, str]
     session_hint: str | None
     stream: bool
+    #: values the cache layer computes once per request and reuses (``message_keys`` of its chat
+    #: body: the router and the chosen server's layer both read them)
+    memo: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -9,7 +9,9 @@ object per process, so a slot file one server saved restores into another of the
 and the warmed heads the layers know (``share_heads``: the head tier's records point at store
 entries, which every server of the identity can restore).
 
-Policy ``prefix`` (the default, config ``route_policy``). For a completion the router asks every
+Policy ``prefix`` (the default, config ``route_policy``). A turn of a conversation that exactly one
+ready server holds in a slot (``OCacheLayer.known_slot``: its earlier messages unchanged) goes there
+at once, without estimates (``Router._known``). For any other completion the router asks every
 *ready* server's layer ``OCacheLayer.estimate(req)`` (read-only: what the plan would reuse there,
 resident or restored by the head/disk/session tiers). Prefill first (rule 2), in three steps
 (``_eligible``): (1) of the servers within one ubatch (the granularity of the ``cache_n``
@@ -174,7 +176,7 @@ class Router:
         self._rr = itertools.count()
         # layers without estimates (NullLayer, ``no_cache``): round robin is all there is
         self._estimates = all(hasattr(s.layer, "estimate") for s in self.servers)
-        self.counters = {"planned": 0, "no_server": 0, "estimate_errors": 0, "moved": 0,
+        self.counters = {"planned": 0, "no_server": 0, "estimate_errors": 0, "moved": 0, "known": 0,
                          "gate_waits": 0, "gate_rechecks": 0}
         #: prefixes nobody held whose first plan runs now (gate key -> set when that plan is done)
         self._planning: dict[Any, asyncio.Event] = {}
@@ -239,6 +241,9 @@ class Router:
                 why += " (no cache layer)"
             server.inflight[req.request_id] = _InFlight(0, time.monotonic())
             return Choice(server, why)
+        known = self._known(req, ready)
+        if known is not None:
+            return known
         results = await asyncio.gather(*(s.layer.estimate(req) for s in ready), return_exceptions=True)
         self.share_heads()  # layers made ready by the estimate registered their head tiers
         scored: list[tuple[float, int, int, Server, Any]] = []
@@ -293,6 +298,33 @@ class Router:
             while len(self._last_server) > 4096:
                 self._last_server.pop(next(iter(self._last_server)))
         return Choice(server, why, cost, _gate_key(est, [e for *_, e in scored]))
+
+    def _known(self, req: Any, ready: list[Server]) -> Choice | None:
+        """The one ready server one of whose slots holds this request's conversation
+        (``OCacheLayer.known_slot``: its earlier messages unchanged), chosen without asking any
+        server for an estimate (each estimate builds the request's token view there): that server
+        reuses the whole previous turn and no other holds more of it, so the choice is the one
+        the estimates would make, and its layer forwards at once (the known path). None when no
+        server, or more than one, knows it."""
+        hits = []
+        for s in ready:
+            fn = getattr(s.layer, "known_slot", None)
+            try:
+                slot = fn(req) if fn is not None else None
+            except Exception:  # noqa: BLE001 - a shortcut only: the estimates decide then
+                log.exception("[%s] %s: known_slot failed", req.request_id, s.url)
+                slot = None
+            if slot is not None:
+                hits.append((s, slot))
+        if len(hits) != 1:
+            return None
+        server, slot = hits[0]
+        self.counters["known"] += 1
+        server.inflight[req.request_id] = _InFlight(0, time.monotonic())
+        session = _session_of(req)
+        if session:
+            self._last_server[session] = server
+        return Choice(server, f"known: slot {slot} holds this conversation")
 
     # -- CacheLayer ----------------------------------------------------------------------------
 

@@ -467,3 +467,44 @@ async def test_serve_launch_replicas_starts_two_children_behind_the_router(engin
     finally:
         stop.set()
         await asyncio.wait_for(task, 60)
+
+
+@pytest.mark.server
+async def test_a_known_conversations_next_turn_is_routed_without_estimates(start_server, tmp_path):
+    """Turn 3 of a conversation one server holds: the router sends it there without asking either
+    server for an estimate (each would build its token view first), and that server's layer takes
+    the known path; the figures stay exact and so does the greedy output."""
+    servers = two_servers(start_server)
+    h = session_headers(A1)
+    async with through_router(router_config(servers, tmp_path / "cache")) as (base, proxy), \
+            aiohttp.ClientSession() as s:
+        b = body(A1)
+        first = await send(s, base, proxy, b, h)
+        for q in ("Now the second question?", "And the third?"):
+            b = copy.deepcopy(b)
+            b["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": q}]
+            if q.startswith("And"):
+                for srv in proxy.layer.servers:
+                    await srv.layer._viewer.wait_verified()
+                asked: list[str] = []
+                for srv in proxy.layer.servers:
+                    real = srv.layer.estimate
+
+                    async def counted(req, _real=real, _url=srv.url):
+                        asked.append(_url)
+                        return await _real(req)
+
+                    srv.layer.estimate = counted
+            async with s.post(base + CHAT, json=b, headers=h) as r:
+                data = await r.json()
+                assert r.status == 200, data
+                rec = {k: r.headers.get(k) for k in ("X-OCache-Upstream", "X-OCache-Route", "X-OCache-Path",
+                                                     "X-OCache-Predicted-Cache")}
+            await proxy.wait_background()
+            await proxy.layer.idle()
+        assert asked == [] and rec["X-OCache-Route"].startswith("known"), rec
+        assert rec["X-OCache-Upstream"] == first["upstream"] and rec["X-OCache-Path"] == "known"
+        assert int(rec["X-OCache-Predicted-Cache"]) == data["timings"]["cache_n"]
+        assert proxy.layer.counters["known"] == 1
+        ref = await cold(servers[0].url, b)
+    assert_exact(ref, {"data": data, "route": rec["X-OCache-Route"]})

@@ -270,25 +270,62 @@ class OCacheLayer:
 
     # -- CacheLayer: the request path ------------------------------------------------------------
 
+    def _as_chat(self, req: Any) -> tuple[Mapping, str, str | None]:
+        """``(body, path, refusal)``: a ``/v1/messages`` / ``/v1/responses`` request as the chat body
+        the server itself renders (ocache/api/convert.py, path ``/v1/chat/completions``), any other
+        as it is; ``refusal`` is ``unpinnable`` (an Anthropic request this server cannot pin:
+        ``_anthropic_pin_ok``) or ``unrenderable`` (not convertible: the server answers it with its
+        own 400), else None. The converted body is kept in ``req.memo``."""
+        body, path = req.body or {}, req.path
+        if path not in convert.CONVERTED_ROUTES:
+            return body, path, None
+        if path in convert.ANTHROPIC_ROUTES and not self._anthropic_pin_ok():
+            return body, path, "unpinnable"
+        memo = getattr(req, "memo", None)
+        if memo is not None and "chat" in memo:
+            return memo["chat"], "/v1/chat/completions", None
+        try:
+            chat = convert.to_chat(path, body)
+        except convert.ConversionError as exc:
+            log.debug("[%s] %s not converted: %s", req.request_id, path, exc)
+            return body, path, "unrenderable"
+        if memo is not None:
+            memo["chat"] = chat
+        return chat, "/v1/chat/completions", None
+
+    @staticmethod
+    def _keys(req: Any, body: Mapping) -> tuple:
+        """``message_keys(body)``, computed once per request (``req.memo``)."""
+        memo = getattr(req, "memo", None)
+        if memo is None:
+            return message_keys(body)
+        if "keys" not in memo:
+            memo["keys"] = message_keys(body)
+        return memo["keys"]
+
+    def known_slot(self, req: Any) -> int | None:
+        """The slot :meth:`_plan_known` would take for ``req`` now (read-only, no await; the router
+        asks it first: ``ocache/router.py``), or None: not ready, the known path off or not yet
+        possible (template not checked append-only), not a chat request, no slot holds it."""
+        table = self.table
+        if not (self._ready and table is not None and self.opt_fast_path
+                and getattr(self._viewer, "append_only", False)):
+            return None
+        body, path, refusal = self._as_chat(req)
+        if refusal is not None or path not in CHAT_ROUTES or body.get("cache_prompt") is False:
+            return None
+        session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
+        kind = fp_mod.classify(body, self.markers)
+        return known_conversation_slot(table.snapshot(), self._keys(req, body)[1], session, kind)
+
     async def plan(self, req: Any) -> Any:
         await self._ensure_ready()
         table = self.table
         assert table is not None
-        body = req.body or {}
-        path = req.path
-        if path in convert.CONVERTED_ROUTES:
-            # /v1/messages, /v1/responses: planned exactly like a chat request, on the chat body the
-            # server itself renders (ocache/api/convert.py)
-            if path in convert.ANTHROPIC_ROUTES and not self._anthropic_pin_ok():
-                self.counters["unpinnable"] += 1
-                return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": "other"})
-            try:
-                body = convert.to_chat(path, body)
-            except convert.ConversionError as exc:
-                self.counters["unrenderable"] += 1  # the server answers it with its own 400
-                log.debug("[%s] %s not converted: %s", req.request_id, path, exc)
-                return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": "other"})
-            path = "/v1/chat/completions"
+        body, path, refusal = self._as_chat(req)
+        if refusal is not None:
+            self.counters[refusal] += 1
+            return _mk_plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": "other"})
         chat = path in CHAT_ROUTES
         if body.get("cache_prompt") is False:
             # the server reuses nothing for it (n_past stays 0 without cache_prompt,
@@ -300,7 +337,7 @@ class OCacheLayer:
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
         keys = None
         if chat and self.opt_fast_path and getattr(self._viewer, "append_only", False):
-            keys = message_keys(body)
+            keys = self._keys(req, body)
             known = await self._plan_known(req, body, path, kind, head, keys)
             if known is not None:
                 return known
@@ -558,15 +595,9 @@ class OCacheLayer:
         """
         await self._ensure_ready()
         table = self.table
-        body, path = req.body or {}, req.path
-        if path in convert.CONVERTED_ROUTES:
-            if path in convert.ANTHROPIC_ROUTES and not self._anthropic_pin_ok():
-                return None
-            try:
-                body = convert.to_chat(path, body)
-            except convert.ConversionError:
-                return None
-            path = "/v1/chat/completions"
+        body, path, refusal = self._as_chat(req)
+        if refusal is not None:
+            return None
         chat = path in CHAT_ROUTES
         kind = fp_mod.classify(body, self.markers) if chat else "other"
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
