@@ -453,8 +453,8 @@ class OCacheLayer:
     async def _plan_known(self, req: Any, body: Mapping, path: str, kind: str, head: Any,
                           keys: tuple) -> Any:
         """The next turn of a conversation a slot holds (``known_conversation_slot``: its earlier
-        messages unchanged, the template checked append-only): pinned to that slot and forwarded at once, without
-        waiting for its token view. The plan is the one the planner makes for such a request (that
+        messages unchanged, the template checked append-only): pinned to that slot and forwarded at
+        once, without waiting for its token view. The plan is the one the planner makes for such a request (that
         slot, no step before forwarding; the reason is in ``known_conversation_slot``); the view,
         the prediction, the slot table's record and the ``X-OCache-*`` figures are computed while
         the server works (``Plan.completion``; the proxy waits for it before it sends the response
