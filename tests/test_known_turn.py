@@ -64,6 +64,9 @@ def test_known_slot_is_the_one_whose_messages_the_request_repeats():
     assert known_conversation_slot([_slot(0, turn1), _slot(1, turn1)], digests, "s1", "agent") is None
     # a request shorter than what the slot was sent is not its next turn
     assert known_conversation_slot([_slot(0, turn2)], message_keys(turn1)[1], "s1", "agent") is None
+    # a template not yet checked append-only: only a resend of exactly the slot's messages
+    assert known_conversation_slot(slots, digests, "s1", "agent", extensions=False) is None
+    assert known_conversation_slot([_slot(0, turn2)], digests, "s1", "agent", extensions=False) == 0
 
 
 # --------------------------------------------------------------------------- against the server
@@ -201,3 +204,25 @@ async def test_a_known_turn_whose_view_fails_is_served_and_the_slot_relearned(st
                 t = (await r.json())["timings"]
             await proxy.wait_background()
             assert layer.counters["mispredictions"] == 0 and abs(predicted - t["cache_n"]) <= UB
+
+
+@pytest.mark.server
+async def test_a_resend_takes_the_known_path_before_the_template_is_checked(start_server, tmp_path):
+    """The same request twice (a client's retry, a benchmark's repeated 1-token chat): the second is
+    the known slot's own prompt whatever the template does, so it is forwarded at once even before
+    any delta render checked the template; its figures are exact."""
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1, "temperature": 0}
+    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
+        async with aiohttp.ClientSession() as s:
+            heads = []
+            for _ in range(2):
+                async with s.post(base + CHAT, json=body) as r:
+                    assert r.status == 200
+                    heads.append(dict(r.headers))
+                    t = (await r.json())["timings"]
+                await proxy.wait_background()
+            assert not proxy.layer._viewer.append_only
+            assert heads[0].get("X-OCache-Path") is None and heads[1].get("X-OCache-Path") == "known"
+            assert heads[1]["X-OCache-Slot"] == heads[0]["X-OCache-Slot"]
+            assert int(heads[1]["X-OCache-Predicted-Cache"]) == t["cache_n"] > 0

@@ -308,15 +308,15 @@ class OCacheLayer:
         asks it first: ``ocache/router.py``), or None: not ready, the known path off or not yet
         possible (template not checked append-only), not a chat request, no slot holds it."""
         table = self.table
-        if not (self._ready and table is not None and self.opt_fast_path
-                and getattr(self._viewer, "append_only", False)):
+        if not (self._ready and table is not None and self.opt_fast_path):
             return None
         body, path, refusal = self._as_chat(req)
         if refusal is not None or path not in CHAT_ROUTES or body.get("cache_prompt") is False:
             return None
         session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
         kind = fp_mod.classify(body, self.markers)
-        return known_conversation_slot(table.snapshot(), self._keys(req, body)[1], session, kind)
+        return known_conversation_slot(table.snapshot(), self._keys(req, body)[1], session, kind,
+                                       bool(getattr(self._viewer, "append_only", False)))
 
     async def plan(self, req: Any) -> Any:
         await self._ensure_ready()
@@ -336,7 +336,7 @@ class OCacheLayer:
         kind = fp_mod.classify(body, self.markers) if chat else "other"
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
         keys = None
-        if chat and self.opt_fast_path and getattr(self._viewer, "append_only", False):
+        if chat and self.opt_fast_path:
             keys = self._keys(req, body)
             known = await self._plan_known(req, body, path, kind, head, keys)
             if known is not None:
@@ -453,8 +453,8 @@ class OCacheLayer:
     async def _plan_known(self, req: Any, body: Mapping, path: str, kind: str, head: Any,
                           keys: tuple) -> Any:
         """The next turn of a conversation a slot holds (``known_conversation_slot``: its earlier
-        messages unchanged, the template checked append-only): pinned to that slot and forwarded at
-        once, without waiting for its token view. The plan is the one the planner makes for such a request (that
+        messages unchanged, the template checked append-only; or exactly its messages, a resend):
+        pinned to that slot and forwarded at once, without waiting for its token view. The plan is the one the planner makes for such a request (that
         slot, no step before forwarding; the reason is in ``known_conversation_slot``); the view,
         the prediction, the slot table's record and the ``X-OCache-*`` figures are computed while
         the server works (``Plan.completion``; the proxy waits for it before it sends the response
@@ -470,13 +470,14 @@ class OCacheLayer:
         no slot holds the conversation or the slot changed before its lease was taken."""
         table = self.table
         session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
-        slot = known_conversation_slot(table.snapshot(), keys[1], session, kind)
+        ext = bool(getattr(self._viewer, "append_only", False))
+        slot = known_conversation_slot(table.snapshot(), keys[1], session, kind, ext)
         if slot is None:
             return None
         if self.opt_reconcile and table.needs_reconcile(RECONCILE_MAX_AGE_S):
             self.counters["plan_reconciles"] += 1
             await self._refresh(req.request_id)
-            if known_conversation_slot(table.snapshot(), keys[1], session, kind) != slot:
+            if known_conversation_slot(table.snapshot(), keys[1], session, kind, ext) != slot:
                 return None
         version = table.version(slot)
         lease = await table.lease(slot)

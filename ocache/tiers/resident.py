@@ -218,7 +218,7 @@ def server_should_choose(ranked: Sequence[SlotChoice], slots: Sequence[SlotState
 
 
 def known_conversation_slot(slots: Sequence[SlotState], digests: Sequence[bytes], session: str | None,
-                            kind: str) -> int | None:
+                            kind: str, extensions: bool = True) -> int | None:
     """The slot that holds the previous turn of this request's conversation, recognised from its
     messages alone (before the request's token view exists), or None. Pure.
 
@@ -229,6 +229,8 @@ def known_conversation_slot(slots: Sequence[SlotState], digests: Sequence[bytes]
     :func:`classify_slot`), idle, vouched for by the table (the response finished and the server's
     count is known: not ``pending``, not ``foreign``, ``n_total`` set), and not a kept head
     (``origin``). Two qualifying slots with the same message count: None (let the planner decide).
+    ``extensions`` False: only a slot whose request had exactly these messages (a resend: the same
+    prompt whatever the template), for a template not yet checked append-only.
 
     Why the planner would choose that slot (``ocache.cache.orchestrator`` forwards such a request to
     it at once, ``tiers.resident.fast_path``): the slot holds a prompt rendered from a prefix of this
@@ -246,6 +248,7 @@ def known_conversation_slot(slots: Sequence[SlotState], digests: Sequence[bytes]
     n = len(digests)
     for s in slots:
         if (s.msg_key is None or not 0 < s.n_msgs <= n or digests[s.n_msgs - 1] != s.msg_key
+                or (not extensions and s.n_msgs != n)
                 or s.busy or s.pending or s.foreign or s.origin or s.n_total is None
                 or not s.tokens or s.owner != session or s.kind != kind):
             continue
