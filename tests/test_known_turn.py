@@ -226,3 +226,43 @@ async def test_a_resend_takes_the_known_path_before_the_template_is_checked(star
             assert heads[0].get("X-OCache-Path") is None and heads[1].get("X-OCache-Path") == "known"
             assert heads[1]["X-OCache-Slot"] == heads[0]["X-OCache-Slot"]
             assert int(heads[1]["X-OCache-Predicted-Cache"]) == t["cache_n"] > 0
+
+
+@pytest.mark.server
+async def test_a_known_turn_too_long_for_the_slot_is_the_servers_400_and_keeps_the_slot(start_server, tmp_path):
+    """A known conversation's next turn that does not fit the slot's context: forwarded on the
+    known path, answered with the server's own 400 (exceed_context_size_error), which refuses it
+    before touching the slot's cache. It is counted ``too_long`` like on the usual path, not as a
+    failure of the cache layer, and the slot keeps its record: the conversation's real next turn
+    takes the known path again, with exact figures."""
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    h = hdrs(A1)
+    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
+        async with aiohttp.ClientSession() as s:
+            body = body_of(A1)
+            for q in ("First question?", "Second question?"):
+                async with s.post(base + CHAT, json=body, headers=h) as r:
+                    assert r.status == 200
+                    answer = (await r.json())["choices"][0]["message"]["content"] or "ok"
+                await proxy.wait_background()
+                body = _next_turn(body, answer, q)
+            layer = proxy.layer
+            await layer._viewer.wait_verified()
+            assert layer._viewer.append_only
+            too_long = _next_turn(body, "ok", "word " * 12000)
+            async with s.post(base + CHAT, json=too_long, headers=h) as r:
+                assert r.status == 400 and r.headers.get("X-OCache-Path") == "known"
+                assert (await r.json())["error"]["type"] == "exceed_context_size_error"
+            await proxy.wait_background()
+            await layer.idle()
+            assert layer.counters["too_long"] == 1 and layer.counters["fast_path_failed"] == 0
+            assert proxy.stats.to_dict()["layer_errors"] == {}
+            before = await _prompt_total(s, srv.url)
+            async with s.post(base + CHAT, json=body, headers=h) as r:
+                assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+                predicted = int(r.headers["X-OCache-Predicted-Cache"])
+                t = (await r.json())["timings"]
+            await proxy.wait_background()
+            assert layer.counters["fast_path"] == 2 and layer.counters["mispredictions"] == 0
+            assert abs(predicted - t["cache_n"]) <= UB and t["cache_n"] > 0
+            assert await _prompt_total(s, srv.url) - before == t["prompt_n"]

@@ -512,14 +512,23 @@ class OCacheLayer:
                               head: Any, keys: tuple, slot: int) -> None:
         """``Plan.completion`` of :meth:`_plan_known`: the view, the planner's own decision (only
         counted), the forced decision for ``slot`` without steps, ``execute`` (the table's record),
-        then ``plan.headers`` / ``plan.context``. Raises what the view raises (``release`` then marks
-        the slot unknown; the answer is relayed without figures)."""
+        then ``plan.headers`` / ``plan.context``. A prompt too long for the slot is counted
+        ``too_long`` (``X-OCache-Tier: cold``, no record: the server refuses it without touching the
+        slot). Raises what the view raises (``release`` then marks the slot unknown; the answer is
+        relayed without figures)."""
         table = self.table
         try:
             view = await self._viewer.view(path, body, head, keys)
-            if not view.tokens or len(view.tokens) >= table.params.n_ctx_slot:
+            if view.tokens and len(view.tokens) >= table.params.n_ctx_slot:
+                # a client error, counted as on the usual path: the server answers it with its own
+                # 400 before it touches the slot's cache (tools/server/server-context.cpp:3336-3344
+                # of the pinned source; GET /slots' n_prompt_tokens is the cache's size, :747), so
+                # the slot keeps what the table records and the next turn is known again
                 self.counters["too_long"] += 1
-                raise TokenViewError("prompt does not fit the slot")
+                plan.headers.update({"X-OCache-Tier": "cold"})
+                return
+            if not view.tokens:
+                raise TokenViewError("empty prompt")
             ctx = await self._context(req, body, view, kind, head, True)
             offers, anchors = await self._lookups(view, ctx)
             best, _ = self._decide(view, ctx, offers, anchors, held=slot)
