@@ -74,6 +74,9 @@ class Supervisor:
             self.args += ["--port", str(port)]
         if not given.get("metrics"):
             self.args.append("--metrics")
+        #: ``--slot-save-path`` as given: llama-server refuses to start when it is not a directory
+        #: (common/arg.cpp:3614-3619 of the pinned source, "not a directory"), so each start creates it first (mode 0700)
+        self.slot_save_path: str | None = given.get("slot_save_path")
         self.url = f"http://{host}:{port}"
         #: extra environment of the child (e.g. ``CUDA_VISIBLE_DEVICES`` per replica), over ours
         self.env = dict(env) if env else None
@@ -115,7 +118,22 @@ class Supervisor:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
 
+    def _make_slot_save_path(self) -> None:
+        """Create ``--slot-save-path`` (and its parents, mode 0700) when it does not exist yet, so
+        that the README's first ``--launch`` works on a fresh machine. A ``~`` path is left to the
+        child (the shell expands it before ocache sees it). An OSError is logged; the child's own
+        error then says why it cannot start."""
+        path = self.slot_save_path
+        if not path or path.startswith("~") or Path(path).is_dir():
+            return
+        try:
+            Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
+            log.info("created --slot-save-path %s (it did not exist)", path)
+        except OSError as exc:
+            log.warning("cannot create --slot-save-path %s: %s", path, exc)
+
     async def _spawn(self) -> None:
+        self._make_slot_save_path()
         out = open(self.log_path, "ab") if self.log_path else asyncio.subprocess.DEVNULL
         if out is not asyncio.subprocess.DEVNULL:
             self._log_offset = out.tell()  # this child's lines start here

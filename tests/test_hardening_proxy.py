@@ -599,6 +599,31 @@ def test_launch_that_cannot_start_exits_nonzero(engine_patched, tmp_path):
     assert tail.count("exiting due to model loading error") == 1  # only the last one's is shown
 
 
+@pytest.mark.server
+async def test_launch_creates_a_missing_slot_save_path(engine_patched, models_tiny, tmp_path):
+    """The README's ``serve --launch -- ... --slot-save-path ~/.cache/ocache/slots`` on a fresh
+    machine, where that folder does not exist yet: llama-server refuses a path that is not a
+    directory (common/arg.cpp:3618-3619), so before the fix every start failed and ocache gave up.
+    The supervisor creates it (mode 0700) before each start and the child comes up."""
+    slots = tmp_path / "new" / "slots"
+    stop = asyncio.Event()
+    cfg = Config(port=0, probe_interval_s=0.2, cache_dir=str(tmp_path / "cache"), launch_max_failures=2,
+                 launch_binary=str(engine_patched.binary),
+                 launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "1", "-c", "2048",
+                         "--no-webui", "--slot-save-path", str(slots)])
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(cfg, stop=stop, handle_signals=False,
+                                     ready=lambda p, port: ready.set_result((p, port))))
+    try:
+        proxy, _ = await asyncio.wait_for(ready, 60)
+        await poll(lambda: proxy.upstream.state == "ready" or task.done(), timeout=60, what="child ready or gave up")
+        assert not task.done() and proxy.upstream.state == "ready"
+        assert slots.is_dir() and (slots.stat().st_mode & 0o777) == 0o700
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+
 @pytest.fixture
 def http_server(tmp_path):
     """A plain ``python -m http.server`` (not llama-server) on a free port."""
