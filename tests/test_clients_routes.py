@@ -208,7 +208,20 @@ class Client:
         events = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")
                   and line[5:].strip().startswith("{")]
         if path == MSG:
-            usage = next(e["message"]["usage"] for e in events if e.get("type") == "message_start")
+            start = next((e for e in events if e.get("type") == "message_start"), None)
+            if start is None:
+                # llama-server sends message_start only with the partial result of the first token
+                # (n_decoded == 1, tools/server/server-task.cpp:1326); a first token that is an
+                # incomplete UTF-8 sequence is held back, so that stream has no message_start and
+                # no input figures at all (seen with the tiny hybrid model's near-tie first tokens)
+                assert any(e.get("type") == "message_stop" for e in events), raw[:500]
+                rec = {"name": name, "cache_n": None, "predicted": hdrs.get("X-OCache-Predicted-Cache")}
+                print(f"{name:44} no message_start from llama-server (first token held back)")
+                await self.proxy.wait_background()
+                await self.layer.idle()
+                self.log.append(rec)
+                return rec
+            usage = start["message"]["usage"]
             cache_n, prompt_n = usage["cache_read_input_tokens"], usage["input_tokens"]
         else:
             done = next(e for e in events if e.get("type") == "response.completed")
@@ -230,6 +243,8 @@ class Client:
     def assert_predictions(self) -> None:
         for rec in self.log:
             assert rec["predicted"] is not None, rec       # planned
+            if rec["cache_n"] is None:
+                continue                                   # the server sent no figures (see send)
             assert abs(rec["cache_n"] - rec["predicted"]) <= UB, rec
         assert self.layer.counters["mispredictions"] == 0, self.layer.stats()["recent_mispredictions"]
 
@@ -426,7 +441,8 @@ async def test_every_captured_claude_and_codex_request_is_predicted(start_server
         for name in names:
             await c.send(name, body_of(name, max_tokens=4))
         c.assert_predictions()
-        assert c.layer.counters["observed"] == len(names)
+        no_figures = sum(1 for rec in c.log if rec["cache_n"] is None)
+        assert no_figures <= 2 and c.layer.counters["observed"] == len(names) - no_figures
 
 
 def test_responses_usage_is_read_as_timings():
