@@ -78,6 +78,20 @@ def _next_turn(body: dict, answer: str, question: str) -> dict:
     return nxt
 
 
+async def _two_turns(s: aiohttp.ClientSession, base: str, proxy, h: dict) -> dict:
+    """Two turns of the opencode conversation A1 through ocache, then the template's delta-render
+    check done; returns the body of the third turn (the known path's first candidate)."""
+    body = body_of(A1)
+    for q in ("First question?", "Second question?"):
+        async with s.post(base + CHAT, json=body, headers=h) as r:
+            assert r.status == 200
+            answer = (await r.json())["choices"][0]["message"]["content"] or "ok"
+        await proxy.wait_background()
+        body = _next_turn(body, answer, q)
+    await proxy.layer._viewer.wait_verified()
+    return body
+
+
 @pytest.mark.server
 async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact(start_server, tmp_path):
     """Turn 3 of a conversation (turn 2 checked the template append-only): the token view waits
@@ -164,15 +178,8 @@ async def test_a_known_turn_whose_view_fails_is_served_and_the_slot_relearned(st
     h = hdrs(A1)
     async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
         async with aiohttp.ClientSession() as s:
-            body = body_of(A1)
-            for q in ("First question?", "Second question?"):
-                async with s.post(base + CHAT, json=body, headers=h) as r:
-                    assert r.status == 200
-                    answer = (await r.json())["choices"][0]["message"]["content"] or "ok"
-                await proxy.wait_background()
-                body = _next_turn(body, answer, q)
+            body = await _two_turns(s, base, proxy, h)
             layer = proxy.layer
-            await layer._viewer.wait_verified()
             real_view = layer._viewer.view
 
             async def broken(*a, **kw):
@@ -239,15 +246,8 @@ async def test_a_known_turn_too_long_for_the_slot_is_the_servers_400_and_keeps_t
     h = hdrs(A1)
     async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
         async with aiohttp.ClientSession() as s:
-            body = body_of(A1)
-            for q in ("First question?", "Second question?"):
-                async with s.post(base + CHAT, json=body, headers=h) as r:
-                    assert r.status == 200
-                    answer = (await r.json())["choices"][0]["message"]["content"] or "ok"
-                await proxy.wait_background()
-                body = _next_turn(body, answer, q)
+            body = await _two_turns(s, base, proxy, h)
             layer = proxy.layer
-            await layer._viewer.wait_verified()
             assert layer._viewer.append_only
             too_long = _next_turn(body, "ok", "word " * 12000)
             async with s.post(base + CHAT, json=too_long, headers=h) as r:
