@@ -594,6 +594,17 @@ class TokenViewer:
                     "differs from the full render at character %d of %d): delta renders off until "
                     "the server restarts", n, len(full))
 
+    def distrust(self, why: str) -> None:
+        """Delta renders off until the next epoch, every remembered message prefix and cached render
+        dropped (tokenizations stay: they are right for their text): a response showed a view wrong
+        (``why``, logged). Counted ``delta_mismatch``."""
+        if self.delta_ok:
+            log.warning("delta renders off until the server restarts: %s", why)
+        self.counters["delta_mismatch"] += 1
+        self.delta_ok = False
+        self.msg_prefixes.clear()
+        self.renders.clear()
+
     @property
     def append_only(self) -> bool:
         """Whether the template has shown itself append-only: delta renders are on and at least one

@@ -266,3 +266,47 @@ async def test_a_known_turn_too_long_for_the_slot_is_the_servers_400_and_keeps_t
             assert layer.counters["fast_path"] == 2 and layer.counters["mispredictions"] == 0
             assert abs(predicted - t["cache_n"]) <= UB and t["cache_n"] > 0
             assert await _prompt_total(s, srv.url) - before == t["prompt_n"]
+
+
+@pytest.mark.server
+async def test_a_view_the_server_contradicts_is_not_recorded_and_delta_renders_stop(start_server, tmp_path):
+    """The token view of a turn is wrong (here: five tokens short, as a template that stopped being
+    append-only after the delta checks would make it): the server's own prompt length in the answer
+    (cache_n + prompt_n) says so. Nothing is recorded from that view (the slot is left to GET
+    /slots, no tier admits the wrong tokens) and delta renders stop, so the next turn is viewed
+    from a full render and planned with exact figures. Before: the wrong tokens were the slot's
+    record and the next turn's base."""
+    from ocache.tokens import TokenView
+
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    h = hdrs(A1)
+    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
+        async with aiohttp.ClientSession() as s:
+            body = await _two_turns(s, base, proxy, h)
+            layer = proxy.layer
+            assert layer._viewer.append_only
+            real_view = layer._viewer.view
+
+            async def short(*a, **kw):
+                v = await real_view(*a, **kw)
+                return TokenView(v.tokens[:-5], v.head_end, v.user_starts, v.text, v.stats, v.msg_key, v.n_msgs)
+
+            layer._viewer.view = short
+            async with s.post(base + CHAT, json=body, headers=h) as r:
+                assert r.status == 200
+                slot = int(r.headers["X-OCache-Slot"])
+                data = await r.json()
+            await proxy.wait_background()
+            await layer.idle()
+            layer._viewer.view = real_view
+            assert layer.counters["view_mismatches"] == 1 and not layer._viewer.append_only
+            assert layer.table[slot].msg_key is None and layer.table[slot].foreign
+            nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "Next?")
+            before = await _prompt_total(s, srv.url)
+            async with s.post(base + CHAT, json=nxt, headers=h) as r:
+                assert r.status == 200 and r.headers.get("X-OCache-Path") is None
+                t = (await r.json())["timings"]
+            await proxy.wait_background()
+            held = data["timings"]["cache_n"] + data["timings"]["prompt_n"]
+            assert t["cache_n"] >= held - 1 and await _prompt_total(s, srv.url) - before == t["prompt_n"]
+            assert layer.counters["view_mismatches"] == 1 and layer.counters["mispredictions"] == 0

@@ -1,7 +1,9 @@
 """Observe: after the response, what the server did against what the plan predicted.
 
 A ``cache_n`` outside ``[predicted - ubatch, upper + ubatch]`` is a counted misprediction (a bug
-in the reuse model, ``ocache/llama/reuse.py``); the prefill rate is measured from ``timings``; the
+in the reuse model, ``ocache/llama/reuse.py``); a prompt length (``cache_n + prompt_n``) other than
+the token view's is a counted ``view_mismatches`` (the view was wrong: nothing is recorded from it);
+the prefill rate is measured from ``timings``; the
 slot's new content is recorded through the slot table's verbs (``finish``, ``interrupted``,
 ``mark_unknown``); then every tier's ``admit`` runs (disk: anchor bookkeeping; session: the
 conversation it may spill later), or, for a response cut short, every tier's ``interrupted``
@@ -33,10 +35,12 @@ class Observer:
     an exponential mean over responses that prefilled >= 64 tokens; None until measured), which the
     planner weighs offers with. ``recent_mispredictions``: the last 20, for the stats."""
 
-    def __init__(self, counters: dict) -> None:
+    def __init__(self, counters: dict, on_view_mismatch: Any = None) -> None:
         self.counters = counters
         self.prefill_tps: float | None = None
         self.recent_mispredictions: deque = deque(maxlen=20)
+        #: called with the request id when the server's prompt length differs from the token view's
+        self.on_view_mismatch = on_view_mismatch
 
     async def observe(self, table: SlotTable, tiers: Sequence[TierBase], req: Any, pctx: PlanContext,
                       obs: Any) -> bool:
@@ -63,9 +67,24 @@ class Observer:
                 else:
                     table.mark_unknown(pctx.slot)  # rejected: content unknown until reconciled
             return False
-        self.counters["observed"] += 1
         cache_n = int(timings["cache_n"])
         prompt_n = int(timings.get("prompt_n") or 0)
+        if "prompt_n" in timings and cache_n + prompt_n != pctx.n_prompt:
+            # the server's own prompt length (cache_n + prompt_n: every prompt token is reused or
+            # prefilled) is not the token view's: the view was wrong (a template that stopped being
+            # append-only after the delta-render checks, say). Nothing is recorded from it: the
+            # slot's content is for GET /slots, and no tier admits tokens the server never saw
+            # (an anchor or spill keyed by them would restore a wrong state)
+            self.counters["view_mismatches"] += 1
+            log.warning("[%s] the server's prompt was %d tokens, ocache's view %d: slot %d is "
+                        "reconciled, nothing admitted, delta renders off", pctx.request_id,
+                        cache_n + prompt_n, pctx.n_prompt, pctx.slot)
+            if mine and not table.lock(pctx.slot).locked():
+                table.mark_unknown(pctx.slot)
+            if self.on_view_mismatch is not None:
+                self.on_view_mismatch(pctx.request_id)
+            return False
+        self.counters["observed"] += 1
         ub = table.params.n_ubatch
         self.counters["predicted_tokens"] += pctx.predicted
         self.counters["observed_cache_tokens"] += cache_n   # the server's, split included (vs predicted)

@@ -121,13 +121,13 @@ class OCacheLayer:
             "bring_failures": 0, "bring_retries": 0, "failed_responses": 0, "too_long": 0, "unrenderable": 0, "unpinnable": 0, "user_splits": 0,
             "split_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0, "replans": 0,
             "plan_reconciles": 0, "fast_path": 0, "fast_path_other_plan": 0,
-            "fast_path_anchors_skipped": 0, "fast_path_failed": 0,
+            "fast_path_anchors_skipped": 0, "fast_path_failed": 0, "view_mismatches": 0,
         }
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
         self.tiers: list[TierBase] = list(tiers)
         self.by_tier: dict[str, int] = {}
-        self.observer = Observer(self.counters)
+        self.observer = Observer(self.counters, on_view_mismatch=self._view_mismatch)
         self._ready = False
         self._ready_lock = asyncio.Lock()
         self._bg: set[asyncio.Task] = set()
@@ -707,6 +707,13 @@ class OCacheLayer:
                            forced_slot=forced_slot, can_spill=spillable, anchors=anchors)
         return dec, (snap[dec.slot].version, head_resident)
 
+
+    def _view_mismatch(self, rid: str) -> None:
+        """A response showed the token view wrong (``Observer``): the viewer trusts no delta render
+        until the next epoch (``TokenViewer.distrust``), so the next views are full renders."""
+        distrust = getattr(self._viewer, "distrust", None)
+        if distrust is not None:
+            distrust(f"request {rid}: the server's prompt length differed from the view")
 
     async def observe(self, req: Any, plan: Any, obs: Any) -> None:
         pctx: PlanContext | None = getattr(plan, "context", None)
