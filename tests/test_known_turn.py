@@ -92,6 +92,23 @@ async def _two_turns(s: aiohttp.ClientSession, base: str, proxy, h: dict) -> dic
     return body
 
 
+async def _served_as_alone(s: aiohttp.ClientSession, base: str, proxy, url: str, h: dict, body: dict,
+                           data: dict, question: str) -> dict:
+    """The turn after ``data`` (the answer to ``body``) once the table cannot name that slot's
+    content: the usual path, the server picks the slot by its own similarity (as alone), so it
+    reuses what the slot held (``cache_n + prompt_n`` of ``data``, less one) and prefills exactly its
+    ``prompt_n``. Returns the turn's body."""
+    held = data["timings"]["cache_n"] + data["timings"]["prompt_n"]
+    nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", question)
+    before = await _prompt_total(s, url)
+    async with s.post(base + CHAT, json=nxt, headers=h) as r:
+        assert r.status == 200 and r.headers.get("X-OCache-Path") is None
+        t = (await r.json())["timings"]
+    await proxy.wait_background()
+    assert t["cache_n"] >= held - 1 and await _prompt_total(s, url) - before == t["prompt_n"]
+    return nxt
+
+
 @pytest.mark.server
 async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact(start_server, tmp_path):
     """Turn 3 of a conversation (turn 2 checked the template append-only): the token view waits
@@ -195,15 +212,7 @@ async def test_a_known_turn_whose_view_fails_is_served_and_the_slot_relearned(st
             layer._viewer.view = real_view
             assert layer.counters["fast_path_failed"] == 1
             assert layer.table[slot].msg_key is None            # no record from a failed view
-            held = data["timings"]["cache_n"] + data["timings"]["prompt_n"]
-            nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "Third?")
-            before = await _prompt_total(s, srv.url)
-            async with s.post(base + CHAT, json=nxt, headers=h) as r:
-                # content ocache cannot name: the server picks the slot by similarity (as alone)
-                assert r.status == 200 and r.headers.get("X-OCache-Path") is None
-                t = (await r.json())["timings"]
-            await proxy.wait_background()
-            assert t["cache_n"] >= held - 1 and await _prompt_total(s, srv.url) - before == t["prompt_n"]
+            nxt = await _served_as_alone(s, base, proxy, srv.url, h, body, data, "Third?")
             nxt = _next_turn(nxt, "ok", "Fourth?")
             async with s.post(base + CHAT, json=nxt, headers=h) as r:
                 assert r.status == 200 and r.headers["X-OCache-Slot"] == str(slot)
@@ -301,12 +310,5 @@ async def test_a_view_the_server_contradicts_is_not_recorded_and_delta_renders_s
             layer._viewer.view = real_view
             assert layer.counters["view_mismatches"] == 1 and not layer._viewer.append_only
             assert layer.table[slot].msg_key is None and layer.table[slot].foreign
-            nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "Next?")
-            before = await _prompt_total(s, srv.url)
-            async with s.post(base + CHAT, json=nxt, headers=h) as r:
-                assert r.status == 200 and r.headers.get("X-OCache-Path") is None
-                t = (await r.json())["timings"]
-            await proxy.wait_background()
-            held = data["timings"]["cache_n"] + data["timings"]["prompt_n"]
-            assert t["cache_n"] >= held - 1 and await _prompt_total(s, srv.url) - before == t["prompt_n"]
+            await _served_as_alone(s, base, proxy, srv.url, h, body, data, "Next?")
             assert layer.counters["view_mismatches"] == 1 and layer.counters["mispredictions"] == 0
