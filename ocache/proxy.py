@@ -150,10 +150,15 @@ _HEALTH_ROUTES = frozenset({"/health", "/v1/health"})
 #: Seconds a request waits for the shared upstream probe when the upstream is not known ready
 #: (a refused connection answers in milliseconds; a hung one is not waited for at all).
 PROBE_WAIT_S = 1.0
-#: seconds the proxy waits for a plan's ``completion`` (``Plan.completion``: the token view and the
-#: figures of a known conversation's turn, computed while the server prefills) before it sends the
-#: response headers without its ``X-OCache-*`` figures
+#: seconds the proxy's bookkeeping after an answer (the log line, the stats record, ``observe``) waits
+#: for a plan's ``completion`` (``Plan.completion``: the token view and the figures of a known
+#: conversation's turn, computed while the server works); the answer itself never waits for it
 PLAN_COMPLETION_WAIT_S = 30.0
+#: seconds the answer's headers may wait for a known turn's ``completion`` so that its figures go
+#: into them; 0: never (the figures then reach the log line and /v1/cache/stats only). The test
+#: suite sets it high (tests/conftest.py) where tests read figures from headers; the default is
+#: covered by tests/test_known_turn.py
+FIGURES_WAIT_S = 0.0
 #: A JSON escape of a UTF-16 surrogate: only a body with one can hold a lone surrogate.
 _SURROGATE_ESC = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -750,7 +755,7 @@ class Proxy:
 
     async def _plan_completed(self, rid: str, plan: Plan) -> None:
         """Wait for ``plan.completion`` (bounded by ``PLAN_COMPLETION_WAIT_S``); a late or failed one
-        is logged and counted, and the answer is relayed without its figures."""
+        is logged and counted, and the request's log line and record carry no figures."""
         task = plan.completion
         done, _ = await asyncio.wait({task}, timeout=PLAN_COMPLETION_WAIT_S)
         if not done:
@@ -868,9 +873,16 @@ class Proxy:
             if not isinstance(up_resp, aiohttp.ClientResponse):
                 return up_resp  # ocache's own 502/503/504
             if plan is not None and plan.completion is not None:
-                # a plan finished while the server worked (OCacheLayer._plan_known): its figures
-                await self._plan_completed(rid, plan)
-                extra.update(plan.headers)
+                # a plan that finishes while the server works (OCacheLayer._plan_known): its figures
+                # go into the headers only if they are ready now (or within FIGURES_WAIT_S); by
+                # default the answer never waits for them (they reach the log line and
+                # /v1/cache/stats once they are)
+                if not plan.completion.done() and FIGURES_WAIT_S > 0:
+                    await asyncio.wait({plan.completion}, timeout=FIGURES_WAIT_S)
+                if plan.completion.done():
+                    extra.update(plan.headers)
+                else:
+                    extra["X-OCache-Figures"] = "late"
             if up_resp.status == 503 and path not in _PROBE_ROUTES and plannable:
                 up_resp = await self._held_503(request, rid, out_body, has_body, timeout, obs, up_resp)
                 if not isinstance(up_resp, aiohttp.ClientResponse):
@@ -1188,6 +1200,20 @@ class Proxy:
     # --- after the response ---------------------------------------------------------------------
     def _finish(self, preq: ParsedRequest, plan: Plan | None, obs: Observation,
                 disconnected: bool, observe: bool = True) -> None:
+        """The request's log line, stats record and ``_after`` (release, observe, recorder); for a
+        plan whose ``completion`` is still running, once it is done (``_plan_completed``)."""
+        if plan is not None and plan.completion is not None:
+            self._spawn(self._finish_completed(preq, plan, obs, disconnected, observe))
+        else:
+            self._finish_now(preq, plan, obs, disconnected, observe)
+
+    async def _finish_completed(self, preq: ParsedRequest, plan: Plan, obs: Observation,
+                                disconnected: bool, observe: bool) -> None:
+        await self._plan_completed(preq.request_id, plan)
+        self._finish_now(preq, plan, obs, disconnected, observe)
+
+    def _finish_now(self, preq: ParsedRequest, plan: Plan | None, obs: Observation,
+                    disconnected: bool, observe: bool = True) -> None:
         slot = None
         if plan is not None and isinstance(plan.body_updates.get("id_slot"), int):
             slot = plan.body_updates["id_slot"]
@@ -1210,6 +1236,8 @@ class Proxy:
             "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n"),
             "prompt_ms": t.get("prompt_ms"), "predicted_n": t.get("predicted_n"),
             "restore_ms": float(restore_ms) if restore_ms else None,
+            "predicted": int(headers["X-OCache-Predicted-Cache"])
+            if "X-OCache-Predicted-Cache" in headers else None,
             "ttft_s": obs.ttft_s, "total_s": round(obs.total_s, 6), "completed": obs.completed,
             "epoch": self.upstream.epoch, "time": time.time(),
         }

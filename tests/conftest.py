@@ -40,6 +40,11 @@ def _private_state(tmp_path, monkeypatch):
     """Each test gets its own ocache state (store records, folder journal, resume marker), so tests
     never see each other's anchors or spills; build caches (engine, models) stay shared."""
     monkeypatch.setenv("OCACHE_STATE_DIR", str(tmp_path / "ocache-state"))
+    # Tests read a known turn's figures from its headers: let the headers wait for them (ocache's
+    # default sends the answer at once and the figures only to the log line and the stats;
+    # tests/test_known_turn.py sets the default back and checks both)
+    import ocache.proxy
+    monkeypatch.setattr(ocache.proxy, "FIGURES_WAIT_S", 30.0)
 
 
 def _engine(stock: bool) -> engine.EngineBuild:
