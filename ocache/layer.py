@@ -92,8 +92,9 @@ class Plan:
     (``ocache/router.py`` sets it); None: the proxy's one (first healthy) upstream.
     ``completion``: a task that finishes the plan while the forwarded request runs (a known
     conversation's next turn: ``OCacheLayer._plan_known``); it fills ``headers`` and ``context``.
-    The proxy waits for it (at most ``plan_completion_wait_s``) before it sends the response headers;
-    ``release`` waits for it too.
+    The answer does not wait for it (``proxy.FIGURES_WAIT_S``, 0): its figures go into the response
+    headers only if it is done when the server's answer begins; the log line, the stats record,
+    ``observe`` and ``release`` wait for it (``proxy.PLAN_COMPLETION_WAIT_S``).
     """
 
     body_updates: dict = field(default_factory=dict)

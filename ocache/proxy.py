@@ -74,6 +74,7 @@ Response headers added by ocache (all ``X-OCache-*``):
 |---|---|---|
 | ``X-OCache-Request-Id`` | every response | id of this request in ocache's log lines |
 | ``X-OCache-Fail-Open`` | completion, layer raised | ``plan``: the cache layer failed; request forwarded untouched |
+| ``X-OCache-Figures`` | known conversation's turn | ``late``: its figures were not ready when the answer began (``FIGURES_WAIT_S``); they reach the log line and ``last_completions`` |
 | ``X-OCache-Upstream`` | 503 from ocache; several servers: every planned request | the upstream URL that could not be reached / that served the request |
 | ``X-OCache-Route`` | several servers, planned request | why that server (ocache/router.py) |
 | ``X-OCache-Tier`` | set by the layer | where the reused prefix came from (``resident``/``head``/``disk``/``session``/``cold``) |

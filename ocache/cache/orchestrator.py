@@ -457,9 +457,10 @@ class OCacheLayer:
         pinned to that slot and forwarded at once, without waiting for its token view. The plan is the one the planner makes for such a request (that
         slot, no step before forwarding; the reason is in ``known_conversation_slot``); the view,
         the prediction, the slot table's record and the ``X-OCache-*`` figures are computed while
-        the server works (``Plan.completion``; the proxy waits for it before it sends the response
-        headers, which llama-server sends only with its first result, after the prompt's prefill:
-        tools/server/server-context.cpp:4514-4517 of the pinned source). Critical path: one
+        the server works (``Plan.completion``; the answer does not wait for it: its headers carry the
+        figures when they are ready as llama-server's answer begins, which it sends only with its
+        first result, after the prompt's prefill: tools/server/server-context.cpp:4514-4517 of the
+        pinned source; else ``X-OCache-Figures: late``). Critical path: one
         ``message_keys`` pass and ``GET /slots`` (the reconcile that sees a restart), nothing in
         proportion to the prompt's tokens (``scripts/bench-long``).
 
