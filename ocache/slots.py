@@ -47,6 +47,13 @@ from ocache.tiers.base import Rate
 
 log = logging.getLogger("ocache.slots")
 
+#: response header of the patched llama-server naming its process: 16 hex digits drawn at start,
+#: sent with every answer (patches/0005-health-boot-id.patch)
+BOOT_HEADER = "X-Llama-Server-Boot"
+#: seconds :meth:`SlotTable.same_process` waits for ``GET /health`` (answered at once by a live
+#: server, without the task queue); past it the caller falls back to ``GET /slots``
+BOOT_CHECK_TIMEOUT_S = 2.0
+
 
 # ----------------------------------------------------------------------------------------------
 # errors
@@ -267,8 +274,12 @@ class SlotTable:
         self._locks: list[asyncio.Lock] = []
         self.epoch: Any = None
         self.reconciled_at: float = 0.0
+        #: the ``X-Llama-Server-Boot`` header (``BOOT_HEADER``, patches/0005) of the ``GET /slots``
+        #: answer last reconciled: the process the table's beliefs are about; None on a stock build
+        self.boot: str | None = None
         self.counters: dict[str, int] = {"reconcile_mismatch": 0, "foreign_busy": 0, "restarts": 0,
-                                         "restarts_seen_in_slots": 0, "interrupted_busy": 0}
+                                         "restarts_seen_in_slots": 0, "interrupted_busy": 0,
+                                         "boot_checks": 0, "boot_changed": 0}
         # highest ``id_task`` each slot reported (GET /slots): within one server process it only
         # grows and never disappears (``task_prev`` is kept, tools/server/server-context.cpp
         # ``server_slot::to_json``), so a slot that loses or lowers it is on a new process
@@ -349,7 +360,36 @@ class SlotTable:
         pending or cut short)."""
         if not self.reconciled_at or time.monotonic() - self.reconciled_at > max_age_s:
             return True
+        return self.unvouched()
+
+    def unvouched(self) -> bool:
+        """Whether a slot ocache does not hold the lock of has a count the table cannot vouch for
+        (a response pending or cut short)."""
         return any((s.pending or s.n_total is None) and not lk.locked() for s, lk in zip(self.slots, self._locks))
+
+    async def same_process(self) -> bool:
+        """Whether the server is still the process whose ``GET /slots`` the table last reconciled
+        (``boot``), asked with one ``GET /health``: llama-server answers it on its HTTP thread
+        without the task queue (tools/server/server-context.cpp ``get_health``), so it does not
+        wait for a decode step the way ``GET /slots`` does; the patched build names its process in
+        every answer (``BOOT_HEADER``, patches/0005). False on a stock build (no header), when the
+        table was never reconciled, on any failure or after ``BOOT_CHECK_TIMEOUT_S``, and when the
+        id differs (a restart: the caller's ``GET /slots`` then sees it too). Never raises."""
+        if self.boot is None or not self.reconciled_at:
+            return False
+        try:
+            meta: dict = {}
+            status, _ = await self._request("GET", "/health", what="GET /health", meta=meta,
+                                            timeout=aiohttp.ClientTimeout(total=BOOT_CHECK_TIMEOUT_S))
+        except (SlotError, asyncio.TimeoutError):
+            return False
+        self.counters["boot_checks"] += 1
+        if status != 200 or meta.get("boot") is None:
+            return False
+        if meta["boot"] != self.boot:
+            self.counters["boot_changed"] += 1
+            return False
+        return True
 
     def held_exactly(self, slot: int) -> list[int] | None:
         """The token ids ``slot`` holds exactly as far as the table can vouch (its content is known,
@@ -495,11 +535,13 @@ class SlotTable:
         return self.calls_inflight
 
     async def _request(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
-                       what: str = "slot call") -> tuple[int, Any]:
+                       what: str = "slot call", meta: dict | None = None,
+                       timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, Any]:
         self.calls_inflight += 1
         self._calls_idle.clear()
         try:
-            return await self._request_once(method, path, json_body=json_body, slot=slot, what=what)
+            return await self._request_once(method, path, json_body=json_body, slot=slot, what=what,
+                                            meta=meta, timeout=timeout)
         finally:
             self.calls_inflight -= 1
             if self.calls_inflight <= 0:
@@ -507,12 +549,17 @@ class SlotTable:
                 self._calls_idle.set()
 
     async def _request_once(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
-                            what: str = "slot call") -> tuple[int, Any]:
+                            what: str = "slot call", meta: dict | None = None,
+                            timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, Any]:
+        """One slot call (retried once on a dead keep-alive connection): ``(status, JSON body)``;
+        ``meta["boot"]`` gets the answer's ``BOOT_HEADER`` (None from a stock build)."""
         url = self.base_url + path
         for attempt in (0, 1):
             try:
                 async with self.session.request(method, url, json=json_body, headers=self.headers,
-                                                timeout=self.timeout) as resp:
+                                                timeout=timeout or self.timeout) as resp:
+                    if meta is not None:
+                        meta["boot"] = resp.headers.get(BOOT_HEADER)
                     try:
                         body = await resp.json(content_type=None)
                     except (ValueError, aiohttp.ContentTypeError):
@@ -536,9 +583,10 @@ class SlotTable:
                 raise UpstreamError(f"{what} {method} {path}: {exc!r}", 0, None, slot) from exc
         raise AssertionError("unreachable")
 
-    async def fetch_slots(self) -> list[dict]:
-        """``GET /slots`` (docs/llama-server.md §4). Raises SlotNotSupported (501, ``--no-slots``) or UpstreamError."""
-        status, body = await self._request("GET", "/slots", what="GET /slots")
+    async def fetch_slots(self, meta: dict | None = None) -> list[dict]:
+        """``GET /slots`` (docs/llama-server.md §4); ``meta["boot"]``: the answering process's boot
+        id (patches/0005) or None. Raises SlotNotSupported (501, ``--no-slots``) or UpstreamError."""
+        status, body = await self._request("GET", "/slots", what="GET /slots", meta=meta)
         if status != 200 or not isinstance(body, list):
             raise error_from_response(status, body, None, "GET /slots")
         return body
@@ -549,10 +597,11 @@ class SlotTable:
         task": unknown content if ocache thinks it holds something restored, else empty. A slot the
         server reports processing without ocache's lock is foreign use (content unknown)."""
         versions = [s.version for s in self.slots]
-        data = await self.fetch_slots()
+        meta: dict = {}
+        data = await self.fetch_slots(meta)
         n_ctx = int(data[0].get("n_ctx") or 0) if data else 0
         self._ensure(len(data), n_ctx or None)
-        if self._restarted(data):
+        if self._restarted(data, meta.get("boot")):
             # a restart the upstream's probe has not seen yet (it polls every 2 s): a restored
             # slot of the old process looks exactly like a fresh empty one, so trust nothing but
             # what a request ocache sent to the new process left (the slot reports a task of the
@@ -566,8 +615,8 @@ class SlotTable:
                     kept += 1
                     continue
                 st.clear()
-            log.warning("GET /slots shows a new llama-server process (a slot's id_task vanished "
-                        "or went back): every slot is empty%s",
+            log.warning("GET /slots shows a new llama-server process (its boot id changed, or a "
+                        "slot's id_task vanished or went back): every slot is empty%s",
                         f" but {kept} a request of the new process filled" if kept else "")
             self.counters["restarts_seen_in_slots"] += 1
             self.counters["restarts"] += 1
@@ -585,6 +634,7 @@ class SlotTable:
             st = self.slots[sid]
             self.reconcile_one(st, entry)
         self.reconciled_at = time.monotonic()
+        self.boot = meta.get("boot")
         return data
 
     def task_ids(self) -> dict[int, int]:
@@ -602,8 +652,9 @@ class SlotTable:
         tail the server reports in ``n_prompt_tokens``). Returns the slot, or None when no single
         slot can be named (the request failed, or other clients used the server). The caller holds
         every slot's lock. Raises SlotError when ``GET /slots`` fails."""
-        data = await self.fetch_slots()
-        self._restarted(data)
+        meta: dict = {}
+        data = await self.fetch_slots(meta)
+        self._restarted(data, meta.get("boot"))
         grown = [e for e in data if e.get("id_task") is not None
                  and int(e["id_task"]) > before.get(int(e.get("id", -1)), -1)]
         if len(grown) != 1 or not 0 <= int(grown[0].get("id", -1)) < len(self.slots):
@@ -624,12 +675,15 @@ class SlotTable:
             st.checkpoints = []
         return st.id
 
-    def _restarted(self, data: list[dict]) -> bool:
-        """Whether ``GET /slots`` comes from another process than the last one (see
-        ``_id_task``); records the ids either way."""
+    def _restarted(self, data: list[dict], boot: str | None = None) -> bool:
+        """Whether ``GET /slots`` comes from another process than the last one: its boot id
+        (``boot``, patches/0005) differs from the table's, or a slot's ``id_task`` vanished or went
+        back (see ``_id_task``); records the ids either way."""
         seen = {int(e.get("id", -1)): e.get("id_task") for e in data}
         restarted = any(sid in self._id_task and (t is None or int(t) < self._id_task[sid])
                         for sid, t in seen.items())
+        if boot is not None and self.boot is not None and boot != self.boot:
+            restarted = True
         if restarted:
             self._id_task.clear()
         for sid, t in seen.items():

@@ -347,3 +347,63 @@ async def test_a_view_the_server_contradicts_is_not_recorded_and_delta_renders_s
             assert layer.table[slot].msg_key is None and layer.table[slot].foreign
             await _served_as_alone(s, base, proxy, srv.url, h, body, data, "Next?")
             assert layer.counters["view_mismatches"] == 1 and layer.counters["mispredictions"] == 0
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stock", [False, True])
+async def test_a_known_turn_asks_get_health_not_get_slots_and_still_sees_a_restart(start_server, tmp_path, stock):
+    """Before forwarding a known turn ocache must know the server is still the process its slot
+    table describes. The patched build names its process in every answer (patches/0005), so one
+    ``GET /health`` (answered without the task queue, never behind a decode step) replaces the
+    ``GET /slots`` before forwarding; the figures stay exact. After a restart on the same port the
+    id differs: ``GET /slots`` runs, the turn is not sent to the emptied slot as a known one, and its
+    predicted reuse equals the server's ``cache_n``. A stock build (no id) keeps ``GET /slots``."""
+    srv = start_server("dense", stock=stock, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    h = hdrs(A1)
+    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
+        async with aiohttp.ClientSession() as s:
+            body = await _two_turns(s, base, proxy, h)
+            layer = proxy.layer
+            await layer.idle()
+            events: list[str] = []
+            real_fetch, real_forward = layer.table.fetch_slots, proxy._forward
+
+            async def fetch_slots(*a, **kw):
+                events.append("GET /slots")
+                return await real_fetch(*a, **kw)
+
+            async def forward(*a, **kw):
+                events.append("forward")
+                return await real_forward(*a, **kw)
+
+            layer.table.fetch_slots, proxy._forward = fetch_slots, forward
+            reconciles = layer.counters["plan_reconciles"]
+            async with s.post(base + CHAT, json=body, headers=h) as r:
+                assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+                h3 = dict(r.headers)
+                data = await r.json()
+            await proxy.wait_background()
+            await layer.idle()
+            assert _predicted(proxy, h3) == data["timings"]["cache_n"] > 0
+            if stock:
+                assert events[:2] == ["GET /slots", "forward"]
+                assert layer.counters["known_boot_checked"] == 0
+                assert layer.counters["plan_reconciles"] == reconciles + 1
+                return
+            assert events[0] == "forward", events      # no GET /slots before it
+            assert layer.counters["known_boot_checked"] == 1
+            assert layer.counters["plan_reconciles"] == reconciles
+            assert layer.table.counters["boot_changed"] == 0
+
+            nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "After the restart?")
+            srv.restart()
+            events.clear()
+            async with s.post(base + CHAT, json=nxt, headers=h) as r:
+                assert r.status == 200 and r.headers.get("X-OCache-Path") is None
+                hn = dict(r.headers)
+                t = (await r.json())["timings"]
+            await proxy.wait_background()
+            assert "GET /slots" in events[:events.index("forward")], events
+            assert int(hn["X-OCache-Predicted-Cache"]) == t["cache_n"]
+            assert layer.counters["mispredictions"] == 0
+            layer.table.fetch_slots, proxy._forward = real_fetch, real_forward

@@ -583,3 +583,25 @@ def test_0004_restore_reads_the_file_before_the_task_loop_runs_it(start_server, 
         assert healthy(srv)
         srv.stop()
     assert results == {True: 400, False: 200}
+
+
+def _boot(srv: LlamaServer, path: str) -> str | None:
+    with urllib.request.urlopen(srv.url + path, timeout=30) as resp:
+        resp.read()
+        return resp.headers.get("X-Llama-Server-Boot")
+
+
+def test_0005_every_answer_names_the_process(start_server):
+    """patches/0005: every answer of the patched build carries ``X-Llama-Server-Boot``, the same id
+    on ``/health`` (answered without the task queue) and ``GET /slots`` within one process, another
+    one after a restart on the same port; the stock build sends none."""
+    stock = start_server(stock=True, n_parallel=1, **SRV)
+    assert _boot(stock, "/health") is None and _boot(stock, "/slots") is None
+    stock.stop()
+    srv = start_server(n_parallel=1, **SRV)
+    first = _boot(srv, "/health")
+    assert first is not None and len(first) == 16 and int(first, 16) >= 0
+    assert _boot(srv, "/slots") == first and _boot(srv, "/health") == first
+    srv.restart()
+    again = _boot(srv, "/health")
+    assert again is not None and again != first and _boot(srv, "/slots") == again
