@@ -11,7 +11,9 @@ Restart detection uses what the server itself reports, never timing guesses
 * ``id_task`` in ``GET /slots``: task ids restart from 0 in a new process, so a smaller maximum than
   seen before means a restart (used only when the boot id is unavailable: ``/slots`` wakes a
   sleeping server);
-* the PID, when ocache launched the server itself (``supervisor.py``).
+* the PID, when ocache launched the server itself (``supervisor.py``);
+* ``X-Llama-Server-Boot``, a header of every answer of the patched build (patches/0005): 64 random
+  bits drawn at start, decisive when both probes have it.
 
 If none of these is available and the server was seen unreachable in between, the reappearance is
 treated as a restart (the conservative choice: resident assumptions are dropped).
@@ -49,12 +51,15 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Awaitable, Callable, Iterator
 
 import aiohttp
 
+from ocache.slots import BOOT_HEADER  # the patched build's process id header (patches/0005)
+
 log = logging.getLogger("ocache.upstream")
+
 
 #: How often the monitor probes while the upstream is unreachable (seconds).
 DOWN_PROBE_INTERVAL_S = 0.25
@@ -67,6 +72,7 @@ class BootId:
     start_time: str | None = None     # /metrics header Process-Start-Time-Unix
     build_info: str | None = None     # /props build_info
     pid: int | None = None            # launched child's PID
+    boot: str | None = None           # X-Llama-Server-Boot of /health (patches/0005)
 
     def __str__(self) -> str:
         """For log lines: ``build b1-0c1e570+ocache.4c2c8b9c, started 1796120425, pid 27309``."""
@@ -75,6 +81,8 @@ class BootId:
             parts.append(f"started {self.start_time}")
         if self.pid is not None:
             parts.append(f"pid {self.pid}")
+        if self.boot:
+            parts.append(f"boot {self.boot}")
         return ", ".join(parts)
 
 
@@ -304,6 +312,7 @@ class Upstream:
                 body = await r.read()
                 health = r.status
                 ctype = r.headers.get("Content-Type", "")
+                boot_id = r.headers.get(BOOT_HEADER)
         except asyncio.TimeoutError:
             self._set_down(f"no answer to GET /health in {self.probe_timeout_s:g} s (stopped or hung; "
                            "llama-server answers /health at once)", hung=True)
@@ -323,6 +332,8 @@ class Upstream:
             return self._set_foreign(f"GET /health answered {health} {ctype or 'no content type'}, "
                                      "not llama-server's {\"status\": \"ok\"}")
         boot, max_task, props_status = await self._identity()
+        if boot_id:
+            boot = replace(boot, boot=boot_id)
         if props_status == 200 and not _is_llama_props(self.props):
             return self._set_foreign("GET /props is not llama-server's (no build_info / total_slots)")
         if props_status == 404:
@@ -470,6 +481,9 @@ def _is_llama_props(props) -> bool:
 def _restart_reason(prev: BootId, new: BootId, prev_task: int | None, new_task: int | None,
                     seen_down: bool) -> str | None:
     """Why ``new`` is a different process than ``prev`` (None: the same process)."""
+    if prev.boot is not None and new.boot is not None:
+        # the patched build's own process id (patches/0005): decisive either way
+        return f"boot id {prev.boot} -> {new.boot}" if prev.boot != new.boot else None
     if prev.pid is not None and new.pid is not None and prev.pid != new.pid:
         return f"pid {prev.pid} -> {new.pid}"
     if prev.start_time is not None and new.start_time is not None:

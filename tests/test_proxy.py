@@ -747,3 +747,15 @@ async def test_serve_launch_restarts_child_and_drains(engine_patched, models_tin
     assert drained == [0]
     with pytest.raises(ProcessLookupError):
         os.kill(pid2, 0)
+
+
+def test_the_patched_builds_boot_id_decides_whether_the_process_restarted():
+    """patches/0005: the ``X-Llama-Server-Boot`` of ``/health`` settles it either way, even without
+    ``--metrics`` (no start time) and after a time the server was unreachable; without it the
+    older signals apply."""
+    from ocache.upstream import BootId, _restart_reason
+
+    a, b = BootId(build_info="b1", boot="aaaa"), BootId(build_info="b1", boot="bbbb")
+    assert _restart_reason(a, b, None, None, False) == "boot id aaaa -> bbbb"
+    assert _restart_reason(a, BootId(build_info="b1", boot="aaaa"), 10, 2, True) is None
+    assert _restart_reason(BootId(build_info="b1"), BootId(build_info="b1"), None, None, True) is not None
