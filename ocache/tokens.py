@@ -126,8 +126,12 @@ def _xxh128(data: bytes) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def _key_bytes(obj: Any) -> bytes:
+    """Compact JSON of ``obj`` as ASCII bytes, what the message keys hash: the encoder's ASCII path
+    (non-ASCII and lone surrogates as ``\\u`` escapes) is ~1.7x faster than ``ensure_ascii=False``
+    plus a UTF-8 encode (1.6 vs 2.8 ms, median of 30, for the opencode fixture grown with this
+    repository's files to 244 messages / 564 KB) and never fails on a lone surrogate."""
+    return json.dumps(obj, separators=(",", ":")).encode("ascii")
 
 
 def message_keys(body: Mapping) -> tuple[dict, list[bytes], bytes]:
@@ -136,18 +140,18 @@ def message_keys(body: Mapping) -> tuple[dict, list[bytes], bytes]:
     and ``messages[:k + 1]`` (each message as compact JSON), ``key`` = the render cache key (the last
     digest; without messages, the hash of the payload). Two bodies share ``digests[k]`` exactly
     when their render fields and first ``k + 1`` messages are equal. Cost: one ``json.dumps`` of each
-    message and one pass of xxh3 (C speed: ~1 ms per 100k tokens of text)."""
+    message and one pass of xxh3 (1.6 ms for a 564 KB, ~130k-token body on this machine)."""
     payload = {k: body[k] for k in RENDER_FIELDS if k in body}
     msgs = payload.get("messages")
     digests: list[bytes] = []
     if isinstance(msgs, list) and msgs:
         meta = {k: v for k, v in payload.items() if k != "messages"}
-        h = xxhash.xxh3_128(_dumps(meta).encode("utf-8"))
+        h = xxhash.xxh3_128(_key_bytes(meta))
         for m in msgs:
-            h.update(b"\x1e" + _dumps(m).encode("utf-8"))
+            h.update(b"\x1e" + _key_bytes(m))
             digests.append(h.digest())
         return payload, digests, digests[-1]
-    return payload, digests, _xxh128(_dumps(payload).encode("utf-8"))
+    return payload, digests, _xxh128(_key_bytes(payload))
 
 
 def find_seq(tokens: Sequence[int], seq: Sequence[int]) -> list[int]:

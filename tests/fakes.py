@@ -55,14 +55,19 @@ class FakeSlotTable(SlotTable):
         self.fail_restore: set[str] = set()
         self.calls: list[tuple[str, str]] = []
         self._next_task = 0
+        self.boots = 1
 
     def _task(self, slot: int) -> None:
         self._next_task += 1
         self.id_tasks[slot] = self._next_task
 
     async def _request(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
-                       what: str = "slot call") -> tuple[int, Any]:
+                       what: str = "slot call", meta: dict | None = None, timeout: Any = None) -> tuple[int, Any]:
         self.calls.append((method, path))
+        if meta is not None:
+            meta["boot"] = f"{self.boots:016x}"   # the patched build's process id (patches/0005)
+        if method == "GET" and path == "/health":
+            return 200, {"status": "ok"}
         if method == "GET" and path == "/slots":
             out = []
             for i in range(self.n_slots):
@@ -121,6 +126,7 @@ class FakeSlotTable(SlotTable):
         self.ran = [False] * self.n_slots
         self.id_tasks = [None] * self.n_slots
         self._next_task = 0
+        self.boots += 1
 
 
 class FakeViewer:
