@@ -497,7 +497,7 @@ class TokenViewer:
     async def _stub(self, meta: dict) -> tuple[bytes, str, str]:
         """(key, Q, G) for the delta body's fields ``meta``: Q = the render of the stand-in alone
         without generation prompt, G = what the generation prompt adds to it."""
-        skey = _xxh128(_dumps(meta).encode("utf-8"))
+        skey = _xxh128(_key_bytes(meta))
         hit = self.stubs.get(skey)
         if hit is None:
             q = await self._render_full({**meta, "messages": [_STUB], "add_generation_prompt": False})
