@@ -884,6 +884,7 @@ class Proxy:
                     extra.update(plan.headers)
                 else:
                     extra["X-OCache-Figures"] = "late"
+                    self.stats.figures_late()
             if up_resp.status == 503 and path not in _PROBE_ROUTES and plannable:
                 up_resp = await self._held_503(request, rid, out_body, has_body, timeout, obs, up_resp)
                 if not isinstance(up_resp, aiohttp.ClientResponse):

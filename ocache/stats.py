@@ -20,6 +20,7 @@ Metric families (all prefixed ``ocache_``):
 | unplannable_total | counter | reason | completion bodies forwarded byte for byte, never planned (``body``: not UTF-8 JSON object / lone surrogate; ``nesting``: too deep for the layer) |
 | unparsed_total | counter | route, status | answers to those bodies, by the upstream's status: never counted in ``completions_total``, the token counters or ``ttft_seconds`` (ocache neither planned nor read them; the JSON view's ``unparsed``) |
 | held_loading_total | counter | | requests held while llama-server loaded its model |
+| figures_late_total | counter | | known-conversation answers sent before their figures were ready (``X-OCache-Figures: late``; the figures then reach the log line and ``last_completions``) |
 | layer_stat | gauge | key | numeric leaves of ``layer.stats()`` (flattened with dots) |
 """
 
@@ -121,6 +122,8 @@ class Stats:
         self.unparsed_c = Counter("ocache_unparsed_total", "answers to completion bodies ocache could "
                                   "not parse (forwarded byte for byte; not completions)",
                                   ["route", "status"], registry=r)
+        self.figures_late_c = Counter("ocache_figures_late_total", "known-conversation answers sent "
+                                      "before their figures were ready", registry=r)
         self.held_loading_c = Counter("ocache_held_loading_total", "requests held while "
                                       "llama-server loaded its model", registry=r)
         if layer_stats is not None:
@@ -204,6 +207,10 @@ class Stats:
         self.disconnects.labels(route_label(path)).inc()
         self._misc["client_disconnects"] += 1
 
+    def figures_late(self) -> None:
+        self.figures_late_c.inc()
+        self._misc["figures_late"] += 1
+
     def upstream_unavailable(self) -> None:
         self.unavailable.inc()
         self._misc["upstream_unavailable"] += 1
@@ -254,5 +261,6 @@ class Stats:
             "unplannable": {k.split(".", 1)[1]: v for k, v in self._misc.items()
                             if k.startswith("unplannable.")},
             "held_loading": self._misc["held_loading"],
+            "figures_late": self._misc["figures_late"],
             "last_completions": list(self.last_completions),
         }

@@ -187,6 +187,7 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
                 assert r.headers["X-OCache-Slot"] == slot2
                 assert r.headers["X-OCache-Figures"] == "late"
                 assert "X-OCache-Predicted-Cache" not in r.headers
+                assert proxy.stats.to_dict()["figures_late"] == 1
                 h3 = dict(r.headers)
                 data = await r.json()
             await proxy.wait_background()
