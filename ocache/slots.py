@@ -84,6 +84,12 @@ class SlotFileError(SlotError):
     another model, does not fit). **After a failed restore the slot is erased** (docs/llama-server.md §5)."""
 
 
+class SlotHashMismatch(SlotFileError):
+    """400 from a server that checked the restore's ``xxh3`` (patches/0006) and found the file's
+    bytes differ (or could not read them for the check): the file is damaged; the slot is untouched
+    (the check runs before the restore is queued)."""
+
+
 class SlotInvalid(SlotError):
     """400 ``Invalid slot ID`` / ``Invalid action``, or a slot id outside the table."""
 
@@ -114,6 +120,8 @@ def error_from_response(status: int, body: Any, slot: int | None, what: str) -> 
         return SlotNotSupported(text, status, typ, slot)
     if status == 400 and msg and ("slot ID" in msg or "Invalid action" in msg):
         return SlotInvalid(text, status, typ, slot)
+    if status == 400 and msg and ("slot file hash mismatch" in msg or "for its hash check" in msg):
+        return SlotHashMismatch(text, status, typ, slot)
     if status == 400 and msg and ("filename" in msg or "restore" in msg):
         return SlotFileError(text, status, typ, slot)
     if status == 500 and msg and "Unable to save slot" in msg:
@@ -274,6 +282,10 @@ class SlotTable:
         self._locks: list[asyncio.Lock] = []
         self.epoch: Any = None
         self.reconciled_at: float = 0.0
+        #: the server checks a restore's ``xxh3`` itself (``/props`` ``ocache.restore_xxh3``,
+        #: patches/0006; set by the cache layer): the store's verify then leaves the slot file's
+        #: hash to it, so the file is read once, by the server (:meth:`restore`)
+        self.checks_xxh3: bool = False
         #: the ``X-Llama-Server-Boot`` header (``BOOT_HEADER``, patches/0005) of the ``GET /slots``
         #: answer last reconciled: the process the table's beliefs are about; None on a stock build
         self.boot: str | None = None
@@ -756,7 +768,7 @@ class SlotTable:
         return await self._slot_action(slot, "save", {"filename": filename})
 
     async def restore(self, slot: int, filename: str, tokens: Sequence[int] | None = None,
-                      checkpoints: Sequence[Checkpoint] | None = None) -> dict:
+                      checkpoints: Sequence[Checkpoint] | None = None, xxh3: str | None = None) -> dict:
         """``POST /slots/{slot}?action=restore`` -> ``{"n_restored": tokens, "n_read": bytes, ...}``.
 
         ``tokens``: the token ids the file holds (the caller knows them from its index or the file
@@ -765,12 +777,18 @@ class SlotTable:
         them, a stock build none (docs/llama-server.md §6). On failure a stock server has erased the slot
         (docs/llama-server.md §5), the patched pre-check leaves it untouched; the table follows ``GET /slots``.
         A successful restore's wall time and ``n_read`` feed :attr:`restore_rate`.
+        ``xxh3``: the file's XXH3-64 (hex), checked by a server that :attr:`checks_xxh3` on the bytes
+        it reads, before the state reaches the slot (a mismatch: 400, the slot untouched); the
+        tiers send it only then (a stock build ignores the field).
         """
         self._check_filename(filename)
         st = self.slots[slot]
         t0 = time.monotonic()
+        payload = {"filename": filename}
+        if xxh3 is not None:
+            payload["xxh3"] = xxh3
         try:
-            data = await self._slot_action(slot, "restore", {"filename": filename})
+            data = await self._slot_action(slot, "restore", payload)
         except SlotError:
             # stock: the slot was erased; patched (0002-restore-precheck): a file rejected by the
             # pre-check leaves the slot as it was. Ask the server which one happened.

@@ -605,3 +605,39 @@ def test_0005_every_answer_names_the_process(start_server):
     srv.restart()
     again = _boot(srv, "/health")
     assert again is not None and again != first and _boot(srv, "/slots") == again
+
+
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_0006_a_restore_checks_the_hash_it_is_given(start_server, corpus, tmp_path, model):
+    """patches/0006: a restore that names the file's XXH3-64 (``"xxh3"``) is checked on the bytes the
+    HTTP thread read, before the task is queued: the right hash restores (the next request reuses
+    the state); a file with one flipped byte in its memory state is refused with 400 and the slot
+    keeps what it held. ``/props`` says so (``ocache.restore_xxh3``). The stock build ignores the
+    field and restores the damaged file, which is why ocache asks ``/props`` first."""
+    slots = tmp_path / "slots"
+    a, b = corpus[:1200], corpus[N_PROMPT:N_PROMPT + 900]
+    for stock in (False, True):
+        srv = start_server(model=model, stock=stock, n_parallel=1, **SRV)
+        caps = (call(srv, "/props")[1] or {}).get("ocache") or {}
+        assert caps.get("restore_xxh3") is (None if stock else True)
+        complete(srv, a)
+        save(srv, "a.bin")
+        digest = xxhash.xxh3_64_hexdigest((slots / "a.bin").read_bytes())
+        complete(srv, b)                       # the slot now holds b
+        status, res = call(srv, "/slots/0?action=restore", {"filename": "a.bin", "xxh3": digest})
+        assert status == 200 and res["n_restored"] == len(a), res
+        assert complete(srv, a + corpus[1200:1250], n_predict=1)["timings"]["cache_n"] >= len(a) - UBATCH
+        complete(srv, b)
+        raw = bytearray((slots / "a.bin").read_bytes())
+        raw[-100] ^= 0xFF                      # one byte of the memory state
+        (slots / "a.bin").write_bytes(bytes(raw))
+        status, res = call(srv, "/slots/0?action=restore", {"filename": "a.bin", "xxh3": digest})
+        if stock:
+            assert status == 200, res          # restored unchecked
+        else:
+            assert status == 400 and "hash mismatch" in res["error"]["message"], res
+            assert slot_tokens(srv) == len(b) + 0  # untouched: still b
+            t = complete(srv, b + corpus[N_PROMPT + 900:N_PROMPT + 950], n_predict=1)["timings"]
+            assert t["cache_n"] >= len(b) - UBATCH, t
+        assert healthy(srv)
+        srv.stop()

@@ -210,6 +210,9 @@ class OCacheLayer:
             if self._epoch is not None and epoch != self._epoch:
                 self.table.reset_all(epoch)
             self.table.epoch = epoch
+            caps = props.get("ocache") if isinstance(props, Mapping) else None
+            # patches/0006: this server checks a restore's xxh3 on its own read of the file
+            self.table.checks_xxh3 = isinstance(caps, Mapping) and caps.get("restore_xxh3") is True
             await self.table.refresh()
             self._epoch = epoch
             self._identity = None

@@ -74,7 +74,7 @@ from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.config import field_of as _get, slot_save_path
 from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, reserve_async, shared_store
-from ocache.slots import file_refused
+from ocache.slots import SlotHashMismatch, file_refused
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,8 @@ class DiskTier(TierBase):
         ref: AnchorRef = offer.ref
         t0 = time.monotonic()
         try:
-            e = await asyncio.to_thread(self.store.verify, ref.key, ref.expect)
+            e = await asyncio.to_thread(self.store.verify, ref.key, ref.expect,
+                                        server_hash=self.slots.checks_xxh3)
         except KeyError as exc:
             raise DiskTierError("gone", ref.key) from exc
         except IntegrityError as exc:
@@ -446,7 +447,8 @@ class DiskTier(TierBase):
                     cps = [Checkpoint(n) for n in sidecar_checkpoints(self.store.path(e.files["ckpt"].name))]
                 except ImportError:
                     cps = []
-            resp = await self.slots.restore(slot, e.bin_name, tokens=ref.expect, checkpoints=cps)
+            resp = await self.slots.restore(slot, e.bin_name, tokens=ref.expect, checkpoints=cps,
+                                            xxh3=e.files["bin"].xxh3 if self.slots.checks_xxh3 else None)
         except Exception as exc:  # noqa: BLE001
             self.counters["restore_failed"] += 1
             if not file_refused(exc):
@@ -454,6 +456,8 @@ class DiskTier(TierBase):
                 # valid (it was just verified), keep it for the next request
                 self.counters["restore_upstream_failed"] += 1
                 raise DiskTierError("upstream", str(exc)) from exc
+            if isinstance(exc, SlotHashMismatch):     # the integrity check, run by the server
+                self.counters["verify_failed"] += 1
             await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")
             raise DiskTierError("restore", str(exc)) from exc
         if int(_get(resp, "n_restored", -1)) != e.n_tokens:

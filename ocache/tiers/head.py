@@ -121,14 +121,15 @@ class HeadTier(TierBase):
     async def restore_into(self, slot: int, rec: HeadRecord) -> None:
         """Verify the head's entry, then restore it into ``slot`` (the caller holds the slot's lease).
         Raises HeadTierError (see there for what is deleted and what is kept)."""
-        from ocache.slots import file_refused
+        from ocache.slots import SlotHashMismatch, file_refused
         from ocache.tiers.store import IntegrityError
 
         if self._entry(rec) is None:
             raise HeadTierError("gone", rec.key)
         t0 = time.monotonic()
         try:
-            e = await asyncio.to_thread(self.store.verify, rec.entry, rec.tokens)
+            e = await asyncio.to_thread(self.store.verify, rec.entry, rec.tokens,
+                                        server_hash=self.table.checks_xxh3)
         except KeyError as exc:
             rec.entry = None
             raise HeadTierError("gone", rec.key) from exc
@@ -137,13 +138,16 @@ class HeadTier(TierBase):
             rec.entry = None
             raise HeadTierError(exc.reason, str(exc)) from exc
         try:
-            resp = await self.table.restore(slot, e.bin_name, tokens=rec.tokens, checkpoints=rec.checkpoints)
+            resp = await self.table.restore(slot, e.bin_name, tokens=rec.tokens, checkpoints=rec.checkpoints,
+                                            xxh3=e.files["bin"].xxh3 if self.table.checks_xxh3 else None)
         except SlotError as exc:
             self.counters["restore_failed"] += 1
             if not file_refused(exc):
                 self.counters["restore_upstream_failed"] += 1
                 raise HeadTierError("upstream", str(exc)) from exc
             rec.entry = None
+            if isinstance(exc, SlotHashMismatch):     # the integrity check, run by the server
+                self.counters["verify_failed"] += 1
             await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")
             raise HeadTierError("restore", str(exc)) from exc
         if int(resp.get("n_restored", -1)) != len(rec.tokens):

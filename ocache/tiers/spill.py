@@ -115,7 +115,7 @@ from ocache.config import field_of as _get, slot_save_path
 from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
                     prefix_hash, read_slot_tokens, reserve_async, shared_store)
-from ocache.slots import file_refused
+from ocache.slots import SlotHashMismatch, file_refused
 
 log = logging.getLogger("ocache.spill")
 
@@ -581,7 +581,7 @@ class SessionTier(TierBase):
     async def _restore(self, key: str, slot: int) -> None:
         t0 = time.monotonic()
         try:
-            e = await asyncio.to_thread(self.store.verify, key)
+            e = await asyncio.to_thread(self.store.verify, key, server_hash=self.table.checks_xxh3)
         except KeyError as exc:
             raise SpillError("gone", key) from exc
         except IntegrityError as exc:
@@ -591,7 +591,8 @@ class SessionTier(TierBase):
         self.verify_rate.add(e.bytes, t1 - t0)
         toks = self.store.tokens(key)
         try:
-            resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=self._entry_checkpoints(e))
+            resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=self._entry_checkpoints(e),
+                                            xxh3=e.files["bin"].xxh3 if self.table.checks_xxh3 else None)
         except Exception as exc:  # noqa: BLE001
             self.counters["restore_failed"] += 1
             if not file_refused(exc):
@@ -599,6 +600,8 @@ class SessionTier(TierBase):
                 # still the conversation, keep it for its return
                 self.counters["restore_upstream_failed"] += 1
                 raise SpillError("upstream", str(exc)) from exc
+            if isinstance(exc, SlotHashMismatch):     # the integrity check, run by the server
+                self.counters["verify_failed"] += 1
             await asyncio.to_thread(self.store.delete, key, f"server refused the restore: {exc}")
             raise SpillError("restore", str(exc)) from exc
         if int(_get(resp, "n_restored", -1)) != e.n_tokens:

@@ -673,14 +673,18 @@ class Store:
             return out
 
     # ------------------------------------------------------------------ verify
-    def verify(self, key: str, expect_tokens: Sequence[int] | None = None) -> Entry:
+    def verify(self, key: str, expect_tokens: Sequence[int] | None = None, *,
+               server_hash: bool = False) -> Entry:
         """Check an entry before any byte reaches the engine; delete it and raise on failure.
 
         Checks: identity equals the store's; each file exists with the recorded size and xxh3-64;
         the ``.bin`` header's token ids equal the record's (and ``expect_tokens[:n]`` if given).
         Reads every byte of every file (seconds ≈ bytes / disk read rate; the read also warms the page
-        cache for the server's own read). Raises IntegrityError (entry deleted, except an entry of
-        another identity, which is kept for it), KeyError (unknown).
+        cache for the server's own read). ``server_hash``: the ``.bin``'s xxh3 is left to the server,
+        which checks it on its own read before the state reaches a slot (the caller passes
+        ``files["bin"].xxh3`` with the restore, patches/0006): that file's size and header are
+        checked here, its bytes read once, by the server. Raises IntegrityError (entry deleted,
+        except an entry of another identity, which is kept for it), KeyError (unknown).
         """
         e = self.get(key)
         if e is None:
@@ -696,7 +700,10 @@ class Store:
             for role, f in e.files.items():
                 p = self.path(f.name)
                 try:
-                    size, digest = file_xxh3(p)
+                    if server_hash and role == "bin":
+                        size, digest = p.stat().st_size, f.xxh3
+                    else:
+                        size, digest = file_xxh3(p)
                 except FileNotFoundError as exc:
                     raise IntegrityError(key, "missing", f.name) from exc
                 if size != f.size:
