@@ -297,6 +297,8 @@ class SlotTable:
         # ``server_slot::to_json``), so a slot that loses or lowers it is on a new process
         self._id_task: dict[int, int] = {}
         self._task_seq = 0
+        #: per slot: set by :meth:`finish` (what :meth:`wait_settled` waits for)
+        self._finished: dict[int, asyncio.Event] = {}
         #: per slot: (tokens, ms) ocache itself prefilled there with :meth:`warm`, cumulative
         #: (``timings.prompt_n``/``prompt_ms``); the cache layer takes the delta over a request's
         #: steps to correct the figures that request reports (ocache/api/figures.py)
@@ -449,6 +451,28 @@ class SlotTable:
         st.pending = False
         if checkpoints is not None:
             st.checkpoints = list(checkpoints)
+        ev = self._finished.pop(slot, None)
+        if ev is not None:
+            ev.set()
+        return True
+
+    async def wait_settled(self, slot: int, timeout_s: float) -> bool:
+        """Wait until ``slot``'s lease is free and its last response is recorded (not ``pending``:
+        :meth:`finish` ran), at most ``timeout_s`` seconds; whether it settled. The window this
+        covers: a response's last byte has reached the client, which sends its next turn at once,
+        while the proxy still releases the plan and observes the response (ms). Takes the lock only
+        to learn it is free (released at once, no await in between)."""
+        lock = self.lock(slot)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while lock.locked() or self[slot].pending:
+                    if lock.locked():
+                        await lock.acquire()
+                        lock.release()
+                    else:
+                        await self._finished.setdefault(slot, asyncio.Event()).wait()
+        except TimeoutError:
+            return False
         return True
 
     def predict_checkpoints(self, slot: int, seq: int, checkpoints: Sequence[Checkpoint]) -> bool:

@@ -408,3 +408,51 @@ async def test_a_known_turn_asks_get_health_not_get_slots_and_still_sees_a_resta
             assert int(hn["X-OCache-Predicted-Cache"]) == t["cache_n"]
             assert layer.counters["mispredictions"] == 0
             layer.table.fetch_slots, proxy._forward = real_fetch, real_forward
+
+
+@pytest.mark.server
+async def test_a_turn_sent_before_the_last_answer_was_recorded_waits_for_it_and_is_known(start_server, tmp_path,
+                                                                                       monkeypatch):
+    """An agent's tool loop sends the next turn the moment an answer ends, while the proxy still
+    releases that answer's plan and records it (``observe``): the slot is pending. The next turn
+    waits for that (``SlotTable.wait_settled``, bounded) and takes the known path, with exact
+    figures; before, it was viewed and planned the usual way (``X-OCache-Path`` absent)."""
+    import ocache.cache.orchestrator as orch
+    from test_proxy import poll
+
+    monkeypatch.setattr(orch, "KNOWN_SETTLE_WAIT_S", 30.0, raising=False)  # the mechanism, not the bound
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    h = hdrs(A1)
+    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
+        async with aiohttp.ClientSession() as s:
+            body = await _two_turns(s, base, proxy, h)
+            layer = proxy.layer
+            await layer.idle()
+            gate = asyncio.Event()
+            real_observe = layer.observe
+
+            async def observe(*a, **kw):
+                await asyncio.wait_for(gate.wait(), 30)
+                return await real_observe(*a, **kw)
+
+            layer.observe = observe
+            async with s.post(base + CHAT, json=body, headers=h) as r:
+                assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+                data = await r.json()
+            nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "And then?")
+
+            async def send() -> tuple[dict, dict]:
+                async with s.post(base + CHAT, json=nxt, headers=h) as r:
+                    assert r.status == 200
+                    return dict(r.headers), await r.json()
+
+            task = asyncio.create_task(send())
+            await poll(lambda: layer.counters["known_waits"] == 1, timeout=20, what="the turn waits")
+            assert not task.done()
+            gate.set()
+            hn, dn = await asyncio.wait_for(task, 60)
+            await proxy.wait_background()
+            layer.observe = real_observe
+            assert hn.get("X-OCache-Path") == "known"
+            assert _predicted(proxy, hn) == dn["timings"]["cache_n"] > 0
+            assert layer.counters["mispredictions"] == 0

@@ -34,6 +34,7 @@ are the measured figures (``ocache/api/figures.py``).
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from dataclasses import replace
@@ -64,6 +65,10 @@ CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
 #: restart is seen and the session comes back from disk (about half). The per-plan read cost no
 #: measurable latency (scripts/bench-proxy: 1-token chat +2.5 ms p50 either way).
 RECONCILE_MAX_AGE_S = 0.0
+#: seconds a known conversation's next turn waits for its slot to settle (the previous answer's
+#: plan released and the answer recorded: ``SlotTable.wait_settled``) when it arrived before that;
+#: past it, the usual path
+KNOWN_SETTLE_WAIT_S = 0.5
 #: seconds the release of a known conversation's plan waits for its completion (the token view of
 #: the forwarded request, ``OCacheLayer._complete_known``) before it gives up on the slot's record
 KNOWN_COMPLETE_MAX_S = 120.0
@@ -81,6 +86,22 @@ def _labels(body: Any, headers: Any, kind: str) -> tuple[tuple[str, str | None],
                 ("model", model if isinstance(model, str) else None))
     except Exception:  # noqa: BLE001 - labels are for display only
         return ()
+
+
+def _as_settled(snapshot: list) -> list:
+    """Copies of the busy or pending slots of ``snapshot`` as they will be once their request's
+    answer is recorded (lease free, not pending, the count the prompt gives), for
+    ``known_conversation_slot``: which slot the next turn would find once it settles."""
+    out = []
+    for s in snapshot:
+        if s.busy or s.pending:
+            s = copy.copy(s)
+            object.__setattr__(s, "busy", False)
+            object.__setattr__(s, "pending", False)
+            if s.n_total is None:
+                object.__setattr__(s, "n_total", len(s.tokens))
+        out.append(s)
+    return out
 
 
 def _mk_plan(**kw: Any) -> Any:
@@ -122,7 +143,7 @@ class OCacheLayer:
             "split_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0, "replans": 0,
             "plan_reconciles": 0, "fast_path": 0, "fast_path_other_plan": 0,
             "fast_path_anchors_skipped": 0, "fast_path_failed": 0, "view_mismatches": 0,
-            "known_boot_checked": 0,
+            "known_boot_checked": 0, "known_waits": 0,
         }
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
@@ -476,9 +497,21 @@ class OCacheLayer:
         table = self.table
         session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
         ext = bool(getattr(self._viewer, "append_only", False))
-        slot = known_conversation_slot(table.snapshot(), keys[1], session, kind, ext)
+        snap = table.snapshot()
+        slot = known_conversation_slot(snap, keys[1], session, kind, ext)
         if slot is None:
-            return None
+            # the client sent this turn the moment the previous answer ended, before the proxy
+            # released that plan and recorded the answer (an agent's tool loop does): wait for that
+            # (bounded), rather than view and plan a turn whose slot is known a few ms later
+            settling = known_conversation_slot(_as_settled(snap), keys[1], session, kind, ext)
+            if settling is None:
+                return None
+            self.counters["known_waits"] += 1
+            if not await table.wait_settled(settling, KNOWN_SETTLE_WAIT_S):
+                return None
+            slot = known_conversation_slot(table.snapshot(), keys[1], session, kind, ext)
+            if slot is None:
+                return None
         if self.opt_reconcile and table.needs_reconcile(RECONCILE_MAX_AGE_S):
             # a restart since the table's last GET /slots must be seen before forwarding; the
             # patched build answers that with GET /health, which does not wait for a decode step
