@@ -37,9 +37,9 @@ Reported per size (``bench-long.md``, ``.json``, ``long-<model>.png``):
 * bytes written per turn: ``write_bytes`` of ``/proc/PID/io`` of llama-server + ocache, per request
   (the slot files the server writes on ocache's saves, ocache's records).
 
-Run time (2 cores, -t 1, loaded): 4.8 min at 32k, 30 min at 64k (a 64k prefill: 170-250 s); the
-direct side prefills the whole conversation 6 times (B takes A's slot), the ocache side twice, and a
-126k prefill costs ~4 x a 64k one, so the default sizes are estimated at ~3 h (126k alone ~2 h);
+Run time (2 cores, -t 1, loaded): 4.8 min at 32k, 30 min at 64k (a 64k prefill: 170-250 s; there the
+direct side prefilled the whole conversation 6 times: B took A's slot), 24.9 min at 126k (a 126k
+prefill: 240-345 s; B went to the other slot);
 ``--models dense`` is the default; ``--long-sizes`` picks sizes (``8192`` checks it in under a
 minute). Not part of the test suite.
 """
