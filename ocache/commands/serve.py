@@ -37,22 +37,6 @@ def build_config(args: argparse.Namespace) -> Config:
     return config_mod.load(args.config, overrides=overrides)
 
 
-def run_loop(coro) -> None:
-    """Run ``coro`` on uvloop when it is installed (a libuv event loop: the relay's socket work costs
-    less per request than on asyncio's own loop, ``scripts/bench-proxy --loops asyncio,uvloop``),
-    else on asyncio's; ``OCACHE_EVENT_LOOP=asyncio`` forces asyncio's."""
-    if os.environ.get("OCACHE_EVENT_LOOP", "auto") != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                runner.run(coro)
-            return
-    asyncio.run(coro)
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.help_config:
         print(config_mod.describe())
@@ -66,7 +50,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if cfg.cache_dir:
         os.environ["OCACHE_STATE_DIR"] = cfg.cache_dir  # ocache.paths.state_root() reads it
     try:
-        run_loop(serve(cfg))
+        asyncio.run(serve(cfg))
     except OSError as exc:
         print(f"ocache serve: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
         return 1
