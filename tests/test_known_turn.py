@@ -5,6 +5,7 @@ while the server works (``OCacheLayer._plan_known``, ``known_conversation_slot``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 
@@ -113,6 +114,19 @@ async def _two_turns(s: aiohttp.ClientSession, base: str, proxy, h: dict) -> dic
         body = _next_turn(body, answer, q)
     await proxy.layer._viewer.wait_verified()
     return body
+
+
+@contextlib.asynccontextmanager
+async def _third_turn_ready(start_server, tmp_path, stock: bool = False):
+    """A dense server (patched, or ``stock``) behind ocache after :func:`_two_turns`, background
+    work done: yields ``(session, base, proxy, srv, headers, body of turn 3)``."""
+    srv = start_server("dense", stock=stock, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    h = hdrs(A1)
+    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
+        async with aiohttp.ClientSession() as s:
+            body = await _two_turns(s, base, proxy, h)
+            await proxy.layer.idle()
+            yield s, base, proxy, srv, h, body
 
 
 async def _served_as_alone(s: aiohttp.ClientSession, base: str, proxy, url: str, h: dict, body: dict,
@@ -359,55 +373,50 @@ async def test_a_known_turn_asks_get_health_not_get_slots_and_still_sees_a_resta
     ``GET /slots`` before forwarding; the figures stay exact. After a restart on the same port the
     id differs: ``GET /slots`` runs, the turn is not sent to the emptied slot as a known one, and its
     predicted reuse equals the server's ``cache_n``. A stock build (no id) keeps ``GET /slots``."""
-    srv = start_server("dense", stock=stock, n_parallel=2, ctx_size=2 * 16384, **SERVER)
-    h = hdrs(A1)
-    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
-        async with aiohttp.ClientSession() as s:
-            body = await _two_turns(s, base, proxy, h)
-            layer = proxy.layer
-            await layer.idle()
-            events: list[str] = []
-            real_fetch, real_forward = layer.table.fetch_slots, proxy._forward
+    async with _third_turn_ready(start_server, tmp_path, stock) as (s, base, proxy, srv, h, body):
+        layer = proxy.layer
+        events: list[str] = []
+        real_fetch, real_forward = layer.table.fetch_slots, proxy._forward
 
-            async def fetch_slots(*a, **kw):
-                events.append("GET /slots")
-                return await real_fetch(*a, **kw)
+        async def fetch_slots(*a, **kw):
+            events.append("GET /slots")
+            return await real_fetch(*a, **kw)
 
-            async def forward(*a, **kw):
-                events.append("forward")
-                return await real_forward(*a, **kw)
+        async def forward(*a, **kw):
+            events.append("forward")
+            return await real_forward(*a, **kw)
 
-            layer.table.fetch_slots, proxy._forward = fetch_slots, forward
-            reconciles = layer.counters["plan_reconciles"]
-            async with s.post(base + CHAT, json=body, headers=h) as r:
-                assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
-                h3 = dict(r.headers)
-                data = await r.json()
-            await proxy.wait_background()
-            await layer.idle()
-            assert _predicted(proxy, h3) == data["timings"]["cache_n"] > 0
-            if stock:
-                assert events[:2] == ["GET /slots", "forward"]
-                assert layer.counters["known_boot_checked"] == 0
-                assert layer.counters["plan_reconciles"] == reconciles + 1
-                return
-            assert events[0] == "forward", events      # no GET /slots before it
-            assert layer.counters["known_boot_checked"] == 1
-            assert layer.counters["plan_reconciles"] == reconciles
-            assert layer.table.counters["boot_changed"] == 0
+        layer.table.fetch_slots, proxy._forward = fetch_slots, forward
+        reconciles = layer.counters["plan_reconciles"]
+        async with s.post(base + CHAT, json=body, headers=h) as r:
+            assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+            h3 = dict(r.headers)
+            data = await r.json()
+        await proxy.wait_background()
+        await layer.idle()
+        assert _predicted(proxy, h3) == data["timings"]["cache_n"] > 0
+        if stock:
+            assert events[:2] == ["GET /slots", "forward"]
+            assert layer.counters["known_boot_checked"] == 0
+            assert layer.counters["plan_reconciles"] == reconciles + 1
+            return
+        assert events[0] == "forward", events      # no GET /slots before it
+        assert layer.counters["known_boot_checked"] == 1
+        assert layer.counters["plan_reconciles"] == reconciles
+        assert layer.table.counters["boot_changed"] == 0
 
-            nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "After the restart?")
-            srv.restart()
-            events.clear()
-            async with s.post(base + CHAT, json=nxt, headers=h) as r:
-                assert r.status == 200 and r.headers.get("X-OCache-Path") is None
-                hn = dict(r.headers)
-                t = (await r.json())["timings"]
-            await proxy.wait_background()
-            assert "GET /slots" in events[:events.index("forward")], events
-            assert int(hn["X-OCache-Predicted-Cache"]) == t["cache_n"]
-            assert layer.counters["mispredictions"] == 0
-            layer.table.fetch_slots, proxy._forward = real_fetch, real_forward
+        nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "After the restart?")
+        srv.restart()
+        events.clear()
+        async with s.post(base + CHAT, json=nxt, headers=h) as r:
+            assert r.status == 200 and r.headers.get("X-OCache-Path") is None
+            hn = dict(r.headers)
+            t = (await r.json())["timings"]
+        await proxy.wait_background()
+        assert "GET /slots" in events[:events.index("forward")], events
+        assert int(hn["X-OCache-Predicted-Cache"]) == t["cache_n"]
+        assert layer.counters["mispredictions"] == 0
+        layer.table.fetch_slots, proxy._forward = real_fetch, real_forward
 
 
 @pytest.mark.server
@@ -421,38 +430,33 @@ async def test_a_turn_sent_before_the_last_answer_was_recorded_waits_for_it_and_
     from test_proxy import poll
 
     monkeypatch.setattr(orch, "KNOWN_SETTLE_WAIT_S", 30.0, raising=False)  # the mechanism, not the bound
-    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
-    h = hdrs(A1)
-    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
-        async with aiohttp.ClientSession() as s:
-            body = await _two_turns(s, base, proxy, h)
-            layer = proxy.layer
-            await layer.idle()
-            gate = asyncio.Event()
-            real_observe = layer.observe
+    async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
+        layer = proxy.layer
+        gate = asyncio.Event()
+        real_observe = layer.observe
 
-            async def observe(*a, **kw):
-                await asyncio.wait_for(gate.wait(), 30)
-                return await real_observe(*a, **kw)
+        async def observe(*a, **kw):
+            await asyncio.wait_for(gate.wait(), 30)
+            return await real_observe(*a, **kw)
 
-            layer.observe = observe
-            async with s.post(base + CHAT, json=body, headers=h) as r:
-                assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
-                data = await r.json()
-            nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "And then?")
+        layer.observe = observe
+        async with s.post(base + CHAT, json=body, headers=h) as r:
+            assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+            data = await r.json()
+        nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "And then?")
 
-            async def send() -> tuple[dict, dict]:
-                async with s.post(base + CHAT, json=nxt, headers=h) as r:
-                    assert r.status == 200
-                    return dict(r.headers), await r.json()
+        async def send() -> tuple[dict, dict]:
+            async with s.post(base + CHAT, json=nxt, headers=h) as r:
+                assert r.status == 200
+                return dict(r.headers), await r.json()
 
-            task = asyncio.create_task(send())
-            await poll(lambda: layer.counters["known_waits"] == 1, timeout=20, what="the turn waits")
-            assert not task.done()
-            gate.set()
-            hn, dn = await asyncio.wait_for(task, 60)
-            await proxy.wait_background()
-            layer.observe = real_observe
-            assert hn.get("X-OCache-Path") == "known"
-            assert _predicted(proxy, hn) == dn["timings"]["cache_n"] > 0
-            assert layer.counters["mispredictions"] == 0
+        task = asyncio.create_task(send())
+        await poll(lambda: layer.counters["known_waits"] == 1, timeout=20, what="the turn waits")
+        assert not task.done()
+        gate.set()
+        hn, dn = await asyncio.wait_for(task, 60)
+        await proxy.wait_background()
+        layer.observe = real_observe
+        assert hn.get("X-OCache-Path") == "known"
+        assert _predicted(proxy, hn) == dn["timings"]["cache_n"] > 0
+        assert layer.counters["mispredictions"] == 0
