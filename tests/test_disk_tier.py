@@ -244,6 +244,9 @@ async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, mo
         with pytest.raises(DiskTierError):
             await h.tier.bring(offer, 0)
         assert h.tier.counters["verify_failed"] == 1, fault
+        # a damaged file is a failed check, not a failed restore, whoever hashed it (the patched
+        # server's own check, patches/0006, or the store's on a stock build)
+        assert h.tier.counters["restore_failed"] == 0, fault
         detected.append(fault)
         assert h.store.get(e.key) is None, fault
         assert not any((Path(h.srv.slot_save_path) / f.name).exists() for f in e.files.values()), fault

@@ -207,6 +207,7 @@ async def test_damaged_head_file_is_detected_and_the_request_served_exactly(star
         # detected, deleted, reported
         ht = layer.head_tier
         assert ht.counters["verify_failed"] == 1 and layer.counters["bring_failures"] == 1
+        assert ht.counters["restore_failed"] == 0       # a failed check, not a failed restore
         assert layer.stats()["tier_head"]["verify_failed"] == 1
         assert not bins[0].exists() and not ht.store.entries("h")
 

@@ -450,7 +450,10 @@ class DiskTier(TierBase):
             resp = await self.slots.restore(slot, e.bin_name, tokens=ref.expect, checkpoints=cps,
                                             xxh3=e.files["bin"].xxh3 if self.slots.checks_xxh3 else None)
         except Exception as exc:  # noqa: BLE001
-            self.counters["restore_failed"] += 1
+            if not isinstance(exc, SlotHashMismatch):
+                # a damaged file the server's own check refused (patches/0006) counts as
+                # verify_failed below, as the store's check counts it on a stock build
+                self.counters["restore_failed"] += 1
             if not file_refused(exc):
                 # llama-server gone, restarting or failing for another reason: the file is still
                 # valid (it was just verified), keep it for the next request

@@ -594,7 +594,10 @@ class SessionTier(TierBase):
             resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=self._entry_checkpoints(e),
                                             xxh3=e.files["bin"].xxh3 if self.table.checks_xxh3 else None)
         except Exception as exc:  # noqa: BLE001
-            self.counters["restore_failed"] += 1
+            if not isinstance(exc, SlotHashMismatch):
+                # a damaged file the server's own check refused (patches/0006) counts as
+                # verify_failed below, as the store's check counts it on a stock build
+                self.counters["restore_failed"] += 1
             if not file_refused(exc):
                 # llama-server gone, restarting or failing for another reason: the verified file is
                 # still the conversation, keep it for its return
