@@ -460,3 +460,45 @@ async def test_a_turn_sent_before_the_last_answer_was_recorded_waits_for_it_and_
         assert hn.get("X-OCache-Path") == "known"
         assert _predicted(proxy, hn) == dn["timings"]["cache_n"] > 0
         assert layer.counters["mispredictions"] == 0
+
+
+@pytest.mark.server
+async def test_a_known_turn_whose_reconcile_fails_after_a_restart_is_planned_as_usual(start_server, tmp_path):
+    """The restarted server's first ``GET /slots`` fails (measured by hand: a turn sent while the new
+    process still loads its model gets ``GET /slots`` 503 ``Loading model``; the turn was then held,
+    forwarded to slot 0 as a known turn of the dead process and prefilled whole, 7,366 tokens, with
+    no figures, where the disk tier restored 7,234 of them). A known turn whose reconcile fails is
+    planned as usual: that plan reads ``GET /slots`` again, sees the new process, and its predicted
+    reuse is the server's ``cache_n``."""
+    from ocache.slots import SlotError
+
+    async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
+        layer = proxy.layer
+        async with s.post(base + CHAT, json=body, headers=h) as r:
+            assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+            data = await r.json()
+        await proxy.wait_background()
+        await layer.idle()
+        nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "After the restart?")
+        real_fetch = layer.table.fetch_slots
+        failed: list[int] = []
+
+        async def fetch_slots(*a, **kw):
+            if not failed:                  # the first GET /slots after the restart: still loading
+                failed.append(1)
+                raise SlotError("GET /slots: HTTP 503: 'Loading model'", 503, "unavailable_error")
+            return await real_fetch(*a, **kw)
+
+        srv.restart()
+        layer.table.fetch_slots = fetch_slots
+        try:
+            async with s.post(base + CHAT, json=nxt, headers=h) as r:
+                assert r.status == 200
+                hn = dict(r.headers)
+                t = (await r.json())["timings"]
+            await proxy.wait_background()
+        finally:
+            layer.table.fetch_slots = real_fetch
+        assert failed and layer.table.counters["boot_changed"] == 1
+        assert hn.get("X-OCache-Path") is None, hn
+        assert int(hn["X-OCache-Predicted-Cache"]) == t["cache_n"] > 0, (hn, t)

@@ -520,7 +520,11 @@ class OCacheLayer:
                 self.counters["known_boot_checked"] += 1
             else:
                 self.counters["plan_reconciles"] += 1
-                await self._refresh(req.request_id)
+                if not await self._refresh(req.request_id):
+                    # the server could not say what its slots hold (a new process still loading its
+                    # model answers GET /slots 503 'Loading model'): the table may describe a dead
+                    # process, so this turn is not sent to that slot as a known one
+                    return None
             if known_conversation_slot(table.snapshot(), keys[1], session, kind, ext) != slot:
                 return None
         version = table.version(slot)
@@ -698,13 +702,15 @@ class OCacheLayer:
                                  for st in snap),
                         ubatch=table.params.n_ubatch)
 
-    async def _refresh(self, rid: str) -> None:
-        """Reconcile the slot table with ``GET /slots``; a failure only logs (the plan then uses
-        the table as it is)."""
+    async def _refresh(self, rid: str) -> bool:
+        """Reconcile the slot table with ``GET /slots``; whether it succeeded. A failure only logs
+        (the usual plan then uses the table as it is; a known turn is planned as usual instead)."""
         try:
             await self.table.refresh()
         except SlotError as exc:
             log.debug("[%s] GET /slots failed: %s", rid, exc)
+            return False
+        return True
 
     async def _lookups(self, view: Any, ctx: RequestContext) -> tuple[list[Offer | None], Any]:
         """The lookup phase, once per request: every tier's ``lookup`` (head tier first), and the
