@@ -3,7 +3,9 @@
 The supervisor starts the server with the given arguments (on a free loopback port unless the
 arguments name ``--host``/``--port``), restarts it when it dies (with a backoff of 0.5 s doubling to
 10 s, reset after 30 s of uptime), reports its PID to ``Upstream`` (a new PID is a new epoch), and
-stops it on shutdown (SIGTERM to its process group, SIGKILL after ``stop_timeout`` seconds).
+stops it on shutdown (SIGTERM to its process group, SIGKILL after ``stop_timeout`` seconds). On Linux
+the child also gets SIGTERM when ocache itself dies without a shutdown (kill -9, a crash:
+``PR_SET_PDEATHSIG``, prctl(2)), so it never outlives ocache holding its port and memory.
 
 A child that cannot start (missing model, bad flag, port in use) exits within seconds each time:
 after ``max_quick_failures`` such exits in a row (``Config.launch_max_failures``, default 5) the
@@ -30,6 +32,29 @@ from ocache.llama.flags import given_flags
 from ocache.llama.server import free_port
 
 log = logging.getLogger("ocache.supervisor")
+
+#: prctl(2) option: the signal the calling process gets when its parent thread dies
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent_fn():
+    """A ``preexec_fn`` that asks the kernel to send the child SIGTERM when ocache dies (Linux:
+    prctl(PR_SET_PDEATHSIG)), or None elsewhere. libc's ``prctl`` is looked up here, before the
+    fork, so the child only makes one C call before exec."""
+    if not os.uname().sysname == "Linux":
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    sig = int(signal.SIGTERM)
+
+    def _set() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+    return _set
 
 
 class LaunchError(RuntimeError):
@@ -141,6 +166,7 @@ class Supervisor:
             self.proc = await asyncio.create_subprocess_exec(
                 self.binary, *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=out,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent_fn(),
                 env={**os.environ, **self.env} if self.env else None)
         except OSError as exc:
             raise LaunchError(f"cannot start {self.binary}: {exc}") from None

@@ -790,3 +790,64 @@ async def test_launch_stop_sends_sigterm_with_no_get_slots_in_flight(engine_patc
           f"GET /slots started after the stop: {term['started_after_stop']}, in flight at SIGTERM: {term['n']}")
     # the stop ended ocache's own reconciles (none started after it) and left none in flight
     assert term["started_after_stop"] == 0 and term["n"] == 0, term
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie left for a reaper that is not there counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.server
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_launch_child_does_not_outlive_a_killed_ocache(engine_patched, models_tiny, tmp_path):
+    """``kill -9`` of ``ocache serve --launch`` (no shutdown runs): its llama-server child gets SIGTERM
+    from the kernel (PR_SET_PDEATHSIG) and exits, instead of running on with its port and memory
+    (before: it stayed, found by a newcomer after three such kills)."""
+    import urllib.request
+
+    port = free_port()
+    env = {**os.environ, "OCACHE_STATE_DIR": str(tmp_path / "state"),
+           "OCACHE_LAUNCH_BINARY": str(engine_patched.binary)}
+    p = subprocess.Popen([sys.executable, "-m", "ocache", "serve", "--port", str(port), "--launch", "--",
+                          "-m", str(models_tiny["dense"]), "-t", "1", "-np", "1", "-c", "2048", "--no-webui"],
+                         env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:   # polling two external processes, bounded
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        kids = [k for k in _children(p.pid) if "llama-server" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")]
+        assert len(kids) == 1, kids
+        child = kids[0]
+        p.kill()
+        p.wait(30)
+        deadline = time.monotonic() + 30
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "llama-server outlived ocache"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)

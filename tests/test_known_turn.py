@@ -457,7 +457,7 @@ async def test_a_turn_sent_before_the_last_answer_was_recorded_waits_for_it_and_
         hn, dn = await asyncio.wait_for(task, 60)
         await proxy.wait_background()
         layer.observe = real_observe
-        assert hn.get("X-OCache-Path") == "known"
+        assert hn.get("X-OCache-Path") == "known" and layer.counters["known_waits_usual"] == 0
         assert _predicted(proxy, hn) == dn["timings"]["cache_n"] > 0
         assert layer.counters["mispredictions"] == 0
 

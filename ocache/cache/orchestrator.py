@@ -143,7 +143,7 @@ class OCacheLayer:
             "split_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0, "replans": 0,
             "plan_reconciles": 0, "fast_path": 0, "fast_path_other_plan": 0,
             "fast_path_anchors_skipped": 0, "fast_path_failed": 0, "view_mismatches": 0,
-            "known_boot_checked": 0, "known_waits": 0,
+            "known_boot_checked": 0, "known_waits": 0, "known_waits_usual": 0,
         }
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
@@ -508,9 +508,11 @@ class OCacheLayer:
                 return None
             self.counters["known_waits"] += 1
             if not await table.wait_settled(settling, KNOWN_SETTLE_WAIT_S):
+                self.counters["known_waits_usual"] += 1   # waited, then planned the usual way
                 return None
             slot = known_conversation_slot(table.snapshot(), keys[1], session, kind, ext)
             if slot is None:
+                self.counters["known_waits_usual"] += 1
                 return None
         if self.opt_reconcile and table.needs_reconcile(RECONCILE_MAX_AGE_S):
             # a restart since the table's last GET /slots must be seen before forwarding; the
