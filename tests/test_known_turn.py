@@ -300,31 +300,27 @@ async def test_a_known_turn_too_long_for_the_slot_is_the_servers_400_and_keeps_t
     before touching the slot's cache. It is counted ``too_long`` like on the usual path, not as a
     failure of the cache layer, and the slot keeps its record: the conversation's real next turn
     takes the known path again, with exact figures."""
-    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
-    h = hdrs(A1)
-    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
-        async with aiohttp.ClientSession() as s:
-            body = await _two_turns(s, base, proxy, h)
-            layer = proxy.layer
-            assert layer._viewer.append_only
-            too_long = _next_turn(body, "ok", "word " * 12000)
-            async with s.post(base + CHAT, json=too_long, headers=h) as r:
-                assert r.status == 400 and r.headers.get("X-OCache-Path") == "known"
-                assert (await r.json())["error"]["type"] == "exceed_context_size_error"
-            await proxy.wait_background()
-            await layer.idle()
-            assert layer.counters["too_long"] == 1 and layer.counters["fast_path_failed"] == 0
-            assert proxy.stats.to_dict()["layer_errors"] == {}
-            before = await _prompt_total(s, srv.url)
-            async with s.post(base + CHAT, json=body, headers=h) as r:
-                assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
-                hk = dict(r.headers)
-                t = (await r.json())["timings"]
-            await proxy.wait_background()
-            predicted = _predicted(proxy, hk)
-            assert layer.counters["fast_path"] == 2 and layer.counters["mispredictions"] == 0
-            assert abs(predicted - t["cache_n"]) <= UB and t["cache_n"] > 0
-            assert await _prompt_total(s, srv.url) - before == t["prompt_n"]
+    async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
+        layer = proxy.layer
+        assert layer._viewer.append_only
+        too_long = _next_turn(body, "ok", "word " * 12000)
+        async with s.post(base + CHAT, json=too_long, headers=h) as r:
+            assert r.status == 400 and r.headers.get("X-OCache-Path") == "known"
+            assert (await r.json())["error"]["type"] == "exceed_context_size_error"
+        await proxy.wait_background()
+        await layer.idle()
+        assert layer.counters["too_long"] == 1 and layer.counters["fast_path_failed"] == 0
+        assert proxy.stats.to_dict()["layer_errors"] == {}
+        before = await _prompt_total(s, srv.url)
+        async with s.post(base + CHAT, json=body, headers=h) as r:
+            assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+            hk = dict(r.headers)
+            t = (await r.json())["timings"]
+        await proxy.wait_background()
+        predicted = _predicted(proxy, hk)
+        assert layer.counters["fast_path"] == 2 and layer.counters["mispredictions"] == 0
+        assert abs(predicted - t["cache_n"]) <= UB and t["cache_n"] > 0
+        assert await _prompt_total(s, srv.url) - before == t["prompt_n"]
 
 
 @pytest.mark.server
@@ -337,31 +333,27 @@ async def test_a_view_the_server_contradicts_is_not_recorded_and_delta_renders_s
     record and the next turn's base."""
     from ocache.tokens import TokenView
 
-    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
-    h = hdrs(A1)
-    async with through_ocache(make_config(srv, tmp_path / "state")) as (base, proxy):
-        async with aiohttp.ClientSession() as s:
-            body = await _two_turns(s, base, proxy, h)
-            layer = proxy.layer
-            assert layer._viewer.append_only
-            real_view = layer._viewer.view
+    async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
+        layer = proxy.layer
+        assert layer._viewer.append_only
+        real_view = layer._viewer.view
 
-            async def short(*a, **kw):
-                v = await real_view(*a, **kw)
-                return TokenView(v.tokens[:-5], v.head_end, v.user_starts, v.text, v.stats, v.msg_key, v.n_msgs)
+        async def short(*a, **kw):
+            v = await real_view(*a, **kw)
+            return TokenView(v.tokens[:-5], v.head_end, v.user_starts, v.text, v.stats, v.msg_key, v.n_msgs)
 
-            layer._viewer.view = short
-            async with s.post(base + CHAT, json=body, headers=h) as r:
-                assert r.status == 200
-                slot = int(r.headers["X-OCache-Slot"])
-                data = await r.json()
-            await proxy.wait_background()
-            await layer.idle()
-            layer._viewer.view = real_view
-            assert layer.counters["view_mismatches"] == 1 and not layer._viewer.append_only
-            assert layer.table[slot].msg_key is None and layer.table[slot].foreign
-            await _served_as_alone(s, base, proxy, srv.url, h, body, data, "Next?")
-            assert layer.counters["view_mismatches"] == 1 and layer.counters["mispredictions"] == 0
+        layer._viewer.view = short
+        async with s.post(base + CHAT, json=body, headers=h) as r:
+            assert r.status == 200
+            slot = int(r.headers["X-OCache-Slot"])
+            data = await r.json()
+        await proxy.wait_background()
+        await layer.idle()
+        layer._viewer.view = real_view
+        assert layer.counters["view_mismatches"] == 1 and not layer._viewer.append_only
+        assert layer.table[slot].msg_key is None and layer.table[slot].foreign
+        await _served_as_alone(s, base, proxy, srv.url, h, body, data, "Next?")
+        assert layer.counters["view_mismatches"] == 1 and layer.counters["mispredictions"] == 0
 
 
 @pytest.mark.server
