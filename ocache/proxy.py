@@ -763,7 +763,12 @@ class Proxy:
             log.warning("[%s] the plan's figures were not ready in %g s: relayed without them",
                         rid, PLAN_COMPLETION_WAIT_S)
             self.stats.layer_error("plan_late")
-        elif not task.cancelled() and task.exception() is not None:
+        else:
+            self._completion_failed(rid, task)
+
+    def _completion_failed(self, rid: str, task: asyncio.Task) -> None:
+        """Log and count a finished ``Plan.completion`` that failed (its figures are missing)."""
+        if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
             log.warning("[%s] the plan's figures failed (%s: %s): relayed without them",
                         rid, type(exc).__name__, exc)
@@ -1204,10 +1209,12 @@ class Proxy:
                 disconnected: bool, observe: bool = True) -> None:
         """The request's log line, stats record and ``_after`` (release, observe, recorder); for a
         plan whose ``completion`` is still running, once it is done (``_plan_completed``)."""
-        if plan is not None and plan.completion is not None:
+        if plan is not None and plan.completion is not None and not plan.completion.done():
             self._spawn(self._finish_completed(preq, plan, obs, disconnected, observe))
-        else:
-            self._finish_now(preq, plan, obs, disconnected, observe)
+            return
+        if plan is not None and plan.completion is not None:
+            self._completion_failed(preq.request_id, plan.completion)
+        self._finish_now(preq, plan, obs, disconnected, observe)
 
     async def _finish_completed(self, preq: ParsedRequest, plan: Plan, obs: Observation,
                                 disconnected: bool, observe: bool) -> None:

@@ -486,8 +486,9 @@ class OCacheLayer:
         figures when they are ready as llama-server's answer begins, which it sends only with its
         first result, after the prompt's prefill: tools/server/server-context.cpp:4514-4517 of the
         pinned source; else ``X-OCache-Figures: late``). Critical path: one
-        ``message_keys`` pass and ``GET /slots`` (the reconcile that sees a restart), nothing in
-        proportion to the prompt's tokens (``scripts/bench-long``).
+        ``message_keys`` pass and one check that the server is the process the table describes
+        (``GET /health`` on a patched build, ``GET /slots`` otherwise: a restart must be seen),
+        nothing in proportion to the prompt's tokens (``scripts/bench-long``).
 
         What the planner would have done differently is counted after the fact:
         ``fast_path_other_plan`` (another slot, a restore or a head warm-up) and
