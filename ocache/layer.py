@@ -95,6 +95,10 @@ class Plan:
     The answer does not wait for it (``proxy.FIGURES_WAIT_S``, 0): its figures go into the response
     headers only if it is done when the server's answer begins; the log line, the stats record,
     ``observe`` and ``release`` wait for it (``proxy.PLAN_COMPLETION_WAIT_S``).
+    ``upstream_headers``: request headers added to the forwarded request (``X-Llama-Server-If-Boot``:
+    the process the plan was made for, patches/0007); a server that is another process answers 412
+    before any work, and the proxy releases the plan and plans the request again
+    (``Proxy._stale_plan``).
     """
 
     body_updates: dict = field(default_factory=dict)
@@ -105,6 +109,7 @@ class Plan:
     split_ms: float = 0.0
     upstream: str | None = None
     completion: Any = None
+    upstream_headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -104,6 +104,7 @@ import re
 import secrets
 import signal
 import time
+from collections.abc import Mapping
 from typing import Any, Awaitable, Callable
 
 import aiohttp
@@ -160,6 +161,10 @@ PLAN_COMPLETION_WAIT_S = 30.0
 #: suite sets it high (tests/conftest.py) where tests read figures from headers; the default is
 #: covered by tests/test_known_turn.py
 FIGURES_WAIT_S = 0.0
+#: times one request is planned again after the server refused its plan's precondition (412:
+#: another process than the one the plan was made for, ``Proxy._stale_plan``); refused once more,
+#: it is forwarded untouched
+STALE_REPLANS = 2
 #: A JSON escape of a UTF-16 surrogate: only a body with one can hold a lone surrogate.
 _SURROGATE_ESC = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -172,6 +177,11 @@ _CURRENT_UPSTREAM: contextvars.ContextVar[Upstream] = contextvars.ContextVar("oc
 
 #: request key: this request's forward could not connect (nothing reached the server)
 _CONNECT_FAILED = admin._Key("ocache_connect_failed", bool) if admin._Key else "ocache_connect_failed"
+
+
+def _up_headers(plan: Plan | None) -> Mapping[str, str] | None:
+    """The request headers a plan adds to the forwarded request (``Plan.upstream_headers``)."""
+    return (getattr(plan, "upstream_headers", None) or None) if plan is not None else None
 
 
 class UpstreamHung(aiohttp.ClientConnectionError):
@@ -865,7 +875,7 @@ class Proxy:
             extra["X-OCache-Plan-Ms"] = f"{(time.perf_counter() - t0) * 1e3:.2f}"
         timeout = self._read_timeout(path, preq)
         try:
-            up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs)
+            up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs, _up_headers(plan))
             if (not isinstance(up_resp, aiohttp.ClientResponse) and request.get(_CONNECT_FAILED)
                     and plan is not None and plan.upstream and preq is not None):
                 # the chosen server refused the connection (died since its last probe): the request
@@ -875,9 +885,29 @@ class Proxy:
                     plan, out_body = rerouted
                     extra = {"X-OCache-Request-Id": rid, **plan.headers}
                     obs.status = 0
-                    up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs)
+                    up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs,
+                                                  _up_headers(plan))
             if not isinstance(up_resp, aiohttp.ClientResponse):
                 return up_resp  # ocache's own 502/503/504
+            if up_resp.status == 503 and path not in _PROBE_ROUTES and plannable:
+                up_resp = await self._held_503(request, rid, out_body, has_body, timeout, obs, up_resp,
+                                               _up_headers(plan))
+                if not isinstance(up_resp, aiohttp.ClientResponse):
+                    return up_resp
+            for attempt in range(STALE_REPLANS + 1):
+                if up_resp.status != 412 or not _up_headers(plan) or preq is None:
+                    break
+                # the server is not the process the plan was made for (patches/0007): it did no
+                # work for the request; the plan is ended and the request planned again
+                plan, out_body = await self._stale_plan(preq, plan, body, up_resp,
+                                                        untouched=attempt == STALE_REPLANS)
+                extra = {"X-OCache-Request-Id": rid, **(plan.headers if plan is not None else
+                                                        {"X-OCache-Fail-Open": "plan"})}
+                obs.status = 0
+                up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs,
+                                              _up_headers(plan))
+                if not isinstance(up_resp, aiohttp.ClientResponse):
+                    return up_resp
             if plan is not None and plan.completion is not None:
                 # a plan that finishes while the server works (OCacheLayer._plan_known): its figures
                 # go into the headers only if they are ready now (or within FIGURES_WAIT_S); by
@@ -890,10 +920,6 @@ class Proxy:
                 else:
                     extra["X-OCache-Figures"] = "late"
                     self.stats.figures_late()
-            if up_resp.status == 503 and path not in _PROBE_ROUTES and plannable:
-                up_resp = await self._held_503(request, rid, out_body, has_body, timeout, obs, up_resp)
-                if not isinstance(up_resp, aiohttp.ClientResponse):
-                    return up_resp
             obs.status = up_resp.status
             headers = forward_response_headers(up_resp.headers)
             headers.update(extra)
@@ -982,6 +1008,50 @@ class Proxy:
         _CURRENT_UPSTREAM.set(chosen)
         return new_plan, out_body
 
+    async def _stale_plan(self, preq: ParsedRequest, plan: Plan, body: bytes,
+                          up_resp: aiohttp.ClientResponse, untouched: bool = False) -> tuple[Plan | None, bytes]:
+        """The server refused ``plan``'s ``upstream_headers`` with 412: it is not the process the plan
+        was made for (``X-Llama-Server-If-Boot``, patches/0007: a restart since the slot table's last
+        ``GET /slots``) and did no work for the request. The plan is ended (its completion cancelled,
+        so that ``release`` marks its slot unknown), the upstream probed (the new process
+        identified before anything is planned for it), and the request planned again: the new plan
+        and body, or (None, the client's body) when that fails or ``untouched`` (forwarded
+        untouched, fail-open)."""
+        rid = preq.request_id
+        try:
+            async with asyncio.timeout(self.config.probe_timeout_s):
+                detail = (await up_resp.read())[:300].decode("utf-8", "replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            detail = ""
+        up_resp.release()
+        self._relaying.discard(up_resp)
+        self._forward_up.pop(up_resp, None)
+        log.info("[%s] llama-server refused the plan: it is another process than the one the plan "
+                 "was made for (412 %s); planned again", rid, detail)
+        self.stats.stale_plan()
+        if plan.completion is not None:
+            plan.completion.cancel()
+        if plan.release is not None:
+            await self._release_only(rid, plan)
+        await self.upstream.probe()
+        if untouched:
+            return None, body
+        for attempt in (1, 2):
+            try:
+                return await self._plan(preq, body)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # the new process may not answer everything yet (GET /slots 503 'Loading model'
+                # right after it came up): one more plan once it is probed again
+                if attempt == 1 and await self.upstream.probe() == "ready":
+                    log.info("[%s] planning after a refused plan failed (%s: %s): planning again", rid,
+                             type(exc).__name__, exc)
+                    continue
+                log.exception("[%s] cache layer plan() failed after a refused plan: forwarding untouched", rid)
+                self.stats.layer_error("plan")
+        return None, body
+
     async def _upstream_state(self, rid: str, path: str) -> str:
         """The upstream state after the shared probe (waited for at most ``PROBE_WAIT_S``); while it
         loads its model, the request is held until it is ready, at most ``loading_wait_s``."""
@@ -995,15 +1065,17 @@ class Proxy:
         return state
 
     async def _forward(self, request: web.Request, rid: str, body: bytes, has_body: bool,
-                       timeout: aiohttp.ClientTimeout, obs: Observation):
-        """Send the request upstream: the ``ClientResponse``, or ocache's own answer when there is
-        none: 503 (cannot connect / /health not answering), 504 (no answer in time), 502 (closed
-        without answering, or an answer that is not valid HTTP: any aiohttp client error)."""
+                       timeout: aiohttp.ClientTimeout, obs: Observation,
+                       up_headers: Mapping[str, str] | None = None):
+        """Send the request upstream (``up_headers``: the plan's ``upstream_headers``, added): the
+        ``ClientResponse``, or ocache's own answer when there is none: 503 (cannot connect / /health
+        not answering), 504 (no answer in time), 502 (closed without answering, or an answer that
+        is not valid HTTP: any aiohttp client error)."""
         task = asyncio.current_task()
         self._sending.add(task)
         self._forward_up[task] = self.upstream
         try:
-            resp = await self._send_upstream(request, body, has_body, timeout)
+            resp = await self._send_upstream(request, body, has_body, timeout, up_headers)
             self._relaying.add(resp)
             self._forward_up[resp] = self.upstream
             return resp
@@ -1043,7 +1115,7 @@ class Proxy:
 
     async def _held_503(self, request: web.Request, rid: str, body: bytes, has_body: bool,
                         timeout: aiohttp.ClientTimeout, obs: Observation,
-                        up_resp: aiohttp.ClientResponse):
+                        up_resp: aiohttp.ClientResponse, up_headers: Mapping[str, str] | None = None):
         """The upstream answered 503: if it is loading its model (restarted since the last probe),
         hold the request until it is ready (``loading_wait_s``) and send it again (a 503 "Loading
         model" was answered before any work, server-http.cpp:307-327); else its 503 stands."""
@@ -1063,7 +1135,7 @@ class Proxy:
         # ready: the request is served; still loading after the bound: the client gets the
         # server's own 503, with Retry-After (added by the caller)
         await self.upstream.wait_ready(self.config.loading_wait_s)
-        return await self._forward(request, rid, body, has_body, timeout, obs)
+        return await self._forward(request, rid, body, has_body, timeout, obs, up_headers)
 
     def _upstream_failed(self, rid: str, status: int, when: str, exc: BaseException,
                          timeout: aiohttp.ClientTimeout) -> web.Response:
@@ -1081,9 +1153,12 @@ class Proxy:
                            else "timeout_error", rid, upstream=url)
 
     async def _send_upstream(self, request: web.Request, body: bytes, has_body: bool,
-                             timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
+                             timeout: aiohttp.ClientTimeout | None = None,
+                             up_headers: Mapping[str, str] | None = None) -> aiohttp.ClientResponse:
         url = URL(self.upstream.base_url + request.raw_path, encoded=True)
         headers = forward_request_headers(request.headers)
+        if up_headers:
+            headers.update(up_headers)
         has_body = has_body or bool(body) or "Content-Length" in request.headers
         kw = dict(data=body if has_body else None, headers=headers, skip_auto_headers=_SKIP_AUTO,
                   allow_redirects=False, auto_decompress=False)

@@ -50,6 +50,9 @@ log = logging.getLogger("ocache.slots")
 #: response header of the patched llama-server naming its process: 16 hex digits drawn at start,
 #: sent with every answer (patches/0005-health-boot-id.patch)
 BOOT_HEADER = "X-Llama-Server-Boot"
+#: a request header naming the process a request was planned for: the patched build refuses the
+#: request with 412 before any work when it is another process (patches/0007-if-boot-precondition.patch)
+IF_BOOT_HEADER = "X-Llama-Server-If-Boot"
 #: seconds :meth:`SlotTable.same_process` waits for ``GET /health`` (answered at once by a live
 #: server, without the task queue); past it the caller falls back to ``GET /slots``
 BOOT_CHECK_TIMEOUT_S = 2.0
@@ -289,6 +292,9 @@ class SlotTable:
         #: the ``X-Llama-Server-Boot`` header (``BOOT_HEADER``, patches/0005) of the ``GET /slots``
         #: answer last reconciled: the process the table's beliefs are about; None on a stock build
         self.boot: str | None = None
+        #: the server refuses a request whose ``IF_BOOT_HEADER`` names another process (``/props``
+        #: ``ocache.if_boot``, patches/0007; set by the cache layer): :meth:`precondition`
+        self.if_boot: bool = False
         self.counters: dict[str, int] = {"reconcile_mismatch": 0, "foreign_busy": 0, "restarts": 0,
                                          "restarts_seen_in_slots": 0, "interrupted_busy": 0,
                                          "boot_checks": 0, "boot_changed": 0}
@@ -380,6 +386,17 @@ class SlotTable:
         """Whether a slot ocache does not hold the lock of has a count the table cannot vouch for
         (a response pending or cut short)."""
         return any((s.pending or s.n_total is None) and not lk.locked() for s, lk in zip(self.slots, self._locks))
+
+    def precondition(self) -> str | None:
+        """The boot id a request pinned on the table's beliefs can carry as ``IF_BOOT_HEADER``
+        instead of asking :meth:`same_process` first: the server (patches/0007) then refuses it with
+        412, before any work, if it is not the process whose ``GET /slots`` the table last
+        reconciled, and serves it otherwise; no round trip. None when the server cannot check it
+        (stock build, an older patched one), the table was never reconciled, or a slot's count is
+        unvouched (then ``GET /slots`` is needed anyway)."""
+        if not self.if_boot or self.boot is None or not self.reconciled_at or self.unvouched():
+            return None
+        return self.boot
 
     async def same_process(self) -> bool:
         """Whether the server is still the process whose ``GET /slots`` the table last reconciled

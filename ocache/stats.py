@@ -21,6 +21,7 @@ Metric families (all prefixed ``ocache_``):
 | unparsed_total | counter | route, status | answers to those bodies, by the upstream's status: never counted in ``completions_total``, the token counters or ``ttft_seconds`` (ocache neither planned nor read them; the JSON view's ``unparsed``) |
 | held_loading_total | counter | | requests held while llama-server loaded its model |
 | figures_late_total | counter | | known-conversation answers sent before their figures were ready (``X-OCache-Figures: late``; the figures then reach the log line and ``last_completions``) |
+| stale_plans_total | counter | | plans the server refused because it was another process than the one they were made for (412 to ``X-Llama-Server-If-Boot``, patches/0007: a restart since the slot table's last ``GET /slots``); each request was planned again |
 | layer_stat | gauge | key | numeric leaves of ``layer.stats()`` (flattened with dots) |
 """
 
@@ -124,6 +125,8 @@ class Stats:
                                   ["route", "status"], registry=r)
         self.figures_late_c = Counter("ocache_figures_late_total", "known-conversation answers sent "
                                       "before their figures were ready", registry=r)
+        self.stale_plans_c = Counter("ocache_stale_plans_total", "plans refused by a restarted "
+                                     "llama-server (412) and made again", registry=r)
         self.held_loading_c = Counter("ocache_held_loading_total", "requests held while "
                                       "llama-server loaded its model", registry=r)
         if layer_stats is not None:
@@ -211,6 +214,10 @@ class Stats:
         self.figures_late_c.inc()
         self._misc["figures_late"] += 1
 
+    def stale_plan(self) -> None:
+        self.stale_plans_c.inc()
+        self._misc["stale_plans"] += 1
+
     def upstream_unavailable(self) -> None:
         self.unavailable.inc()
         self._misc["upstream_unavailable"] += 1
@@ -262,5 +269,6 @@ class Stats:
                             if k.startswith("unplannable.")},
             "held_loading": self._misc["held_loading"],
             "figures_late": self._misc["figures_late"],
+            "stale_plans": self._misc["stale_plans"],
             "last_completions": list(self.last_completions),
         }

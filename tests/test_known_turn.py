@@ -357,28 +357,39 @@ async def test_a_view_the_server_contradicts_is_not_recorded_and_delta_renders_s
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("stock", [False, True])
-async def test_a_known_turn_asks_get_health_not_get_slots_and_still_sees_a_restart(start_server, tmp_path, stock):
-    """Before forwarding a known turn ocache must know the server is still the process its slot
-    table describes. The patched build names its process in every answer (patches/0005), so one
-    ``GET /health`` (answered without the task queue, never behind a decode step) replaces the
-    ``GET /slots`` before forwarding; the figures stay exact. After a restart on the same port the
-    id differs: ``GET /slots`` runs, the turn is not sent to the emptied slot as a known one, and its
-    predicted reuse equals the server's ``cache_n``. A stock build (no id) keeps ``GET /slots``."""
-    async with _third_turn_ready(start_server, tmp_path, stock) as (s, base, proxy, srv, h, body):
+@pytest.mark.parametrize("check", ["if_boot", "health", "stock"])
+async def test_a_known_turn_is_checked_against_a_restart_with_the_fewest_round_trips(start_server, tmp_path,
+                                                                                    check):
+    """Before the server works on a known turn, it must be the process the slot table describes.
+    ``if_boot``: the patched build checks that itself (patches/0007): the turn goes out at once,
+    with no ``GET /health`` or ``GET /slots`` before it, naming the table's process in
+    ``X-Llama-Server-If-Boot``; after a restart on the same port the new process refuses it with 412
+    before any work (its prompt-token counter then counts only the turn's own prefill), ocache plans
+    it again (``GET /slots`` sees the new process), and the client sees one answer whose predicted
+    reuse is the server's ``cache_n``, with the greedy output of a cold prefill. ``health``: a patched
+    build without 0007 gets one ``GET /health`` first (patches/0005). ``stock``: ``GET /slots``."""
+    async with _third_turn_ready(start_server, tmp_path, check == "stock") as (s, base, proxy, srv, h, body):
         layer = proxy.layer
+        if check == "health":
+            layer.table.if_boot = False       # as a build without patches/0007 says in /props
+        assert layer.table.if_boot == (check == "if_boot")
         events: list[str] = []
-        real_fetch, real_forward = layer.table.fetch_slots, proxy._forward
+        real = layer.table.fetch_slots, layer.table.same_process, proxy._forward
 
         async def fetch_slots(*a, **kw):
             events.append("GET /slots")
-            return await real_fetch(*a, **kw)
+            return await real[0](*a, **kw)
+
+        async def same_process(*a, **kw):
+            if layer.table.boot is not None:          # else it answers False without asking
+                events.append("GET /health")
+            return await real[1](*a, **kw)
 
         async def forward(*a, **kw):
-            events.append("forward")
-            return await real_forward(*a, **kw)
+            events.append("forward" + (" if-boot" if a[-1] else ""))
+            return await real[2](*a, **kw)
 
-        layer.table.fetch_slots, proxy._forward = fetch_slots, forward
+        layer.table.fetch_slots, layer.table.same_process, proxy._forward = fetch_slots, same_process, forward
         reconciles = layer.counters["plan_reconciles"]
         async with s.post(base + CHAT, json=body, headers=h) as r:
             assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
@@ -387,15 +398,14 @@ async def test_a_known_turn_asks_get_health_not_get_slots_and_still_sees_a_resta
         await proxy.wait_background()
         await layer.idle()
         assert _predicted(proxy, h3) == data["timings"]["cache_n"] > 0
-        if stock:
-            assert events[:2] == ["GET /slots", "forward"]
-            assert layer.counters["known_boot_checked"] == 0
-            assert layer.counters["plan_reconciles"] == reconciles + 1
-            return
-        assert events[0] == "forward", events      # no GET /slots before it
-        assert layer.counters["known_boot_checked"] == 1
-        assert layer.counters["plan_reconciles"] == reconciles
+        first = events[:events.index("forward" + (" if-boot" if check == "if_boot" else ""))]
+        assert first == {"if_boot": [], "health": ["GET /health"], "stock": ["GET /slots"]}[check], events
+        assert layer.counters["known_if_boot"] == (check == "if_boot")
+        assert layer.counters["known_boot_checked"] == (check == "health")
+        assert layer.counters["plan_reconciles"] == reconciles + (check == "stock")
         assert layer.table.counters["boot_changed"] == 0
+        if check == "stock":
+            return
 
         nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "After the restart?")
         srv.restart()
@@ -403,12 +413,23 @@ async def test_a_known_turn_asks_get_health_not_get_slots_and_still_sees_a_resta
         async with s.post(base + CHAT, json=nxt, headers=h) as r:
             assert r.status == 200 and r.headers.get("X-OCache-Path") is None
             hn = dict(r.headers)
-            t = (await r.json())["timings"]
+            dn = await r.json()
         await proxy.wait_background()
-        assert "GET /slots" in events[:events.index("forward")], events
+        t = dn["timings"]
         assert int(hn["X-OCache-Predicted-Cache"]) == t["cache_n"]
         assert layer.counters["mispredictions"] == 0
-        layer.table.fetch_slots, proxy._forward = real_fetch, real_forward
+        # the new process prefilled this turn once: the refused forward cost it nothing
+        assert await _prompt_total(s, srv.url) == t["prompt_n"]
+        ref = await cold(srv.url, nxt)
+        assert dn["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+        if check == "if_boot":
+            assert events[0] == "forward if-boot", events          # no round trip before it
+            assert "GET /slots" in events[1:events.index("forward")], events
+            assert proxy.stats.to_dict()["stale_plans"] == 1
+        else:
+            assert "GET /slots" in events[:events.index("forward")], events
+            assert proxy.stats.to_dict()["stale_plans"] == 0
+        layer.table.fetch_slots, layer.table.same_process, proxy._forward = real
 
 
 @pytest.mark.server
@@ -455,17 +476,23 @@ async def test_a_turn_sent_before_the_last_answer_was_recorded_waits_for_it_and_
 
 
 @pytest.mark.server
-async def test_a_known_turn_whose_reconcile_fails_after_a_restart_is_planned_as_usual(start_server, tmp_path):
+@pytest.mark.parametrize("check", ["health", "if_boot"])
+async def test_a_known_turn_whose_reconcile_fails_after_a_restart_is_planned_as_usual(start_server, tmp_path,
+                                                                                      check):
     """The restarted server's first ``GET /slots`` fails (measured by hand: a turn sent while the new
     process still loads its model gets ``GET /slots`` 503 ``Loading model``; the turn was then held,
     forwarded to slot 0 as a known turn of the dead process and prefilled whole, 7,366 tokens, with
-    no figures, where the disk tier restored 7,234 of them). A known turn whose reconcile fails is
-    planned as usual: that plan reads ``GET /slots`` again, sees the new process, and its predicted
-    reuse is the server's ``cache_n``."""
+    no figures, where the disk tier restored 7,234 of them). ``health`` (a build without
+    patches/0007): a known turn whose reconcile fails is planned as usual. ``if_boot``: the new
+    process refuses the turn (412) and the plan made again fails on that ``GET /slots``; it is
+    planned once more. Either way that plan reads ``GET /slots`` again, sees the new process, and
+    its predicted reuse is the server's ``cache_n``."""
     from ocache.slots import SlotError
 
     async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
         layer = proxy.layer
+        if check == "health":
+            layer.table.if_boot = False       # as a build without patches/0007 says in /props
         async with s.post(base + CHAT, json=body, headers=h) as r:
             assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
             data = await r.json()
@@ -491,6 +518,8 @@ async def test_a_known_turn_whose_reconcile_fails_after_a_restart_is_planned_as_
             await proxy.wait_background()
         finally:
             layer.table.fetch_slots = real_fetch
-        assert failed and layer.table.counters["boot_changed"] == 1
-        assert hn.get("X-OCache-Path") is None, hn
+        # seen by GET /health (0005), or by the server's 412 (0007)
+        assert failed and layer.table.counters["boot_changed"] == (check == "health")
+        assert hn.get("X-OCache-Path") is None and "X-OCache-Fail-Open" not in hn, hn
         assert int(hn["X-OCache-Predicted-Cache"]) == t["cache_n"] > 0, (hn, t)
+        assert proxy.stats.to_dict()["stale_plans"] == (check == "if_boot")

@@ -641,3 +641,58 @@ def test_0006_a_restore_checks_the_hash_it_is_given(start_server, corpus, tmp_pa
             assert t["cache_n"] >= len(b) - UBATCH, t
         assert healthy(srv)
         srv.stop()
+
+
+def _prompt_tokens_total(srv: LlamaServer) -> int:
+    with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return int(float(next(ln.split()[-1] for ln in text.splitlines()
+                          if ln.startswith("llamacpp:prompt_tokens_total"))))
+
+
+def test_0007_a_request_planned_for_another_process_is_refused_before_any_work(start_server, corpus):
+    """patches/0007: a request whose ``X-Llama-Server-If-Boot`` names another process than the one
+    answering is refused with 412 before any handler runs (the prompt-token counter does not move),
+    its unread body drained so that the next request on the same keep-alive connection is served;
+    the right id, or none, is served; after a restart on the same port the old id is refused. The
+    stock build ignores the header."""
+    import http.client
+
+    tokens = corpus[:300]
+    # a large body (the field is ignored by the handler): refused before it is read, then drained
+    body = json.dumps({"prompt": tokens, "n_predict": 1, "pad": "x" * 400_000})
+
+    def post(conn: http.client.HTTPConnection, boot: str | None) -> tuple[int, dict, dict]:
+        conn.request("POST", "/completion", body=body, headers={
+            "Content-Type": "application/json", **({"X-Llama-Server-If-Boot": boot} if boot else {})})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.headers), json.loads(resp.read())
+
+    stock = start_server(stock=True, n_parallel=1, **SRV)
+    status, _, res = post(http.client.HTTPConnection("127.0.0.1", stock.port, timeout=60), "0" * 16)
+    assert status == 200 and res["timings"]["prompt_n"] == len(tokens), res
+    stock.stop()
+
+    srv = start_server(n_parallel=1, **SRV)
+    boot = _boot(srv, "/health")
+    with urllib.request.urlopen(srv.url + "/props", timeout=30) as resp:
+        assert json.loads(resp.read())["ocache"]["if_boot"] is True
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    before = _prompt_tokens_total(srv)
+    other = f"{int(boot, 16) ^ 1:016x}"
+    status, headers, res = post(conn, other)
+    assert status == 412 and res["error"]["type"] == "precondition_failed_error", res
+    assert headers["X-Llama-Server-Boot"] == boot and other in res["error"]["message"]
+    assert _prompt_tokens_total(srv) == before           # no work for it
+    status, _, res = post(conn, boot)                    # the same connection, kept alive
+    assert status == 200 and res["timings"]["prompt_n"] == len(tokens), res
+    assert _prompt_tokens_total(srv) == before + len(tokens)
+    status, _, res = post(conn, None)
+    assert status == 200
+    conn.close()
+    srv.restart()
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    status, headers, _ = post(conn, boot)
+    assert status == 412 and headers["X-Llama-Server-Boot"] != boot
+    assert _prompt_tokens_total(srv) == 0
+    conn.close()

@@ -47,7 +47,7 @@ from ocache.cache.execute import PlanContext, ServerPlaced, execute
 from ocache.cache.observe import Observer
 from ocache.cache.plan import Decision, Estimate, plan_request
 from ocache.llama.flags import params_from_argv
-from ocache.slots import SlotError, SlotNotSupported, SlotTable
+from ocache.slots import IF_BOOT_HEADER, SlotError, SlotNotSupported, SlotTable
 from ocache.tiers.base import Offer, RequestContext, TierBase
 from ocache.tiers.head import HeadTier, open_head_store
 from ocache.tiers.resident import known_conversation_slot, rank_slots, server_should_choose
@@ -143,7 +143,7 @@ class OCacheLayer:
             "split_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0, "replans": 0,
             "plan_reconciles": 0, "fast_path": 0, "fast_path_other_plan": 0,
             "fast_path_anchors_skipped": 0, "fast_path_failed": 0, "view_mismatches": 0,
-            "known_boot_checked": 0, "known_waits": 0, "known_waits_usual": 0,
+            "known_boot_checked": 0, "known_if_boot": 0, "known_waits": 0, "known_waits_usual": 0,
         }
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
@@ -234,6 +234,8 @@ class OCacheLayer:
             caps = props.get("ocache") if isinstance(props, Mapping) else None
             # patches/0006: this server checks a restore's xxh3 on its own read of the file
             self.table.checks_xxh3 = isinstance(caps, Mapping) and caps.get("restore_xxh3") is True
+            # patches/0007: this server refuses a request planned for another process (412)
+            self.table.if_boot = isinstance(caps, Mapping) and caps.get("if_boot") is True
             await self.table.refresh()
             self._epoch = epoch
             self._identity = None
@@ -515,11 +517,17 @@ class OCacheLayer:
             if slot is None:
                 self.counters["known_waits_usual"] += 1
                 return None
+        if_boot = None
         if self.opt_reconcile and table.needs_reconcile(RECONCILE_MAX_AGE_S):
-            # a restart since the table's last GET /slots must be seen before forwarding; the
-            # patched build answers that with GET /health, which does not wait for a decode step
+            # a restart since the table's last GET /slots must be seen before the server works on
+            # the turn: the patched build checks that itself when the request names the process
+            # (SlotTable.precondition, patches/0007: 412 before any work, and the proxy plans it
+            # again), else it answers GET /health without waiting for a decode step
             # (SlotTable.same_process, patches/0005); else, or when in doubt, GET /slots itself
-            if not table.unvouched() and await table.same_process():
+            if_boot = table.precondition()
+            if if_boot is not None:
+                self.counters["known_if_boot"] += 1
+            elif not table.unvouched() and await table.same_process():
                 self.counters["known_boot_checked"] += 1
             else:
                 self.counters["plan_reconciles"] += 1
@@ -528,7 +536,7 @@ class OCacheLayer:
                     # model answers GET /slots 503 'Loading model'): the table may describe a dead
                     # process, so this turn is not sent to that slot as a known one
                     return None
-            if known_conversation_slot(table.snapshot(), keys[1], session, kind, ext) != slot:
+            if if_boot is None and known_conversation_slot(table.snapshot(), keys[1], session, kind, ext) != slot:
                 return None
         version = table.version(slot)
         lease = await table.lease(slot)
@@ -538,6 +546,8 @@ class OCacheLayer:
         self.counters["fast_path"] += 1
         plan = _mk_plan(body_updates={"id_slot": slot},
                         headers={"X-OCache-Slot": str(slot), "X-OCache-Kind": kind, "X-OCache-Path": "known"})
+        if if_boot is not None:
+            plan.upstream_headers[IF_BOOT_HEADER] = if_boot
         try:
             task = asyncio.get_running_loop().create_task(
                 self._complete_known(req, plan, body, path, kind, head, keys, slot))
@@ -550,6 +560,7 @@ class OCacheLayer:
             try:
                 done, _ = await asyncio.wait({task}, timeout=KNOWN_COMPLETE_MAX_S)
                 if not done:
+                    self.counters["fast_path_failed"] += 1
                     task.cancel()
                 if not done or task.cancelled() or task.exception() is not None:
                     table.mark_unknown(slot)   # forwarded there; what it holds now is for GET /slots
@@ -594,6 +605,8 @@ class OCacheLayer:
             dec = replace(dec, steps=(), evicts=False, offer=None)
             pctx = await execute(table, self.head_tier, self.tiers, self.disk_tier, self.counters,
                                  req.request_id, view, ctx, dec)
+        except asyncio.CancelledError:
+            raise   # its plan was ended (a refused precondition) or it ran past KNOWN_COMPLETE_MAX_S
         except BaseException:
             self.counters["fast_path_failed"] += 1
             raise
