@@ -10,8 +10,6 @@ prefill at the anchor lines) before forwarding a request pinned to the slot, ``a
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 from pathlib import Path
 
 import aiohttp
@@ -390,7 +388,6 @@ async def test_warm_dir_after_restart_serves_the_first_turn_from_the_warmed_slot
     """`ocache warm DIR` (CLI -> POST /v1/cache/warm -> warm_folder) after a restart: the first turn
     of a new session in DIR resumes from the warmed slot. First with no anchor for the folder head
     (prefilled and saved), then after another restart from that anchor (restored from disk)."""
-    import threading
 
     from aiohttp import web
 

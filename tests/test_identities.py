@@ -17,7 +17,7 @@ from ocache import fingerprint as fp
 from ocache.llama import flags as llama_flags
 from ocache.config import Config
 
-from test_spill import CHAT, SERVER, UB, body_of, forget_store, send, session_headers, through_ocache
+from test_spill import SERVER, UB, body_of, forget_store, send, session_headers, through_ocache
 
 
 def readme_yaml_args(srv) -> list[str]:

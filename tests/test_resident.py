@@ -264,7 +264,7 @@ async def test_hybrid_one_slot_turns_prefill_only_new_tokens_c1(start_server):
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": "List the files."}]
     viewer = TokenViewer(srv.url)
     async with ocache_client(srv) as c:
-        prev = None
+        prev, n_prev = None, 0
         for turn, user in enumerate([None, "Now explain the second one in detail.", "ok"]):
             if user is not None:
                 msgs = msgs + [{"role": "assistant", "content": prev["data"]["choices"][0]["message"]["content"]},

@@ -38,7 +38,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from aiohttp.test_utils import TestServer

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ocache.tiers.store import DAY_S, LockedError, Store, StoreError, data_dir_of
+from ocache.tiers.store import DAY_S, LockedError, Store, data_dir_of
 
 KINDS = {"anchors": "a", "spills": "s", "heads": "h", "all": None}
 KIND_NAMES = {"a": "anchor", "s": "spill", "h": "head"}
