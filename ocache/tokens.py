@@ -385,11 +385,15 @@ class TokenViewer:
         connection drops before an answer: after a llama-server restart on the same port the
         session's pooled keep-alive connection still points at the dead process, and its first use
         fails with "Server disconnected" (seen in ``tests/test_disk_tier.py`` under load). Both
-        endpoints are idempotent. Raises TokenViewError."""
+        endpoints are idempotent. Raises TokenViewError (also once the shared session is closed:
+        ocache is stopping, and a background check still running then is only skipped)."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         for attempt in (0, 1):
+            session = self._session()
+            if session.closed:
+                raise TokenViewError(f"{path}: the HTTP session is closed (ocache is stopping)")
             try:
-                async with self._session().post(self.base_url + path, json=payload, headers=headers,
+                async with session.post(self.base_url + path, json=payload, headers=headers,
                                                 timeout=self.timeout) as resp:
                     raw = await resp.read()
                     if resp.status != 200:

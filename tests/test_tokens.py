@@ -115,6 +115,18 @@ def _grown_conversation() -> list[dict]:
     return out
 
 
+async def test_a_view_after_the_shared_session_closed_is_a_view_error():
+    """ocache closes the upstream's HTTP session while it stops; a background full-render check
+    (``_verify``) still running then must end as a ``TokenViewError`` (skipped, logged at debug),
+    not an aiohttp ``RuntimeError('Session is closed')`` left in a task nobody awaits."""
+    session = aiohttp.ClientSession()
+    await session.close()
+    viewer = TokenViewer(types.SimpleNamespace(base_url="http://127.0.0.1:9", session=session, epoch=1))
+    with pytest.raises(TokenViewError, match="session is closed"):
+        await viewer._post("/apply-template", {"messages": []})
+    await viewer._verify({"messages": []}, b"k", "text")    # returns: the check is skipped
+
+
 @pytest.mark.server
 async def test_delta_render_equals_the_full_render(start_server):
     """Each turn of a growing conversation is rendered from the previous turn's text plus the new
