@@ -1029,13 +1029,25 @@ class Proxy:
         log.info("[%s] llama-server refused the plan: it is another process than the one the plan "
                  "was made for (412 %s); planned again", rid, detail)
         self.stats.stale_plan()
+        await self._end_plan(rid, plan)
+        await self.upstream.probe()
+        if untouched:
+            return None, body
+        return await self._plan_again(preq, body)
+
+    async def _end_plan(self, rid: str, plan: Plan) -> None:
+        """End a plan whose request did not reach the server it was made for: its completion
+        cancelled (so that ``release`` marks its slot unknown), then released."""
         if plan.completion is not None:
             plan.completion.cancel()
         if plan.release is not None:
             await self._release_only(rid, plan)
-        await self.upstream.probe()
-        if untouched:
-            return None, body
+
+    async def _plan_again(self, preq: ParsedRequest, body: bytes) -> tuple[Plan | None, bytes]:
+        """Plan a request once more after its first plan was ended (``_end_plan``) because the
+        server changed: the new plan and body, or (None, the client's body) when planning fails
+        twice (forwarded untouched, fail-open)."""
+        rid = preq.request_id
         for attempt in (1, 2):
             try:
                 return await self._plan(preq, body)
@@ -1045,10 +1057,10 @@ class Proxy:
                 # the new process may not answer everything yet (GET /slots 503 'Loading model'
                 # right after it came up): one more plan once it is probed again
                 if attempt == 1 and await self.upstream.probe() == "ready":
-                    log.info("[%s] planning after a refused plan failed (%s: %s): planning again", rid,
+                    log.info("[%s] planning for the new server failed (%s: %s): planning again", rid,
                              type(exc).__name__, exc)
                     continue
-                log.exception("[%s] cache layer plan() failed after a refused plan: forwarding untouched", rid)
+                log.exception("[%s] cache layer plan() failed for the new server: forwarding untouched", rid)
                 self.stats.layer_error("plan")
         return None, body
 
@@ -1056,10 +1068,16 @@ class Proxy:
         """The upstream state after the shared probe (waited for at most ``PROBE_WAIT_S``); while it
         loads its model, the request is held until it is ready, at most ``loading_wait_s``."""
         state = await self.upstream.check(PROBE_WAIT_S)
-        if state == "loading" and path not in _PROBE_ROUTES and self.config.loading_wait_s > 0:
+        if path in _PROBE_ROUTES or self.config.loading_wait_s <= 0:
+            return state
+        if state == "loading" or (state == "down" and self.upstream.restarting):
+            # loading its model; or the llama-server ocache launched exited and the supervisor
+            # is starting another (Upstream.expect_restart): held for it, as llama-server's own
+            # clients would retry, rather than answered 503 in the second before the new one binds
             self.stats.held_loading()
-            log.info("[%s] llama-server is loading its model: holding the request (up to %g s)",
-                     rid, self.config.loading_wait_s)
+            log.info("[%s] llama-server is %s: holding the request (up to %g s)", rid,
+                     "loading its model" if state == "loading" else "being started again by ocache",
+                     self.config.loading_wait_s)
             await self.upstream.wait_ready(self.config.loading_wait_s)
             state = self.upstream.state
         return state
@@ -1501,6 +1519,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         proxy.stop_event = stop
         for sup, up in zip(supervisors, proxy.upstreams):
             sup.on_start = up.poke
+            sup.on_exit = up.expect_restart     # requests are held for the next child, not 503
             sup.calls_inflight = proxy.calls_inflight   # recorded when SIGTERM is sent
         runner = web.AppRunner(proxy.make_app(), handler_cancellation=True,
                                shutdown_timeout=config.drain_timeout_s,

@@ -113,6 +113,8 @@ class Supervisor:
         self._task: asyncio.Task | None = None
         self.on_start = None  # callable() run after each (re)start, e.g. Upstream.poke
         self.on_give_up = None  # callable() run once when the supervisor stops restarting
+        #: callable(why) run when the child exits and another will be started (Upstream.expect_restart)
+        self.on_exit = None
         self.failed: str | None = None  # why it gave up (with the last child's log tail)
         self._log_offset = 0
         #: callable() -> int: ocache's calls to the server still in flight (``Proxy.calls_inflight``),
@@ -126,6 +128,8 @@ class Supervisor:
 
     #: consecutive exits within 5 s of a start after which the supervisor gives up (bad arguments)
     max_quick_failures = 5
+    #: seconds before the first restart after an exit (doubling per quick failure, at most 10 s)
+    restart_backoff_s = 0.5
 
     def log_tail(self, n: int = 8) -> str:
         """The last ``n`` lines the *current* child wrote to the log (its stdout and stderr; not
@@ -186,7 +190,7 @@ class Supervisor:
         self._task = asyncio.create_task(self._watch(), name="ocache-supervisor")
 
     async def _watch(self) -> None:
-        backoff = 0.5
+        backoff = self.restart_backoff_s
         quick = 0
         while not self._stopping:
             started = time.monotonic()
@@ -195,7 +199,7 @@ class Supervisor:
                 return
             up_s = time.monotonic() - started
             if up_s > 30:
-                backoff = 0.5
+                backoff = self.restart_backoff_s
             quick = quick + 1 if up_s < 5 else 0
             tail = self.log_tail()
             if quick >= self.max_quick_failures:
@@ -208,6 +212,9 @@ class Supervisor:
                 if self.on_give_up:
                     self.on_give_up()
                 return
+            if self.on_exit:
+                self.on_exit(f"the launched llama-server (pid {self.proc.pid}) exited with {rc}; "
+                             f"starting another in {backoff:.1f} s")
             if quick:  # a start that failed: its log tail is printed once, if the supervisor gives up
                 log.warning("llama-server pid %d exited with %s after %.1f s (%d of %d quick failures); "
                             "restarting in %.1f s", self.proc.pid, rc, up_s, quick,

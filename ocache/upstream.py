@@ -116,6 +116,11 @@ class Upstream:
         self.last_probe: float | None = None
         self.epoch_started: float | None = None
         self.hung = False
+        #: the supervisor saw the server it launched exit and is starting another
+        #: (``expect_restart``); cleared once a process is ready again or the supervisor gives up.
+        #: While set, a request that finds the upstream down is held for the new process
+        #: (``Proxy._upstream_state``) instead of answered 503
+        self.restarting = False
         self.foreign_reason: str | None = None
         self.probes = 0
         self._seen_down = False
@@ -200,6 +205,7 @@ class Upstream:
     def _set_state(self, state: str) -> None:
         self.state = state
         if state == "ready":
+            self.restarting = False
             self._ready.set()
         else:
             self._ready.clear()
@@ -223,6 +229,18 @@ class Upstream:
     def on_hung(self, callback: Callable[[str], None]) -> None:
         """Register ``callback(reason)``, run (synchronously) when the upstream stops answering."""
         self._hung_callbacks.append(callback)
+
+    def expect_restart(self, why: str) -> None:
+        """The supervisor (ocache/supervisor.py) saw the server it launched exit and is starting
+        another: down now (before a probe notices), and ``restarting`` until a new process is ready
+        or :meth:`restart_abandoned`."""
+        self.restarting = True
+        self._set_down(why, False)
+        self._wake.set()
+
+    def restart_abandoned(self) -> None:
+        """The supervisor gave up restarting the server: requests are no longer held for it."""
+        self.restarting = False
 
     def notify_unreachable(self, error: str, hung: bool = False) -> None:
         """The proxy could not connect (or, ``hung``, got no answer in time): mark down and let the

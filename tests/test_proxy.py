@@ -749,6 +749,43 @@ async def test_serve_launch_restarts_child_and_drains(engine_patched, models_tin
         os.kill(pid2, 0)
 
 
+@pytest.mark.server
+async def test_serve_launch_holds_a_request_while_it_starts_the_next_child(engine_patched, models_tiny,
+                                                                         monkeypatch):
+    """``serve --launch``: between the child's exit and the next child listening (the restart
+    backoff, here 2 s) a request found the upstream down and got ocache's 503; llama-server's own
+    clients would have had to retry. Now the supervisor's exit notice (``Upstream.expect_restart``)
+    holds it, as while a model loads, and the next child answers it."""
+    from ocache.supervisor import Supervisor
+
+    monkeypatch.setattr(Supervisor, "restart_backoff_s", 2.0)
+    cfg = Config(port=0, probe_interval_s=0.2, launch_binary=str(engine_patched.binary),
+                 launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "1",
+                         "-c", "4096", "--no-webui"])
+    stop = asyncio.Event()
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(cfg, stop=stop, layer_factory=lambda u, c: NullLayer(),
+                                     handle_signals=False,
+                                     ready=lambda p, port: ready.set_result((p, port))))
+    try:
+        proxy, port = await asyncio.wait_for(ready, 30)
+        base = f"http://127.0.0.1:{port}"
+        await poll(lambda: proxy.upstream.state == "ready", timeout=60, what="child ready")
+        pid1 = proxy.upstream.boot.pid
+        os.kill(pid1, signal.SIGKILL)
+        await poll(lambda: proxy.upstream.state == "down", timeout=30, what="the exit seen")
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2, "temperature": 0}
+        async with client() as c:
+            async with c.post(base + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                await r.json()
+        assert proxy.upstream.boot.pid not in (None, pid1)
+        assert proxy.stats.to_dict()["upstream_unavailable"] == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+
 def test_the_patched_builds_boot_id_decides_whether_the_process_restarted():
     """patches/0005: the ``X-Llama-Server-Boot`` of ``/health`` settles it either way, even without
     ``--metrics`` (no start time) and after a time the server was unreachable; without it the
