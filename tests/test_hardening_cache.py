@@ -42,6 +42,7 @@ from ocache.config import Config
 from ocache.layer import ParsedRequest
 from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.llama.flags import ServerParams
+from ocache.llama.reuse import common_prefix
 from ocache.slots import SlotState, SlotTable
 from ocache.tiers import store as store_mod
 from ocache.tiers.base import Offer
@@ -177,6 +178,40 @@ def flip(path: Path, how: str, n_tokens: int) -> None:
         for i in range(mid, mid + 3000):
             raw[i] ^= 0xFF
     path.write_bytes(bytes(raw))
+
+
+@pytest.mark.server
+async def test_a_damaged_spill_falls_back_to_another_tiers_anchor(start_server, tmp_path):
+    """A's conversation was spilled (B took the only slot) and its spill is damaged: the store's
+    check deletes it, the session tier has nothing else, and the disk tier's anchor of A (its
+    folder section) is restored instead; before, only the failed tier was asked again and the
+    request was served from what the slot held (B's harness head), prefilling A's folder section
+    again. The answer is a cold run's."""
+    srv = start_server("dense", n_parallel=1, ctx_size=16384, **SERVER)
+    cfg = make_config(srv, tmp_path / "cache", spill_min=2000, disk_min=1024, head={"budget_gb": 0})
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        for name in (A1, B1):
+            await send(s, base, proxy, body_of(name), hdrs(name))
+        layer = proxy.layer
+        for t in layer.tiers:
+            if hasattr(t, "flush"):
+                await t.flush()
+        session = next(t for t in layer.tiers if t.name == "session")
+        [spill] = session.store.entries("s")             # A's, spilled when B took the slot
+        body = body_of(A2)
+        view = await layer._viewer.view("/v1/chat/completions", body)
+        store = layer.disk_tier.store
+        best = max(e.n_tokens for e in store.entries("a") if view.tokens[:e.n_tokens] == store.tokens(e.key))
+        shared = common_prefix(layer.table[0].tokens, view.tokens)
+        assert best > shared + UB, (best, shared)       # A's anchor holds more than B's slot shares
+        [path] = [Path(srv.slot_save_path) / f.name for f in spill.files.values() if f.name.endswith(".bin")]
+        flip(path, "bytes", spill.n_tokens)
+        r = await send(s, base, proxy, body, hdrs(A2))
+        assert session.counters["verify_failed"] == 1 and layer.counters["bring_failures"] == 1
+        assert r["tier"] == "disk" and layer.counters["bring_retries"] == 1, r["tier"]
+        assert r["data"]["timings"]["cache_n"] > shared + UB, (r["data"]["timings"], shared)
+        ref = await cold(srv.url, body)
+        assert r["data"]["choices"][0]["message"] == ref["choices"][0]["message"]
 
 
 @pytest.mark.server

@@ -121,7 +121,8 @@ async def execute(table: SlotTable, head: Any, tiers: Sequence[TierBase], disk: 
             # the slot holds what the failed restore left (SlotTable.restore asked the server:
             # erased by a stock build, untouched by the patched pre-check or a failed check)
             log.warning("[%s] %s bring into slot %d failed (%s)", rid, dec.offer.tier, slot, exc)
-            brought, restore_s = await bring_next(table, counters, rid, view, ctx, slot, tier, dec.offer)
+            brought, restore_s = await bring_next(table, counters, rid, view, ctx, slot,
+                                                  (head, *tiers), dec.offer)
     if "warm_head" in dec.steps:
         await head.warm_in(slot, tokens[:ctx.head_len], ctx.head_key, rid)
         await head.split_at_first_user(slot, tokens, ctx, rid)
@@ -164,21 +165,36 @@ async def execute(table: SlotTable, head: Any, tiers: Sequence[TierBase], disk: 
 
 
 async def bring_next(table: SlotTable, counters: dict, rid: str, view: Any, ctx: RequestContext, slot: int,
-                     tier: TierBase, failed: Any) -> tuple[str | None, float | None]:
+                     tiers: Sequence[Any], failed: Any) -> tuple[str | None, float | None]:
     """After a failed bring (a damaged file is deleted by the store's check, a refused restore
-    deletes its entry), ask the same tier once more: its next-best entry (a shorter anchor) is
-    still worth more than a cold prefill (the one lookup a request repeats, and only then).
-    Returns ``(tier name, restore seconds)`` or ``(None, None)`` when nothing was brought (the
-    request is then served from what the slot holds)."""
-    try:
-        offer = await tier.lookup(view, ctx)
-    except Exception:
-        log.exception("[%s] tier %s lookup after a failed bring failed", rid, failed.tier)
-        return None, None
-    if offer is None or offer.ref == failed.ref or (offer.slot is not None and offer.slot != slot) \
-            or offer.tokens_usable < table.params.n_ubatch:
+    deletes its entry), ask every tier (``tiers``: the head tier, then the others) once more: the
+    failed tier's next-best entry (a shorter anchor) or another tier's (the disk tier's anchor of a
+    conversation whose spill was damaged) is still worth more than what the slot holds, when it
+    offers at least one ubatch more; the most usable tokens win, the failed tier on a tie (the one
+    lookup a request repeats, and only then). Returns
+    ``(tier name, restore seconds)`` or ``(None, None)`` when nothing was brought (the request is
+    then served from what the slot holds)."""
+    st = table[slot]
+    held = predict_reuse(st.tokens, st.n_total, st.checkpoints, view.tokens, table.params,
+                         user_starts=ctx.user_starts, task=ctx.task).cache_n
+    best: tuple[Any, Any] | None = None
+    # the failed tier first: on a tie its next entry is taken (another tier must offer more)
+    for tier in sorted((t for t in tiers if t is not None), key=lambda t: t.name != failed.tier):
+        try:
+            offer = await tier.lookup(view, ctx)
+        except Exception:
+            log.exception("[%s] tier %s lookup after a failed bring failed", rid, tier.name)
+            continue
+        if offer is None or (offer.tier == failed.tier and offer.ref == failed.ref) \
+                or (offer.slot is not None and offer.slot != slot) \
+                or offer.tokens_usable < held + table.params.n_ubatch:
+            continue
+        if best is None or offer.tokens_usable > best[1].tokens_usable:
+            best = (tier, offer)
+    if best is None:
         log.warning("[%s] serving from what slot %d holds", rid, slot)
         return None, None
+    tier, offer = best
     try:
         t = time.monotonic()
         await tier.bring(offer, slot)
