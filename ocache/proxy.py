@@ -729,11 +729,17 @@ class Proxy:
         idle = self.config.client_idle_timeout_s
         parts: list[bytes] = []
         size = 0
+        content = request.content
         while True:
-            async with asyncio.timeout(idle):
-                chunk = await request.content.readany()
+            # what has arrived already needs no timer (a small body is there with its headers)
+            chunk = content.read_nowait()
             if not chunk:
-                break
+                if content.at_eof():
+                    break
+                async with asyncio.timeout(idle):
+                    chunk = await content.readany()
+                if not chunk:
+                    break
             size += len(chunk)
             if limit and size > limit:
                 raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
