@@ -702,6 +702,20 @@ async def test_upstream_down_up_and_restart(start_server):
             assert r.status == 200
 
 
+def _serve_launched(engine_patched, models_tiny, layer) -> tuple[asyncio.Event, asyncio.Task, asyncio.Future]:
+    """``serve --launch`` of the tiny dense model (``-np 1 -c 4096``) with ``layer``: (stop, the
+    serve task, a future of (proxy, port) once it listens)."""
+    cfg = Config(port=0, probe_interval_s=0.2, launch_binary=str(engine_patched.binary),
+                 launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "1",
+                         "-c", "4096", "--no-webui"])
+    stop = asyncio.Event()
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(cfg, stop=stop, layer_factory=lambda u, c: layer,
+                                     handle_signals=False,
+                                     ready=lambda p, port: ready.set_result((p, port))))
+    return stop, task, ready
+
+
 @pytest.mark.server
 async def test_serve_launch_restarts_child_and_drains(engine_patched, models_tiny):
     """``serve --launch``: a killed child is restarted (new PID = new epoch); on stop, an in-flight
@@ -713,14 +727,7 @@ async def test_serve_launch_restarts_child_and_drains(engine_patched, models_tin
         async def drain(self):
             drained.append(proxies[0].inflight)
 
-    cfg = Config(port=0, probe_interval_s=0.2, launch_binary=str(engine_patched.binary),
-                 launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "1",
-                         "-c", "4096", "--no-webui"])
-    stop = asyncio.Event()
-    ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(cfg, stop=stop, layer_factory=lambda u, c: L(),
-                                     handle_signals=False,
-                                     ready=lambda p, port: ready.set_result((p, port))))
+    stop, task, ready = _serve_launched(engine_patched, models_tiny, L())
     try:
         proxy, port = await asyncio.wait_for(ready, 30)
         proxies.append(proxy)
@@ -759,14 +766,7 @@ async def test_serve_launch_holds_a_request_while_it_starts_the_next_child(engin
     from ocache.supervisor import Supervisor
 
     monkeypatch.setattr(Supervisor, "restart_backoff_s", 2.0)
-    cfg = Config(port=0, probe_interval_s=0.2, launch_binary=str(engine_patched.binary),
-                 launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "1",
-                         "-c", "4096", "--no-webui"])
-    stop = asyncio.Event()
-    ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(cfg, stop=stop, layer_factory=lambda u, c: NullLayer(),
-                                     handle_signals=False,
-                                     ready=lambda p, port: ready.set_result((p, port))))
+    stop, task, ready = _serve_launched(engine_patched, models_tiny, NullLayer())
     try:
         proxy, port = await asyncio.wait_for(ready, 30)
         base = f"http://127.0.0.1:{port}"
