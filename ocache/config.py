@@ -78,7 +78,7 @@ class Config:
     probe_interval_s: float = _f(2.0, "seconds between upstream identity probes while it is up "
                                  "(restart detection); while it is down, probes run every 0.25 s",
                                  min=0.05)
-    drain_timeout_s: float = _f(60.0, "on SIGTERM, seconds to wait for in-flight requests", min=0)
+    drain_timeout_s: float = _f(60.0, "on SIGTERM, seconds to wait for in-flight requests, then at most as long for the spills (abandoned at once when llama-server goes down)", min=0)
     upstream_read_timeout_s: float = _f(1800.0, "a non-streamed forward fails with 504 when the "
                                         "upstream sends no byte for this many seconds (its whole "
                                         "prefill + generation: the default allows a 30-minute "

@@ -128,6 +128,8 @@ class Upstream:
         self._hung_callbacks: list[Callable[[str], None]] = []
         self._probe_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
+        self._down = asyncio.Event()       # set while the state is "down" (unreachable or hung)
+        self._down.set()
         self._wake = asyncio.Event()
         self.generating = 0                # completions forwarded and not yet fully relayed
         self._quiet = asyncio.Event()      # set while ``generating`` is 0
@@ -209,6 +211,10 @@ class Upstream:
             self._ready.set()
         else:
             self._ready.clear()
+        if state == "down":
+            self._down.set()
+        else:
+            self._down.clear()
 
     def _set_down(self, error: str, hung: bool) -> None:
         became_hung = hung and not (self.state == "down" and self.hung)
@@ -247,6 +253,12 @@ class Upstream:
         monitor probe at the fast rate."""
         self._set_down(error, hung)
         self._wake.set()
+
+    async def wait_down(self) -> None:
+        """Return once the state is ``"down"`` (a probe could not connect or got no answer in
+        ``probe_timeout_s``: what is in flight to the server may never be answered). Unbounded:
+        callers race it against the work it guards (``OCacheLayer.drain``)."""
+        await self._down.wait()
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait until the state is ``"ready"``, at most ``timeout`` seconds; True if it is."""

@@ -792,6 +792,56 @@ async def test_launch_stop_sends_sigterm_with_no_get_slots_in_flight(engine_patc
     assert term["started_after_stop"] == 0 and term["n"] == 0, term
 
 
+@pytest.mark.server
+async def test_planned_stop_with_the_server_stopping_too_ends(start_server, tmp_path):
+    """ocache and a llama-server it does not launch stopped at once (one ``kill`` of both, a
+    service manager stopping both): llama-server's task queue ends at its SIGTERM, but its HTTP
+    threads still read requests on connections that were open, so a drain's ``action=save`` on
+    one of ocache's pooled connections is never answered, and llama-server does not exit while
+    that client waits (README "Limitations"). Before the fix both waited for the slot call's
+    3,600 s bound (seen with real Claude Code sessions). The drain must end once the server is seen
+    down (or at ``drain_timeout_s``), and llama-server must then exit."""
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=2, ctx_size=8192)
+    tiers = {"resident": {"server_args": ["-np", "2", "-c", "8192",
+                                          "--slot-save-path", str(srv.slot_save_path)]}}
+    stop = asyncio.Event()
+    cfg = Config(port=0, upstream=srv.url, probe_interval_s=0.2, cache_dir=str(tmp_path / "cache"),
+                 drain_timeout_s=20, tiers=tiers)
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(cfg, stop=stop, handle_signals=False,
+                                     ready=lambda p, port: ready.set_result((p, port))))
+    try:
+        proxy, port = await asyncio.wait_for(ready, 60)
+        base = f"http://127.0.0.1:{port}"
+        async with client() as c:
+            for name in ("alpha", "beta"):   # one conversation per slot, each above drain_min_tokens
+                system = f"You are agent {name}. " + " ".join(f"rule {i}: be {name}." for i in range(300))
+                body = {"messages": [{"role": "system", "content": system},
+                                     {"role": "user", "content": f"hi {name}"}],
+                        "tools": [{"type": "function", "function": {
+                            "name": "ls", "description": "list files",
+                            "parameters": {"type": "object", "properties": {}}}}],
+                        "max_tokens": 4, "temperature": 0}   # an agent turn: spilled at a stop
+                async with c.post(base + "/v1/chat/completions", json=body,
+                                  headers={"X-Session-Id": name}) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["timings"]["prompt_n"] > 1024
+        srv.proc.send_signal(signal.SIGTERM)
+        stop.set()
+        t0 = time.monotonic()
+        done, _ = await asyncio.wait([task], timeout=60)
+        assert done, "ocache's planned stop waited on a llama-server that was stopping"
+        task.result()
+        print(f"\nplanned stop with the server stopping too: ocache ended in {time.monotonic() - t0:.1f} s")
+        await asyncio.to_thread(srv.proc.wait, 30)
+    finally:
+        stop.set()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():

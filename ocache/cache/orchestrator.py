@@ -919,7 +919,38 @@ class OCacheLayer:
     async def drain(self) -> None:
         """Planned stop: finish background work, then every tier's drain step (by default its
         ``before_evict`` on each live conversation; the session tier spills each once, commits and
-        writes its resume marker)."""
+        writes its resume marker).
+
+        Abandoned (cancelled, counted ``drain_abandoned``, logged) once the server is seen down
+        (``Upstream.wait_down``) or after the config's ``drain_timeout_s`` seconds: a
+        llama-server stopped together with ocache ends its task queue at SIGTERM while its HTTP
+        threads still read requests on open connections, so a slot save sent on one of ocache's
+        pooled connections is never answered (measured: ``kill -TERM`` of both at once left both
+        running until ocache was killed; the slot call's own bound is ``SlotTable`` ``timeout_s``,
+        3,600 s), and llama-server does not exit while that client waits (README "Limitations").
+        What was not spilled by then is lost, as it would be without ocache."""
+        timeout_s = getattr(self.config, "drain_timeout_s", None)
+        work = asyncio.ensure_future(self._drain_tiers())
+        wait_down = getattr(self.upstream, "wait_down", None)
+        down = asyncio.ensure_future(wait_down()) if wait_down is not None else None
+        try:
+            await asyncio.wait([t for t in (work, down) if t is not None], timeout=timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if down is not None:
+                down.cancel()
+        if not work.done():
+            why = ("llama-server went down" if down is not None and down.done() and not down.cancelled()
+                   else f"not finished in {timeout_s:g} s (drain_timeout_s)")
+            log.warning("drain abandoned: %s; the slot calls in flight will not be answered, "
+                        "conversations not spilled yet are not kept", why)
+            self.counters["drain_abandoned"] = self.counters.get("drain_abandoned", 0) + 1
+            work.cancel()
+            await asyncio.wait([work], timeout=5.0)   # cancelled slot calls close their connections
+            return
+        work.result()
+
+    async def _drain_tiers(self) -> None:
         await self.idle()
         if self.table is None:
             return
