@@ -801,6 +801,16 @@ class Proxy:
             return _json_error(408, f"the request body stalled: no byte for "
                                f"{self.config.client_idle_timeout_s:g} s (client_idle_timeout_s)",
                                "timeout_error", rid)
+        except web.HTTPRequestEntityTooLarge:
+            # ocache's own limit (llama-server has none): its answer in the one error shape, counted
+            # and logged like every answer; the rest of the body is not read, so the connection closes
+            self.stats.request(path, 413)
+            log.info("[%s] %s %s 413: request body above max_body_mb (%g MB)", rid, method, path,
+                     self.config.max_body_mb)
+            resp = _json_error(413, f"the request body is larger than max_body_mb "
+                               f"({self.config.max_body_mb:g} MB)", "invalid_request_error", rid)
+            resp.force_close()
+            return resp
         is_completion = method == "POST" and path in COMPLETION_ROUTES
         if len(self.upstreams) > 1:
             _CURRENT_UPSTREAM.set(self.default_upstream())

@@ -13,6 +13,7 @@ tier factories get a slot table stand-in that only carries ``params``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import subprocess
 import sys
@@ -207,8 +208,14 @@ def _serve_args():
 
 async def p_max_body_mb(tmp_path, mp):
     body = b"x" * 4096
-    async with _proxy(max_body_mb=0.001) as (base, _, c):
-        assert (await _post(c, base + "/v1/chat/completions", data=body))[0] == 413
+    async with _proxy(max_body_mb=0.001) as (base, proxy, c):
+        for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
+            status, headers, raw = await _post(c, base + path, data=body)
+            assert status == 413
+            # ocache's own answer, in the one error shape (README "Bad input"), counted
+            assert json.loads(raw)["error"]["code"] == 413, raw
+            assert headers.get("X-OCache-Request-Id"), headers
+            assert proxy.stats.to_dict()["requests"][path]["413"] == 1
     async with _proxy() as (base, _, c):
         assert (await _post(c, base + "/v1/chat/completions", data=body))[0] != 413
 
