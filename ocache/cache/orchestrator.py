@@ -88,6 +88,15 @@ def _labels(body: Any, headers: Any, kind: str) -> tuple[tuple[str, str | None],
         return ()
 
 
+def _rejected_body(status: int) -> bool:
+    """Whether a token view's HTTP error is the server's verdict on the body itself: a 4xx, or the
+    500 it answers for a message it cannot parse (``Failed to parse messages: ... key 'text' not
+    found`` for an Anthropic text block without its text: the exception of common/chat.cpp:468 of
+    the pinned source, answered as a server error); not a 503 (loading: a restart) or a failed
+    connection (0)."""
+    return 400 <= status < 500 or status == 500
+
+
 def _as_settled(snapshot: list) -> list:
     """Copies of the busy or pending slots of ``snapshot`` as they will be once their request's
     answer is recorded (lease free, not pending, the count the prompt gives), for
@@ -379,7 +388,7 @@ class OCacheLayer:
         except TokenViewError as exc:
             if refreshed is not None:
                 await refreshed
-            if 400 <= exc.status < 500:
+            if _rejected_body(exc.status):
                 # the server rejects this body (it will answer the forwarded request the same way):
                 # a client error, not a cache-layer failure; forward untouched, no plan
                 self.counters["unrenderable"] += 1
@@ -678,7 +687,7 @@ class OCacheLayer:
         try:
             view = await self._viewer.view(path, body, head)
         except TokenViewError as exc:
-            if 400 <= exc.status < 500:
+            if _rejected_body(exc.status):
                 return None
             raise
         tokens = view.tokens
