@@ -1536,6 +1536,8 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         for sup, up in zip(supervisors, proxy.upstreams):
             sup.on_start = up.poke
             sup.on_exit = up.expect_restart     # requests are held for the next child, not 503
+            # a child that cannot start: the requests held for it get the 503 now, then ocache stops
+            sup.on_give_up = (lambda up=up: (up.restart_abandoned(), stop.set()))
             sup.calls_inflight = proxy.calls_inflight   # recorded when SIGTERM is sent
         runner = web.AppRunner(proxy.make_app(), handler_cancellation=True,
                                shutdown_timeout=config.drain_timeout_s,

@@ -129,6 +129,7 @@ class Upstream:
         self._probe_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._down = asyncio.Event()       # set while the state is "down" (unreachable or hung)
+        self._abandoned = asyncio.Event()  # set once the supervisor gave up restarting the server
         self._down.set()
         self._wake = asyncio.Event()
         self.generating = 0                # completions forwarded and not yet fully relayed
@@ -241,12 +242,16 @@ class Upstream:
         another: down now (before a probe notices), and ``restarting`` until a new process is ready
         or :meth:`restart_abandoned`."""
         self.restarting = True
+        self._abandoned.clear()
         self._set_down(why, False)
         self._wake.set()
 
     def restart_abandoned(self) -> None:
-        """The supervisor gave up restarting the server: requests are no longer held for it."""
+        """The supervisor gave up restarting the server: requests are no longer held for it, and
+        those held now (``wait_ready``) are let go at once (they get ocache's 503) instead of
+        waiting out their ``loading_wait_s``."""
         self.restarting = False
+        self._abandoned.set()
 
     def notify_unreachable(self, error: str, hung: bool = False) -> None:
         """The proxy could not connect (or, ``hung``, got no answer in time): mark down and let the
@@ -264,11 +269,16 @@ class Upstream:
         """Wait until the state is ``"ready"``, at most ``timeout`` seconds; True if it is."""
         if self.state == "ready":
             return True
+        if self._abandoned.is_set() and self.state == "down":
+            return False  # the supervisor gave up: no server is coming
         self._wake.set()
+        ready = asyncio.ensure_future(self._ready.wait())
+        abandoned = asyncio.ensure_future(self._abandoned.wait())
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.wait({ready, abandoned}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            abandoned.cancel()
         return self.state == "ready"
 
     async def check(self, wait_s: float) -> str:

@@ -10,6 +10,7 @@ it received (hop-by-hop handling), dying in the middle of a stream, a scripted b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -784,6 +785,58 @@ async def test_serve_launch_holds_a_request_while_it_starts_the_next_child(engin
     finally:
         stop.set()
         await asyncio.wait_for(task, 60)
+
+
+
+@pytest.mark.server
+async def test_serve_launch_answers_held_requests_once_it_gives_up(engine_patched, models_tiny, tmp_path,
+                                                                  monkeypatch):
+    """``serve --launch`` whose next child cannot start (its model file deleted, then the child
+    killed): requests held for the next child (``Upstream.expect_restart``) were kept until their
+    ``loading_wait_s`` ran out (a newcomer's break test: 8 requests answered 503 after the full
+    120 s, and ocache exited 112 s after the supervisor had given up). Once the supervisor gives up
+    they get ocache's 503 at once, and serve ends with the supervisor's LaunchError."""
+    import shutil
+
+    from ocache.supervisor import LaunchError, Supervisor
+
+    monkeypatch.setattr(Supervisor, "restart_backoff_s", 0.2)
+    model = tmp_path / "model.gguf"
+    shutil.copyfile(models_tiny["dense"], model)
+    cfg = Config(port=0, probe_interval_s=0.2, launch_binary=str(engine_patched.binary),
+                 launch_max_failures=2, loading_wait_s=3600.0, drain_timeout_s=3600.0,
+                 launch=["-m", str(model), "-t", "1", "-tb", "1", "-np", "1", "-c", "4096", "--no-webui"])
+    stop = asyncio.Event()
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(cfg, stop=stop, layer_factory=lambda u, c: NullLayer(),
+                                     handle_signals=False,
+                                     ready=lambda p, port: ready.set_result((p, port))))
+    try:
+        proxy, port = await asyncio.wait_for(ready, 30)
+        base = f"http://127.0.0.1:{port}"
+        await poll(lambda: proxy.upstream.state == "ready", timeout=60, what="child ready")
+        model.unlink()
+        os.kill(proxy.upstream.boot.pid, signal.SIGKILL)
+        await poll(lambda: proxy.upstream.restarting, timeout=30, what="the exit seen")
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2, "temperature": 0}
+
+        async def one(stream: bool) -> int:
+            async with client() as c:
+                async with c.post(base + "/v1/chat/completions", json={**body, "stream": stream}) as r:
+                    await r.read()
+                    return r.status
+
+        # bounded far below loading_wait_s: before the fix these waited for it (an hour here)
+        statuses = await asyncio.wait_for(asyncio.gather(one(False), one(True), one(False)), 90)
+        assert statuses == [503, 503, 503]
+        with pytest.raises(LaunchError, match="2 times in a row"):
+            await asyncio.wait_for(task, 90)
+    finally:
+        stop.set()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 def test_the_patched_builds_boot_id_decides_whether_the_process_restarted():
