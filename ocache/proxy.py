@@ -899,7 +899,8 @@ class Proxy:
                 rerouted = await self._reroute(preq, plan, body)
                 if rerouted is not None:
                     plan, out_body = rerouted
-                    extra = {"X-OCache-Request-Id": rid, **plan.headers}
+                    extra = {"X-OCache-Request-Id": rid, **plan.headers,
+                             "X-OCache-Plan-Ms": f"{(time.perf_counter() - t0) * 1e3:.2f}"}
                     obs.status = 0
                     up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs,
                                                   _up_headers(plan))
@@ -918,7 +919,9 @@ class Proxy:
                 plan, out_body = await self._stale_plan(preq, plan, body, up_resp,
                                                         untouched=attempt == STALE_REPLANS)
                 extra = {"X-OCache-Request-Id": rid, **(plan.headers if plan is not None else
-                                                        {"X-OCache-Fail-Open": "plan"})}
+                                                        {"X-OCache-Fail-Open": "plan"}),
+                         # receipt to this forward: the refused one and the plan made again included
+                         "X-OCache-Plan-Ms": f"{(time.perf_counter() - t0) * 1e3:.2f}"}
                 obs.status = 0
                 up_resp = await self._forward(request, rid, out_body, has_body, timeout, obs,
                                               _up_headers(plan))
