@@ -113,6 +113,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from ocache import admin
+from ocache.slots import IF_BOOT_HEADER
 from ocache.api import figures
 from ocache.config import Config
 from ocache.api.convert import timings_from_usage
@@ -914,6 +915,14 @@ class Proxy:
             for attempt in range(STALE_REPLANS + 1):
                 if up_resp.status != 412 or not _up_headers(plan) or preq is None:
                     break
+                if IF_BOOT_HEADER in request.headers:
+                    # the client's own precondition refused (it was forwarded as the client sent
+                    # it, ``_send_upstream``): the server's 412 is the answer, as without ocache;
+                    # the plan is ended (the server did no work: its slot marked unknown)
+                    await self._end_plan(rid, plan)
+                    plan = None
+                    extra = {"X-OCache-Request-Id": rid, "X-OCache-Plan-Ms": extra.get("X-OCache-Plan-Ms", "")}
+                    break
                 # the server is not the process the plan was made for (patches/0007): it did no
                 # work for the request; the plan is ended and the request planned again
                 plan, out_body = await self._stale_plan(preq, plan, body, up_resp,
@@ -1195,7 +1204,9 @@ class Proxy:
         url = URL(self.upstream.base_url + request.raw_path, encoded=True)
         headers = forward_request_headers(request.headers)
         if up_headers:
-            headers.update(up_headers)
+            # a header the client sent itself is forwarded as it is (a client's own
+            # X-Llama-Server-If-Boot, patches/0007, is its precondition for the server to judge)
+            headers.update({k: v for k, v in up_headers.items() if k not in headers})
         has_body = has_body or bool(body) or "Content-Length" in request.headers
         kw = dict(data=body if has_body else None, headers=headers, skip_auto_headers=_SKIP_AUTO,
                   allow_redirects=False, auto_decompress=False)

@@ -526,3 +526,27 @@ async def test_a_known_turn_whose_reconcile_fails_after_a_restart_is_planned_as_
         assert hn.get("X-OCache-Path") is None and "X-OCache-Fail-Open" not in hn, hn
         assert int(hn["X-OCache-Predicted-Cache"]) == t["cache_n"] > 0, (hn, t)
         assert proxy.stats.to_dict()["stale_plans"] == (check == "if_boot")
+
+
+@pytest.mark.server
+async def test_a_clients_own_if_boot_header_is_the_servers_to_answer(start_server, tmp_path):
+    """A client that sends its own ``X-Llama-Server-If-Boot`` (patches/0007) naming another process
+    gets the server's own 412, as without ocache: before, a known turn's plan overwrote the
+    client's value with the table's, so the server answered 200 to a precondition it should have
+    refused (a newcomer's break test). The refused turn is not counted as a stale plan, and the
+    next turn without the header is answered (greedy output of a cold prefill)."""
+    async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
+        async with s.post(srv.url + CHAT, json=body, headers={**h, "X-Llama-Server-If-Boot": "0" * 16}) as r:
+            alone = (r.status, await r.json())
+        assert alone[0] == 412
+        async with s.post(base + CHAT, json=body, headers={**h, "X-Llama-Server-If-Boot": "0" * 16}) as r:
+            assert (r.status, await r.json()) == alone
+        await proxy.wait_background()
+        await proxy.layer.idle()
+        assert proxy.stats.to_dict()["stale_plans"] == 0
+        async with s.post(base + CHAT, json=body, headers=h) as r:
+            assert r.status == 200
+            data = await r.json()
+        ref = await cold(srv.url, body)
+        assert data["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+        assert proxy.layer.counters["mispredictions"] == 0
