@@ -113,7 +113,6 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from ocache import admin
-from ocache.slots import IF_BOOT_HEADER
 from ocache.api import figures
 from ocache.config import Config
 from ocache.api.convert import timings_from_usage
@@ -915,7 +914,7 @@ class Proxy:
             for attempt in range(STALE_REPLANS + 1):
                 if up_resp.status != 412 or not _up_headers(plan) or preq is None:
                     break
-                if IF_BOOT_HEADER in request.headers:
+                if any(k in request.headers for k in _up_headers(plan)):
                     # the client's own precondition refused (it was forwarded as the client sent
                     # it, ``_send_upstream``): the server's 412 is the answer, as without ocache;
                     # the plan is ended (the server did no work: its slot marked unknown)

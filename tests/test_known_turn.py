@@ -436,6 +436,40 @@ async def test_a_known_turn_is_checked_against_a_restart_with_the_fewest_round_t
 
 
 @pytest.mark.server
+async def test_a_restart_the_slot_table_sees_first_is_handled_once(start_server, tmp_path):
+    """After a restart on the same port, a turn planned the usual way reads ``GET /slots`` and the
+    slot table sees the new process before the upstream's own probe does. The probe then runs at
+    once (``OCacheLayer._refresh``), and a later probe, finding the process the table already
+    describes, does not empty the table again: before, the next probe wiped what ocache had learned
+    about the new process since (the turn served there), so the conversation's next turn was not
+    known (a newcomer's break test: "content now unknown", then server-placed turns)."""
+    async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
+        layer = proxy.layer
+        srv.restart()
+        layer.opt_fast_path = False          # this turn takes the usual path (GET /slots first)
+        try:
+            async with s.post(base + CHAT, json=body, headers=h) as r:
+                assert r.status == 200 and r.headers.get("X-OCache-Path") is None
+                data = await r.json()
+            await proxy.wait_background()
+            await layer.idle()
+        finally:
+            layer.opt_fast_path = True
+        assert layer.table.counters["restarts_seen_in_slots"] == 1
+        epoch = proxy.upstream.epoch
+        await proxy.upstream.probe()         # the monitor's next probe: the same new process
+        assert proxy.upstream.epoch == epoch
+        nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "And now?")
+        async with s.post(base + CHAT, json=nxt, headers=h) as r:
+            assert r.status == 200 and r.headers.get("X-OCache-Path") == "known", dict(r.headers)
+            hn = dict(r.headers)
+            dn = await r.json()
+        await proxy.wait_background()
+        assert _predicted(proxy, hn) == dn["timings"]["cache_n"] > 0
+        assert layer.counters["mispredictions"] == 0
+
+
+@pytest.mark.server
 async def test_a_turn_sent_before_the_last_answer_was_recorded_waits_for_it_and_is_known(start_server, tmp_path,
                                                                                        monkeypatch):
     """An agent's tool loop sends the next turn the moment an answer ends, while the proxy still

@@ -237,7 +237,7 @@ class OCacheLayer:
             self.table.session = self.session
             data = await self.table.fetch_slots()
             self.table.params = params_from_argv(self.argv, props, data, **self.param_overrides)
-            if self._epoch is not None and epoch != self._epoch:
+            if self._epoch is not None and epoch != self._epoch and not self._table_knows_process():
                 self.table.reset_all(epoch)
             self.table.epoch = epoch
             caps = props.get("ocache") if isinstance(props, Mapping) else None
@@ -729,12 +729,22 @@ class OCacheLayer:
 
     async def _refresh(self, rid: str) -> bool:
         """Reconcile the slot table with ``GET /slots``; whether it succeeded. A failure only logs
-        (the usual plan then uses the table as it is; a known turn is planned as usual instead)."""
+        (the usual plan then uses the table as it is; a known turn is planned as usual instead).
+
+        When that ``GET /slots`` shows a new server process before the upstream's own probe did,
+        the probe runs now (and with it ``on_upstream_restart``: the tiers forget the old
+        process's slots), before the caller plans anything on the new process; found later, at the
+        next probe, it wiped what ocache had learned about the new process since (a newcomer's
+        break test: slot 0 restored and three turns served there, then "content now unknown")."""
+        seen = self.table.counters["restarts_seen_in_slots"]
         try:
             await self.table.refresh()
         except SlotError as exc:
             log.debug("[%s] GET /slots failed: %s", rid, exc)
             return False
+        probe = getattr(self.upstream, "probe", None)
+        if self.table.counters["restarts_seen_in_slots"] != seen and probe is not None:
+            await probe()
         return True
 
     async def _lookups(self, view: Any, ctx: RequestContext) -> tuple[list[Offer | None], Any]:
@@ -889,9 +899,20 @@ class OCacheLayer:
 
     # -- around the path: restart, drain, stats, clear -------------------------------------------
 
+    def _table_knows_process(self) -> bool:
+        """Whether the slot table's last ``GET /slots`` came from the process the upstream now
+        reports (the same ``X-Llama-Server-Boot``, patches/0005): its own restart detection
+        (``SlotTable.refresh``) already emptied the old process's slots and kept what requests to
+        the new one filled, so a later restart notice must not empty them again."""
+        boot = getattr(getattr(self.upstream, "boot", None), "boot", None)
+        return self.table is not None and boot is not None and self.table.boot == boot
+
     async def on_upstream_restart(self) -> None:
         if self.table is not None:
-            self.table.reset_all(getattr(self.upstream, "epoch", None))
+            if self._table_knows_process():
+                self.table.epoch = getattr(self.upstream, "epoch", None)
+            else:
+                self.table.reset_all(getattr(self.upstream, "epoch", None))
         self._ready = False
         self._identity = None
         for tier in self.tiers:  # tiers forget per-slot beliefs about the old process
