@@ -6,6 +6,8 @@ the small generated GGUF models (``ocache.toolchain.models``), on free loopback 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -18,6 +20,27 @@ from ocache.llama.server import LlamaServer
 SHARED = Path(os.environ.get("OCACHE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 FIXTURES = SHARED / "fixtures"
 CASES = SHARED / "cases"
+
+
+def serve_in_task(cfg, stop: asyncio.Event, layer_factory=None) -> tuple[asyncio.Task, asyncio.Future]:
+    """``ocache serve`` of ``cfg`` (``ocache.proxy.serve``, no signal handlers) as a task of the
+    running loop: (the task, a future of (proxy, port) once it listens); ``stop`` ends it."""
+    from ocache.proxy import serve
+
+    ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    kw = {} if layer_factory is None else {"layer_factory": layer_factory}
+    task = asyncio.create_task(serve(cfg, stop=stop, handle_signals=False,
+                                     ready=lambda p, port: ready.set_result((p, port)), **kw))
+    return task, ready
+
+
+async def end_serve(stop: asyncio.Event, task: asyncio.Task) -> None:
+    """Set ``stop``; a ``serve_in_task`` task still running then is cancelled (never raises)."""
+    stop.set()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
 
 
 def load_fixture(name: str) -> dict:

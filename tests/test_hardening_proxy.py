@@ -30,6 +30,7 @@ from ocache.proxy import RUNNER_KWARGS, Proxy, default_layer_factory, serve
 from ocache.llama.server import free_port
 
 from test_proxy import FakeUpstream, client, fake_upstream, normalise, poll, stream_with_stop
+from conftest import end_serve, serve_in_task
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -611,9 +612,7 @@ async def test_launch_creates_a_missing_slot_save_path(engine_patched, models_ti
                  launch_binary=str(engine_patched.binary),
                  launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "1", "-c", "2048",
                          "--no-webui", "--slot-save-path", str(slots)])
-    ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(cfg, stop=stop, handle_signals=False,
-                                     ready=lambda p, port: ready.set_result((p, port))))
+    task, ready = serve_in_task(cfg, stop)
     try:
         proxy, _ = await asyncio.wait_for(ready, 60)
         await poll(lambda: proxy.upstream.state == "ready" or task.done(), timeout=60, what="child ready or gave up")
@@ -770,9 +769,7 @@ async def test_launch_stop_sends_sigterm_with_no_get_slots_in_flight(engine_patc
                  launch_binary=str(engine_patched.binary),
                  launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "2", "-c", "4096",
                          "--no-webui", "--slot-save-path", str(slots)])
-    ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(cfg, stop=stop, handle_signals=False,
-                                     ready=lambda p, port: ready.set_result((p, port))))
+    task, ready = serve_in_task(cfg, stop)
     try:
         proxy, port = await asyncio.wait_for(ready, 60)
         base = f"http://127.0.0.1:{port}"
@@ -807,9 +804,7 @@ async def test_planned_stop_with_the_server_stopping_too_ends(start_server, tmp_
     stop = asyncio.Event()
     cfg = Config(port=0, upstream=srv.url, probe_interval_s=0.2, cache_dir=str(tmp_path / "cache"),
                  drain_timeout_s=20, tiers=tiers)
-    ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(cfg, stop=stop, handle_signals=False,
-                                     ready=lambda p, port: ready.set_result((p, port))))
+    task, ready = serve_in_task(cfg, stop)
     try:
         proxy, port = await asyncio.wait_for(ready, 60)
         base = f"http://127.0.0.1:{port}"
@@ -835,11 +830,7 @@ async def test_planned_stop_with_the_server_stopping_too_ends(start_server, tmp_
         print(f"\nplanned stop with the server stopping too: ocache ended in {time.monotonic() - t0:.1f} s")
         await asyncio.to_thread(srv.proc.wait, 30)
     finally:
-        stop.set()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await end_serve(stop, task)
 
 
 def _children(pid: int) -> list[int]:

@@ -10,7 +10,6 @@ it received (hop-by-hop handling), dying in the middle of a stream, a scripted b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
 import os
@@ -26,11 +25,11 @@ from aiohttp.test_utils import TestServer
 
 from ocache.config import Config
 from ocache.layer import NullLayer, Plan
-from ocache.proxy import RUNNER_KWARGS, Proxy, forward_request_headers, host_name, serve
+from ocache.proxy import RUNNER_KWARGS, Proxy, forward_request_headers, host_name
 from ocache.llama.server import free_port
 from multidict import CIMultiDict
 
-from conftest import load_fixture
+from conftest import end_serve, load_fixture, serve_in_task
 
 
 # --------------------------------------------------------------------------------------------------
@@ -710,10 +709,7 @@ def _serve_launched(engine_patched, models_tiny, layer) -> tuple[asyncio.Event, 
                  launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "1",
                          "-c", "4096", "--no-webui"])
     stop = asyncio.Event()
-    ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(cfg, stop=stop, layer_factory=lambda u, c: layer,
-                                     handle_signals=False,
-                                     ready=lambda p, port: ready.set_result((p, port))))
+    task, ready = serve_in_task(cfg, stop, lambda u, c: layer)
     return stop, task, ready
 
 
@@ -807,10 +803,7 @@ async def test_serve_launch_answers_held_requests_once_it_gives_up(engine_patche
                  launch_max_failures=2, loading_wait_s=3600.0, drain_timeout_s=3600.0,
                  launch=["-m", str(model), "-t", "1", "-tb", "1", "-np", "1", "-c", "4096", "--no-webui"])
     stop = asyncio.Event()
-    ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(cfg, stop=stop, layer_factory=lambda u, c: NullLayer(),
-                                     handle_signals=False,
-                                     ready=lambda p, port: ready.set_result((p, port))))
+    task, ready = serve_in_task(cfg, stop, lambda u, c: NullLayer())
     try:
         proxy, port = await asyncio.wait_for(ready, 30)
         base = f"http://127.0.0.1:{port}"
@@ -832,11 +825,7 @@ async def test_serve_launch_answers_held_requests_once_it_gives_up(engine_patche
         with pytest.raises(LaunchError, match="2 times in a row"):
             await asyncio.wait_for(task, 90)
     finally:
-        stop.set()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await end_serve(stop, task)
 
 
 def test_the_patched_builds_boot_id_decides_whether_the_process_restarted():
