@@ -401,6 +401,46 @@ def test_gguf_identity_hashes_the_header_not_the_path(tmp_path):
     assert fp.identity(str(a), "b1", "t", {}).key == fp.identity(ia, "b1", "t", {}).key
 
 
+def test_gguf_identity_changes_with_the_weights_under_the_same_header_size_and_mtime(tmp_path):
+    """Issue 28 #1: a model regenerated with other weights but the same metadata, copied over the served
+    path with its old mtime (``cp -p``, ``rsync -a``, ``touch -r``), is another identity. Before the data
+    sample the identity was (size, mtime, header hash) and memoised on (path, size, mtime): equal."""
+    a = tmp_path / "model.gguf"
+    _write_gguf(a, data=bytes(range(64)) * 200)
+    st = a.stat()
+    ia = llama_gguf.gguf_identity(a)
+    for offset in (0, 6400, 12799):     # a weight in the first, a middle and the last block
+        with open(a, "r+b") as f:
+            f.seek(ia.header_bytes + (-ia.header_bytes) % 32 + offset)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))   # the old mtime, as cp -p leaves it
+        assert a.stat().st_size == st.st_size and a.stat().st_mtime_ns == st.st_mtime_ns
+        ib = llama_gguf.gguf_identity(a)
+        assert ib.header_xxh3_128 == ia.header_xxh3_128 and ib.data_xxh3_128 != ia.data_xxh3_128, offset
+        assert fp.identity(ib, "b1", "t", {}).key != fp.identity(ia, "b1", "t", {}).key
+        ia = ib
+
+
+def test_gguf_data_sample_is_bounded_and_covers_every_tensor(tmp_path):
+    """The sample reads each tensor's first and last block and SAMPLE_SPREAD blocks over the data, not
+    the file: a 64 MiB data section is sampled in at most (2 * 1 + 1024) * 4 KiB."""
+    reads = []
+
+    class Counting(bytes):
+        def __getitem__(self, k):
+            if isinstance(k, slice):
+                reads.append(k.stop - k.start)
+            return bytes.__getitem__(self, k)
+
+    data = os.urandom(1 << 20) * 64
+    blob = Counting(b"\x00" * 64 + data)
+    llama_gguf.data_sample(blob, 64, [0])
+    assert sum(reads) <= (2 + llama_gguf.SAMPLE_SPREAD) * llama_gguf.SAMPLE_BLOCK
+    assert len(reads) == 2 + llama_gguf.SAMPLE_SPREAD
+
+
 def test_gguf_identity_rejects_non_gguf_files(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + b"\x00" * 100)

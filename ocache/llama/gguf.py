@@ -2,8 +2,9 @@
 architecture.
 
 GGUF layout (ggml/include/gguf.h of the pinned source): ``"GGUF" | u32 version | u64 n_tensors |
-u64 n_kv | kv... | tensor infos | data``; each kv is ``u64 len | key | u32 type | value``. Only the
-header is read (memory-mapped); tensor data never is.
+u64 n_kv | kv... | tensor infos | data``; each kv is ``u64 len | key | u32 type | value``. The
+header is read whole (memory-mapped); of the tensor data only a bounded sample is read (``data_sample``:
+the weights' part of the identity, at most a few MiB whatever the file's size).
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ class GGUFIdentity:
     ``size`` (bytes) and ``mtime_ns`` from ``os.stat``; ``header_xxh3_128``: xxh3_128 hex of the bytes
     from offset 0 up to the end of the tensor-info section (magic, version, all metadata key/values
     including the tokenizer and the embedded chat template, every tensor's name/shape/type/offset);
-    ``header_bytes``: that length; ``version``, ``n_tensors``, ``n_kv`` from the header. The path and
-    the model alias are deliberately not part of it: the same file under another name is the same
-    model, another file under the same name is not.
+    ``header_bytes``: that length; ``version``, ``n_tensors``, ``n_kv`` from the header;
+    ``data_xxh3_128``: xxh3_128 hex of a sample of the tensor data (:func:`data_sample`), so a file
+    rewritten with other weights under the same metadata, size and mtime (``cp -p``, ``rsync -a``,
+    ``touch -r``, tar, image layers) is another identity. The path and the model alias are
+    deliberately not part of it: the same file under another name is the same model, another file
+    under the same name is not.
     """
 
     size: int
@@ -57,11 +61,12 @@ class GGUFIdentity:
     version: int
     n_tensors: int
     n_kv: int
+    data_xxh3_128: str = ""
 
     def as_dict(self) -> dict:
         return {"size": self.size, "mtime_ns": self.mtime_ns, "header_xxh3_128": self.header_xxh3_128,
                 "header_bytes": self.header_bytes, "version": self.version, "n_tensors": self.n_tensors,
-                "n_kv": self.n_kv}
+                "n_kv": self.n_kv, "data_xxh3_128": self.data_xxh3_128}
 
 
 class _Reader:
@@ -114,37 +119,84 @@ class _Reader:
             raise GGUFError(f"unknown GGUF value type {vtype} at byte {self.pos}")
 
 
-_gguf_cache: dict[tuple[str, int, int], GGUFIdentity] = {}
+#: Bytes read per sampled block of tensor data, and the number of blocks spread evenly over the
+#: whole data section beside each tensor's first and last block (:func:`data_sample`).
+SAMPLE_BLOCK = 4096
+SAMPLE_SPREAD = 1024
+
+_gguf_cache: dict[tuple[str, int, int, int, int], GGUFIdentity] = {}
 
 
 def gguf_identity(path: str | os.PathLike) -> GGUFIdentity:
-    """Read ``path``'s GGUF header (file I/O; the only I/O in this module) -> GGUFIdentity.
+    """Read ``path``'s GGUF header and a sample of its tensor data (file I/O; the only I/O in this
+    module) -> GGUFIdentity.
 
     Walks the layout of ggml/include/gguf.h (magic ``GGUF``, u32 version, u64 n_tensors, u64 n_kv,
-    key/value pairs, tensor infos) and hashes exactly those bytes with xxh3_128; the tensor data is
-    never read. Results are memoised per (path, size, mtime_ns). Raises OSError if the file cannot
-    be read and GGUFError if it is not a GGUF.
+    key/value pairs, tensor infos), hashes exactly those bytes with xxh3_128, then hashes the tensor
+    data sample of :func:`data_sample`. Memoised per (path, size, mtime_ns, inode, ctime_ns): the
+    kernel sets ``st_ctime`` on every write and on every ``utime``, and no user call can set it back,
+    so a file rewritten under its old mtime is read again, and a restart of llama-server on an
+    untouched file costs one ``stat``. Raises OSError if the file cannot be read and GGUFError if it
+    is not a GGUF.
     """
     p = Path(path)
     st = p.stat()
-    memo = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    memo = (str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
     if memo in _gguf_cache:
         return _gguf_cache[memo]
     with _header(p) as (mm, r, version, n_tensors, n_kv):
+        alignment = _GGUF_DEFAULT_ALIGNMENT
         for _ in range(n_kv):
-            r.string()
-            r.value(r.u32())
+            key = r.read(r.u64())
+            vtype = r.u32()
+            if key == b"general.alignment" and vtype == 4:   # u32 (gguf.cpp: GGUF_KEY_GENERAL_ALIGNMENT)
+                alignment = struct.unpack("<I", r.read(4))[0] or _GGUF_DEFAULT_ALIGNMENT
+            else:
+                r.value(vtype)
+        offsets = []
         for _ in range(n_tensors):
             r.string()
             n_dims = r.u32()
-            r.skip(8 * n_dims + 4 + 8)  # dims, ggml type, data offset
-        digest = xxhash.xxh3_128_hexdigest(mm[: r.pos])
+            r.skip(8 * n_dims + 4)  # dims, ggml type
+            offsets.append(r.u64())  # data offset, relative to the data section
+        header_end = r.pos
+        digest = xxhash.xxh3_128_hexdigest(mm[:header_end])
+        data_start = -(-header_end // alignment) * alignment
+        data_digest = data_sample(mm, data_start, offsets)
     ident = GGUFIdentity(size=st.st_size, mtime_ns=st.st_mtime_ns, header_xxh3_128=digest,
-                         header_bytes=r.pos, version=version, n_tensors=n_tensors, n_kv=n_kv)
+                         header_bytes=header_end, version=version, n_tensors=n_tensors, n_kv=n_kv,
+                         data_xxh3_128=data_digest)
     if len(_gguf_cache) > 64:
         _gguf_cache.clear()
     _gguf_cache[memo] = ident
     return ident
+
+
+def data_sample(mm, data_start: int, offsets: list[int]) -> str:
+    """xxh3_128 hex of a bounded sample of a GGUF's tensor data: the first and the last
+    ``SAMPLE_BLOCK`` bytes of every tensor (its extent runs to the next tensor's offset, the last
+    one's to the end of the file) and ``SAMPLE_SPREAD`` blocks at evenly spaced offsets over the whole
+    data section. At most ``(2 * n_tensors + SAMPLE_SPREAD) * 4 KiB`` are read (about 16 MiB for a
+    model of 1,500 tensors, whatever its size): any retrained, fine-tuned, merged or requantised
+    weights change it, since they change every block of the tensors they touch. ``mm``: the file's
+    bytes (a memory map); ``data_start``: the data section's offset (the header's end aligned up to
+    ``general.alignment``); ``offsets``: each tensor's offset within that section."""
+    end = len(mm)
+    h = xxhash.xxh3_128()
+    h.update(struct.pack("<QQ", max(end - data_start, 0), len(offsets)))
+    starts = sorted(data_start + o for o in offsets if data_start + o <= end)
+    spans = []
+    for i, a in enumerate(starts):
+        b = starts[i + 1] if i + 1 < len(starts) else end
+        spans.append((a, min(a + SAMPLE_BLOCK, b)))
+        spans.append((max(a, b - SAMPLE_BLOCK), b))
+    total = end - data_start
+    if total > 0:
+        step = max(total // SAMPLE_SPREAD, 1)
+        spans.extend((o, min(o + SAMPLE_BLOCK, end)) for o in range(data_start, end, step))
+    for a, b in spans:
+        h.update(mm[a:b])
+    return h.hexdigest()
 
 
 def gguf_architecture(path: str | os.PathLike) -> str:
