@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ocache.textsafe import term
 from ocache.tiers.store import DAY_S, LockedError, Store, data_dir_of
 
 KINDS = {"anchors": "a", "spills": "s", "heads": "h", "all": None}
@@ -87,14 +88,14 @@ def table(entries: list, now: float) -> str:
     """The ``ls`` table: one line per entry, in eviction order (``EVICT`` 1 goes first: lowest
     value, ``Entry.value``). FOLDER/CLIENT/MODEL come from the entry's meta (the request that
     made it; ``-`` for entries written before ocache recorded them); MODEL falls back to the
-    server identity key."""
+    server identity key. Text from requests is escaped for the terminal (``ocache.textsafe.term``)."""
     rows = [COLUMNS]
     for rank, e in enumerate(sorted(entries, key=lambda e: e.value(now)), 1):
         m = e.meta
-        rows.append((KIND_NAMES.get(e.kind, e.kind), str(m.get("folder") or "-"),
-                     str(m.get("client") or "-"), str(m.get("model") or f"id {e.identity[:8]}"),
+        rows.append((term(KIND_NAMES.get(e.kind, e.kind)), term(m.get("folder") or "-"),
+                     term(m.get("client") or "-"), term(m.get("model") or f"id {e.identity[:8]}"),
                      f"{e.n_tokens:,}", _human(e.bytes), str(e.hits), _ago(e.created, now),
-                     _ago(e.last_used, now), str(rank), str(m.get("reason", "")), e.key[:16]))
+                     _ago(e.last_used, now), str(rank), term(m.get("reason", "")), term(e.key[:16])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) if i in _LEFT else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
@@ -106,7 +107,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 1
     now = time.time()
     entries = s.entries(KINDS[args.kind])
-    print(f"store {s.meta_dir}  files {s.data_dir}  index {s.report.index}")
+    print(f"store {term(s.meta_dir)}  files {term(s.data_dir)}  index {term(s.report.index)}")
     if entries:
         print(table(entries, now))
     total = sum(e.bytes for e in entries)

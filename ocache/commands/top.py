@@ -20,6 +20,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from ocache.textsafe import rich_text, term
+
 
 class FetchError(RuntimeError):
     """The running ocache could not be read (message says why, for the user)."""
@@ -78,7 +80,7 @@ def summary_lines(v: dict, url: str) -> list[str]:
                                                         key=lambda kv: -kv[1])) or "–"
     lines = [
         f"ocache {url}: llama-server {u['state']}, epoch {u['epoch']} ({u['restarts']} restarts), "
-        f"{u['build_info'] or 'build unknown'}; up {secs(v['uptime_s'])}",
+        f"{term(u['build_info'] or 'build unknown')}; up {secs(v['uptime_s'])}",
         f"saved   {n(t['saved'])} tokens = {secs(t['saved_s'])} of prefill{rate} "
         f"(reused {n(t['reused'])} minus {n(t['own_prefill'])} ocache prefilled itself)",
         f"served  {n(t['completions'])} completions: prefilled {n(t['prefilled'])}, reused {n(t['reused'])}"
@@ -99,19 +101,19 @@ def summary_lines(v: dict, url: str) -> list[str]:
                      f"({n(nx['n_tokens'])} tokens, {human_bytes(nx['bytes'])}, {nx['hits']} hits)")
     for s in v["slots"]:
         who = s.get("owner") or ("(session: --token)" if s["owner_hidden"] else "")
-        lines.append(f"slot {s['id']}  {(s['kind'] or ('empty' if not s['tokens'] else 'unknown')):7} "
-                     f"{n(s['tokens']):>8} tokens  idle {secs(s['idle_s'])}  {who}".rstrip())
+        lines.append(f"slot {s['id']}  {term(s['kind'] or ('empty' if not s['tokens'] else 'unknown')):7} "
+                     f"{n(s['tokens']):>8} tokens  idle {secs(s['idle_s'])}  {term(who)}".rstrip())
     lines.append(f"fail-open {n(t['fail_open'])}, mispredictions {n(t['mispredictions'])}, "
                  f"in flight {n(t['inflight'])}")
     for w in v.get("setup_warnings") or []:
-        lines.append(f"warning: {w}")
+        lines.append(f"warning: {term(w)}")
     return lines
 
 
 def top_renderable(v: dict, url: str, rows: int = 12) -> Group:
     """``ocache top``: header, totals, slots, last requests, tiers, events."""
     t, u = v["totals"], v["upstream"]
-    head = Text.assemble(("ocache ", "bold"), f"{url}  llama-server ",
+    head = Text.assemble(("ocache ", "bold"), f"{term(url)}  llama-server ",
                          (str(u["state"]), "bold green" if u["state"] == "ready" else "bold red"),
                          f"  epoch {u['epoch']}  restarts {u['restarts']}  up {secs(v['uptime_s'])}")
     totals = Text.assemble(
@@ -123,15 +125,15 @@ def top_renderable(v: dict, url: str, rows: int = 12) -> Group:
     for c in ("slot", "holds", "tokens", "head", "session", "idle"):
         slots.add_column(c, justify="right" if c in ("slot", "tokens", "head", "idle") else "left")
     for s in v["slots"]:
-        slots.add_row(str(s["id"]), ("busy " if s["busy"] else "") + (s["kind"] or ("empty" if not s["tokens"] else "unknown")),
+        slots.add_row(str(s["id"]), rich_text(("busy " if s["busy"] else "") + (s["kind"] or ("empty" if not s["tokens"] else "unknown"))),
                       n(s["tokens"]), n(s["head_len"]),
-                      s.get("owner") or ("(--token)" if s["owner_hidden"] else "–"), secs(s["idle_s"]))
+                      rich_text(s.get("owner") or ("(--token)" if s["owner_hidden"] else "–")), secs(s["idle_s"]))
     reqs = Table(title="last requests", title_justify="left", expand=True)
     for c in ("request", "kind", "slot", "from", "prefilled", "reused", "restore", "ttft"):
         reqs.add_column(c, justify="right" if c in ("slot", "prefilled", "reused", "restore", "ttft") else "left")
     for r in list(reversed(v["requests"]))[:rows]:
-        reqs.add_row(r["request_id"], r["kind"] or "–", "–" if r["slot"] is None else str(r["slot"]),
-                     r["tier"] or "–", n(r["prefilled"]), n(r["reused"]),
+        reqs.add_row(rich_text(r["request_id"]), rich_text(r["kind"] or "–"), "–" if r["slot"] is None else str(r["slot"]),
+                     rich_text(r["tier"] or "–"), n(r["prefilled"]), n(r["reused"]),
                      "–" if r["restore_ms"] is None else f"{r['restore_ms']:.1f} ms",
                      "–" if r["ttft_ms"] is None else f"{r['ttft_ms']:.0f} ms")
     tr = v["tiers"]
@@ -139,7 +141,7 @@ def top_renderable(v: dict, url: str, rows: int = 12) -> Group:
                  f"{tr['disk']['anchors']} anchors/{tr['disk']['restores']} restores · session "
                  f"{tr['session']['spills']} spills/{tr['session']['restores']} restores · store "
                  f"{v['store']['entries']} entries {human_bytes(v['store']['bytes'])}")
-    ev = Text("\n".join(f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['source']}: {e['message']}"
+    ev = Text("\n".join(f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} {term(e['source'])}: {term(e['message'])}"
                         for e in (v.get("events") or [])[-6:]), style="dim")
     return Group(head, totals, slots, reqs, tiers, ev)
 
