@@ -74,3 +74,36 @@ def test_launch_resolves_the_configured_backend(cache_dir):
         supervisor.resolve_binary(["-m", "x.gguf"], None)  # the CPU build is not there
     sup = supervisor.Supervisor(["-m", "x.gguf"], backend="cuda")
     assert sup.binary == str(cuda)
+
+
+def test_a_wheel_carries_the_patches_and_its_engine_build_is_the_patched_one(tmp_path, monkeypatch):
+    """Issue 29: ``pip install <checkout>`` (not editable) built the *stock* server under the patched
+    name: the patches were not in the package. The wheel now carries ``patches/`` as
+    ``ocache/data/patches`` (a link in the checkout), and an install without a checkout beside it
+    keys and applies those: the same build key as the checkout's."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "patches", src / "patches")
+    shutil.copytree(ROOT / "ocache", src / "ocache", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "-w", str(out), str(src)], check=True, capture_output=True, timeout=300)
+    (whl,) = out.glob("ocache-*.whl")
+    with zipfile.ZipFile(whl) as z:
+        packed = {Path(n).name: z.read(n) for n in z.namelist() if n.startswith("ocache/data/patches/")}
+        z.extractall(tmp_path / "site")
+    assert packed == {p.name: p.read_bytes() for p in engine.patch_files()} and packed
+    monkeypatch.setattr(engine, "repo_root", lambda: tmp_path / "site")        # no checkout beside it
+    monkeypatch.setattr(engine, "PACKAGED_PATCHES", tmp_path / "site" / "ocache" / "data" / "patches")
+    assert [p.name for p in engine.patch_files()] == sorted(packed)
+    assert engine.build_key(engine.patch_files(), "cpu") == engine.build_key(
+        engine.patch_files(ROOT / "patches"), "cpu")
+    monkeypatch.setattr(engine, "PACKAGED_PATCHES", tmp_path / "none")
+    with pytest.raises(FileNotFoundError):
+        engine.patch_files()

@@ -93,9 +93,26 @@ def engine_dir() -> Path:
 
 
 
+#: Where an installed package (``pip install <checkout>``, not editable) carries the patches: the
+#: wheel's copy of ``patches/`` (``ocache/data/patches`` is a link to it in the checkout, followed
+#: when the wheel is built: ``pytest tests/test_engine_find.py -k wheel``).
+PACKAGED_PATCHES = Path(__file__).resolve().parent.parent / "data" / "patches"
+
+
+def patches_dir() -> Path:
+    """``patches/`` of the checkout this package runs from, else the installed package's copy.
+    Raises FileNotFoundError when neither holds a patch: a build from such an install would be
+    the stock server under the patched server's name."""
+    for d in (repo_root() / "patches", PACKAGED_PATCHES):
+        if any(d.glob("*.patch")):
+            return d
+    raise FileNotFoundError(f"no llama.cpp patches in {repo_root() / 'patches'} or {PACKAGED_PATCHES}: "
+                            "reinstall ocache from its checkout")
+
+
 def patch_files(patches_dir: Path | None = None) -> list[Path]:
     """The project's patches, in the order they are applied (sorted by file name)."""
-    d = patches_dir or (repo_root() / "patches")
+    d = patches_dir or globals()["patches_dir"]()
     return sorted(d.glob("*.patch"))
 
 
