@@ -320,3 +320,49 @@ def test_every_pytest_selection_collects_a_test():
     counts = collected(list(selections))
     empty = {f"{doc}: {sel.text}": n for (sel, doc), n in zip(selections.items(), counts) if n < 1}
     assert not empty, empty
+
+
+def _code_strings(pattern: str) -> set[str]:
+    """Every match of ``pattern`` in the runtime's source (``ocache/**/*.py``)."""
+    return {m for path in (ROOT / "ocache").rglob("*.py")
+            for m in re.findall(pattern, path.read_text(encoding="utf-8"))}
+
+
+def test_every_response_header_and_admin_route_is_in_the_readme():
+    """A header or route ocache adds shows up in README.md's tables (the full text: docs/usage.md)."""
+    readme = README.read_text(encoding="utf-8")
+    headers = _code_strings(r"X-OCache-[A-Za-z]+(?:-[A-Za-z]+)*")
+    routes = _code_strings(r"\"(/(?:v1/cache|ocache)/[a-z/]*)\"") - {"/ocache/static/"}
+    assert {"X-OCache-Tier", "X-OCache-Request-Id"} <= headers and "/v1/cache/stats" in routes
+    missing = sorted(h for h in headers if h not in readme) + sorted(r for r in routes if r not in readme)
+    assert not missing, f"not in README.md: {missing}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but ``-``/``_`` dropped, spaces
+    to ``-``."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", COMMAND_DOCS)
+def test_every_relative_link_resolves(doc):
+    """Each ``[text](path)`` / ``[text](path#anchor)`` of the README and the docs names a file of the
+    checkout and, with an anchor, one of its headings (the README's detail moved into docs/)."""
+    path = ROOT / doc
+    if not path.is_file():
+        pytest.skip(f"{doc} does not exist")
+    text = FENCE.sub("", path.read_text(encoding="utf-8"))
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # a URL
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists():
+            problems.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md":
+            headings = re.findall(r"^#+\s+(.*)$", linked.read_text(encoding="utf-8"), re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                problems.append(f"{target}: no such heading")
+    assert not problems, problems
