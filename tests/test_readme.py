@@ -308,14 +308,14 @@ def test_every_script_and_its_options_exist(doc):
 
 
 def test_every_pytest_selection_collects_a_test():
-    selections = {}
+    selections: dict[Selection, str] = {}
     for doc, texts in doc_texts().items():
         for text in texts:
             for tokens in _commands(text, PYTEST):
                 sel = Selection.parse(tokens)
                 selections.setdefault(sel, doc)
-    assert len(selections) >= 10, "the README cites pytest selections; the extraction lost them"
-    missing = [t for t in selections for t in t.targets if not (ROOT / t.split("::")[0]).exists()]
+    assert len(selections) >= 10, "the docs cite pytest selections; the extraction lost them"
+    missing = [t for sel in selections for t in sel.targets if not (ROOT / t.split("::")[0]).exists()]
     assert not missing, missing
     counts = collected(list(selections))
     empty = {f"{doc}: {sel.text}": n for (sel, doc), n in zip(selections.items(), counts) if n < 1}
