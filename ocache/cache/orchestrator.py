@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Mapping, Sequence
+from collections import deque
+from typing import Any, Coroutine, Mapping, Sequence
 
 from ocache import fingerprint as fp_mod
 from ocache.cache import core, report, routes, stopping, warmup, wiring
@@ -60,7 +61,7 @@ from ocache.tiers.disk import DiskTier
 from ocache.tiers.head import HeadTier, open_head_store
 from ocache.tiers.spill import SessionTier
 from ocache.tokens import CHAT_ROUTES, TokenViewer, TokenViewError
-from ocache.warm import FolderJournal
+from ocache.warm import FolderJournal, WarmDeps
 
 log = logging.getLogger("ocache.cache")
 
@@ -151,7 +152,7 @@ class OCacheLayer:
         self.observer.prefill_tps = value
 
     @property
-    def recent_mispredictions(self) -> Any:
+    def recent_mispredictions(self) -> deque:
         return self.observer.recent_mispredictions
 
     @property
@@ -444,7 +445,7 @@ class OCacheLayer:
 
     # -- background ------------------------------------------------------------------------------
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
@@ -461,7 +462,7 @@ class OCacheLayer:
         """``warmup.warm_head``: prefill the harness head of an agent request ``body`` now."""
         return await warmup.warm_head(self, body, path)
 
-    def warm_deps(self) -> Any:
+    def warm_deps(self) -> WarmDeps | None:
         """``warmup.warm_deps``: what ``POST /v1/cache/warm`` needs (ocache/warm.py ``WarmDeps``)."""
         return warmup.warm_deps(self)
 
