@@ -64,7 +64,7 @@ class PlanContext:
 
 @dataclass
 class ServerPlaced:
-    """What a request the server placed itself hands to ``observe`` (``OCacheLayer._plan_server_placed``):
+    """What a request the server placed itself hands to ``observe`` (``ocache/cache/routes/server_placed.py``):
     the request, and the slot the server chose (None until ``release`` found it)."""
 
     request_id: str
