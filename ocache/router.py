@@ -13,7 +13,11 @@ Policy ``prefix`` (the default, config ``route_policy``). A turn of a conversati
 ready server holds in a slot (``OCacheLayer.known_slot``: its earlier messages unchanged) goes there
 at once, without estimates (``Router._known``). For any other completion the router asks every
 *ready* server's layer ``OCacheLayer.estimate(req)`` (read-only: what the plan would reuse there,
-resident or restored by the head/disk/session tiers). Prefill first (rule 2), in three steps
+resident or restored by the head/disk/session tiers). The request is prepared once before
+(``Router._prepare``: its token view and context, ``ocache/cache/prepare.py``), on the server that
+served its session last, else the first ready one; every server of the same identity estimates
+from that one view, and the chosen server's plan reuses it and the lookup answers its own estimate
+got (``ocache/cache/core.py`` ``lookups``): one token view and one lookup per tier per request. Prefill first (rule 2), in three steps
 (``_eligible``): (1) of the servers within one ubatch (the granularity of the ``cache_n``
 prediction) of the fewest tokens (prefill + another conversation destroyed), those that are not
 full (full: the plan overwrites another live conversation, and every slot holds one or that
@@ -81,7 +85,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ocache.layer import Plan
+from ocache.layer import ParsedRequest, Plan
 
 log = logging.getLogger("ocache.router")
 
@@ -244,26 +248,7 @@ class Router:
         known = self._known(req, ready)
         if known is not None:
             return known
-        results = await asyncio.gather(*(s.layer.estimate(req) for s in ready), return_exceptions=True)
-        self.share_heads()  # layers made ready by the estimate registered their head tiers
-        scored: list[tuple[float, int, int, Server, Any]] = []
-        tps = self.tps()
-        for s, est in zip(ready, results):
-            if isinstance(est, BaseException):
-                if isinstance(est, asyncio.CancelledError):
-                    raise est
-                s.estimate_errors += 1
-                self.counters["estimate_errors"] += 1
-                log.warning("[%s] %s: estimate failed (%s: %s); not routed there", req.request_id,
-                            s.url, type(est).__name__, est)
-                poke = getattr(s.upstream, "poke", None)
-                if poke:
-                    poke()
-                continue
-            if est is None:
-                continue
-            c = cost_s(est, s, tps, self.load_weight)
-            scored.append((c, len(s.inflight), s.index, s, est))
+        scored = await self._scored(req, ready)
         if not scored:
             server = ready[0]
             server.inflight[req.request_id] = _InFlight(0, time.monotonic())
@@ -299,10 +284,64 @@ class Router:
                 self._last_server.pop(next(iter(self._last_server)))
         return Choice(server, why, cost, _gate_key(est, [e for *_, e in scored]))
 
+    async def _prepare(self, req: ParsedRequest, ready: list[Server]) -> list[Server]:
+        """Have one server's layer prepare ``req`` (``OCacheLayer.prepare_request``: its token view
+        and context, kept in ``req.memo`` for every server of the same identity, so the estimates
+        and the chosen server's plan build no other view): the server that served the session last
+        (its viewer has the conversation's earlier renders: a delta render), else the first ready
+        one; one whose preparation raises (it died between probes) is skipped like a failed
+        estimate and the next is asked. Returns the ready servers to ask for an estimate."""
+        session = _session_of(req)
+        last = self._last_server.get(session) if session else None
+        order = [s for s in ready if s is last] + [s for s in ready if s is not last]
+        failed: list[Server] = []
+        for s in order:
+            prepare = getattr(s.layer, "prepare_request", None)
+            if prepare is None:
+                break
+            try:
+                await prepare(req)
+            except Exception as exc:  # noqa: BLE001 - that server is skipped, as a failed estimate
+                self._estimate_failed(req, s, exc)
+                failed.append(s)
+                continue
+            break
+        return [s for s in ready if not any(s is f for f in failed)]
+
+    async def _scored(self, req: ParsedRequest, ready: list[Server]) -> list[tuple[float, int, int, Server, Any]]:
+        """``(cost_s, in flight, index, server, Estimate)`` of every ready server that answered an
+        estimate for ``req`` (after :meth:`_prepare`); those that raised are skipped (counted,
+        their upstream poked), those that answered None (``plan`` would not pin it) left out."""
+        asked = await self._prepare(req, ready)
+        results = await asyncio.gather(*(s.layer.estimate(req) for s in asked), return_exceptions=True)
+        self.share_heads()  # layers made ready by the estimate registered their head tiers
+        scored: list[tuple[float, int, int, Server, Any]] = []
+        tps = self.tps()
+        for s, est in zip(asked, results):
+            if isinstance(est, BaseException):
+                if isinstance(est, asyncio.CancelledError):
+                    raise est
+                self._estimate_failed(req, s, est)
+                continue
+            if est is None:
+                continue
+            c = cost_s(est, s, tps, self.load_weight)
+            scored.append((c, len(s.inflight), s.index, s, est))
+        return scored
+
+    def _estimate_failed(self, req: ParsedRequest, s: Server, exc: BaseException) -> None:
+        s.estimate_errors += 1
+        self.counters["estimate_errors"] += 1
+        log.warning("[%s] %s: estimate failed (%s: %s); not routed there", req.request_id,
+                    s.url, type(exc).__name__, exc)
+        poke = getattr(s.upstream, "poke", None)
+        if poke:
+            poke()
+
     def _known(self, req: Any, ready: list[Server]) -> Choice | None:
         """The one ready server one of whose slots holds this request's conversation
         (``OCacheLayer.known_slot``: its earlier messages unchanged), chosen without asking any
-        server for an estimate (each estimate builds the request's token view there): that server
+        server for an estimate (the estimates need the request's token view): that server
         reuses the whole previous turn and no other holds more of it, so the choice is the one
         the estimates would make, and its layer forwards at once (the known path). None when no
         server, or more than one, knows it."""
@@ -384,7 +423,7 @@ class Router:
             seq = self._gate_seq
             choice = await self.choose(req)
             key = choice.gate if choice is not None else None
-            if key is None or expired:
+            if choice is None or key is None or expired:
                 return choice
             if key in self._planning:
                 # another request's plan is prefilling this prefix right now (on some server): wait

@@ -121,6 +121,9 @@ class TokenView:
     #: view is built (``ocache.tiers.resident.known_conversation_slot``).
     msg_key: bytes | None = None
     n_msgs: int = 0
+    #: the ``TokenViewer`` that built it (several servers of one identity share a view:
+    #: ``ocache/cache/prepare.py``); its ``distrust`` is called when a response shows the view wrong
+    source: Any = field(default=None, repr=False, compare=False)
 
 
 def _xxh128(data: bytes) -> bytes:
@@ -140,7 +143,11 @@ def _key_bytes(obj: Any) -> bytes:
         return b"\x00" + json.dumps(obj, separators=(",", ":")).encode("ascii")
 
 
-def message_keys(body: Mapping) -> tuple[dict, list[bytes], bytes]:
+#: ``message_keys(body)``: (render payload, one chained digest per message, render cache key)
+MessageKeys = tuple[dict, list[bytes], bytes]
+
+
+def message_keys(body: Mapping) -> MessageKeys:
     """``(payload, digests, key)`` of a chat body: ``payload`` = its render fields
     (``RENDER_FIELDS``), ``digests[k]`` = xxh3_128 chained over the fields other than the messages
     and ``messages[:k + 1]`` (each message as compact JSON), ``key`` = the render cache key (the last
@@ -164,7 +171,8 @@ def find_seq(tokens: Sequence[int], seq: Sequence[int]) -> list[int]:
     """Start index of every occurrence of ``seq`` in ``tokens`` (non-overlapping scan)."""
     if not seq:
         return []
-    first, n, out = seq[0], len(seq), []
+    first, n = seq[0], len(seq)
+    out: list[int] = []
     i = 0
     seq = list(seq)
     while True:
@@ -482,7 +490,7 @@ class TokenViewer:
             self.counters["render_hits"] += 1
             return text
         text = None
-        if digests and self.delta and self.delta_ok and not payload.get("continue_final_message"):
+        if digests and isinstance(msgs, list) and self.delta and self.delta_ok and not payload.get("continue_final_message"):
             try:
                 text = await self._render_delta(payload, msgs, digests, key)
             except TokenViewError as exc:  # the server refused the short body: render in full
@@ -498,7 +506,7 @@ class TokenViewer:
         return text
 
     async def _render_full(self, payload: Mapping) -> str:
-        data = await self._post("/apply-template", payload)
+        data = await self._post("/apply-template", dict(payload))
         text = data.get("prompt")
         if not isinstance(text, str):
             raise TokenViewError("/apply-template returned no prompt string")
@@ -644,9 +652,9 @@ class TokenViewer:
             return list(hit)
         probe = await self.probe()
         if not probe["incremental"]:
-            tokens = await self._tokenize_remote(text, True)
-            self.texts.put(key, tokens, [])
-            return list(tokens)
+            whole = await self._tokenize_remote(text, True)
+            self.texts.put(key, whole, [])
+            return list(whole)
         bnd = self.boundary.encode("utf-8")
         positions, pos = [], raw.find(bnd, 1)
         while pos >= 0:
@@ -658,13 +666,13 @@ class TokenViewer:
             h.update(raw[last:p])
             pkeys.append(h.digest())
             last = p
-        tokens = None
+        tokens: list[int] | None = None
         bid = probe["boundary_id"]
         all_idx: list[int] | None = None
         for p, pkey in zip(reversed(positions), reversed(pkeys)):
-            hit = self.texts.prefix_with_boundaries(pkey)
-            if hit is not None:
-                head, head_idx = hit
+            found = self.texts.prefix_with_boundaries(pkey)
+            if found is not None:
+                head, head_idx = found
                 self.counters["prefix_hits"] += 1
                 tail = await self._tokenize_remote(raw[p:].decode("utf-8"), False)
                 tokens = head + tail
@@ -684,26 +692,6 @@ class TokenViewer:
         prefixes = list(zip(pkeys, idx)) if len(idx) == len(positions) else []
         self.texts.put(key, tokens, prefixes, all_idx if prefixes else None)
         return list(tokens)
-
-    async def _prompt_tokens(self, prompt: Any) -> tuple[list[int], str]:
-        """Tokens of a ``/completion``-style ``prompt`` (tokenize_input_subprompt,
-        server-common.cpp:981-1013): a string, a token array, a mixed array, or {"prompt_string"}."""
-        if isinstance(prompt, Mapping) and "prompt_string" in prompt:
-            if "multimodal_data" in prompt:
-                raise TokenViewError("multimodal prompts are not viewed")
-            prompt = prompt["prompt_string"]
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, Mapping)):
-            return await self._prompt_tokens(prompt[0])
-        if isinstance(prompt, str):
-            return await self.tokenize(prompt), prompt
-        if isinstance(prompt, list) and prompt:
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return list(prompt), ""
-            if all(isinstance(t, (int, str)) and not isinstance(t, bool) for t in prompt):
-                if any(isinstance(t, int) for t in prompt):  # one mixed prompt (tokenize_mixed)
-                    return await self._tokenize_remote(prompt, True), ""
-            raise TokenViewError("a prompt array of several prompts runs several tasks; not viewed")
-        raise TokenViewError("prompt must be a string, a token array or a mixed array")
 
     async def head_end(self, body: Mapping, text: str, tokens: list[int], head: Head) -> int | None:
         """Token index where ``head`` ends in ``tokens`` (see the module docstring), or None."""
@@ -757,16 +745,37 @@ class TokenViewer:
         elif path in PROMPT_ROUTES:
             if "prompt" not in body:
                 raise TokenViewError("no prompt in a completion request")
-            tokens, text = await self._prompt_tokens(body["prompt"])
+            tokens, text = await prompt_tokens(self, body["prompt"])
             head = None
         else:
             raise ValueError(f"not a completion route: {path}")
         probe = await self.probe()
         head_end = await self.head_end(body, text, tokens, head) if head is not None else None
-        stats = {k: self.counters[k] - c0[k] for k in self.counters}
+        stats: dict[str, float] = {k: self.counters[k] - c0[k] for k in self.counters}
         stats["seconds"] = time.perf_counter() - t0
         return TokenView(tokens=tokens, head_end=head_end, user_starts=find_seq(tokens, probe["user_ids"]),
-                         text=text, stats=stats, msg_key=msg_key, n_msgs=n_msgs)
+                         text=text, stats=stats, msg_key=msg_key, n_msgs=n_msgs, source=self)
+
+
+async def prompt_tokens(viewer: "TokenViewer", prompt: Any) -> tuple[list[int], str]:
+    """``(tokens, text)`` of a ``/completion``-style ``prompt`` through ``viewer`` (tokenize_input_subprompt,
+    server-common.cpp:981-1013): a string, a token array, a mixed array, or {"prompt_string"}."""
+    if isinstance(prompt, Mapping) and "prompt_string" in prompt:
+        if "multimodal_data" in prompt:
+            raise TokenViewError("multimodal prompts are not viewed")
+        prompt = prompt["prompt_string"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, Mapping)):
+        return await prompt_tokens(viewer, prompt[0])
+    if isinstance(prompt, str):
+        return await viewer.tokenize(prompt), prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt), ""
+        if all(isinstance(t, (int, str)) and not isinstance(t, bool) for t in prompt):
+            if any(isinstance(t, int) for t in prompt):  # one mixed prompt (tokenize_mixed)
+                return await viewer._tokenize_remote(prompt, True), ""
+        raise TokenViewError("a prompt array of several prompts runs several tasks; not viewed")
+    raise TokenViewError("prompt must be a string, a token array or a mixed array")
 
 
 # --- benchmark: cost per 10k tokens (a script, not a test) ---------------------------------------

@@ -1,6 +1,6 @@
 """The known conversation's next turn (``tiers.resident.fast_path``): forwarded to the slot that
 holds the conversation before its token view exists; the view, the prediction and the figures follow
-while the server works (``OCacheLayer._plan_known``, ``known_conversation_slot``)."""
+while the server works (``ocache/cache/routes/known.py``, ``known_conversation_slot``)."""
 
 from __future__ import annotations
 
@@ -439,7 +439,7 @@ async def test_a_known_turn_is_checked_against_a_restart_with_the_fewest_round_t
 async def test_a_restart_the_slot_table_sees_first_is_handled_once(start_server, tmp_path):
     """After a restart on the same port, a turn planned the usual way reads ``GET /slots`` and the
     slot table sees the new process before the upstream's own probe does. The probe then runs at
-    once (``OCacheLayer._refresh``), and a later probe, finding the process the table already
+    once (``OCacheLayer.refresh``), and a later probe, finding the process the table already
     describes, does not empty the table again: before, the next probe wiped what ocache had learned
     about the new process since (the turn served there), so the conversation's next turn was not
     known (a newcomer's break test: "content now unknown", then server-placed turns)."""
@@ -476,10 +476,10 @@ async def test_a_turn_sent_before_the_last_answer_was_recorded_waits_for_it_and_
     releases that answer's plan and records it (``observe``): the slot is pending. The next turn
     waits for that (``SlotTable.wait_settled``, bounded) and takes the known path, with exact
     figures; before, it was viewed and planned the usual way (``X-OCache-Path`` absent)."""
-    import ocache.cache.orchestrator as orch
+    import ocache.cache.routes.known as known_route
     from test_proxy import poll
 
-    monkeypatch.setattr(orch, "KNOWN_SETTLE_WAIT_S", 30.0, raising=False)  # the mechanism, not the bound
+    monkeypatch.setattr(known_route, "KNOWN_SETTLE_WAIT_S", 30.0)  # the mechanism, not the bound
     async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
         layer = proxy.layer
         gate = asyncio.Event()

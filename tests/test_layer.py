@@ -102,9 +102,9 @@ def _slot_reads(table) -> int:
 async def test_a_plan_reads_get_slots_only_when_the_table_cannot_vouch(monkeypatch):
     """With a reconcile age bound (the default is 0: every plan reads GET /slots, see
     ``RECONCILE_MAX_AGE_S``), a plan reads it only when the table cannot vouch for a slot."""
-    from ocache.cache import orchestrator
+    from ocache.cache import core
 
-    monkeypatch.setattr(orchestrator, "RECONCILE_MAX_AGE_S", 60.0)
+    monkeypatch.setattr(core, "RECONCILE_MAX_AGE_S", 60.0)
     layer = make_layer(n_slots=2)
     toks = list(range(1, 301))
     await serve(layer, request(toks, "a", session="s"))
@@ -126,7 +126,7 @@ async def test_a_plan_reads_get_slots_only_when_the_table_cannot_vouch(monkeypat
 async def test_a_restart_inside_the_probe_window_is_seen_once_the_reconcile_is_old():
     """The server restarted (id_task went back) and the upstream probe has not said so: a plan
     after ``RECONCILE_MAX_AGE_S`` reads GET /slots, sees the restart, and plans cold."""
-    from ocache.cache import orchestrator
+    from ocache.cache import core
 
     layer = make_layer(n_slots=1)
     toks = list(range(1, 301))
@@ -135,7 +135,7 @@ async def test_a_restart_inside_the_probe_window_is_seen_once_the_reconcile_is_o
     await layer.idle()
     table = layer.table
     table.restart()
-    table.reconciled_at -= orchestrator.RECONCILE_MAX_AGE_S + 1
+    table.reconciled_at -= core.RECONCILE_MAX_AGE_S + 1
     plan, timings = await serve(layer, request(toks + [5] * 30, "b", session="s"))
     assert table.counters["restarts_seen_in_slots"] == 1
     assert plan.headers["X-OCache-Tier"] == "cold"

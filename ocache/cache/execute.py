@@ -14,13 +14,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ocache.cache.plan import Decision
 from ocache.llama.reuse import Checkpoint, common_prefix, predict_reuse
 from ocache.slots import SlotTable
 from ocache.tiers.base import RequestContext, TierBase
 from ocache.tiers.resident import ram_swap_possible
+from ocache.tokens import TokenView
+
+if TYPE_CHECKING:
+    from ocache.tiers.disk import DiskTier
+    from ocache.tiers.head import HeadTier
 
 log = logging.getLogger("ocache.cache")
 
@@ -32,7 +37,7 @@ class PlanContext:
     request_id: str
     slot: int
     decision: Decision
-    view: Any
+    view: TokenView
     ctx: RequestContext
     seq: int
     n_prompt: int
@@ -59,7 +64,7 @@ class PlanContext:
 
 @dataclass
 class ServerPlaced:
-    """What a request the server placed itself hands to ``observe`` (``OCacheLayer._plan_server_placed``):
+    """What a request the server placed itself hands to ``observe`` (``ocache/cache/routes/server_placed.py``):
     the request, and the slot the server chose (None until ``release`` found it)."""
 
     request_id: str
@@ -84,8 +89,26 @@ def source_tier(restored_from: str | None, origin: bool) -> str | None:
     return "head" if origin else None
 
 
-async def execute(table: SlotTable, head: Any, tiers: Sequence[TierBase], disk: Any, counters: dict,
-                  rid: str, view: Any, ctx: RequestContext, dec: Decision) -> PlanContext:
+async def _evict(table: SlotTable, tiers: Sequence[TierBase], counters: dict[str, int], rid: str,
+                 dec: Decision) -> None:
+    """The ``before_evict`` step: the slot ``dec.slot`` holds another live conversation; every tier's
+    ``before_evict`` runs (the session tier spills it; a failure is logged)."""
+    slot = dec.slot
+    counters["evictions"] += 1
+    if "guest_on_agent_slot" in dec.warnings:
+        counters["guest_on_agent_slot"] += 1
+        log.warning("[%s] guest request on slot %d replaces an agent conversation (only %d slot(s); "
+                    "the session tier protects it)", rid, slot, len(table))
+    for tier in tiers:
+        try:
+            await tier.before_evict(slot)
+        except Exception:
+            log.exception("[%s] tier %s before_evict(slot %d) failed", rid, tier.name, slot)
+
+
+async def execute(table: SlotTable, head: HeadTier, tiers: Sequence[TierBase], disk: DiskTier | None,
+                  counters: dict[str, int], rid: str, view: TokenView, ctx: RequestContext,
+                  dec: Decision) -> PlanContext:
     """Run ``dec.steps`` on the leased slot ``dec.slot`` and record its new content
     (``SlotTable.assign``). ``head``: the head tier; ``tiers``: the other tiers, in registration
     order; ``disk``: the disk tier or None; ``counters``: the layer's. Raises what a step raises
@@ -96,22 +119,15 @@ async def execute(table: SlotTable, head: Any, tiers: Sequence[TierBase], disk: 
     source = source_tier(table[slot].restored_from, table[slot].origin)
     brought: str | None = None
     if dec.evicts:
-        counters["evictions"] += 1
-        if "guest_on_agent_slot" in dec.warnings:
-            counters["guest_on_agent_slot"] += 1
-            log.warning("[%s] guest request on slot %d replaces an agent conversation (only %d slot(s); "
-                        "the session tier protects it)", rid, slot, len(table))
-        for tier in tiers:
-            try:
-                await tier.before_evict(slot)
-            except Exception:
-                log.exception("[%s] tier %s before_evict(slot %d) failed", rid, tier.name, slot)
+        await _evict(table, tiers, counters, rid, dec)
     restore_s = None
     if "bring" in dec.steps and dec.offer is not None:
-        tier = next((t for t in (head, *tiers) if t.name == dec.offer.tier), None)
+        bringer = next((t for t in (head, *tiers) if t.name == dec.offer.tier), None)
         try:
             t_bring = time.monotonic()
-            await tier.bring(dec.offer, slot)
+            if bringer is None:
+                raise LookupError(f"no tier named {dec.offer.tier!r}")
+            await bringer.bring(dec.offer, slot)
             restore_s = time.monotonic() - t_bring
             brought = dec.offer.tier
             if dec.offer.tier == "head":
@@ -164,7 +180,7 @@ async def execute(table: SlotTable, head: Any, tiers: Sequence[TierBase], disk: 
     return pctx
 
 
-async def bring_next(table: SlotTable, counters: dict, rid: str, view: Any, ctx: RequestContext, slot: int,
+async def bring_next(table: SlotTable, counters: dict[str, int], rid: str, view: TokenView, ctx: RequestContext, slot: int,
                      tiers: Sequence[Any], failed: Any) -> tuple[str | None, float | None]:
     """After a failed bring (a damaged file is deleted by the store's check, a refused restore
     deletes its entry), ask every tier (``tiers``: the head tier, then the others) once more: the

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 from ocache.api import convert
 from ocache.cache.execute import PlanContext, ServerPlaced
+from ocache.layer import Observation, ParsedRequest
 from ocache.llama.reuse import simulate_prefill
 from ocache.slots import SlotTable
 from ocache.tiers.base import TierBase
@@ -35,15 +36,16 @@ class Observer:
     an exponential mean over responses that prefilled >= 64 tokens; None until measured), which the
     planner weighs offers with. ``recent_mispredictions``: the last 20, for the stats."""
 
-    def __init__(self, counters: dict, on_view_mismatch: Any = None) -> None:
+    def __init__(self, counters: dict[str, int],
+                 on_view_mismatch: Callable[[PlanContext], None] | None = None) -> None:
         self.counters = counters
         self.prefill_tps: float | None = None
         self.recent_mispredictions: deque = deque(maxlen=20)
-        #: called with the request id when the server's prompt length differs from the token view's
+        #: called with the plan context when the server's prompt length differs from the token view's
         self.on_view_mismatch = on_view_mismatch
 
-    async def observe(self, table: SlotTable, tiers: Sequence[TierBase], req: Any, pctx: PlanContext,
-                      obs: Any) -> bool:
+    async def observe(self, table: SlotTable, tiers: Sequence[TierBase], req: ParsedRequest, pctx: PlanContext,
+                      obs: Observation) -> bool:
         """Record one response. Returns True when it completed with ``timings`` (then every tier
         admitted it), False otherwise (the slot's content is then unknown or pending)."""
         mine = table[pctx.slot].seq == pctx.seq
@@ -53,19 +55,7 @@ class Observer:
         ok = obs.status == 200 and (obs.completed or ("cache_n" in timings and req.path in
                                                       convert.CONVERTED_ROUTES)) and "cache_n" in timings
         if not ok:
-            self.counters["failed_responses"] += 1
-            if mine and not table.lock(pctx.slot).locked():
-                if obs.status == 200:
-                    # started but cut short (client gone, upstream error mid-stream): the slot holds
-                    # the prompt if its prefill finished; GET /slots tells before the next plan
-                    if table.interrupted(pctx.slot, pctx.seq):
-                        for tier in tiers:
-                            try:
-                                await tier.interrupted(pctx.view, pctx.slot, obs)
-                            except Exception:
-                                log.exception("[%s] tier %s interrupted failed", pctx.request_id, tier.name)
-                else:
-                    table.mark_unknown(pctx.slot)  # rejected: content unknown until reconciled
+            await self._failed(table, tiers, pctx, obs, mine)
             return False
         cache_n = int(timings["cache_n"])
         prompt_n = int(timings.get("prompt_n") or 0)
@@ -82,7 +72,7 @@ class Observer:
             if mine and not table.lock(pctx.slot).locked():
                 table.mark_unknown(pctx.slot)
             if self.on_view_mismatch is not None:
-                self.on_view_mismatch(pctx.request_id)
+                self.on_view_mismatch(pctx)
             return False
         self.counters["observed"] += 1
         ub = table.params.n_ubatch
@@ -92,19 +82,7 @@ class Observer:
         # what the client was told (figures.py): reuse from before the request, all prefill
         self.counters["reused_tokens"] += max(0, cache_n - pctx.split)
         self.counters["prefilled_tokens"] += prompt_n + pctx.split
-        low = cache_n < pctx.predicted - ub
-        high = cache_n > pctx.upper + ub
-        if low or high:
-            self.counters["mispredictions"] += 1
-            self.counters["mispredict_low" if low else "mispredict_high"] += 1
-            d = pctx.decision
-            rec = {"request_id": pctx.request_id, "slot": pctx.slot, "n_prompt": pctx.n_prompt,
-                   "predicted": pctx.predicted, "upper": pctx.upper, "observed": cache_n,
-                   "reason": d.choice.reuse.reason, "tier": d.tier, "kind": pctx.ctx.kind}
-            self.recent_mispredictions.append(rec)
-            log.warning("[%s] cache_n misprediction on slot %d: predicted %d (upper %d), observed %d, "
-                        "prompt %d tokens (%s)", pctx.request_id, pctx.slot, pctx.predicted, pctx.upper,
-                        cache_n, pctx.n_prompt, d.choice.reuse.reason)
+        self._judge(pctx, cache_n, ub)
         # the prefill rate (tokens/s): from every prefill long enough to be dominated by its tokens,
         # the forwarded request's and ocache's own steps alike (a cold request is mostly a split:
         # measured 1,060 tok/s from a 94-token tail where the 7,251-token cold prefill ran at 7,526)
@@ -127,7 +105,45 @@ class Observer:
                 log.exception("[%s] tier %s admit failed", pctx.request_id, tier.name)
         return True
 
-    def observe_placed(self, table: SlotTable, placed: ServerPlaced, obs: Any) -> None:
+    async def _failed(self, table: SlotTable, tiers: Sequence[TierBase], pctx: PlanContext, obs: Observation,
+                      mine: bool) -> None:
+        """A response that did not complete with ``timings``: counted; when the slot still holds
+        this plan's content and no request holds it, a cut-short answer is recorded as
+        interrupted (and every tier's ``interrupted`` runs), a rejected one as unknown content."""
+        self.counters["failed_responses"] += 1
+        if not mine or table.lock(pctx.slot).locked():
+            return
+        if obs.status != 200:
+            table.mark_unknown(pctx.slot)  # rejected: content unknown until reconciled
+            return
+        # started but cut short (client gone, upstream error mid-stream): the slot holds the prompt
+        # if its prefill finished; GET /slots tells before the next plan
+        if table.interrupted(pctx.slot, pctx.seq):
+            for tier in tiers:
+                try:
+                    await tier.interrupted(pctx.view, pctx.slot, obs)
+                except Exception:
+                    log.exception("[%s] tier %s interrupted failed", pctx.request_id, tier.name)
+
+    def _judge(self, pctx: PlanContext, cache_n: int, ub: int) -> None:
+        """Count and keep a misprediction: ``cache_n`` (tokens) outside ``[predicted - ub, upper +
+        ub]`` (``ub``: the server's ubatch)."""
+        low = cache_n < pctx.predicted - ub
+        high = cache_n > pctx.upper + ub
+        if not (low or high):
+            return
+        self.counters["mispredictions"] += 1
+        self.counters["mispredict_low" if low else "mispredict_high"] += 1
+        d = pctx.decision
+        rec = {"request_id": pctx.request_id, "slot": pctx.slot, "n_prompt": pctx.n_prompt,
+               "predicted": pctx.predicted, "upper": pctx.upper, "observed": cache_n,
+               "reason": d.choice.reuse.reason, "tier": d.tier, "kind": pctx.ctx.kind}
+        self.recent_mispredictions.append(rec)
+        log.warning("[%s] cache_n misprediction on slot %d: predicted %d (upper %d), observed %d, "
+                    "prompt %d tokens (%s)", pctx.request_id, pctx.slot, pctx.predicted, pctx.upper,
+                    cache_n, pctx.n_prompt, d.choice.reuse.reason)
+
+    def observe_placed(self, table: SlotTable, placed: ServerPlaced, obs: Observation) -> None:
         """The checkpoints a server-placed request's prefill made (hybrid models), from its
         ``cache_n``; those the slot had before are not known and not counted on."""
         cache_n = (obs.timings or {}).get("cache_n")

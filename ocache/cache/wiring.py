@@ -1,5 +1,5 @@
 """Tier wiring, apart from the per-request path: the layer's options from the config, the server's
-identity, the tiers built from the config when the layer gets ready (``OCacheLayer._ensure_ready``).
+identity, the tiers built from the config when the layer gets ready (``OCacheLayer.ensure_ready``).
 
 Each builder returns None when its tier cannot work (logged once) and never raises: a tier that
 fails to set up stays off, the layer serves without it.
@@ -24,7 +24,7 @@ class LayerOptions:
     warm-up, default true), ``keep_origin`` (default true), ``reconcile`` (default true),
     ``server_args`` (the argv of a server ocache did not launch; else ``config.launch``),
     ``fast_path`` (default true: a known conversation's next turn is forwarded before its token
-    view, ``OCacheLayer._plan_known``), and any ``ServerParams`` field as an override
+    view, ``ocache/cache/routes/known.py``), and any ``ServerParams`` field as an override
     (``n_ubatch``, ``checkpoints``, ...)."""
 
     warm: bool = True

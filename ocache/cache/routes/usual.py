@@ -1,0 +1,83 @@
+"""The usual route: the planner chooses the slot and the steps, ocache leases that slot, runs the
+steps (``execute``) and pins the forwarded request there (``id_slot``).
+
+Every tier is asked once per request (``core.lookups``: the router's estimate's answers when it
+asked them on this server); the plan and any re-plan after the lease wait use those answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ocache.cache import core
+from ocache.cache.execute import execute
+from ocache.cache.plan import Decision
+from ocache.cache.prepare import Prepared
+from ocache.layer import ParsedRequest, Plan
+from ocache.slots import SlotLease
+from ocache.tiers.base import RequestContext
+
+if TYPE_CHECKING:
+    from ocache.cache.orchestrator import OCacheLayer
+
+log = logging.getLogger("ocache.cache")
+
+#: times a plan moves to another slot when the one it waited for changed meanwhile
+REPLANS_MAX = 3
+
+
+async def _lease_settled(layer: OCacheLayer, prep: Prepared, ctx: RequestContext,
+                         lk: core.Lookups) -> tuple[Decision, SlotLease]:
+    """Decide, lease the chosen slot, and plan again (pure, same lookups) while the slot changed
+    during the wait for its lease (another request used it): move to a better idle slot rather than
+    evict a conversation, at most ``REPLANS_MAX`` times, then keep the slot held. Returns the final
+    decision and the lease of its slot; a cancellation or error releases what it holds."""
+    table = layer.ready_table
+    dec, seen = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors)
+    lease = await table.lease(dec.slot)
+    try:
+        for attempt in range(REPLANS_MAX):
+            if seen == core.inputs(layer, dec.slot, ctx):
+                break  # nothing the plan read about this slot changed while we waited
+            layer.counters["replans"] += 1
+            fresh, fresh_seen = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors, held=dec.slot)
+            if fresh.slot == dec.slot or fresh.choice.busy or attempt == REPLANS_MAX - 1:
+                if fresh.slot == dec.slot:
+                    dec = fresh
+                else:
+                    dec, _ = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors,
+                                         forced_slot=dec.slot, held=dec.slot)
+                break
+            lease.release()
+            dec, seen = fresh, fresh_seen
+            lease = await table.lease(dec.slot)
+    except BaseException:
+        lease.release()
+        raise
+    return dec, lease
+
+
+async def plan(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: RequestContext) -> Plan:
+    """Plan ``req`` the usual way (see the module docstring). The slot's lease is released on every
+    path out of here but the success one, which hands it to the plan's ``release``: an exception or
+    a cancellation (the client went away) at any await never leaves the slot locked; stopped part
+    way through the slot's steps (a restore, a warm-up, a save), the slot's content is unknown until
+    ``GET /slots`` says. Raises what a step raises."""
+    table = layer.ready_table
+    lk = await core.lookups(layer, req, prep, ctx)
+    dec, lease = await _lease_settled(layer, prep, ctx, lk)
+    try:
+        pctx = await execute(table, layer.ready_head, layer.tiers, layer.disk_tier, layer.counters,
+                             req.request_id, prep.view, ctx, dec)
+    except BaseException:
+        if lease.held:
+            table.mark_unknown(lease.slot)
+        lease.release()
+        raise
+
+    async def release() -> None:
+        lease.release()
+
+    return Plan(body_updates={"id_slot": dec.slot}, headers=core.planned(layer, pctx, prep.kind),
+                context=pctx, release=release, split_tokens=pctx.split, split_ms=pctx.split_ms)
