@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ocache.tiers.evict import ValuePolicy
 from ocache.tiers.store import DAY_S, LockedError, Store, data_dir_of
 
 KINDS = {"anchors": "a", "spills": "s", "heads": "h", "all": None}
@@ -85,11 +86,11 @@ _LEFT = {0, 1, 2, 3, 10, 11}
 
 def table(entries: list, now: float) -> str:
     """The ``ls`` table: one line per entry, in eviction order (``EVICT`` 1 goes first: lowest
-    value, ``Entry.value``). FOLDER/CLIENT/MODEL come from the entry's meta (the request that
+    value, ``ocache.tiers.evict.ValuePolicy``, the store's default policy). FOLDER/CLIENT/MODEL come from the entry's meta (the request that
     made it; ``-`` for entries written before ocache recorded them); MODEL falls back to the
     server identity key."""
     rows = [COLUMNS]
-    for rank, e in enumerate(sorted(entries, key=lambda e: e.value(now)), 1):
+    for rank, e in enumerate(ValuePolicy().candidates(entries, now), 1):
         m = e.meta
         rows.append((KIND_NAMES.get(e.kind, e.kind), str(m.get("folder") or "-"),
                      str(m.get("client") or "-"), str(m.get("model") or f"id {e.identity[:8]}"),
