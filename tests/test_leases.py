@@ -2,15 +2,18 @@
 ``OCacheLayer.stats()["table"]`` and so by ``/v1/cache/stats``): how many ``SlotLease``s are held
 right now. 0 when idle, whatever the requests before did (served, cancelled while waiting for a
 lease, cancelled while bringing a prefix); > 0 exactly while a plan holds a slot. The cache layer
-over the in-memory slot server of ``tests/fakes.py``: no llama-server."""
+over the in-memory slot server of ``tests/fakes.py`` (no llama-server: a cancellation at a chosen
+await), and once end to end: the real llama-server, the in-process proxy, ``GET /v1/cache/stats``."""
 
 from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 
 from fakes import CountingTier, make_layer, request, serve
+from ocache.config import Config
 from ocache.slots import SlotStates
 
 
@@ -118,3 +121,41 @@ async def test_leases_held_returns_to_zero_after_cancelled_plans():
         await task
     await layer.idle()
     assert held(layer) == 0 and not layer.table.lock(0).locked()
+
+
+async def stats_leases(s: aiohttp.ClientSession, base: str) -> int:
+    async with s.get(base + "/v1/cache/stats") as r:
+        assert r.status == 200
+        return (await r.json())["layer"]["table"]["leases_held"]
+
+
+@pytest.mark.server
+async def test_cache_stats_read_no_lease_held_when_idle(start_server, tmp_path):
+    """``GET /v1/cache/stats`` through the real proxy: ``table.leases_held`` reads 0 after a
+    request, 1 while a streamed answer is open (its plan holds the slot until the response ends),
+    and 0 again after the client left that stream part way."""
+    from test_spill import SERVER, through_ocache
+
+    srv = start_server("dense", n_parallel=2, ctx_size=8192, **SERVER)
+    cfg = Config(upstream=srv.url, cache_dir=str(tmp_path / "cache"),
+                 tiers={"resident": {"server_args": srv.command()[1:]}})
+    prompt = " ".join(f"w{i}" for i in range(300))
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        async with s.post(base + "/completion", json={"prompt": prompt, "n_predict": 4, "temperature": 0}) as r:
+            assert r.status == 200
+            await r.read()
+        await proxy.wait_background()
+        await proxy.layer.idle()
+        assert await stats_leases(s, base) == 0
+        body = {"prompt": prompt + " more", "n_predict": 400, "temperature": 0, "stream": True}
+        async with s.post(base + "/completion", json=body) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    break                          # the answer streams: the plan holds its slot
+            assert await stats_leases(s, base) == 1
+            r.close()                              # the client goes away mid-stream
+        assert await proxy.wait_idle(60)
+        await proxy.wait_background()
+        await proxy.layer.idle()
+        assert await stats_leases(s, base) == 0
