@@ -364,8 +364,10 @@ class Store:
         return shutil.disk_usage(self.data_dir).free
 
     def _make_room(self, nbytes: int, kind: str | None = None, exclude: Iterable[str] = ()) -> None:
-        """Evict in the policy's order (:meth:`EvictionPolicy.candidates`: ascending value) until ``nbytes`` more fit the total budget, ``kind``'s budget and
-        the free-space floor. Raises BudgetError, before evicting anything, when they cannot."""
+        """Evict in the policy's order (``EvictionPolicy.candidates``, by default ascending value)
+        until ``nbytes`` more fit the total budget, ``kind``'s budget and the free-space floor
+        (``ocache.tiers.evict.make_room``). Raises BudgetError, before evicting anything, when
+        they cannot."""
         excl = set(exclude)
         victims = self.policy.candidates([e for e in self._entries.values() if e.key not in excl],
                                          self.clock())
@@ -378,7 +380,7 @@ class Store:
                       free=self._free_bytes, evict=lambda v: self._evict_one(v, gone))
         finally:
             log_deleted(gone, f"evicted by value to make room for {nbytes} bytes"
-                                + (f" of kind {kind!r}" if kind else ""))
+                        + (f" of kind {kind!r}" if kind else ""))
 
     def commit(self, kind: str, tokens: Sequence[int], temp_bin: str, *, fingerprint: str | None = None,
                meta: dict | None = None) -> Entry:
