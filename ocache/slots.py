@@ -1,4 +1,4 @@
-"""The slot table: what each llama-server slot holds, and every slot HTTP call ocache makes.
+"""The slot table: what each llama-server slot holds, and the slot calls that change it.
 
 llama-server reuses a prompt only against the slot it lands on (``docs/llama-server.md``
 §9-§11; the § numbers below refer to that file), so ocache keeps its own belief of every slot:
@@ -24,117 +24,34 @@ Only a slot whose lock ocache holds is ever pinned with ``id_slot`` (a pinned *b
 RAM cache on can be overwritten by the server, docs/llama-server.md §9 "Hazard"). The table is reconciled with
 ``GET /slots`` and voided on a new upstream epoch (a restart empties every slot).
 
-The model of the server's reuse rules (``predict_reuse``, ``simulate_prefill``) lives apart, pure,
+The HTTP of those calls (``GET /slots``, ``POST /slots/{id}?action=save|restore|erase``, the
+warm-up's ``POST /completion``, ``GET /health``) and the errors they answer live apart in
+``ocache/llama/slot_api.py`` (``SlotClient``, which holds no belief; its names are importable from
+here too); the model of the server's reuse rules (``predict_reuse``, ``simulate_prefill``), pure,
 in ``ocache/llama/reuse.py``; the launch parameters in ``ocache/llama/flags.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
-import errno
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import aiohttp
 
 from ocache.llama.flags import ServerParams
 from ocache.llama.reuse import Checkpoint, predict_reuse
+# the slot calls' HTTP, its constants and errors: re-exported, importers use ocache.slots
+from ocache.llama.slot_api import (BOOT_CHECK_TIMEOUT_S, BOOT_HEADER, IF_BOOT_HEADER, SlotBusy,  # noqa: F401
+                                   SlotClient, SlotError, SlotFileError, SlotHashMismatch, SlotInvalid,
+                                   SlotNotSupported, TaskIds, UpstreamError, check_filename,
+                                   error_from_response, file_refused)
 from ocache.tiers.base import Rate
 
 log = logging.getLogger("ocache.slots")
-
-#: response header of the patched llama-server naming its process: 16 hex digits drawn at start,
-#: sent with every answer (patches/0005-health-boot-id.patch)
-BOOT_HEADER = "X-Llama-Server-Boot"
-#: a request header naming the process a request was planned for: the patched build refuses the
-#: request with 412 before any work when it is another process (patches/0007-if-boot-precondition.patch)
-IF_BOOT_HEADER = "X-Llama-Server-If-Boot"
-#: seconds :meth:`SlotTable.same_process` waits for ``GET /health`` (answered at once by a live
-#: server, without the task queue); past it the caller falls back to ``GET /slots``
-BOOT_CHECK_TIMEOUT_S = 2.0
-
-
-# ----------------------------------------------------------------------------------------------
-# errors
-
-
-class SlotError(RuntimeError):
-    """A slot call failed. ``status``: HTTP status (0 = transport error); ``type``/``message``:
-    llama-server's error body ``{"error":{"code","message","type"}}`` (server-common.cpp:36-78)."""
-
-    def __init__(self, message: str, status: int = 0, type: str | None = None, slot: int | None = None):
-        super().__init__(message)
-        self.status = status
-        self.type = type
-        self.slot = slot
-
-
-class SlotNotSupported(SlotError):
-    """501: the server runs without ``--slot-save-path`` (save/restore/erase are off, docs/llama-server.md §3)
-    or without the ``/slots`` endpoint (``--no-slots``)."""
-
-
-class SlotBusy(SlotError):
-    """The slot is processing (or locked by ocache) and the call would wait or race."""
-
-
-class SlotFileError(SlotError):
-    """400 on save/restore: invalid filename, or the file could not be restored (missing, corrupt,
-    another model, does not fit). **After a failed restore the slot is erased** (docs/llama-server.md §5)."""
-
-
-class SlotHashMismatch(SlotFileError):
-    """400 from a server that checked the restore's ``xxh3`` (patches/0006) and found the file's
-    bytes differ (or could not read them for the check): the file is damaged; the slot is untouched
-    (the check runs before the restore is queued)."""
-
-
-class SlotInvalid(SlotError):
-    """400 ``Invalid slot ID`` / ``Invalid action``, or a slot id outside the table."""
-
-
-class UpstreamError(SlotError):
-    """The server answered with an unexpected status (5xx, 503 while loading) or not at all."""
-
-
-def file_refused(exc: BaseException) -> bool:
-    """True when a failed restore means the *file* is bad (delete the entry), False when the server
-    could not be asked or failed for another reason (keep it: the file is still valid).
-
-    Only the server's own answer about the file counts: ``SlotFileError`` (400 ``Unable to restore
-    slot: ...`` from the patched pre-check or the stock restore, 400 ``Invalid filename``;
-    docs/llama-server.md §5). A refused or reset connection, a timeout (``UpstreamError`` with status 0: llama-server
-    killed or restarting), a 5xx/503 (loading), ``SlotInvalid`` and ``SlotNotSupported`` say
-    nothing about the file."""
-    return isinstance(exc, SlotFileError)
-
-
-def error_from_response(status: int, body: Any, slot: int | None, what: str) -> SlotError:
-    """Map a llama-server error response to the matching ``SlotError`` subclass (docs/llama-server.md §5 table)."""
-    err = body.get("error") if isinstance(body, dict) else None
-    msg = (err or {}).get("message") if isinstance(err, dict) else None
-    typ = (err or {}).get("type") if isinstance(err, dict) else None
-    text = f"{what} slot {slot}: HTTP {status}: {msg or body!r}"
-    if status == 501:
-        return SlotNotSupported(text, status, typ, slot)
-    if status == 400 and msg and ("slot ID" in msg or "Invalid action" in msg):
-        return SlotInvalid(text, status, typ, slot)
-    if status == 400 and msg and ("slot file hash mismatch" in msg or "for its hash check" in msg):
-        return SlotHashMismatch(text, status, typ, slot)
-    if status == 400 and msg and ("filename" in msg or "restore" in msg):
-        return SlotFileError(text, status, typ, slot)
-    if status == 500 and msg and "Unable to save slot" in msg:
-        return SlotFileError(text, status, typ, slot)
-    return UpstreamError(text, status, typ, slot)
-
-
-# ----------------------------------------------------------------------------------------------
-# server parameters
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,6 +134,66 @@ class SlotState:
         self.foreign = True
 
 
+    def hold(self, tokens: Sequence[int], n_total: int | None, *, checkpoints: Sequence[Checkpoint] = (),
+             user_starts: Sequence[int] = (), pending: bool = False, owner: str | None = None,
+             kind: str | None = None, labels: Mapping | None = None, head_key: str | None = None,
+             head_len: int = 0, msg_key: bytes | None = None, n_msgs: int = 0) -> None:
+        """The slot's content is replaced (``clear``, a new ``seq``) by ``tokens`` (the prompt ids
+        ocache sent or restored), ``n_total`` tokens by the server's count (None: unknown until a
+        response, ``pending``), with these checkpoints, user-turn starts, owner, kind, labels, head
+        and message key; used now."""
+        self.clear()
+        self.tokens = list(tokens)
+        self.n_total = n_total
+        self.pending = pending
+        self.checkpoints = list(checkpoints)
+        self.user_starts = list(user_starts)
+        self.owner, self.kind, self.labels = owner, kind, dict(labels or {})
+        self.head_key, self.head_len = head_key, head_len
+        self.msg_key, self.n_msgs = msg_key, n_msgs
+        self.last_used = time.monotonic()
+
+    def reconcile(self, entry: Mapping) -> str | None:
+        """Reconcile the belief about an idle slot with its ``GET /slots`` entry (docs/llama-server.md
+        §4 caveats). Returns the table counter the finding counts in (``interrupted_busy``,
+        ``foreign_busy``, ``reconcile_mismatch``), None when the belief stands or only got the
+        count it waited for."""
+        if entry.get("is_processing"):
+            if self.interrupted and self.pending:
+                # ocache's own request, cut short: the server is still cancelling it (it notices
+                # the closed connection within HTTP_POLLING_SECONDS, see settle_interrupted); the
+                # count is read by a later GET /slots
+                return "interrupted_busy"
+            self.unknown(None)
+            return "foreign_busy"
+        n = entry.get("n_prompt_tokens")
+        if n is None:
+            # never ran a task: empty, or restored (restore does not set the key). ocache knows
+            # which when it did the restore itself (n_total set, foreign False).
+            if self.tokens and self.n_total == len(self.tokens) and not self.pending:
+                return None
+            if self.tokens or self.n_total:
+                self.unknown(None)
+                return "reconcile_mismatch"
+            return None
+        n = int(n)
+        if self.pending or self.n_total is None:
+            if n >= len(self.tokens):
+                self.n_total = n
+                self.pending = False
+                return None
+        elif n == self.n_total:
+            return None
+        if n == 0:
+            mismatch = bool(self.tokens or self.n_total)
+            self.clear()
+            return "reconcile_mismatch" if mismatch else None
+        log.info("slot %d: server holds %d tokens, ocache believed %s; content now unknown",
+                 self.id, n, self.n_total)
+        self.unknown(n)
+        return "reconcile_mismatch"
+
+
 class RestoreRate(Rate):
     """Bytes/s of this process's slot restores, measured end to end: the wall time of
     :meth:`SlotTable.restore` (HTTP round trip, the wait for the server's task loop, the file read
@@ -238,23 +215,29 @@ class RestoreRate(Rate):
         return max(0.0, float(nbytes)) / self.value
 
 
+
+
 class SlotLease:
     """Ownership of one slot: holds the slot's ``asyncio.Lock`` from :meth:`SlotTable.lease` until
     :meth:`release`, which is idempotent and synchronous, so every exit path (a return, an
     exception, ``asyncio.CancelledError`` at any await) can release it without awaiting; also an
-    async context manager. ``held``: the lock is still owned by this lease."""
+    async context manager. ``held``: the lock is still owned by this lease. ``on_release``: called
+    once, by the release that frees the lock (the table counts the leases held)."""
 
-    __slots__ = ("slot", "_lock", "held")
+    __slots__ = ("slot", "_lock", "held", "_on_release")
 
-    def __init__(self, slot: int, lock: asyncio.Lock) -> None:
+    def __init__(self, slot: int, lock: asyncio.Lock, on_release: Callable[[], None] | None = None) -> None:
         self.slot = slot
         self._lock = lock
         self.held = True
+        self._on_release = on_release
 
     def release(self) -> None:
         if self.held:
             self.held = False
             self._lock.release()
+            if self._on_release is not None:
+                self._on_release()
 
     async def __aenter__(self) -> "SlotLease":
         return self
@@ -263,32 +246,19 @@ class SlotLease:
         self.release()
 
 
-class SlotTable:
-    """One entry and one ``asyncio.Lock`` per llama-server slot, plus the slot HTTP calls.
+class SlotStates:
+    """The table of slot states and leases: one :class:`SlotState` and one ``asyncio.Lock`` per
+    llama-server slot, the queries the planner and the tiers read (``snapshot``, ``held_exactly``,
+    ``needs_reconcile``, ``precondition``), the verbs that record what a request did to a slot, and
+    the reconcile of a ``GET /slots`` entry with the belief. No HTTP: :class:`SlotTable` adds the
+    slot calls. ``params``: the server's launch parameters (``ServerParams``)."""
 
-    ``session``/``base_url``: the upstream (an aiohttp session and ``http://host:port``).
-    ``headers``: extra request headers (e.g. ``Authorization`` for ``--api-key``). Call
-    ``refresh()`` once before use (it sizes the table from ``GET /slots``).
-
-    The caller must hold ``lock(slot)`` around ``warm``/``save``/``restore``/``erase`` and any
-    request it pins to the slot: that is what makes "pin only idle slots" true.
-    """
-
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, params: ServerParams | None = None,
-                 *, headers: Mapping[str, str] | None = None, timeout_s: float = 3600.0) -> None:
-        self.session = session
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, params: ServerParams | None = None) -> None:
         self.params = params or ServerParams()
-        self.headers = dict(headers or {})
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.slots: list[SlotState] = []
         self._locks: list[asyncio.Lock] = []
         self.epoch: Any = None
         self.reconciled_at: float = 0.0
-        #: the server checks a restore's ``xxh3`` itself (``/props`` ``ocache.restore_xxh3``,
-        #: patches/0006; set by the cache layer): the store's verify then leaves the slot file's
-        #: hash to it, so the file is read once, by the server (:meth:`restore`)
-        self.checks_xxh3: bool = False
         #: the ``X-Llama-Server-Boot`` header (``BOOT_HEADER``, patches/0005) of the ``GET /slots``
         #: answer last reconciled: the process the table's beliefs are about; None on a stock build
         self.boot: str | None = None
@@ -297,27 +267,14 @@ class SlotTable:
         self.if_boot: bool = False
         self.counters: dict[str, int] = {"reconcile_mismatch": 0, "foreign_busy": 0, "restarts": 0,
                                          "restarts_seen_in_slots": 0, "interrupted_busy": 0,
-                                         "boot_checks": 0, "boot_changed": 0}
-        # highest ``id_task`` each slot reported (GET /slots): within one server process it only
-        # grows and never disappears (``task_prev`` is kept, tools/server/server-context.cpp
-        # ``server_slot::to_json``), so a slot that loses or lowers it is on a new process
-        self._id_task: dict[int, int] = {}
+                                         "boot_checks": 0, "boot_changed": 0,
+                                         # live: SlotLeases held now (0 when idle)
+                                         "leases_held": 0}
+        #: the highest ``id_task`` each slot reported (``GET /slots``): a restart shows in it
+        self._tasks = TaskIds()
         self._task_seq = 0
         #: per slot: set by :meth:`finish` (what :meth:`wait_settled` waits for)
         self._finished: dict[int, asyncio.Event] = {}
-        #: per slot: (tokens, ms) ocache itself prefilled there with :meth:`warm`, cumulative
-        #: (``timings.prompt_n``/``prompt_ms``); the cache layer takes the delta over a request's
-        #: steps to correct the figures that request reports (ocache/api/figures.py)
-        self.own_prefill: dict[int, tuple[int, float]] = {}
-        #: bytes/s of :meth:`restore`, end to end (what the tiers price a restore with)
-        self.restore_rate = RestoreRate()
-        #: slot HTTP calls (``GET /slots``, save/restore/erase, warm-ups) sent and not answered yet;
-        #: a planned stop waits for them before llama-server gets SIGTERM (:meth:`wait_calls`)
-        self.calls_inflight = 0
-        self._calls_idle = asyncio.Event()
-        self._calls_idle.set()
-
-    # -- table ----------------------------------------------------------------------------------
 
     def next_task(self) -> int:
         """A fresh request id for the checkpoint model's per-task eviction rule."""
@@ -342,7 +299,11 @@ class SlotTable:
         leaves the lock as it was (``asyncio.Lock.acquire`` takes it only when the wait succeeded)."""
         lock = self.lock(slot)
         await lock.acquire()
-        return SlotLease(slot, lock)
+        self.counters["leases_held"] += 1
+        return SlotLease(slot, lock, self._lease_returned)
+
+    def _lease_returned(self) -> None:
+        self.counters["leases_held"] -= 1
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < len(self.slots):
@@ -398,30 +359,6 @@ class SlotTable:
             return None
         return self.boot
 
-    async def same_process(self) -> bool:
-        """Whether the server is still the process whose ``GET /slots`` the table last reconciled
-        (``boot``), asked with one ``GET /health``: llama-server answers it on its HTTP thread
-        without the task queue (tools/server/server-context.cpp ``get_health``), so it does not
-        wait for a decode step the way ``GET /slots`` does; the patched build names its process in
-        every answer (``BOOT_HEADER``, patches/0005). False on a stock build (no header), when the
-        table was never reconciled, on any failure or after ``BOOT_CHECK_TIMEOUT_S``, and when the
-        id differs (a restart: the caller's ``GET /slots`` then sees it too). Never raises."""
-        if self.boot is None or not self.reconciled_at:
-            return False
-        try:
-            meta: dict = {}
-            status, _ = await self._request("GET", "/health", what="GET /health", meta=meta,
-                                            timeout=aiohttp.ClientTimeout(total=BOOT_CHECK_TIMEOUT_S))
-        except (SlotError, asyncio.TimeoutError):
-            return False
-        self.counters["boot_checks"] += 1
-        if status != 200 or meta.get("boot") is None:
-            return False
-        if meta["boot"] != self.boot:
-            self.counters["boot_changed"] += 1
-            return False
-        return True
-
     def held_exactly(self, slot: int) -> list[int] | None:
         """The token ids ``slot`` holds exactly as far as the table can vouch (its content is known,
         no response pending, the server's count equals the ids), else None."""
@@ -430,8 +367,9 @@ class SlotTable:
             return None
         return list(st.tokens)
 
+
     # -- the verbs that change what a slot holds (the only writers of SlotState besides the
-    #    slot calls below and the reconcile with GET /slots) -------------------------------------
+    #    slot calls of SlotTable and the reconcile with GET /slots) -------------------------------
 
     def assign(self, slot: int, tokens: Sequence[int], *, checkpoints: Sequence[Checkpoint] = (),
                user_starts: Sequence[int] = (), owner: str | None = None, kind: str | None = None,
@@ -442,19 +380,8 @@ class SlotTable:
         response (``pending``); ``msg_key``/``n_msgs``: the request's message key (``TokenView``).
         Returns the slot's new ``seq``, for :meth:`finish`."""
         st = self[slot]
-        st.clear()
-        st.tokens = list(tokens)
-        st.n_total = None
-        st.pending = True
-        st.checkpoints = list(checkpoints)
-        st.user_starts = list(user_starts)
-        st.owner = owner
-        st.kind = kind
-        st.labels = dict(labels or {})
-        st.head_key = head_key
-        st.head_len = head_len
-        st.msg_key, st.n_msgs = msg_key, n_msgs
-        st.last_used = time.monotonic()
+        st.hold(tokens, None, pending=True, checkpoints=checkpoints, user_starts=user_starts, owner=owner,
+                kind=kind, labels=labels, head_key=head_key, head_len=head_len, msg_key=msg_key, n_msgs=n_msgs)
         return st.seq
 
     def finish(self, slot: int, seq: int, n_total: int, checkpoints: Sequence[Checkpoint] | None = None) -> bool:
@@ -511,35 +438,6 @@ class SlotTable:
         st.n_total, st.pending, st.interrupted = None, True, True
         return True
 
-    async def settle_interrupted(self, slot: int, wait_s: float = 3.0, poll_s: float = 0.1) -> bool:
-        """For a slot whose last request was cut short (``interrupted``, count still pending) and
-        whose lock the caller holds: ``GET /slots`` until the server has finished cancelling that
-        request (``is_processing`` false), at most ``wait_s`` seconds, then reconcile the slot with
-        that entry (``reconcile_one``: the prompt plus the tokens generated so far when
-        ``n_prompt_tokens`` covers the prompt, else unknown). The server notices a client gone from
-        a stream on its next write or within ``HTTP_POLLING_SECONDS`` (1 s, tools/server/
-        server-context.cpp:40; the reader polls ``should_stop`` at that interval,
-        server-queue.cpp:550-560) and then cancels the task. Returns True when the slot's count is
-        known after it (``pending`` false and the content still ocache's). Raises SlotError when
-        ``GET /slots`` fails."""
-        st = self[slot]
-        if not (st.interrupted and st.pending):
-            return not st.pending and not st.foreign
-        deadline = time.monotonic() + wait_s
-        while True:
-            data = await self.fetch_slots()
-            entry = next((e for e in data if int(e.get("id", -1)) == slot), None)
-            if entry is None:
-                return False
-            if not entry.get("is_processing") or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(poll_s)  # bounded poll of the server's state (wait_s), not a test sync
-        if self._restarted(data):
-            st.clear()   # another process: the slot is empty (the upstream's probe resets the rest)
-            return False
-        self.reconcile_one(st, entry)
-        return not st.pending and not st.foreign and bool(st.tokens)
-
     def mark_origin(self, slot: int, head_key: str | None, head_len: int, *, last_used: float | None = None) -> None:
         """``slot`` holds exactly a warmed harness head (``head_len`` tokens, fingerprint
         ``head_key``) that no conversation has consumed yet: the shared *origin*."""
@@ -573,76 +471,105 @@ class SlotTable:
         """A new upstream process: every slot is empty (docs/llama-server.md §16 restart detection)."""
         for s in self.slots:
             s.clear()
-        self._id_task.clear()   # its task ids start again: the next GET /slots is the new baseline
+        self._tasks.clear()   # its task ids start again: the next GET /slots is the new baseline
         self.epoch = epoch
         self.counters["restarts"] += 1
 
-    # -- HTTP -----------------------------------------------------------------------------------
+
+    # -- what GET /slots says ---------------------------------------------------------------------
+
+    def task_ids(self) -> dict[int, int]:
+        """The highest ``id_task`` each slot reported so far (``GET /slots``); compared before and
+        after a request the server placed itself, it names the slot the server chose."""
+        return dict(self._tasks.ids)
+
+    def _restarted(self, data: list[dict], boot: str | None = None) -> bool:
+        """Whether ``GET /slots`` comes from another process than the last one: its boot id
+        (``boot``, patches/0005) differs from the table's, or a slot's ``id_task`` vanished or went
+        back (``TaskIds``); records the ids either way."""
+        return self._tasks.record(data, restarted=boot is not None and self.boot is not None and boot != self.boot)
+
+    def reconcile_one(self, st: SlotState, entry: Mapping) -> None:
+        """Reconcile one idle slot's belief with its ``GET /slots`` entry (``SlotState.reconcile``)
+        and count what it found."""
+        found = st.reconcile(entry)
+        if found is not None:
+            self.counters[found] += 1
+
+
+class SlotTable(SlotStates):
+    """The slot table: :class:`SlotStates` plus the slot calls that change what a slot holds
+    (``refresh``, ``learn_placement``, ``settle_interrupted``, ``warm``, ``save``, ``restore``,
+    ``erase``, ``same_process``), each an HTTP call of its :class:`SlotClient` (``client``) and
+    what its answer means for the states.
+
+    ``session``/``base_url``/``headers``/``timeout_s``: the upstream, for ``client``. Call
+    ``refresh()`` once before use (it sizes the table from ``GET /slots``).
+
+    The caller must hold ``lock(slot)`` around ``warm``/``save``/``restore``/``erase`` and any
+    request it pins to the slot: that is what makes "pin only idle slots" true.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, params: ServerParams | None = None,
+                 *, headers: Mapping[str, str] | None = None, timeout_s: float = 3600.0) -> None:
+        super().__init__(params)
+        self.client = SlotClient(session, base_url, headers=headers, timeout_s=timeout_s)
+        #: the server checks a restore's ``xxh3`` itself (``/props`` ``ocache.restore_xxh3``,
+        #: patches/0006; set by the cache layer): the store's verify then leaves the slot file's
+        #: hash to it, so the file is read once, by the server (:meth:`restore`)
+        self.checks_xxh3: bool = False
+        #: per slot: (tokens, ms) ocache itself prefilled there with :meth:`warm`, cumulative
+        #: (``timings.prompt_n``/``prompt_ms``); the cache layer takes the delta over a request's
+        #: steps to correct the figures that request reports (ocache/api/figures.py)
+        self.own_prefill: dict[int, tuple[int, float]] = {}
+        #: bytes/s of :meth:`restore`, end to end (what the tiers price a restore with)
+        self.restore_rate = RestoreRate()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The aiohttp session the slot calls use (the cache layer sets it per upstream epoch)."""
+        return self.client.session
+
+    @session.setter
+    def session(self, session: aiohttp.ClientSession) -> None:
+        self.client.session = session
+
+    @property
+    def calls_inflight(self) -> int:
+        """Slot HTTP calls sent and not answered yet (``SlotClient.calls_inflight``)."""
+        return self.client.calls_inflight
 
     async def wait_calls(self, timeout_s: float) -> int:
         """Wait until no slot call is in flight, at most ``timeout_s`` seconds; returns how many
         still are (0 when none)."""
-        if self.calls_inflight:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._calls_idle.wait(), timeout_s)
-        return self.calls_inflight
+        return await self.client.wait_calls(timeout_s)
 
-    async def _request(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
-                       what: str = "slot call", meta: dict | None = None,
-                       timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, Any]:
-        self.calls_inflight += 1
-        self._calls_idle.clear()
+    async def same_process(self) -> bool:
+        """Whether the server is still the process whose ``GET /slots`` the table last reconciled
+        (``boot``), asked with one ``GET /health``: llama-server answers it on its HTTP thread
+        without the task queue (tools/server/server-context.cpp ``get_health``), so it does not
+        wait for a decode step the way ``GET /slots`` does; the patched build names its process in
+        every answer (``BOOT_HEADER``, patches/0005). False on a stock build (no header), when the
+        table was never reconciled, on any failure or after ``BOOT_CHECK_TIMEOUT_S``, and when the
+        id differs (a restart: the caller's ``GET /slots`` then sees it too). Never raises."""
+        if self.boot is None or not self.reconciled_at:
+            return False
         try:
-            return await self._request_once(method, path, json_body=json_body, slot=slot, what=what,
-                                            meta=meta, timeout=timeout)
-        finally:
-            self.calls_inflight -= 1
-            if self.calls_inflight <= 0:
-                self.calls_inflight = 0
-                self._calls_idle.set()
-
-    async def _request_once(self, method: str, path: str, *, json_body: Any = None, slot: int | None = None,
-                            what: str = "slot call", meta: dict | None = None,
-                            timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, Any]:
-        """One slot call (retried once on a dead keep-alive connection): ``(status, JSON body)``;
-        ``meta["boot"]`` gets the answer's ``BOOT_HEADER`` (None from a stock build)."""
-        url = self.base_url + path
-        for attempt in (0, 1):
-            try:
-                async with self.session.request(method, url, json=json_body, headers=self.headers,
-                                                timeout=timeout or self.timeout) as resp:
-                    if meta is not None:
-                        meta["boot"] = resp.headers.get(BOOT_HEADER)
-                    try:
-                        body = await resp.json(content_type=None)
-                    except (ValueError, aiohttp.ContentTypeError):
-                        body = {"error": {"message": (await resp.text())[:500]}}
-                    return resp.status, body
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError) as exc:
-                # llama-server closes idle keep-alive connections; a pooled one can be dead before
-                # the request is read. Every slot call is safe to send again (save/restore/erase
-                # replace state, a warm-up prefills the same tokens), so retry once.
-                if attempt == 0:
-                    continue
-                raise UpstreamError(f"{what} {method} {path}: {exc!r}", 0, None, slot) from exc
-            except aiohttp.ClientOSError as exc:
-                # the same dead keep-alive connection, seen as ECONNRESET/EPIPE on the send (seen
-                # once: ClientOSError(104, 'Connection reset by peer') on a spill's save in
-                # tests/test_hardening_cache.py on a loaded machine)
-                if attempt == 0 and exc.errno in (errno.ECONNRESET, errno.EPIPE):
-                    continue
-                raise UpstreamError(f"{what} {method} {path}: {exc!r}", 0, None, slot) from exc
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                raise UpstreamError(f"{what} {method} {path}: {exc!r}", 0, None, slot) from exc
-        raise AssertionError("unreachable")
+            boot = await self.client.health_boot()
+        except (SlotError, asyncio.TimeoutError):
+            return False
+        self.counters["boot_checks"] += 1
+        if boot is None:
+            return False
+        if boot != self.boot:
+            self.counters["boot_changed"] += 1
+            return False
+        return True
 
     async def fetch_slots(self, meta: dict | None = None) -> list[dict]:
         """``GET /slots`` (docs/llama-server.md §4); ``meta["boot"]``: the answering process's boot
         id (patches/0005) or None. Raises SlotNotSupported (501, ``--no-slots``) or UpstreamError."""
-        status, body = await self._request("GET", "/slots", what="GET /slots", meta=meta)
-        if status != 200 or not isinstance(body, list):
-            raise error_from_response(status, body, None, "GET /slots")
-        return body
+        return await self.client.get_slots(meta)
 
     async def refresh(self) -> list[dict]:
         """``GET /slots`` and reconcile: size the table, then for each slot ocache does not hold the
@@ -690,11 +617,6 @@ class SlotTable:
         self.boot = meta.get("boot")
         return data
 
-    def task_ids(self) -> dict[int, int]:
-        """The highest ``id_task`` each slot reported so far (``GET /slots``); compared before and
-        after a request the server placed itself, it names the slot the server chose."""
-        return dict(self._id_task)
-
     async def learn_placement(self, before: Mapping[int, int], tokens: Sequence[int], *,
                               owner: str | None, kind: str, user_starts: Sequence[int] = (),
                               labels: Mapping | None = None) -> int | None:
@@ -714,99 +636,49 @@ class SlotTable:
             return None
         e = grown[0]
         st = self.slots[int(e["id"])]
-        st.clear()
-        st.tokens = list(tokens)
         n = e.get("n_prompt_tokens")
-        st.n_total = int(n) if n is not None else None
-        st.user_starts = list(user_starts)
-        st.owner, st.kind = owner, kind
-        st.labels = dict(labels or {})
-        st.last_used = time.monotonic()
-        if self.params.checkpoints:
-            # the checkpoints the server kept are not reported; those this prefill made are
-            # predicted when the answer's cache_n is known (OCacheLayer.observe)
-            st.checkpoints = []
+        # no checkpoints: those the server kept are not reported; those this prefill made are
+        # predicted when the answer's cache_n is known (OCacheLayer.observe)
+        st.hold(tokens, int(n) if n is not None else None, user_starts=user_starts, owner=owner, kind=kind,
+                labels=labels)
         return st.id
 
-    def _restarted(self, data: list[dict], boot: str | None = None) -> bool:
-        """Whether ``GET /slots`` comes from another process than the last one: its boot id
-        (``boot``, patches/0005) differs from the table's, or a slot's ``id_task`` vanished or went
-        back (see ``_id_task``); records the ids either way."""
-        seen = {int(e.get("id", -1)): e.get("id_task") for e in data}
-        restarted = any(sid in self._id_task and (t is None or int(t) < self._id_task[sid])
-                        for sid, t in seen.items())
-        if boot is not None and self.boot is not None and boot != self.boot:
-            restarted = True
-        if restarted:
-            self._id_task.clear()
-        for sid, t in seen.items():
-            if t is not None:
-                self._id_task[sid] = max(int(t), self._id_task.get(sid, -1))
-        return restarted
-
-    def reconcile_one(self, st: SlotState, entry: Mapping) -> None:
-        """Reconcile one idle slot's belief with its ``GET /slots`` entry (docs/llama-server.md §4 caveats)."""
-        if entry.get("is_processing"):
-            if st.interrupted and st.pending:
-                # ocache's own request, cut short: the server is still cancelling it (it notices
-                # the closed connection within HTTP_POLLING_SECONDS, see settle_interrupted); the
-                # count is read by a later GET /slots
-                self.counters["interrupted_busy"] += 1
-                return
-            self.counters["foreign_busy"] += 1
-            st.unknown(None)
-            return
-        n = entry.get("n_prompt_tokens")
-        if n is None:
-            # never ran a task: empty, or restored (restore does not set the key). ocache knows
-            # which when it did the restore itself (n_total set, foreign False).
-            if st.tokens and st.n_total == len(st.tokens) and not st.pending:
-                return
-            if st.tokens or st.n_total:
-                self.counters["reconcile_mismatch"] += 1
-                st.unknown(None)
-            return
-        n = int(n)
-        if st.pending or st.n_total is None:
-            if n >= len(st.tokens):
-                st.n_total = n
-                st.pending = False
-                return
-        elif n == st.n_total:
-            return
-        if n == 0:
-            if st.tokens or st.n_total:
-                self.counters["reconcile_mismatch"] += 1
-            st.clear()
-            return
-        self.counters["reconcile_mismatch"] += 1
-        log.info("slot %d: server holds %d tokens, ocache believed %s; content now unknown",
-                 st.id, n, st.n_total)
-        st.unknown(n)
-
-    async def _slot_action(self, slot: int, action: str, body: dict | None) -> dict:
-        self._check(slot)
-        status, data = await self._request("POST", f"/slots/{slot}?action={action}", json_body=body,
-                                           slot=slot, what=action)
-        if status != 200 or not isinstance(data, dict):
-            raise error_from_response(status, data, slot, action)
-        return data
-
-    @staticmethod
-    def _check_filename(filename: str) -> None:
-        """The subset of ``fs_validate_filename`` (common.cpp:796-868) that ocache's own names could
-        break; the server checks the rest (400 ``Invalid filename`` -> SlotFileError)."""
-        bad = set(':*?"<>|/\\')
-        if (not filename or len(filename.encode()) > 255 or any(c in bad or ord(c) < 32 for c in filename)
-                or ".." in filename or filename.endswith(".") or filename != filename.strip(" ")):
-            raise SlotFileError(f"invalid slot file name {filename!r}", 400)
+    async def settle_interrupted(self, slot: int, wait_s: float = 3.0, poll_s: float = 0.1) -> bool:
+        """For a slot whose last request was cut short (``interrupted``, count still pending) and
+        whose lock the caller holds: ``GET /slots`` until the server has finished cancelling that
+        request (``is_processing`` false), at most ``wait_s`` seconds, then reconcile the slot with
+        that entry (``reconcile_one``: the prompt plus the tokens generated so far when
+        ``n_prompt_tokens`` covers the prompt, else unknown). The server notices a client gone from
+        a stream on its next write or within ``HTTP_POLLING_SECONDS`` (1 s, tools/server/
+        server-context.cpp:40; the reader polls ``should_stop`` at that interval,
+        server-queue.cpp:550-560) and then cancels the task. Returns True when the slot's count is
+        known after it (``pending`` false and the content still ocache's). Raises SlotError when
+        ``GET /slots`` fails."""
+        st = self[slot]
+        if not (st.interrupted and st.pending):
+            return not st.pending and not st.foreign
+        deadline = time.monotonic() + wait_s
+        while True:
+            data = await self.fetch_slots()
+            entry = next((e for e in data if int(e.get("id", -1)) == slot), None)
+            if entry is None:
+                return False
+            if not entry.get("is_processing") or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(poll_s)  # bounded poll of the server's state (wait_s), not a test sync
+        if self._restarted(data):
+            st.clear()   # another process: the slot is empty (the upstream's probe resets the rest)
+            return False
+        self.reconcile_one(st, entry)
+        return not st.pending and not st.foreign and bool(st.tokens)
 
     async def save(self, slot: int, filename: str) -> dict:
         """``POST /slots/{slot}?action=save`` -> ``{"n_saved": tokens, "n_written": bytes, ...}``
         (docs/llama-server.md §5). Does not change what the slot holds. Raises SlotNotSupported (no
         ``--slot-save-path``), SlotFileError, UpstreamError."""
-        self._check_filename(filename)
-        return await self._slot_action(slot, "save", {"filename": filename})
+        check_filename(filename)
+        self._check(slot)
+        return await self.client.action(slot, "save", {"filename": filename})
 
     async def restore(self, slot: int, filename: str, tokens: Sequence[int] | None = None,
                       checkpoints: Sequence[Checkpoint] | None = None, xxh3: str | None = None) -> dict:
@@ -822,14 +694,15 @@ class SlotTable:
         it reads, before the state reaches the slot (a mismatch: 400, the slot untouched); the
         tiers send it only then (a stock build ignores the field).
         """
-        self._check_filename(filename)
+        check_filename(filename)
+        self._check(slot)
         st = self.slots[slot]
         t0 = time.monotonic()
         payload = {"filename": filename}
         if xxh3 is not None:
             payload["xxh3"] = xxh3
         try:
-            data = await self._slot_action(slot, "restore", payload)
+            data = await self.client.action(slot, "restore", payload)
         except SlotError:
             # stock: the slot was erased; patched (0002-restore-precheck): a file rejected by the
             # pre-check leaves the slot as it was. Ask the server which one happened.
@@ -844,24 +717,21 @@ class SlotTable:
             raise
         n = int(data.get("n_restored", 0))
         self.restore_rate.add(float(data.get("n_read") or 0), time.monotonic() - t0)
-        st.clear()
         if tokens is not None and len(tokens) == n:
-            st.tokens = list(tokens)
-            st.n_total = n
             # the patched build reports how many checkpoints its sidecar brought back (the newest
             # ones); a stock build restores none (docs/llama-server.md §6)
             n_ck = data.get("n_checkpoints")
-            ck = list(checkpoints or [])
-            st.checkpoints = (ck[-int(n_ck):] if n_ck else []) if n_ck is not None else []
+            st.hold(tokens, n, checkpoints=list(checkpoints or [])[-int(n_ck):] if n_ck else [])
         else:
             st.unknown(n)
+            st.last_used = time.monotonic()
         st.restored_from = filename
-        st.last_used = time.monotonic()
         return data
 
     async def erase(self, slot: int) -> dict:
         """``POST /slots/{slot}?action=erase`` -> ``{"n_erased": tokens}``; the slot is empty after."""
-        data = await self._slot_action(slot, "erase", None)
+        self._check(slot)
+        data = await self.client.action(slot, "erase", None)
         self.slots[slot].clear()
         return data
 
@@ -885,16 +755,13 @@ class SlotTable:
                                 "stream": False}
         if message_delimiters:
             body["message_delimiters"] = message_delimiters
-        status, data = await self._request("POST", "/completion", json_body=body, slot=slot, what="warm")
-        if status != 200 or not isinstance(data, dict):
-            st.unknown(None)
-            raise error_from_response(status, data, slot, "warm")
-        st.clear()
-        st.tokens = tokens
-        st.n_total = len(tokens)
-        st.checkpoints = list(pred.checkpoints_after)
-        st.user_starts = list(user_starts)
-        st.last_used = time.monotonic()
+        try:
+            data = await self.client.complete(slot, body)
+        except SlotError as exc:
+            if exc.status:   # the server answered (not a lost connection): it left the slot unknown
+                st.unknown(None)
+            raise
+        st.hold(tokens, len(tokens), checkpoints=pred.checkpoints_after, user_starts=user_starts)
         timings = dict(data.get("timings") or {})
         n0, ms0 = self.own_prefill.get(slot, (0, 0.0))
         self.own_prefill[slot] = (n0 + int(timings.get("prompt_n") or 0), ms0 + float(timings.get("prompt_ms") or 0.0))

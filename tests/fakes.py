@@ -3,9 +3,9 @@
 runs them in seconds. What only the server decides (reuse, checkpoints, slot files) stays in the
 real-server tests (``tests/test_resident.py``, ``test_disk_tier.py``, ``test_spill.py``).
 
-``FakeSlotTable`` is the real ``ocache.slots.SlotTable`` with its one HTTP method (``_request``)
-answered from memory, so every verb of the table (refresh, warm, save, restore, erase) runs its own
-code. The fake server holds token ids per slot, keeps slot files in a dict, and answers a forwarded
+``FakeSlotTable`` is the real ``ocache.slots.SlotTable`` with its client's one HTTP method
+(``SlotClient.request``) answered from memory (``_request``), so every verb of the table (refresh,
+warm, save, restore, erase) runs its own code. The fake server holds token ids per slot, keeps slot files in a dict, and answers a forwarded
 completion (:meth:`FakeSlotTable.complete`) with llama-server's ``timings`` for a dense model (reuse =
 the common prefix, at most ``len(prompt) - 1``: docs/llama-server.md §11).
 """
@@ -56,6 +56,7 @@ class FakeSlotTable(SlotTable):
         self.calls: list[tuple[str, str]] = []
         self._next_task = 0
         self.boots = 1
+        self.client.request = self._request   # type: ignore[method-assign]  # every slot call ends here
 
     def _task(self, slot: int) -> None:
         self._next_task += 1

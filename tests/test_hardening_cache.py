@@ -342,7 +342,7 @@ def test_a_tie_between_offers_goes_to_the_verified_one():
 
 def kill_on_restore(table: SlotTable, srv) -> list[str]:
     """Make the next ``action=restore`` find llama-server killed (kill -9 just before the call)."""
-    real = table._request
+    real = table.client.request
     seen: list[str] = []
 
     async def request(method, path, **kw):
@@ -351,7 +351,7 @@ def kill_on_restore(table: SlotTable, srv) -> list[str]:
             srv.kill()
         return await real(method, path, **kw)
 
-    table._request = request
+    table.client.request = request
     return seen
 
 

@@ -14,7 +14,7 @@ from ocache.slots import SlotState
 ROOT = Path(__file__).resolve().parents[1] / "ocache"
 FIELDS = frozenset(f.name for f in dataclasses.fields(SlotState))
 #: SlotState's own mutators (called on a state they change it)
-MUTATORS = frozenset({"clear", "unknown"})
+MUTATORS = frozenset({"clear", "unknown", "hold", "reconcile"})
 
 
 def _terminal(node: ast.AST) -> str | None:

@@ -16,7 +16,8 @@ from ocache.cache import plan_request
 from ocache.llama.checks import check
 from ocache.llama.reuse import Checkpoint, common_prefix, predict_reuse, simulate_prefill
 from ocache.llama.flags import ServerParams, params_from_argv, given_flags
-from ocache.slots import (SlotFileError, SlotInvalid, SlotNotSupported, SlotState, SlotTable, UpstreamError, error_from_response)
+from ocache.slots import (SlotFileError, SlotInvalid, SlotNotSupported, SlotState, SlotTable, UpstreamError, check_filename,
+                          error_from_response)
 from ocache.llama.gguf import gguf_architecture
 from ocache.tiers.base import Offer
 from ocache.tiers.resident import RequestContext, rank_slots
@@ -214,7 +215,7 @@ def test_errors_map_to_exceptions():
     assert isinstance(error_from_response(500, e(500, "Unable to save slot", "server_error"), 0, "save"), SlotFileError)
     assert isinstance(error_from_response(503, e(503, "Loading model", "unavailable_error"), 0, "save"), UpstreamError)
     with pytest.raises(SlotFileError):
-        SlotTable._check_filename("../etc")
+        check_filename("../etc")
 
 
 # --- reconciliation with GET /slots (docs/llama-server.md §4) ----------------------------------

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 #: Routes whose body is an Anthropic Messages request (tools/server/server.cpp:268).
@@ -112,94 +112,13 @@ def anthropic_to_chat(body: Mapping) -> dict:
     messages: list[Any] = []
     system = _value(body, "system", None)
     if system is not None:  # server-chat.cpp:353-373
-        content = ""
-        if isinstance(system, str):
-            content = normalize_billing_header(system)
-        elif isinstance(system, list):
-            for block in system:
-                if _value(block, "type", "") == "text":
-                    content += normalize_billing_header(_value(block, "text", ""))
-        messages.append({"role": "system", "content": content})
+        messages.append({"role": "system", "content": _anthropic_system(system)})
     if "messages" not in body:
         raise ConversionError("'messages' is required")
     msgs = body["messages"]
     if isinstance(msgs, list):
         for msg in msgs:  # server-chat.cpp:381-545
-            role = _value(msg, "role", "")
-            if not isinstance(msg, Mapping) or "content" not in msg:
-                if role == "assistant":
-                    continue
-                messages.append(copy.deepcopy(msg))
-                continue
-            content = msg["content"]
-            if not isinstance(content, list):  # a string, or anything else: as is
-                messages.append(copy.deepcopy(msg))
-                continue
-            tool_calls: list = []
-            converted: list = []
-            tool_results: list = []
-            reasoning = ""
-            has_tool_calls = False
-            for block in content:
-                btype = _value(block, "type", "")
-                if btype == "text":
-                    converted.append(copy.deepcopy(block))
-                elif btype == "thinking":
-                    reasoning += _value(block, "thinking", "")
-                elif btype == "image":
-                    source = _value(block, "source", {})
-                    stype = _value(source, "type", "")
-                    if stype == "base64":
-                        url = ("data:" + _value(source, "media_type", "image/jpeg") + ";base64,"
-                               + _value(source, "data", ""))
-                        converted.append({"type": "image_url", "image_url": {"url": url}})
-                    elif stype == "url":
-                        converted.append({"type": "image_url", "image_url": {"url": _value(source, "url", "")}})
-                elif btype == "tool_use":
-                    tool_calls.append({"id": _value(block, "id", ""), "type": "function",
-                                       "function": {"name": _value(block, "name", ""),
-                                                    "arguments": _dump(_value(block, "input", {}))}})
-                    has_tool_calls = True
-                elif btype == "tool_result":
-                    tid = _value(block, "tool_use_id", "")
-                    rc = _value(block, "content", None)
-                    if isinstance(rc, str):
-                        tool_results.append({"role": "tool", "tool_call_id": tid, "content": rc})
-                    elif isinstance(rc, list):  # server-chat.cpp:467-522
-                        text, parts, has_images = "", [], False
-                        for c in rc:
-                            ctype = _value(c, "type", "")
-                            if ctype == "text":
-                                t = _value(c, "text", "")
-                                text += t
-                                parts.append({"type": "text", "text": t})
-                            elif ctype == "image":
-                                has_images = True
-                                source = _value(c, "source", {})
-                                stype = _value(source, "type", "")
-                                if stype == "base64":
-                                    url = ("data:" + _value(source, "media_type", "image/jpeg") + ";base64,"
-                                           + _value(source, "data", ""))
-                                    parts.append({"type": "image_url", "image_url": {"url": url}})
-                                elif stype == "url":
-                                    parts.append({"type": "image_url",
-                                                  "image_url": {"url": _value(source, "url", "")}})
-                        tool_results.append({"role": "tool", "tool_call_id": tid,
-                                             "content": parts if has_images else text})
-                    else:
-                        tool_results.append({"role": "tool", "tool_call_id": tid, "content": ""})
-            if converted or has_tool_calls or reasoning:  # server-chat.cpp:527-540
-                new_msg: dict[str, Any] = {"role": role}
-                if converted:
-                    new_msg["content"] = converted
-                else:
-                    new_msg["content"] = ""
-                if tool_calls:
-                    new_msg["tool_calls"] = tool_calls
-                if reasoning:
-                    new_msg["reasoning_content"] = reasoning
-                messages.append(new_msg)
-            messages.extend(tool_results)  # after the message's own text: server-chat.cpp:542-544
+            messages.extend(_anthropic_message(msg))
     oai["messages"] = messages
     tools = body.get("tools")
     if "tools" in body and isinstance(tools, list):  # server-chat.cpp:548-565
@@ -230,6 +149,98 @@ def anthropic_to_chat(body: Mapping) -> dict:
         if uid:
             oai["__metadata_user_id"] = uid
     return oai
+
+
+def _anthropic_system(system: Any) -> str:
+    """The system message's content (server-chat.cpp:353-373): a string, or the text blocks of a
+    list concatenated without a separator, each through :func:`normalize_billing_header`."""
+    if isinstance(system, str):
+        return normalize_billing_header(system)
+    content = ""
+    if isinstance(system, list):
+        for block in system:
+            if _value(block, "type", "") == "text":
+                content += normalize_billing_header(_value(block, "text", ""))
+    return content
+
+
+def _image_part(source: Any) -> dict | None:
+    """An Anthropic image ``source`` as a chat ``image_url`` part (a ``data:`` URL for base64), None
+    for another source type (skipped, server-chat.cpp:418-436)."""
+    stype = _value(source, "type", "")
+    if stype == "base64":
+        url = "data:" + _value(source, "media_type", "image/jpeg") + ";base64," + _value(source, "data", "")
+        return {"type": "image_url", "image_url": {"url": url}}
+    if stype == "url":
+        return {"type": "image_url", "image_url": {"url": _value(source, "url", "")}}
+    return None
+
+
+def _anthropic_message(msg: Any) -> list[Any]:
+    """The chat messages one Anthropic message becomes (server-chat.cpp:381-545): none (an assistant
+    message without content), the message as it is (no content list), or the converted message
+    (text and image parts, ``tool_calls``, ``reasoning_content``) followed by one ``tool`` message
+    per ``tool_result`` block."""
+    role = _value(msg, "role", "")
+    if not isinstance(msg, Mapping) or "content" not in msg:
+        return [] if role == "assistant" else [copy.deepcopy(msg)]
+    content = msg["content"]
+    if not isinstance(content, list):  # a string, or anything else: as is
+        return [copy.deepcopy(msg)]
+    tool_calls: list = []
+    converted: list = []
+    tool_results: list = []
+    reasoning = ""
+    for block in content:
+        btype = _value(block, "type", "")
+        if btype == "text":
+            converted.append(copy.deepcopy(block))
+        elif btype == "thinking":
+            reasoning += _value(block, "thinking", "")
+        elif btype == "image":
+            part = _image_part(_value(block, "source", {}))
+            if part is not None:
+                converted.append(part)
+        elif btype == "tool_use":
+            tool_calls.append({"id": _value(block, "id", ""), "type": "function",
+                               "function": {"name": _value(block, "name", ""),
+                                            "arguments": _dump(_value(block, "input", {}))}})
+        elif btype == "tool_result":
+            tool_results.append(_anthropic_tool_result(block))
+    out: list[Any] = []
+    if converted or tool_calls or reasoning:  # server-chat.cpp:527-540
+        new_msg: dict[str, Any] = {"role": role, "content": converted if converted else ""}
+        if tool_calls:
+            new_msg["tool_calls"] = tool_calls
+        if reasoning:
+            new_msg["reasoning_content"] = reasoning
+        out.append(new_msg)
+    return out + tool_results  # after the message's own text: server-chat.cpp:542-544
+
+
+def _anthropic_tool_result(block: Any) -> dict:
+    """A ``tool_result`` block as a ``tool`` message (server-chat.cpp:455-525): a string content as
+    it is; a list as its texts concatenated, or as text and image parts when it holds an image;
+    anything else as ``""``."""
+    tid = _value(block, "tool_use_id", "")
+    rc = _value(block, "content", None)
+    if isinstance(rc, str):
+        return {"role": "tool", "tool_call_id": tid, "content": rc}
+    if not isinstance(rc, list):
+        return {"role": "tool", "tool_call_id": tid, "content": ""}
+    text, parts, has_images = "", [], False  # server-chat.cpp:467-522
+    for c in rc:
+        ctype = _value(c, "type", "")
+        if ctype == "text":
+            t = _value(c, "text", "")
+            text += t
+            parts.append({"type": "text", "text": t})
+        elif ctype == "image":
+            has_images = True
+            part = _image_part(_value(c, "source", {}))
+            if part is not None:
+                parts.append(part)
+    return {"role": "tool", "tool_call_id": tid, "content": parts if has_images else text}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -264,102 +275,7 @@ def responses_to_chat(body: Mapping) -> dict:
         msgs.append({"role": "user", "content": inp})
     elif isinstance(inp, list):
         for item in inp:  # server-chat.cpp:43-264
-            item = copy.deepcopy(item)
-            merge_prev = bool(msgs) and msgs[-1].get("role", "") == "assistant"
-            if _is_str(item, "content"):
-                item["content"] = [{"text": item["content"], "type": "input_text"}]
-            if _is_list(item, "content") and _is_str(item, "role") and item["role"] in ("user", "system", "developer"):
-                parts = []
-                for part in item["content"]:
-                    ptype = _value(part, "type", "")
-                    if ptype == "input_text":
-                        if not isinstance(part, Mapping) or "text" not in part:
-                            raise ConversionError("'Input text' requires 'text'")
-                        parts.append({"text": part["text"], "type": "text"})
-                    elif ptype == "input_image":
-                        if "image_url" not in part:
-                            raise ConversionError("'image_url' is required")
-                        parts.append({"image_url": {"url": part["image_url"]}, "type": "image_url"})
-                    elif ptype == "input_file":
-                        raise ConversionError("'input_file' is not supported by llamacpp at this moment")
-                    else:
-                        raise ConversionError("'type' must be one of 'input_text', 'input_image', or 'input_file'")
-                item.pop("type", None)
-                item.pop("status", None)
-                item["content"] = parts
-                msgs.append(item)
-            elif _is_str(item, "role") and item["role"] == "assistant" and _is_str(item, "type") \
-                    and item["type"] == "message":
-                parts = []
-                if isinstance(item.get("content"), str):
-                    parts.append({"text": item["content"], "type": "text"})
-                elif _is_list(item, "content"):
-                    for part in item["content"]:
-                        ptype = _value(part, "type", "")
-                        if ptype in ("output_text", "input_text"):
-                            if not _is_str(part, "text"):
-                                raise ConversionError("'Output text' requires 'text'")
-                            parts.append({"text": part["text"], "type": "text"})
-                        elif ptype == "refusal":
-                            if not _is_str(part, "refusal"):
-                                raise ConversionError("'Refusal' requires 'refusal'")
-                            parts.append({"refusal": part["refusal"], "type": "refusal"})
-                        else:
-                            raise ConversionError("'type' must be one of 'output_text' or 'refusal'")
-                if merge_prev:  # server-chat.cpp:150-157 (appends to the previous assistant turn)
-                    prev = msgs[-1]
-                    if not isinstance(prev.get("content"), list):
-                        prev["content"] = []
-                    prev["content"].extend(parts)
-                else:
-                    item.pop("status", None)
-                    item.pop("type", None)
-                    item["content"] = parts
-                    msgs.append(item)
-            elif (_is_str(item, "arguments") and _is_str(item, "call_id") and _is_str(item, "name")
-                  and _is_str(item, "type") and item["type"] == "function_call"):
-                call = {"function": {"arguments": item["arguments"], "name": item["name"]},
-                        "id": item["call_id"], "type": "function"}
-                if merge_prev:
-                    prev = msgs[-1]
-                    if not isinstance(prev.get("tool_calls"), list):
-                        prev["tool_calls"] = []
-                    prev["tool_calls"].append(call)
-                else:
-                    msgs.append({"role": "assistant", "tool_calls": [call]})
-            elif (_is_str(item, "call_id") and (_is_str(item, "output") or _is_list(item, "output"))
-                  and _is_str(item, "type") and item["type"] == "function_call_output"):
-                if isinstance(item["output"], str):
-                    msgs.append({"content": item["output"], "role": "tool", "tool_call_id": item["call_id"]})
-                else:
-                    outs = item["output"]
-                    for o in outs:
-                        if not isinstance(o, Mapping) or "type" not in o:
-                            raise ConversionError("Output of tool call missing 'type' field")
-                        if o["type"] not in ("input_text", "input_image"):
-                            raise ConversionError("Output of tool call should be 'Input text' or 'Input image'")
-                        if o["type"] == "input_text":
-                            o["type"] = "text"
-                        else:
-                            if "image_url" not in o:
-                                raise ConversionError("'image_url' is required")
-                            o["type"] = "image_url"
-                            o["image_url"] = {"url": o["image_url"]}
-                    msgs.append({"content": outs, "role": "tool", "tool_call_id": item["call_id"]})
-            elif _is_list(item, "summary") and _is_str(item, "type") and item["type"] == "reasoning":
-                if not _is_list(item, "content"):
-                    raise ConversionError("item['content'] is not an array")
-                if not item["content"]:
-                    raise ConversionError("item['content'] is empty")
-                if not _is_str(item["content"][0], "text"):
-                    raise ConversionError("item['content']['text'] is not a string")
-                text = item["content"][0]["text"]
-                if merge_prev:
-                    msgs[-1]["reasoning_content"] = text
-                else:
-                    msgs.append({"role": "assistant", "content": [], "reasoning_content": text})
-            else:
-                raise ConversionError("Cannot determine type of 'item'")
+            _responses_item(msgs, copy.deepcopy(item))
     else:
         raise ConversionError("'input' must be a string or array of objects")
     out["messages"] = msgs
@@ -387,6 +303,132 @@ def responses_to_chat(body: Mapping) -> dict:
             out["reasoning_effort"] = copy.deepcopy(reasoning["effort"])
         out.pop("reasoning", None)
     return out
+
+
+def _responses_item(msgs: list[dict], item: Any) -> None:
+    """Append what one ``input`` item (a copy, changed in place) becomes to ``msgs``
+    (server-chat.cpp:43-264): a user/system/developer message, an assistant message, a function
+    call or a reasoning item (merged into the previous assistant turn when there is one), or a
+    ``tool`` message. Raises ConversionError for an item the server cannot type."""
+    merge_prev = bool(msgs) and msgs[-1].get("role", "") == "assistant"
+    if _is_str(item, "content"):
+        item["content"] = [{"text": item["content"], "type": "input_text"}]
+    if _is_list(item, "content") and _is_str(item, "role") and item["role"] in ("user", "system", "developer"):
+        parts = _input_parts(item["content"])
+        item.pop("type", None)
+        item.pop("status", None)
+        item["content"] = parts
+        msgs.append(item)
+    elif _is_str(item, "role") and item["role"] == "assistant" and _is_str(item, "type") \
+            and item["type"] == "message":
+        parts = _output_parts(item)
+        if merge_prev:  # server-chat.cpp:150-157 (appends to the previous assistant turn)
+            prev = msgs[-1]
+            if not isinstance(prev.get("content"), list):
+                prev["content"] = []
+            prev["content"].extend(parts)
+        else:
+            item.pop("status", None)
+            item.pop("type", None)
+            item["content"] = parts
+            msgs.append(item)
+    elif (_is_str(item, "arguments") and _is_str(item, "call_id") and _is_str(item, "name")
+          and _is_str(item, "type") and item["type"] == "function_call"):
+        call = {"function": {"arguments": item["arguments"], "name": item["name"]},
+                "id": item["call_id"], "type": "function"}
+        if merge_prev:
+            prev = msgs[-1]
+            if not isinstance(prev.get("tool_calls"), list):
+                prev["tool_calls"] = []
+            prev["tool_calls"].append(call)
+        else:
+            msgs.append({"role": "assistant", "tool_calls": [call]})
+    elif (_is_str(item, "call_id") and (_is_str(item, "output") or _is_list(item, "output"))
+          and _is_str(item, "type") and item["type"] == "function_call_output"):
+        output = item["output"] if isinstance(item["output"], str) else _tool_outputs(item["output"])
+        msgs.append({"content": output, "role": "tool", "tool_call_id": item["call_id"]})
+    elif _is_list(item, "summary") and _is_str(item, "type") and item["type"] == "reasoning":
+        text = _reasoning_text(item)
+        if merge_prev:
+            msgs[-1]["reasoning_content"] = text
+        else:
+            msgs.append({"role": "assistant", "content": [], "reasoning_content": text})
+    else:
+        raise ConversionError("Cannot determine type of 'item'")
+
+
+def _input_parts(content: list) -> list[dict]:
+    """The content parts of a user/system/developer item: ``input_text`` -> text, ``input_image``
+    -> ``image_url``; ConversionError for ``input_file`` and any other type."""
+    parts = []
+    for part in content:
+        ptype = _value(part, "type", "")
+        if ptype == "input_text":
+            if not isinstance(part, Mapping) or "text" not in part:
+                raise ConversionError("'Input text' requires 'text'")
+            parts.append({"text": part["text"], "type": "text"})
+        elif ptype == "input_image":
+            if "image_url" not in part:
+                raise ConversionError("'image_url' is required")
+            parts.append({"image_url": {"url": part["image_url"]}, "type": "image_url"})
+        elif ptype == "input_file":
+            raise ConversionError("'input_file' is not supported by llamacpp at this moment")
+        else:
+            raise ConversionError("'type' must be one of 'input_text', 'input_image', or 'input_file'")
+    return parts
+
+
+def _output_parts(item: Mapping) -> list[dict]:
+    """The content parts of an assistant ``message`` item: a string as one text part;
+    ``output_text``/``input_text`` -> text, ``refusal`` kept; ConversionError for another type."""
+    parts = []
+    if isinstance(item.get("content"), str):
+        parts.append({"text": item["content"], "type": "text"})
+    elif _is_list(item, "content"):
+        for part in item["content"]:
+            ptype = _value(part, "type", "")
+            if ptype in ("output_text", "input_text"):
+                if not _is_str(part, "text"):
+                    raise ConversionError("'Output text' requires 'text'")
+                parts.append({"text": part["text"], "type": "text"})
+            elif ptype == "refusal":
+                if not _is_str(part, "refusal"):
+                    raise ConversionError("'Refusal' requires 'refusal'")
+                parts.append({"refusal": part["refusal"], "type": "refusal"})
+            else:
+                raise ConversionError("'type' must be one of 'output_text' or 'refusal'")
+    return parts
+
+
+def _tool_outputs(outs: list) -> list:
+    """A ``function_call_output``'s list output, its parts retyped in place: ``input_text`` ->
+    ``text``, ``input_image`` -> ``image_url``; ConversionError for a part without or of another
+    type."""
+    for o in outs:
+        if not isinstance(o, MutableMapping) or "type" not in o:   # a JSON object (a dict)
+            raise ConversionError("Output of tool call missing 'type' field")
+        if o["type"] not in ("input_text", "input_image"):
+            raise ConversionError("Output of tool call should be 'Input text' or 'Input image'")
+        if o["type"] == "input_text":
+            o["type"] = "text"
+        else:
+            if "image_url" not in o:
+                raise ConversionError("'image_url' is required")
+            o["type"] = "image_url"
+            o["image_url"] = {"url": o["image_url"]}
+    return outs
+
+
+def _reasoning_text(item: Mapping) -> str:
+    """The text of a ``reasoning`` item: its first ``content`` part's ``text``; ConversionError when
+    ``content`` is not a non-empty list starting with a text."""
+    if not _is_list(item, "content"):
+        raise ConversionError("item['content'] is not an array")
+    if not item["content"]:
+        raise ConversionError("item['content'] is empty")
+    if not _is_str(item["content"][0], "text"):
+        raise ConversionError("item['content']['text'] is not a string")
+    return item["content"][0]["text"]
 
 
 def to_chat(path: str, body: Mapping) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ocache.textsafe import term
+from ocache.tiers.evict import ValuePolicy
 from ocache.tiers.store import DAY_S, LockedError, Store, data_dir_of
 
 KINDS = {"anchors": "a", "spills": "s", "heads": "h", "all": None}
@@ -86,11 +87,11 @@ _LEFT = {0, 1, 2, 3, 10, 11}
 
 def table(entries: list, now: float) -> str:
     """The ``ls`` table: one line per entry, in eviction order (``EVICT`` 1 goes first: lowest
-    value, ``Entry.value``). FOLDER/CLIENT/MODEL come from the entry's meta (the request that
+    value, ``ocache.tiers.evict.ValuePolicy``, the store's default policy). FOLDER/CLIENT/MODEL come from the entry's meta (the request that
     made it; ``-`` for entries written before ocache recorded them); MODEL falls back to the
     server identity key. Text from requests is escaped for the terminal (``ocache.textsafe.term``)."""
     rows = [COLUMNS]
-    for rank, e in enumerate(sorted(entries, key=lambda e: e.value(now)), 1):
+    for rank, e in enumerate(ValuePolicy().candidates(entries, now), 1):
         m = e.meta
         rows.append((term(KIND_NAMES.get(e.kind, e.kind)), term(m.get("folder") or "-"),
                      term(m.get("client") or "-"), term(m.get("model") or f"id {e.identity[:8]}"),

@@ -66,6 +66,23 @@ class Finding:
         return f"[{self.level}] {self.flag}: {self.message}"
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What one ``check`` knows: ``params``, the server's ``props`` ({} offline), ``known``: the
+    launch argv is known; ``server``: a server was queried; ``n_slots``: from ``/slots`` when it
+    answered, else the params'; the probes ``metrics_ok``/``slot_actions_ok``; ``head_tokens``."""
+
+    params: ServerParams
+    props: Mapping
+    known: bool
+    server: bool
+    n_slots: int
+    metrics_ok: bool | None
+    slot_actions_ok: bool | None
+    head_tokens: int | None
+    slots_seen: bool
+
+
 def check(params: ServerParams, props: Mapping | None, slots: Sequence[Mapping] | None = None, *,
           argv: Sequence[str] | None = None, metrics_ok: bool | None = None,
           slot_actions_ok: bool | None = None, head_tokens: int | None = None) -> list[Finding]:
@@ -77,145 +94,156 @@ def check(params: ServerParams, props: Mapping | None, slots: Sequence[Mapping] 
     probed). ``head_tokens``: a harness head length to compare ``--checkpoint-min-step`` with.
     Reads the file system once: whether ``--slot-save-path`` is a directory here.
     """
+    seen = _Seen(params, props or {}, known=argv is not None, server=props is not None,
+                 n_slots=len(slots) if slots else params.n_slots, metrics_ok=metrics_ok,
+                 slot_actions_ok=slot_actions_ok, head_tokens=head_tokens, slots_seen=bool(slots))
     out: list[Finding] = []
-    known = argv is not None
-    server = props is not None
-    props = props or {}
-    n_slots = len(slots) if slots else params.n_slots
-    build = str(props.get("build_info", ""))
-
-    def add(level: str, flag: str, message: str) -> None:
-        out.append(Finding(level, flag, message))
-
-    if slots is not None and props.get("endpoint_slots") is False:
-        add(ERROR, "--slots", "the /slots endpoint is off: ocache cannot reconcile slots")
-
-    # -np
-    if known and not params.n_parallel_explicit:
-        add(ERROR, "-np", "not set: the server runs 4 slots on a unified KV and clears idle slots "
-            "when another request starts (--cache-idle-slots); nothing stays resident. Set -np N "
-            "(2 or more)")
-    elif (known or slots) and n_slots < 2:
-        add(WARN, "-np", "1 slot: a guest request (title, tags) replaces the conversation; use -np 2 "
-            "so guests get a side slot, or rely on the session tier to spill and restore it")
-    elif known or slots:
-        add(OK, "-np", f"{n_slots} slots" + ("" if known else " (from /slots)"))
-    else:
-        add(UNKNOWN, "-np", "not on the command line and no server to ask")
-
-    # -kvu / --cache-idle-slots
-    if known:
-        if params.kv_unified and params.cache_idle_slots:
-            add(ERROR, "-kvu", "a unified KV with --cache-idle-slots clears every idle slot when a "
-                "request starts; use --no-cache-idle-slots or drop -kvu")
-        else:
-            add(OK, "-kvu", "per-slot KV" if not params.kv_unified else "unified KV with "
-                "--no-cache-idle-slots")
-    else:
-        add(UNKNOWN, "-kvu", "the server does not report it: pass the command line after `--`")
-
-    # --slot-save-path
-    save_ok = slot_actions_ok if slot_actions_ok is not None else (bool(params.slot_save_path) if known else None)
-    if save_ok is False:
-        add(WARN, "--slot-save-path", "not set: slot save/restore is off, so the disk and session "
-            "tiers and the saved harness head are disabled")
-    elif save_ok and params.slot_save_path and not os.path.isdir(os.path.expanduser(params.slot_save_path)):
-        add(ERROR, "--slot-save-path", f"{params.slot_save_path} is not a directory on this machine: "
-            "ocache must see the directory llama-server writes slot files to (use an absolute path, "
-            "the same for both); the disk, session and head tiers stay off")
-    elif save_ok:
-        add(OK, "--slot-save-path", "slot save/restore enabled")
-    else:
-        add(UNKNOWN, "--slot-save-path", "not on the command line and no server to ask")
-
-    # checkpoints (hybrid/recurrent models only)
-    hybrid = params.checkpoints
-    step = params.checkpoint_min_step
-    limit = head_tokens if head_tokens else 4096
-    if hybrid is False:
-        add(OK, "--ctx-checkpoints", f"not used by a {params.arch or 'non-recurrent'} model")
-        add(OK, "--checkpoint-min-step", f"not used by a {params.arch or 'non-recurrent'} model")
-        add(OK, "-ub", f"{params.n_ubatch}" + ("" if "n_ubatch" in params.known else " (default)"))
-    elif hybrid is None:
-        for flag in ("--ctx-checkpoints", "--checkpoint-min-step", "-ub"):
-            add(UNKNOWN, flag, "model architecture unknown (model file not readable here): matters "
-                "for hybrid/recurrent models only")
-    else:
-        if params.ctx_checkpoints <= 0:
-            add(ERROR, "--ctx-checkpoints", f"0 on a {params.arch or 'hybrid'} model: a prompt that "
-                "does not strictly extend a slot re-prefills from token 0")
-        elif known or "ctx_checkpoints" in params.known:
-            add(OK, "--ctx-checkpoints", f"{params.ctx_checkpoints} per slot"
-                + ("" if "ctx_checkpoints" in params.known else " (default)"))
-        else:
-            add(UNKNOWN, "--ctx-checkpoints", "the server does not report it (default 32): pass "
-                "the command line after `--`")
-        if not known and "checkpoint_min_step" not in params.known:
-            add(UNKNOWN, "--checkpoint-min-step", f"the server does not report it (default 8192; "
-                f"ocache wants <= {limit}): pass the command line after `--`")
-        elif step > limit:
-            add(WARN, "--checkpoint-min-step", f"{step} tokens{'' if 'checkpoint_min_step' in params.known else ' (default)'}: "
-                f"checkpoints at user messages are at least this far apart, so a hybrid resume can "
-                f"land up to {step} tokens early; use <= {limit} "
-                f"({'the harness head' if head_tokens else 'smaller than a typical harness head'})")
-        else:
-            add(OK, "--checkpoint-min-step", f"{step} tokens")
-        if not known and "n_ubatch" not in params.known:
-            add(UNKNOWN, "-ub", "the server does not report it (default 512)")
-        elif params.n_ubatch > 512:
-            add(INFO, "-ub", f"{params.n_ubatch}: a hybrid resume lands on ubatch boundaries; a "
-                "smaller -ub re-reads fewer tokens")
-        else:
-            add(OK, "-ub", f"{params.n_ubatch}")
-
-    # --metrics
-    metrics = metrics_ok if metrics_ok is not None else (params.metrics if known else None)
-    if metrics is False:
-        add(WARN, "--metrics", "off: restarts are detected only from /props and /slots task ids "
-            "(the /metrics Process-Start-Time-Unix header is the signal)")
-    elif metrics:
-        add(OK, "--metrics", "on (restart detection by boot id)")
-    else:
-        add(UNKNOWN, "--metrics", "not on the command line and no server to ask")
-
-    # --cache-ram
-    if known or "cache_ram" in params.known:
-        if params.cache_ram and n_slots >= 2:
-            add(INFO, "--cache-ram", f"{params.cache_ram} MiB: the server may swap a RAM entry into a "
-                "slot ocache replaces; cache_n can then exceed the prediction (0 = off)")
-        else:
-            add(OK, "--cache-ram", "off" if not params.cache_ram else f"{params.cache_ram} MiB, 1 slot")
-    else:
-        add(UNKNOWN, "--cache-ram", "the server does not report it (default 8192 MiB): pass the "
-            "command line after `--`")
-
-    # -fa
-    if known:
-        if params.flash_attn in (None, "auto"):
-            add(WARN, "-fa", "auto: slot files depend on the resolved flash-attention setting; pin "
-                "-fa on or -fa off")
-        else:
-            add(OK, "-fa", params.flash_attn)
-    else:
-        add(UNKNOWN, "-fa", "the server does not report it: pass the command line after `--`")
-
-    # the patched build
-    if not server:
-        add(UNKNOWN, "build", "no server queried (offline)")
-    elif "+ocache." in build:
-        add(OK, "build", build)
-    else:
-        add(WARN, "build", f"{build or 'unknown build'} is not the patched build: restored hybrid "
-            "slots have no checkpoints (only prompts that strictly extend them reuse anything); run "
-            "`ocache engine build`")
-
-    # the model
-    if hybrid is None:
-        add(UNKNOWN, "model", "architecture unknown (model file not readable here): set "
-            "tiers.resident.checkpoints in the config for a hybrid model")
-    else:
-        add(OK, "model", f"{params.arch or '?'}: {'hybrid/recurrent, resumes at checkpoints' if hybrid else 'resumes at any token'}")
+    if slots is not None and seen.props.get("endpoint_slots") is False:
+        out.append(Finding(ERROR, "--slots", "the /slots endpoint is off: ocache cannot reconcile slots"))
+    for rule in (_check_np, _check_kvu, _check_slot_save_path, _check_checkpoints, _check_metrics,
+                 _check_cache_ram, _check_fa, _check_build, _check_model):
+        out.extend(rule(seen))
     return out
+
+
+def _check_np(c: _Seen) -> list[Finding]:
+    if c.known and not c.params.n_parallel_explicit:
+        return [Finding(ERROR, "-np", "not set: the server runs 4 slots on a unified KV and clears idle "
+                        "slots when another request starts (--cache-idle-slots); nothing stays resident. "
+                        "Set -np N (2 or more)")]
+    if (c.known or c.slots_seen) and c.n_slots < 2:
+        return [Finding(WARN, "-np", "1 slot: a guest request (title, tags) replaces the conversation; use "
+                        "-np 2 so guests get a side slot, or rely on the session tier to spill and restore it")]
+    if c.known or c.slots_seen:
+        return [Finding(OK, "-np", f"{c.n_slots} slots" + ("" if c.known else " (from /slots)"))]
+    return [Finding(UNKNOWN, "-np", "not on the command line and no server to ask")]
+
+
+def _check_kvu(c: _Seen) -> list[Finding]:
+    """``-kvu`` with ``--cache-idle-slots``."""
+    if not c.known:
+        return [Finding(UNKNOWN, "-kvu", "the server does not report it: pass the command line after `--`")]
+    if c.params.kv_unified and c.params.cache_idle_slots:
+        return [Finding(ERROR, "-kvu", "a unified KV with --cache-idle-slots clears every idle slot when a "
+                        "request starts; use --no-cache-idle-slots or drop -kvu")]
+    return [Finding(OK, "-kvu", "per-slot KV" if not c.params.kv_unified else "unified KV with "
+                    "--no-cache-idle-slots")]
+
+
+def _check_slot_save_path(c: _Seen) -> list[Finding]:
+    p = c.params
+    save_ok = c.slot_actions_ok if c.slot_actions_ok is not None else (bool(p.slot_save_path) if c.known else None)
+    if save_ok is False:
+        return [Finding(WARN, "--slot-save-path", "not set: slot save/restore is off, so the disk and "
+                        "session tiers and the saved harness head are disabled")]
+    if save_ok and p.slot_save_path and not os.path.isdir(os.path.expanduser(p.slot_save_path)):
+        return [Finding(ERROR, "--slot-save-path", f"{p.slot_save_path} is not a directory on this machine: "
+                        "ocache must see the directory llama-server writes slot files to (use an absolute "
+                        "path, the same for both); the disk, session and head tiers stay off")]
+    if save_ok:
+        return [Finding(OK, "--slot-save-path", "slot save/restore enabled")]
+    return [Finding(UNKNOWN, "--slot-save-path", "not on the command line and no server to ask")]
+
+
+def _check_checkpoints(c: _Seen) -> list[Finding]:
+    """``--ctx-checkpoints``, ``--checkpoint-min-step`` and ``-ub`` (hybrid/recurrent models only)."""
+    p = c.params
+    if p.checkpoints is False:
+        return [Finding(OK, "--ctx-checkpoints", f"not used by a {p.arch or 'non-recurrent'} model"),
+                Finding(OK, "--checkpoint-min-step", f"not used by a {p.arch or 'non-recurrent'} model"),
+                Finding(OK, "-ub", f"{p.n_ubatch}" + ("" if "n_ubatch" in p.known else " (default)"))]
+    if p.checkpoints is None:
+        return [Finding(UNKNOWN, flag, "model architecture unknown (model file not readable here): matters "
+                        "for hybrid/recurrent models only")
+                for flag in ("--ctx-checkpoints", "--checkpoint-min-step", "-ub")]
+    return [_check_ctx_checkpoints(c), _check_min_step(c), _check_ubatch(c)]
+
+
+def _check_ctx_checkpoints(c: _Seen) -> Finding:
+    p = c.params
+    if p.ctx_checkpoints <= 0:
+        return Finding(ERROR, "--ctx-checkpoints", f"0 on a {p.arch or 'hybrid'} model: a prompt that "
+                       "does not strictly extend a slot re-prefills from token 0")
+    if c.known or "ctx_checkpoints" in p.known:
+        return Finding(OK, "--ctx-checkpoints", f"{p.ctx_checkpoints} per slot"
+                       + ("" if "ctx_checkpoints" in p.known else " (default)"))
+    return Finding(UNKNOWN, "--ctx-checkpoints", "the server does not report it (default 32): pass "
+                   "the command line after `--`")
+
+
+def _check_min_step(c: _Seen) -> Finding:
+    p, step = c.params, c.params.checkpoint_min_step
+    limit = c.head_tokens if c.head_tokens else 4096
+    if not c.known and "checkpoint_min_step" not in p.known:
+        return Finding(UNKNOWN, "--checkpoint-min-step", f"the server does not report it (default 8192; "
+                       f"ocache wants <= {limit}): pass the command line after `--`")
+    if step > limit:
+        return Finding(WARN, "--checkpoint-min-step", f"{step} tokens{'' if 'checkpoint_min_step' in p.known else ' (default)'}: "
+                       f"checkpoints at user messages are at least this far apart, so a hybrid resume can "
+                       f"land up to {step} tokens early; use <= {limit} "
+                       f"({'the harness head' if c.head_tokens else 'smaller than a typical harness head'})")
+    return Finding(OK, "--checkpoint-min-step", f"{step} tokens")
+
+
+def _check_ubatch(c: _Seen) -> Finding:
+    p = c.params
+    if not c.known and "n_ubatch" not in p.known:
+        return Finding(UNKNOWN, "-ub", "the server does not report it (default 512)")
+    if p.n_ubatch > 512:
+        return Finding(INFO, "-ub", f"{p.n_ubatch}: a hybrid resume lands on ubatch boundaries; a "
+                       "smaller -ub re-reads fewer tokens")
+    return Finding(OK, "-ub", f"{p.n_ubatch}")
+
+
+def _check_metrics(c: _Seen) -> list[Finding]:
+    metrics = c.metrics_ok if c.metrics_ok is not None else (c.params.metrics if c.known else None)
+    if metrics is False:
+        return [Finding(WARN, "--metrics", "off: restarts are detected only from /props and /slots task ids "
+                        "(the /metrics Process-Start-Time-Unix header is the signal)")]
+    if metrics:
+        return [Finding(OK, "--metrics", "on (restart detection by boot id)")]
+    return [Finding(UNKNOWN, "--metrics", "not on the command line and no server to ask")]
+
+
+def _check_cache_ram(c: _Seen) -> list[Finding]:
+    p = c.params
+    if not (c.known or "cache_ram" in p.known):
+        return [Finding(UNKNOWN, "--cache-ram", "the server does not report it (default 8192 MiB): pass the "
+                        "command line after `--`")]
+    if p.cache_ram and c.n_slots >= 2:
+        return [Finding(INFO, "--cache-ram", f"{p.cache_ram} MiB: the server may swap a RAM entry into a "
+                        "slot ocache replaces; cache_n can then exceed the prediction (0 = off)")]
+    return [Finding(OK, "--cache-ram", "off" if not p.cache_ram else f"{p.cache_ram} MiB, 1 slot")]
+
+
+def _check_fa(c: _Seen) -> list[Finding]:
+    if not c.known:
+        return [Finding(UNKNOWN, "-fa", "the server does not report it: pass the command line after `--`")]
+    if c.params.flash_attn in (None, "auto"):
+        return [Finding(WARN, "-fa", "auto: slot files depend on the resolved flash-attention setting; pin "
+                        "-fa on or -fa off")]
+    return [Finding(OK, "-fa", str(c.params.flash_attn))]
+
+
+def _check_build(c: _Seen) -> list[Finding]:
+    """The patched build (``build_info`` contains ``+ocache.``)."""
+    build = str(c.props.get("build_info", ""))
+    if not c.server:
+        return [Finding(UNKNOWN, "build", "no server queried (offline)")]
+    if "+ocache." in build:
+        return [Finding(OK, "build", build)]
+    return [Finding(WARN, "build", f"{build or 'unknown build'} is not the patched build: restored hybrid "
+                    "slots have no checkpoints (only prompts that strictly extend them reuse anything); run "
+                    "`ocache engine build`")]
+
+
+def _check_model(c: _Seen) -> list[Finding]:
+    p = c.params
+    if p.checkpoints is None:
+        return [Finding(UNKNOWN, "model", "architecture unknown (model file not readable here): set "
+                        "tiers.resident.checkpoints in the config for a hybrid model")]
+    return [Finding(OK, "model", f"{p.arch or '?'}: "
+                    f"{'hybrid/recurrent, resumes at checkpoints' if p.checkpoints else 'resumes at any token'}")]
 
 
 async def probe_endpoints(session: Any, base_url: str, headers: Mapping[str, str] | None = None) -> tuple[bool | None, bool | None]:

@@ -113,9 +113,10 @@ class TierBase:
         """``slot``'s conversation is about to be replaced by another one (the caller holds the lease)."""
         return None
 
-    async def on_drain(self, table: Any) -> None:
+    async def on_drain(self, table: Any) -> dict | None:
         """Planned stop (in-flight requests finished): by default :meth:`before_evict` on every slot
-        holding a live conversation (``agent``/``other``), under its lock."""
+        holding a live conversation (``agent``/``other``), under its lock. Returns what the tier
+        did (a tier's own summary dict) or None."""
         for st in list(table.slots):
             if st.tokens and st.kind in ("agent", "other"):
                 async with table.lock(st.id):
@@ -123,6 +124,7 @@ class TierBase:
                         await self.before_evict(st.id)
                     except Exception:  # noqa: BLE001 - a drain goes on
                         log.exception("tier %s before_evict(slot %d) on drain failed", self.name, st.id)
+        return None
 
     async def on_upstream_restart(self) -> None:
         """A new llama-server process: forget per-slot beliefs about the old one."""

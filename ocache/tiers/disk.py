@@ -106,9 +106,12 @@ class SlotOps(Protocol):
     ``/completion`` answer with ``timings``) and raises on an HTTP error.
     """
 
+    #: the server checks a restore's ``xxh3`` itself (patches/0006, ``SlotTable.checks_xxh3``)
+    checks_xxh3: bool
+
     async def save(self, slot: int, filename: str) -> dict: ...
     async def restore(self, slot: int, filename: str, tokens: Sequence[int] | None = None,
-                      checkpoints: Sequence[Any] | None = None) -> dict: ...
+                      checkpoints: Sequence[Any] | None = None, xxh3: str | None = None) -> dict: ...
     async def warm(self, slot: int, tokens: Sequence[int], *, message_delimiters: list | None = None,
                    user_starts: Sequence[int] = ()) -> dict: ...
     def held_exactly(self, slot: int) -> list[int] | None: ...
@@ -261,11 +264,12 @@ class DiskTier(TierBase):
         done = []
         await asyncio.to_thread(self._check_identity)
         held = self._held(slot)
-        if held is not None and self._save_held(view, held):
+        why = self._save_held(view, held) if held is not None else None
+        if held is not None and why:
             # the slot holds exactly a wanted prefix already (e.g. the layer's head warm-up): the
             # prefill will not pass that line, so save it as it is (costs the save only)
             if await self.save_slot(slot, list(held), fingerprint=_get(ctx, "head_key"),
-                                    reason=self._save_held(view, held), labels=_get(ctx, "labels")):
+                                    reason=why, labels=_get(ctx, "labels")):
                 done.append(len(held))
         # a line stored since the plan (the held save above, another request) is not written again
         todo = [ln for ln in lines if self.store.identity is not None
