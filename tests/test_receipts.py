@@ -1,0 +1,79 @@
+"""Every release of a plan is a receipt spent once (``ocache.layer.Receipt``; issue 25).
+
+The contract (``ocache/layer.py``): ``release`` is called exactly once per plan. The real-server
+test reproduces the confirmed defect: a client that leaves while the proxy plans its request again
+after the server's 412 (another process than the one the plan was made for, patches/0007) had its
+refused plan released twice: once when the proxy ended it, again by the finish path, which still
+held it. The second release of a known turn marks its slot unknown without holding the slot's
+lease (``OCacheLayer._plan_known``'s release), wiping the record of whichever request holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+
+from test_hardening_cache import CHAT
+from test_known_turn import _next_turn, _third_turn_ready
+
+
+# --------------------------------------------------------------------------- against the server
+
+@pytest.mark.server
+async def test_a_client_that_leaves_while_its_turn_is_planned_again_is_released_once(start_server, tmp_path):
+    """Turn 4 of a known conversation after a restart on the same port: the new process refuses
+    the known turn's precondition (412), the proxy ends that plan and plans the request again, and
+    the client leaves during that second plan. The refused plan's ``release`` runs once (before the
+    fix: twice, the second from the finish path), and no plan is left unreleased."""
+    async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
+        layer = proxy.layer
+        assert layer.table.if_boot               # the patched build checks the process itself
+        async with s.post(base + CHAT, json=body, headers=h) as r:
+            assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+            data = await r.json()
+        await proxy.wait_background()
+        await layer.idle()
+        nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "After the restart?")
+
+        real_plan = layer.plan
+        releases: list[list[str]] = []            # per plan made: its release calls
+        replanning, never = asyncio.Event(), asyncio.Event()
+
+        async def plan(req):
+            if releases:                          # the plan made again after the 412
+                replanning.set()
+                await asyncio.wait_for(never.wait(), 30)   # the client leaves meanwhile
+            made = await real_plan(req)
+            inner, calls = made.release, []
+            releases.append(calls)
+
+            async def release() -> None:
+                calls.append(req.request_id)
+                if inner is not None:
+                    await inner()
+
+            made.release = release
+            return made
+
+        async def send() -> None:
+            async with s.post(base + CHAT, json=nxt, headers=h) as r:
+                await r.read()
+
+        srv.restart()
+        layer.plan = plan
+        try:
+            task = asyncio.create_task(send())
+            await asyncio.wait_for(replanning.wait(), 60)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                await task
+            assert await proxy.wait_idle(30)
+            await proxy.wait_background()
+        finally:
+            layer.plan = real_plan
+        assert proxy.stats.to_dict()["stale_plans"] == 1
+        assert len(releases) == 1 and len(releases[0]) == 1, releases
+        assert proxy.stats_body()["plans"] == {"held": 0, "repeated_releases": 0}
