@@ -12,12 +12,78 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import aiohttp
 import pytest
 
+from ocache.layer import Plan, ReceiptLedger
+
 from test_hardening_cache import CHAT
 from test_known_turn import _next_turn, _third_turn_ready
+
+
+# --------------------------------------------------------------------------- the receipt (no server)
+
+async def test_a_receipt_calls_release_once_and_counts_a_second_spend(caplog):
+    calls: list[str] = []
+
+    async def release() -> None:
+        calls.append("release")
+
+    ledger = ReceiptLedger()
+    plan = Plan(release=release)
+    receipt = ledger.take(plan)
+    assert ledger.take(plan) is receipt          # one receipt per plan, however often it is taken
+    assert ledger.held == 1 and not receipt.spent
+    assert await receipt.spend() is True
+    assert calls == ["release"] and ledger.held == 0 and ledger.repeats == 0
+    with caplog.at_level(logging.WARNING, logger="ocache.layer"):
+        assert await receipt.spend() is False    # no second call into the layer
+    assert calls == ["release"] and ledger.held == 0 and ledger.repeats == 1
+    assert any("released again" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_receipt_is_spent_before_release_runs_so_a_cancelled_release_is_not_run_again():
+    """A release cancelled part way (the client left while it waited) is spent: the finish path's
+    later spend is the no-op, never a second call."""
+    started, never = asyncio.Event(), asyncio.Event()
+    calls = 0
+
+    async def release() -> None:
+        nonlocal calls
+        calls += 1
+        started.set()
+        await asyncio.wait_for(never.wait(), 30)
+
+    ledger = ReceiptLedger()
+    receipt = ledger.take(Plan(release=release))
+    task = asyncio.create_task(receipt.spend())
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await receipt.spend() is False
+    assert calls == 1 and ledger.held == 0 and ledger.repeats == 1
+
+
+async def test_a_plan_without_release_is_spent_too():
+    ledger = ReceiptLedger()
+    receipt = ledger.take(Plan())
+    assert ledger.held == 1
+    assert await receipt.spend() is True and ledger.held == 0
+    assert await receipt.spend() is False and ledger.repeats == 1
+
+
+async def test_a_release_that_raises_is_spent():
+    async def release() -> None:
+        raise RuntimeError("boom")
+
+    ledger = ReceiptLedger()
+    receipt = ledger.take(Plan(release=release))
+    with pytest.raises(RuntimeError):
+        await receipt.spend()
+    assert receipt.spent and ledger.held == 0
 
 
 # --------------------------------------------------------------------------- against the server
