@@ -143,3 +143,52 @@ async def test_a_client_that_leaves_while_its_turn_is_planned_again_is_released_
         assert proxy.stats.to_dict()["stale_plans"] == 1
         assert len(releases) == 1 and len(releases[0]) == 1, releases
         assert proxy.stats_body()["plans"] == {"held": 0, "repeated_releases": 0}
+
+
+@pytest.mark.server
+async def test_a_refused_connection_whose_plan_made_again_fails_is_released_once(start_server, tmp_path):
+    """Two servers; the plan names one that refuses the connection (nothing listens on its port),
+    so the request is planned again for the others (``Attempts._reroute``), and that plan fails:
+    the client gets ocache's 503 naming the refused server. The first plan was ended there
+    (released, observed as a 503); before the fix the finish path, still holding it, released it
+    a second time."""
+    from aiohttp.test_utils import TestServer
+
+    from ocache.config import Config
+    from ocache.layer import NullLayer
+    from ocache.llama.server import free_port
+    from ocache.proxy import RUNNER_KWARGS, Proxy
+
+    srv = await asyncio.to_thread(start_server, "dense")
+    closed = f"http://127.0.0.1:{free_port()}"
+    proxy = Proxy(Config(upstream=srv.url, upstreams=[srv.url, closed]), layer_factory=NullLayer,
+                  monitor=False)
+    server = TestServer(proxy.make_app(), host="127.0.0.1")
+    await server.start_server(**RUNNER_KWARGS)
+    releases: list[str] = []
+    plans = 0
+
+    async def release() -> None:
+        releases.append("release")
+
+    async def plan(req):
+        nonlocal plans
+        plans += 1
+        if plans > 1:
+            raise RuntimeError("the plan made again fails")
+        return Plan(upstream=proxy.upstreams[1].base_url, release=release)
+
+    try:
+        assert proxy.upstreams[0].state == "ready"
+        proxy.layer.plan = plan
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) as r:
+                assert r.status == 503
+                assert r.headers["X-OCache-Upstream"] == proxy.upstreams[1].base_url
+        await proxy.wait_background()
+        assert plans == 2
+        assert releases == ["release"]
+        assert proxy.stats_body()["plans"] == {"held": 0, "repeated_releases": 0}
+    finally:
+        await server.close()
