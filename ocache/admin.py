@@ -32,10 +32,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import re
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from aiohttp import web
+
+from ocache.layer import NullLayer
+from ocache.wire import host_name
+
+if TYPE_CHECKING:
+    from ocache.proxy import Proxy
+
+log = logging.getLogger("ocache.proxy")
+
+#: an aiohttp handler: what the guard passes a request on to
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 #: POST routes that change the cache or stop ocache: they need the admin token.
 ADMIN_POST = frozenset({"/v1/cache/clear", "/v1/cache/warm", "/v1/cache/drain"})
@@ -127,7 +139,7 @@ def _shallow(v: Any) -> Any:
     return v
 
 
-def make_drain_handler(stop: Callable[[], None], admin_token: str | None):
+def make_drain_handler(stop: Callable[[], None], admin_token: str | None) -> Handler:
     """An aiohttp handler for ``POST /v1/cache/drain`` that the proxy mounts: checks the admin token
     (``Authorization: Bearer``; 404 when no token is configured, like the other admin routes), answers
     202 and calls ``stop()`` (the same event SIGTERM sets in ``ocache.proxy.serve``: stop accepting,
@@ -141,3 +153,150 @@ def make_drain_handler(stop: Callable[[], None], admin_token: str | None):
         return web.json_response({"draining": True}, status=202)
 
     return handle
+
+
+def _is_dashboard(path: str) -> bool:
+    return path == "/ocache" or path.startswith("/ocache/")
+
+
+class AdminRoutes:
+    """The guard in front of every route and ocache's own routes, for one ``Proxy`` (its config,
+    layer, stats and upstreams): ``guard`` is the aiohttp middleware, ``serve`` answers
+    ``/v1/cache/stats|metrics|clear|warm|drain`` and the dashboard, ``stats_body`` is the stats
+    JSON."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self._allowed = proxy.config.bind_names
+        self._allow_any = "*" in proxy.config.allowed_hosts
+        self._extra = self._extra_routes()
+
+    def _extra_routes(self) -> dict[str, Handler]:
+        """Admin routes whose handlers live with their tier: ``POST /v1/cache/warm`` (``ocache warm
+        DIR``, ocache/warm.py) and ``POST /v1/cache/drain`` (``ocache drain``, ocache/tiers/spill.py)."""
+        from ocache.warm import make_warm_handler
+
+        proxy = self.proxy
+
+        def warm_deps() -> Any:
+            get = getattr(proxy.layer, "warm_deps", None)
+            return get() if get is not None else None
+
+        def request_stop() -> None:
+            if proxy.stop_event is not None:
+                proxy.stop_event.set()
+
+        return {"/v1/cache/warm": make_warm_handler(warm_deps, proxy.config.admin_token),
+                "/v1/cache/drain": make_drain_handler(request_stop, proxy.config.admin_token)}
+
+    def _host_ok(self, request: web.Request) -> bool:
+        if self._allow_any:
+            return True
+        host = request.headers.get("Host")
+        if host is None:
+            return True  # HTTP/1.0 without Host: not a browser, nothing to rebind
+        return host_name(host) in self._allowed
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The one guard in front of every route: a request id, the DNS-rebinding guard, the admin
+        token for ``POST /v1/cache/clear|warm|drain`` (404 when no token is set, 401 without the
+        right one), ``request[ADMIN]`` for the stats' redaction, and 403 for a client's
+        ``/slots/{id}?action=save|restore|erase`` while a cache layer owns the slots."""
+        proxy = self.proxy
+        token = proxy.config.admin_token
+        rid = request[RID] = proxy._new_id()
+        path = request.path
+        resp: web.StreamResponse | None = None
+        if not self._host_ok(request):
+            log.warning("[%s] rejected Host %r (DNS-rebinding guard; see allowed_hosts)", rid,
+                        request.headers.get("Host"))
+            resp = error(403, f"Host {request.headers.get('Host')!r} is not allowed; add it "
+                         "to allowed_hosts in the ocache config", "forbidden_error", rid)
+        elif path in ADMIN_POST:
+            if request.method != "POST":
+                resp = error(405, f"{request.method} not allowed on {path} (use POST)",
+                             "invalid_request_error", rid)
+            else:
+                resp = denied(request, token, rid)
+            request[ADMIN] = resp is None
+        elif path in ADMIN_GET:
+            if request.method not in ("GET", "HEAD"):
+                resp = error(405, f"{request.method} not allowed on {path} (use GET)",
+                             "invalid_request_error", rid)
+            request[ADMIN] = token_ok(request, token)
+        elif _is_dashboard(path):  # the dashboard: like the stats
+            request[ADMIN] = token_ok(request, token)
+        elif is_slot_action(request) and getattr(proxy.layer, "owns_slots",
+                                                 not isinstance(proxy.layer, NullLayer)):
+            log.warning("[%s] refused a client's %s %s (ocache owns the slots)", rid, request.method,
+                        request.path_qs)
+            resp = slot_action_refused(request, proxy.upstream.base_url, rid)
+        if resp is not None:
+            proxy.stats.request(path, resp.status)
+            return resp
+        return await handler(request)
+
+    async def serve(self, request: web.Request, rid: str) -> web.StreamResponse | None:
+        """ocache's answer for one of its own routes (counted in the stats), or None for a route
+        that goes to llama-server. Method and token were checked by ``guard``."""
+        path = request.path
+        resp: web.StreamResponse
+        if path in ("/v1/cache/stats", "/v1/cache/metrics", "/v1/cache/clear"):
+            resp = await self._own(request, rid, path)
+        elif _is_dashboard(path):  # the dashboard (ocache/dashboard.py)
+            from ocache.dashboard import handle as dashboard
+
+            resp = await dashboard(request, self.stats_body, bool(request.get(ADMIN)))
+        elif path in self._extra:
+            resp = await self._extra[path](request)
+        else:
+            return None
+        resp.headers.setdefault("X-OCache-Request-Id", rid)
+        self.proxy.stats.request(path, resp.status)
+        return resp
+
+    def stats_body(self) -> dict[str, Any]:
+        """The ``GET /v1/cache/stats`` JSON (also what the dashboard, ocache/dashboard.py, reads):
+        the proxy's counters, ``inflight``, ``plans`` (receipts held and repeated releases,
+        ``ocache/layer.py``; ``held`` reads 0 when idle), the upstream(s) and ``layer.stats()``."""
+        proxy = self.proxy
+        try:
+            layer = proxy.layer.stats() if proxy.layer is not None else {}
+        except Exception as exc:
+            proxy.stats.layer_error("stats")
+            layer = {"error": f"{type(exc).__name__}: {exc}"}
+        body = {**proxy.stats.to_dict(), "inflight": proxy.inflight,
+                "plans": proxy.receipts.to_dict(),
+                "upstream": proxy.upstream.to_dict(), "layer": layer,
+                "layer_class": type(proxy.layer).__name__}
+        if len(proxy.upstreams) > 1:
+            body["upstreams"] = [u.to_dict() for u in proxy.upstreams]
+        return body
+
+    async def _own(self, request: web.Request, rid: str, path: str) -> web.Response:
+        proxy = self.proxy
+        if path == "/v1/cache/stats":
+            body = self.stats_body()
+            if not request.get(ADMIN):
+                body = redact(body)
+                body["redacted"] = ("session ids and slot owners hidden: send Authorization: "
+                                    "Bearer <admin_token>")
+            resp = web.json_response(body)
+        elif path == "/v1/cache/metrics":
+            resp = web.Response(body=proxy.stats.prometheus(),
+                                headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        else:  # POST /v1/cache/clear
+            tier = request.query.get("tier", "all")
+            try:
+                result = await proxy.layer.clear(tier)
+            except ValueError as exc:
+                return error(400, str(exc), "invalid_request_error", rid)
+            except Exception as exc:
+                proxy.stats.layer_error("clear")
+                log.exception("[%s] cache layer clear(%r) failed", rid, tier)
+                return error(500, f"clear failed: {type(exc).__name__}: {exc}", "server_error", rid)
+            log.info("[%s] cache cleared (tier=%s): %s", rid, tier, result)
+            resp = web.json_response(result)
+        resp.headers["X-OCache-Request-Id"] = rid
+        return resp

@@ -15,7 +15,9 @@ Contract (the proxy's side):
 * ``plan`` may be cancelled (``asyncio.CancelledError``) when the client disconnects while it runs
   (the proxy cancels the handler at once): it must leave its state consistent (locks released).
 * ``release`` (if set) is called exactly once when the response is over: success, upstream error,
-  client disconnect or proxy error. It runs before ``observe``, in a background task.
+  client disconnect or proxy error. It runs before ``observe``, in a background task. The proxy
+  calls it only through the plan's ``Receipt`` (``ReceiptLedger.take``): spent once, a second
+  spend is a counted, logged no-op, never a second call into the layer.
 * ``observe`` runs in a background task after the response was relayed; it must not raise (an
   exception is logged and counted, nothing else).
 * ``on_upstream_restart`` is called when ``Upstream`` sees a new llama-server process (a new
@@ -37,8 +39,11 @@ per-tier counters;
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Protocol, runtime_checkable
+
+log = logging.getLogger("ocache.layer")
 
 #: POST routes that run a completion on llama-server (OpenAI chat/text, the native route, and the
 #: Anthropic Messages / OpenAI Responses routes the server converts to chat: ocache/api/convert.py).
@@ -84,7 +89,9 @@ class Plan:
     ``body_updates``: top-level fields to set in the forwarded JSON body (e.g. ``{"id_slot": 1}``);
     an empty dict forwards the client's bytes unchanged. ``headers``: ``X-OCache-*`` response
     headers describing what the layer did. ``context``: opaque, handed back in ``observe``.
-    ``release``: awaited once when the response is over (e.g. frees a per-slot lock).
+    ``release``: awaited once when the response is over (e.g. frees a per-slot lock), through the
+    plan's ``Receipt`` (``ReceiptLedger.take``; a wrapper set later, as the router's, is the one
+    called).
     ``split_tokens``/``split_ms``: tokens (and their prefill milliseconds) the layer prefilled
     itself for this request before forwarding it (head warm-up, anchor split); when > 0 the proxy
     corrects the reuse figures of the response, its log line and its stats (ocache/api/figures.py).
@@ -94,11 +101,11 @@ class Plan:
     conversation's next turn: ``OCacheLayer._plan_known``); it fills ``headers`` and ``context``.
     The answer does not wait for it (``proxy.FIGURES_WAIT_S``, 0): its figures go into the response
     headers only if it is done when the server's answer begins; the log line, the stats record,
-    ``observe`` and ``release`` wait for it (``proxy.PLAN_COMPLETION_WAIT_S``).
+    ``observe`` and ``release`` wait for it (``ocache.finish.PLAN_COMPLETION_WAIT_S``).
     ``upstream_headers``: request headers added to the forwarded request (``X-Llama-Server-If-Boot``:
     the process the plan was made for, patches/0007); a server that is another process answers 412
     before any work, and the proxy releases the plan and plans the request again
-    (``Proxy._stale_plan``).
+    (``Attempts._stale``, ocache/attempts.py).
     """
 
     body_updates: dict = field(default_factory=dict)
@@ -110,6 +117,61 @@ class Plan:
     upstream: str | None = None
     completion: Any = None
     upstream_headers: dict[str, str] = field(default_factory=dict)
+    #: the plan's one release receipt, once taken (``ReceiptLedger.take``)
+    _receipt: Receipt | None = field(default=None, init=False, repr=False, compare=False)
+
+
+class Receipt:
+    """The right to release one plan, spent exactly once (the layer's contract: ``release`` is
+    called exactly once; SGLang's ``inc_lock_ref`` hands out the receipt ``dec_lock_ref`` spends).
+
+    ``spend()`` marks the receipt spent *before* it awaits ``plan.release`` (read at that moment,
+    so a wrapper the router set after the inner layer made the plan is the one called): a release
+    cancelled or failing part way is still spent, and every later spend returns False at once,
+    counted in the ledger's ``repeats`` and logged at WARNING, with no call into the layer (a
+    second release of a known turn would mark its slot unknown without holding its lease)."""
+
+    __slots__ = ("plan", "spent", "_ledger")
+
+    def __init__(self, plan: Plan, ledger: ReceiptLedger) -> None:
+        self.plan = plan
+        self.spent = False
+        self._ledger = ledger
+
+    async def spend(self, rid: str = "") -> bool:
+        """Release the plan: True the first time (after ``plan.release``, if set, returned;
+        raises what it raises), False for every later spend (a no-op)."""
+        if self.spent:
+            self._ledger.repeats += 1
+            log.warning("[%s] a plan released again: the receipt was spent already (no second "
+                        "release; %d so far)", rid, self._ledger.repeats)
+            return False
+        self.spent = True
+        self._ledger.held -= 1
+        release = self.plan.release
+        if release is not None:
+            await release()
+        return True
+
+
+class ReceiptLedger:
+    """The receipts of the plans the proxy holds. ``held``: plans taken and not released yet (0
+    when no request is in flight and every release ran); ``repeats``: spends of a spent receipt
+    (each a no-op; any is a proxy bug)."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.repeats = 0
+
+    def take(self, plan: Plan) -> Receipt:
+        """The receipt of ``plan``: made (and counted held) the first time, the same one after."""
+        if plan._receipt is None:
+            plan._receipt = Receipt(plan, self)
+            self.held += 1
+        return plan._receipt
+
+    def to_dict(self) -> dict[str, int]:
+        return {"held": self.held, "repeated_releases": self.repeats}
 
 
 @dataclass

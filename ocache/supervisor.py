@@ -27,6 +27,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Callable
 
 from ocache.llama.flags import given_flags
 from ocache.llama.server import free_port
@@ -111,16 +112,16 @@ class Supervisor:
         self.starts = 0
         self._stopping = False
         self._task: asyncio.Task | None = None
-        self.on_start = None  # callable() run after each (re)start, e.g. Upstream.poke
-        self.on_give_up = None  # callable() run once when the supervisor stops restarting
+        self.on_start: Callable[[], None] | None = None  # callable() run after each (re)start, e.g. Upstream.poke
+        self.on_give_up: Callable[[], None] | None = None  # callable() run once when the supervisor stops restarting
         #: callable(why) run when the child exits and another will be started (Upstream.expect_restart)
-        self.on_exit = None
+        self.on_exit: Callable[[str], None] | None = None
         self.failed: str | None = None  # why it gave up (with the last child's log tail)
         self._log_offset = 0
         #: callable() -> int: ocache's calls to the server still in flight (``Proxy.calls_inflight``),
         #: read when SIGTERM is sent; ``term_calls_inflight`` keeps that figure (None: not stopped
         #: yet or not known) and ``stop_s`` the seconds from SIGTERM to the child's exit
-        self.calls_inflight = None
+        self.calls_inflight: Callable[[], int] | None = None
         self.term_calls_inflight: int | None = None
         self.stop_s: float | None = None
         if max_quick_failures is not None:

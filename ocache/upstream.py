@@ -325,6 +325,13 @@ class Upstream:
         self._wake.set()
 
     # --- probing --------------------------------------------------------------------------------
+    @property
+    def _http(self) -> aiohttp.ClientSession:
+        """The shared session; RuntimeError before ``start()`` (or after ``close()``)."""
+        if self.session is None:
+            raise RuntimeError(f"upstream {self.base_url}: start() was not called")
+        return self.session
+
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
@@ -348,7 +355,7 @@ class Upstream:
         self.probes += 1
         timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
         try:
-            async with self.session.get(self.url("/health"), timeout=timeout) as r:
+            async with self._http.get(self.url("/health"), timeout=timeout) as r:
                 body = await r.read()
                 health = r.status
                 ctype = r.headers.get("Content-Type", "")
@@ -402,7 +409,7 @@ class Upstream:
         max_task = props_status = None
         timeout = aiohttp.ClientTimeout(total=max(self.probe_timeout_s, 5.0))
         try:
-            async with self.session.get(self.url("/metrics"), headers=self._auth(),
+            async with self._http.get(self.url("/metrics"), headers=self._auth(),
                                         timeout=timeout) as r:
                 await r.read()
                 if r.status == 200:
@@ -410,7 +417,7 @@ class Upstream:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             pass
         try:
-            async with self.session.get(self.url("/props"), headers=self._auth(),
+            async with self._http.get(self.url("/props"), headers=self._auth(),
                                         timeout=timeout) as r:
                 props_status = r.status
                 data = await r.read()
@@ -425,12 +432,12 @@ class Upstream:
             pass
         if start_time is None:
             try:
-                async with self.session.get(self.url("/slots"), headers=self._auth(),
+                async with self._http.get(self.url("/slots"), headers=self._auth(),
                                             timeout=timeout) as r:
                     if r.status == 200:
                         slots = await r.json(content_type=None)
-                        ids = [s.get("id_task") for s in slots if isinstance(s, dict)]
-                        ids = [i for i in ids if isinstance(i, int)]
+                        ids: list[int] = [i for i in (s.get("id_task") for s in slots if isinstance(s, dict))
+                                          if isinstance(i, int)]
                         max_task = max(ids) if ids else -1
                     else:
                         await r.read()

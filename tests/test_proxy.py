@@ -632,6 +632,10 @@ async def test_client_disconnect_frees_slot(real):
     await poll(lambda: _idle(c, srv.url), timeout=1.0, what="slot idle after client disconnect")
     assert time.monotonic() - t0 <= 1.0
     await poll(lambda: proxy.stats.to_dict()["client_disconnects"] == 1, what="disconnect counted")
+    assert await proxy.wait_idle(5)
+    await proxy.wait_background()
+    # the request's plan was released, once (its receipt: ocache/layer.py)
+    assert proxy.stats_body()["plans"] == {"held": 0, "repeated_releases": 0}
 
 
 @pytest.mark.server

@@ -1,0 +1,330 @@
+"""One request's way to an answer: plan it, send it, recover, in one loop (``Attempts``).
+
+Each recovery acts on what the upstream said, and only when the server did no work for the
+request, so nothing that reached a server runs twice:
+
+| the upstream | what ocache does |
+|---|---|
+| down or loading before the plan | one shared probe; held while it loads (``loading_wait_s``); down: 503 |
+| ``plan`` raised, the server changed meanwhile (restart, loading) | probed, held, planned once more |
+| refused the connection (several servers) | the plan ended (a 503 for the layer), planned on the others, once |
+| answered 503 while loading its model | held until ready, sent again (server-http.cpp:307-327) |
+| answered 412 to the plan's precondition | the plan ended, the upstream probed, planned again (``STALE_REPLANS``) |
+| answered 412 to the client's own precondition | the plan ended, the 412 is the answer |
+| stopped answering (hung) | the send ends with ocache's 503 (``ocache/forward.py``) |
+
+The request's state lives in one ``Attempt``; ``Attempt.plan`` is always the plan in hand: a plan
+is taken off it (``Attempts._end``) before its receipt is spent, so the finish path, which reads
+``Attempt.plan`` whenever the handler ends (a client that leaves mid re-plan included), never
+releases a plan twice (``ocache/layer.py`` ``Receipt``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from ocache.forward import CONNECT_FAILED, CURRENT_UPSTREAM
+from ocache.layer import Observation, ParsedRequest, Plan
+
+if TYPE_CHECKING:
+    from ocache.proxy import Proxy
+
+log = logging.getLogger("ocache.proxy")
+
+#: times one request is planned again after the server refused its plan's precondition (412:
+#: another process than the one the plan was made for, ``Attempts._stale``); refused once more,
+#: it is forwarded untouched
+STALE_REPLANS = 2
+#: llama-server's own probe routes: a 503 from one of them is the answer, never held
+PROBE_ROUTES = frozenset({"/health", "/v1/health", "/metrics", "/props", "/slots"})
+
+
+def up_headers(plan: Plan | None) -> Mapping[str, str] | None:
+    """The request headers a plan adds to the forwarded request (``Plan.upstream_headers``)."""
+    return (plan.upstream_headers or None) if plan is not None else None
+
+
+@dataclass
+class Attempt:
+    """One request on its way: what the client sent (``body``, bytes; ``preq``: the parsed
+    completion, None for other routes), the plan in hand and the body it makes (``out_body``),
+    the headers ocache adds to the answer (``extra``), and the answer's ``Observation``."""
+
+    request: web.Request
+    rid: str
+    t0: float                      # time.perf_counter() at receipt, seconds
+    body: bytes
+    has_body: bool
+    preq: ParsedRequest | None
+    timeout: aiohttp.ClientTimeout
+    out_body: bytes = b""
+    plan: Plan | None = None
+    plannable: bool = True         # False: not shown to the layer (foreign, loading)
+    fail_open: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+    obs: Observation = field(default_factory=lambda: Observation(status=0, completed=False))
+    up_resp: aiohttp.ClientResponse | None = None
+    sent: web.StreamResponse | None = None
+
+    @property
+    def path(self) -> str:
+        return self.request.path
+
+    def stamp(self, fail_open: bool = False) -> None:
+        """The answer's ocache headers for the plan in hand: the request id, ``X-OCache-Fail-Open``
+        when the layer failed, the plan's headers, and ``X-OCache-Plan-Ms`` (ms from receipt to
+        this forward, for a completion)."""
+        self.extra = {"X-OCache-Request-Id": self.rid}
+        if fail_open:
+            self.extra["X-OCache-Fail-Open"] = "plan"
+        if self.plan is not None:
+            self.extra.update(self.plan.headers)
+        if self.preq is not None:
+            self.extra["X-OCache-Plan-Ms"] = f"{(time.perf_counter() - self.t0) * 1e3:.2f}"
+
+
+class Attempts:
+    """The plan-send-recover loop of ``proxy`` (its layer, upstreams, stats and ``_forward``)."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    # --- plan -----------------------------------------------------------------------------------
+    async def plan(self, att: Attempt) -> web.Response | None:
+        """Plan the request (a completion with a JSON object body, on a ready llama-server), then
+        route it to the plan's server. Returns ocache's 503 when the upstream is down, else None
+        (``att.plan`` is the plan, or None: forwarded untouched)."""
+        p = self.proxy
+        att.out_body = att.body
+        if p.upstream.state == "foreign":
+            att.plannable = False  # not llama-server: forwarded without the layer (the monitor re-probes)
+        elif p.upstream.state != "ready":
+            # Down or loading: one shared probe now, so that a server that just came up is
+            # identified (epoch, restart callbacks) before the cache layer plans anything for it.
+            state = await p._upstream_state(att.rid, att.path)
+            if state == "down":
+                return self._down(att)
+            att.plannable = state == "ready"
+        preq = att.preq
+        if preq is not None and preq.body is not None and att.plannable:
+            epoch = p.upstream.epoch
+            try:
+                att.plan, att.out_body = await p._plan(preq, att.body)
+            except asyncio.CancelledError:
+                raise
+            except RecursionError:
+                log.warning("[%s] body nested too deeply for the cache layer: forwarded untouched", att.rid)
+                p.stats.unplannable("nesting")
+                preq.body = None
+            except Exception as exc:
+                down = await self._plan_failed(att, preq, epoch, exc)
+                if down is not None:
+                    return down
+        if att.plan is not None and att.plan.upstream and len(p.upstreams) > 1:
+            chosen = p.upstream_named(att.plan.upstream)
+            if chosen is not None:
+                CURRENT_UPSTREAM.set(chosen)
+        att.stamp(att.fail_open)
+        return None
+
+    async def _plan_failed(self, att: Attempt, preq: ParsedRequest, epoch: object,
+                           exc: Exception) -> web.Response | None:
+        """``plan`` raised. The upstream itself (restarted inside the probe window, loading its
+        model) or ocache's own fault? Only the latter is a layer error (fail-open); after the
+        former, held while it loads, and planned once more. Returns ocache's 503 when it is down."""
+        p = self.proxy
+        state = await p.upstream.probe()
+        if state == "ready" and p.upstream.epoch == epoch:
+            log.exception("[%s] cache layer plan() failed: forwarding untouched", att.rid)
+            p.stats.layer_error("plan")
+            att.fail_open = True
+            return None
+        log.warning("[%s] llama-server changed while planning (%s, epoch %s -> %s: %s)",
+                    att.rid, state, epoch, p.upstream.epoch, type(exc).__name__)
+        state = await p._upstream_state(att.rid, att.path)
+        if state == "down":
+            return self._down(att)
+        if state == "ready":
+            try:
+                att.plan, att.out_body = await p._plan(preq, att.body)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("[%s] cache layer plan() failed: forwarding untouched", att.rid)
+                p.stats.layer_error("plan")
+                att.fail_open = True
+        return None
+
+    def _down(self, att: Attempt) -> web.Response:
+        p = self.proxy
+        p.stats.upstream_unavailable()
+        p.stats.request(att.path, 503)
+        return p._unavailable(att.rid)
+
+    # --- send, recover --------------------------------------------------------------------------
+    async def send(self, att: Attempt) -> aiohttp.ClientResponse | web.Response:
+        """Forward the request and recover (the table in the module docstring): the upstream's
+        answer to relay, or ocache's own 502/503/504."""
+        resp = await self._forward(att)
+        if (not isinstance(resp, aiohttp.ClientResponse) and att.request.get(CONNECT_FAILED)
+                and att.plan is not None and att.plan.upstream and att.preq is not None):
+            # the chosen server refused the connection (died since its last probe): the request
+            # never reached it, so it is planned again on the servers still up (once)
+            if await self._reroute(att, att.preq):
+                resp = await self._forward(att)
+        if not isinstance(resp, aiohttp.ClientResponse):
+            return resp
+        if resp.status == 503 and att.path not in PROBE_ROUTES and att.plannable:
+            resp = await self._held_503(att, resp)
+            if not isinstance(resp, aiohttp.ClientResponse):
+                return resp
+        for attempt in range(STALE_REPLANS + 1):
+            headers = up_headers(att.plan)
+            if resp.status != 412 or not headers or att.preq is None:
+                break
+            if any(k in att.request.headers for k in headers):
+                # the client's own precondition refused (it was forwarded as the client sent it,
+                # Forwards._send): the server's 412 is the answer, as without ocache; the plan is
+                # ended (the server did no work: its slot marked unknown)
+                plan_ms = att.extra.get("X-OCache-Plan-Ms", "")
+                await self._end(att)
+                att.extra = {"X-OCache-Request-Id": att.rid, "X-OCache-Plan-Ms": plan_ms}
+                break
+            # the server is not the process the plan was made for (patches/0007): it did no
+            # work for the request; the plan is ended and the request planned again
+            await self._stale(att, att.preq, resp, untouched=attempt == STALE_REPLANS)
+            resp = await self._forward(att)
+            if not isinstance(resp, aiohttp.ClientResponse):
+                return resp
+        return resp
+
+    async def _forward(self, att: Attempt) -> aiohttp.ClientResponse | web.Response:
+        """One send of the request as planned now (``Proxy._forward``)."""
+        att.obs.status = 0
+        resp = await self.proxy._forward(att.request, att.rid, att.out_body, att.has_body, att.timeout,
+                                         att.obs, up_headers(att.plan))
+        att.up_resp = resp if isinstance(resp, aiohttp.ClientResponse) else None
+        return resp
+
+    def _done_with(self, resp: aiohttp.ClientResponse) -> None:
+        resp.release()
+        self.proxy.forwards.done(resp)
+
+    async def _end(self, att: Attempt) -> None:
+        """End the plan in hand: the request did not reach the server it was made for. Taken off
+        ``att`` first (the finish path then never sees it), its completion cancelled (so that its
+        release marks its slot unknown), then its receipt spent, in a task of its own that a client
+        leaving meanwhile does not cancel (the layer's release then runs to its end, once)."""
+        plan, att.plan = att.plan, None
+        att.out_body = att.body
+        if plan is None:
+            return
+        if plan.completion is not None:
+            plan.completion.cancel()
+        await asyncio.shield(self.proxy._spawn(self.proxy.finisher.release(att.rid, plan)))
+
+    async def _reroute(self, att: Attempt, preq: ParsedRequest) -> bool:
+        """Several servers: the plan's server refused the connection (now marked down). End that
+        plan (release + observe as a 503) and plan the request again; True when the new plan names
+        another server (now the current one), False when there is none (the client then gets the
+        503)."""
+        p = self.proxy
+        if len(p.upstreams) < 2:
+            return False
+        dead = p.upstream
+        plan, att.plan = att.plan, None
+        att.out_body = att.body
+        p._spawn(p.finisher.after(preq, plan, Observation(status=503, completed=False), True))
+        try:
+            new_plan, out_body = await p._plan(preq, att.body)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("[%s] re-planning after %s refused the connection failed", att.rid,
+                        dead.base_url, exc_info=True)
+            return False
+        chosen = p.upstream_named(new_plan.upstream)
+        if chosen is None or chosen is dead:
+            p._spawn(p.finisher.release(att.rid, new_plan))
+            return False
+        log.info("[%s] %s refused the connection: routed to %s instead", att.rid,
+                 dead.base_url, chosen.base_url)
+        CURRENT_UPSTREAM.set(chosen)
+        att.plan, att.out_body = new_plan, out_body
+        att.stamp()
+        return True
+
+    async def _held_503(self, att: Attempt, resp: aiohttp.ClientResponse) -> aiohttp.ClientResponse | web.Response:
+        """The upstream answered 503: if it is loading its model (restarted since the last probe),
+        hold the request until it is ready (``loading_wait_s``) and send it again (a 503 "Loading
+        model" was answered before any work, server-http.cpp:307-327); else its 503 stands."""
+        p = self.proxy
+        state = await p.upstream.probe()
+        if state != "loading" or p.config.loading_wait_s <= 0:
+            return resp
+        try:
+            await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        p.stats.held_loading()
+        log.info("[%s] llama-server answered 503 while loading its model: holding the request (up "
+                 "to %g s)", att.rid, p.config.loading_wait_s)
+        self._done_with(resp)
+        # ready: the request is served; still loading after the bound: the client gets the
+        # server's own 503, with Retry-After (added by the relay)
+        await p.upstream.wait_ready(p.config.loading_wait_s)
+        return await self._forward(att)
+
+    async def _stale(self, att: Attempt, preq: ParsedRequest, resp: aiohttp.ClientResponse,
+                     untouched: bool = False) -> None:
+        """The server refused the plan's ``upstream_headers`` with 412: it is not the process the
+        plan was made for (``X-Llama-Server-If-Boot``, patches/0007: a restart since the slot
+        table's last ``GET /slots``) and did no work for the request. The plan is ended
+        (``_end``), the upstream probed (the new process identified before anything is planned for
+        it), and the request planned again; ``untouched`` (or planning fails): forwarded untouched,
+        fail-open."""
+        p = self.proxy
+        try:
+            async with asyncio.timeout(p.config.probe_timeout_s):
+                detail = (await resp.read())[:300].decode("utf-8", "replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            detail = ""
+        self._done_with(resp)
+        log.info("[%s] llama-server refused the plan: it is another process than the one the plan "
+                 "was made for (412 %s); planned again", att.rid, detail)
+        p.stats.stale_plan()
+        await self._end(att)
+        await p.upstream.probe()
+        if not untouched:
+            await self._plan_again(att, preq)
+        # receipt to this forward: the refused one and the plan made again included
+        att.stamp(fail_open=att.plan is None)
+
+    async def _plan_again(self, att: Attempt, preq: ParsedRequest) -> None:
+        """Plan a request once more after its first plan was ended because the server changed:
+        ``att.plan`` the new plan, or None when planning fails twice (forwarded untouched)."""
+        p = self.proxy
+        for attempt in (1, 2):
+            try:
+                att.plan, att.out_body = await p._plan(preq, att.body)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # the new process may not answer everything yet (GET /slots 503 'Loading model'
+                # right after it came up): one more plan once it is probed again
+                if attempt == 1 and await p.upstream.probe() == "ready":
+                    log.info("[%s] planning for the new server failed (%s: %s): planning again",
+                             att.rid, type(exc).__name__, exc)
+                    continue
+                log.exception("[%s] cache layer plan() failed for the new server: forwarding "
+                              "untouched", att.rid)
+                p.stats.layer_error("plan")

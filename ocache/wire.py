@@ -1,0 +1,133 @@
+"""The bytes of a forwarded request and answer: which headers cross the proxy hop, and which
+request bodies ocache may re-encode (``parse_body``) and how a plan's fields enter them
+(``with_fields``). Pure functions, no I/O (the proxy, ``ocache/proxy.py``, applies them)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+#: a header collection as aiohttp hands it over (a request's or a client response's headers)
+Headers = CIMultiDict[str] | CIMultiDictProxy[str]
+
+#: RFC 9110 §7.6.1 hop-by-hop fields (plus the non-standard Proxy-Connection); ``Proxy-*`` too.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "te", "trailer", "transfer-encoding", "upgrade",
+    "proxy-connection", "proxy-authenticate", "proxy-authorization",
+})
+#: Request headers not forwarded: hop-by-hop, plus those the upstream hop sets itself.
+_REQ_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+#: Response headers not copied: hop-by-hop, plus Content-Length (set by aiohttp for the body sent).
+_RESP_DROP = HOP_BY_HOP | {"content-length"}
+#: aiohttp client headers never added on its own: the client's own are forwarded instead.
+SKIP_AUTO = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
+#: A JSON escape of a UTF-16 surrogate: only a body with one can hold a lone surrogate.
+_SURROGATE_ESC = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class Unparseable(ValueError):
+    """A request body ocache does not plan (it is forwarded byte for byte); the message says why."""
+
+
+def parse_body(body: bytes) -> dict | None:
+    """The JSON object of a completion body, or None for an empty body. Raises ``Unparseable``
+    for anything ocache must not re-encode: bytes that are not UTF-8 (RFC 8259 §8.1 requires UTF-8
+    between systems; Python's ``json.loads`` would silently accept UTF-16/32), a UTF-8 BOM, invalid
+    JSON, nesting deeper than Python's recursion limit (``RecursionError``), a JSON value that is not
+    an object, or a string with a lone surrogate (``"\\ud800"``: not encodable as UTF-8)."""
+    if not body:
+        return None
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Unparseable(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise Unparseable("JSON nested too deeply for the cache layer") from None
+    except ValueError as exc:
+        raise Unparseable(f"not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise Unparseable(f"JSON {type(obj).__name__}, not an object")
+    if _SURROGATE_ESC.search(body) and _has_lone_surrogate(obj):
+        raise Unparseable("a string holds a lone UTF-16 surrogate")
+    return obj
+
+
+def with_fields(raw: bytes, obj: dict, updates: dict) -> bytes:
+    """The body ``raw`` (whose parsed object is ``obj``, ``parse_body``) with the top-level fields of
+    ``updates`` added (``id_slot``). When none of them is in ``obj`` they are spliced in after the
+    opening brace: the client's bytes stay as sent and the cost does not grow with the prompt
+    (re-encoding a 126k-token body took ~3 ms). A field the client set itself is replaced by
+    re-encoding the whole object (a duplicate key would leave the choice to the server's parser)."""
+    if any(k in obj for k in updates):
+        return json.dumps({**obj, **updates}, ensure_ascii=False, separators=(",", ":")).encode()
+    i = raw.index(b"{") + 1      # parse_body accepted a JSON object (no BOM): "{" comes first
+    fields = ",".join(json.dumps(k) + ":" + json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+                      for k, v in updates.items()).encode()
+    sep = b"" if raw[i:].lstrip().startswith(b"}") else b","
+    return raw[:i] + fields + sep + raw[i:]
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    """Whether any key or string value holds a surrogate code point (``json.loads`` joins valid
+    pairs, so any that is left is lone). Iterative: no recursion limit."""
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def _hop_names(headers: Headers) -> set[str]:
+    """Hop-by-hop names: the fixed set plus every name listed in ``Connection``."""
+    names = set(HOP_BY_HOP)
+    for value in headers.getall("Connection", ()):
+        names.update(t.strip().lower() for t in value.split(",") if t.strip())
+    return names
+
+
+def _end_to_end(headers: Headers, extra_drop: set[str] | frozenset[str]) -> CIMultiDict[str]:
+    """``headers`` without hop-by-hop ones (RFC 9110 §7.6.1), ``Proxy-*`` and ``extra_drop``;
+    multi-valued headers and their order kept."""
+    drop = _hop_names(headers) | extra_drop
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        lk = k.lower()
+        if lk in drop or lk.startswith("proxy-"):
+            continue
+        out.add(k, v)
+    return out
+
+
+def forward_request_headers(headers: Headers) -> CIMultiDict[str]:
+    """Client request headers to send upstream."""
+    return _end_to_end(headers, _REQ_DROP)
+
+
+def forward_response_headers(headers: Headers) -> CIMultiDict[str]:
+    """Upstream response headers to send to the client."""
+    return _end_to_end(headers, _RESP_DROP)
+
+
+def host_name(host_header: str) -> str:
+    """The name part of a Host header value, lower case (``[::1]:8081`` -> ``[::1]``)."""
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        end = h.find("]")
+        return h[: end + 1] if end >= 0 else h
+    if h.count(":") == 1:
+        return h.split(":", 1)[0]
+    return h
+
