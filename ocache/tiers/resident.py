@@ -24,7 +24,7 @@ requests) therefore land on a side slot when ``-np >= 2`` and never overwrite an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from ocache.llama.reuse import Reuse, predict_reuse
 from ocache.llama.flags import ServerParams
@@ -155,7 +155,8 @@ def eviction_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
 
 
 def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
-                     offers: Sequence[Any], can_spill: bool | Collection[int]) -> SlotChoice | None:
+                     offers: Sequence[Any], can_spill: bool | Collection[int],
+                     free_loss: Callable[[SlotChoice], int] | None = None) -> SlotChoice | None:
     """The protection rule: the protected slot (another live conversation) worth overwriting for
     this request, or None. Pure.
 
@@ -175,6 +176,10 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
     folder shares the previous run's whole first turn (7,2xx tokens) against a 6,942-token head and
     destroys its 64-token answer; protecting it cost 7,212 tokens per run (head warm-up) and the
     title slot, 9,640 tokens against 7,972 for the server alone; with this rule 8,028.
+
+    ``free_loss(choice)``: tokens an overwrite of an *unprotected* slot destroys that no tier keeps
+    (a guest's prompt: ``ocache.cache.plan.guest_loss``); the best unprotected slot is then worth
+    its reach minus that, so both sides of the comparison are priced (None: nothing, as before).
     """
     loss = _loss_fn(slots, can_spill)
 
@@ -183,7 +188,8 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
                    if o is not None and (o.slot is None or o.slot == c.slot)]
         return max([c.reuse.cache_n, *brought])
 
-    best_free = max((reach(c) for c in ranked if not c.protected), default=0)
+    best_free = max((reach(c) - (free_loss(c) if free_loss is not None else 0)
+                     for c in ranked if not c.protected), default=0)
     # a reuse below ``min_useful`` (a shared ``<|im_start|>system`` line) is none, as in the ranking
     taken = [c for c in ranked if c.protected and not c.busy and c.reuse.cache_n >= c.min_useful
              and c.reuse.cache_n - best_free > loss(c)]
