@@ -96,17 +96,34 @@ def test_the_title_request_goes_where_its_own_prefix_is():
     assert d.predicted >= len(TITLE_SYSTEM) - HYBRID.n_ubatch and d.tier == "resident"
 
 
-def test_a_restore_worth_more_than_the_title_still_takes_the_titles_slot():
-    """The pricing works both ways: when run 1's slot shares only the harness head's 3,000 tokens
-    (a conversation in another folder) and the anchor brings 7,234, the restore saves 4,234 tokens
-    against the title's 557: the title's slot is taken, run 1's conversation kept."""
+def test_a_restore_worth_more_than_the_title_takes_the_titles_slot_unless_a_spill_keeps_both():
+    """The pricing works both ways. Run 1's slot holds a conversation of another folder that shares
+    only the harness head's 3,000 tokens; the anchor brings 7,234. The session tier would not
+    spill that conversation: overwriting it loses its 4,267 other tokens, the title's slot only
+    557: the title's slot is taken. When the session tier would spill it (nothing lost), the
+    anchor is restored into that slot and the title kept (what the server alone keeps too: its
+    RAM cache saves the slot it replaces, docs/llama-server.md §9, §10; a restore does not)."""
     other = PREFIX[:3000] + toks(4251, 9)
     a = SlotState(id=0, tokens=other, n_total=len(other) + ANSWER, kind="agent", owner="ses_other",
                   last_used=2.0)
     slots = [a, title_slot(1, busy=False, last=1.0)]
-    d = plan_request(agent_turn(2), slots, [ANCHOR], RequestContext(kind="agent", session="ses_run2"),
-                     DENSE, can_spill=frozenset({0}))
+    ctx = RequestContext(kind="agent", session="ses_run2")
+    d = plan_request(agent_turn(2), slots, [ANCHOR], ctx, DENSE, can_spill=frozenset())
     assert d.slot == 1 and d.tier == "disk" and d.steps == ("bring",) and not d.evicts
+    d = plan_request(agent_turn(2), slots, [ANCHOR], ctx, DENSE, can_spill=frozenset({0}))
+    assert d.slot == 0 and d.tier == "disk" and d.steps == ("before_evict", "bring") and d.evicts
+
+
+def test_without_a_guest_an_offer_never_moves_a_request_onto_a_protected_slot():
+    """An offer fits any slot, so on its own it is no reason to overwrite a conversation: with an
+    empty side slot the anchor goes there, spillable or not (the protection rule as before)."""
+    other = PREFIX[:3000] + toks(4251, 9)
+    a = SlotState(id=0, tokens=other, n_total=len(other) + ANSWER, kind="agent", owner="ses_other",
+                  last_used=2.0)
+    for spill in (frozenset(), frozenset({0}), True):
+        d = plan_request(agent_turn(2), [a, SlotState(id=1)], [ANCHOR],
+                         RequestContext(kind="agent", session="ses_run2"), DENSE, can_spill=spill)
+        assert d.slot == 1 and d.tier == "disk" and not d.evicts, spill
 
 
 def test_guest_loss_prices_a_guest_slot_only():

@@ -179,7 +179,9 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
 
     ``free_loss(choice)``: tokens an overwrite of an *unprotected* slot destroys that no tier keeps
     (a guest's prompt: ``ocache.cache.plan.guest_loss``); the best unprotected slot is then worth
-    its reach minus that, so both sides of the comparison are priced (None: nothing, as before).
+    its reach minus that, and a protected slot its reach too (what an offer could bring into it),
+    so both sides of the comparison are priced alike (None: nothing, as before). Offers fit any
+    slot (``slot`` None), so without a guest's loss this takes no other slot than before.
     """
     loss = _loss_fn(slots, can_spill)
 
@@ -190,12 +192,15 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
 
     best_free = max((reach(c) - (free_loss(c) if free_loss is not None else 0)
                      for c in ranked if not c.protected), default=0)
+    def gain(c: SlotChoice) -> int:
+        return reach(c) if free_loss is not None else c.reuse.cache_n
+
     # a reuse below ``min_useful`` (a shared ``<|im_start|>system`` line) is none, as in the ranking
-    taken = [c for c in ranked if c.protected and not c.busy and c.reuse.cache_n >= c.min_useful
-             and c.reuse.cache_n - best_free > loss(c)]
+    taken = [c for c in ranked if c.protected and not c.busy and gain(c) >= c.min_useful
+             and gain(c) - best_free > loss(c)]
     if not taken:
         return None
-    return max(taken, key=lambda c: (c.reuse.cache_n - loss(c), -c.last_used))
+    return max(taken, key=lambda c: (gain(c) - loss(c), -c.last_used))
 
 
 def server_should_choose(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
