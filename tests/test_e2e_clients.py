@@ -700,3 +700,32 @@ def test_codex_two_folders_restart_resume(codex_bin, agent_stack, tmp_path, mode
     if mode == "cache":
         stats = proxy.stats()["layer"]
         assert stats["observed"] == len(records) and stats["failed_responses"] == 0, report
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_day_recorded_with_the_real_opencode_is_in_the_bench_default_set(opencode_bin, engine_patched,
+                                                                         models_tiny):
+    """The tiny bench's default set replays a day recorded with the real opencode through ``ocache
+    serve --record`` (``clients.record_opencode_day``: six runs in one folder with their own
+    prompts, one in another; made once, kept outside the checkout). Every run sent its title
+    request and its agent turn under one new session key, and the recording replays as a
+    scenario of those requests in order."""
+    from ocache.bench.run import PRESETS, recorded_days
+    from ocache.record import read_stream
+
+    path = clients.record_opencode_day()
+    assert path.parent == clients.recordings_dir() and clients.opencode_day_key(
+        models_tiny["hybrid"].name) in path.name
+    entries = read_stream(path)
+    assert len(entries) == 2 * len(clients.OPENCODE_DAY)
+    sessions = [e.get("session") for e in entries]
+    titles = [e for e in entries if not e["body"].get("tools")]
+    assert len(titles) == len(clients.OPENCODE_DAY) and len(set(sessions)) == len(clients.OPENCODE_DAY)
+    for (_folder, prompt), t in zip(clients.OPENCODE_DAY, titles):
+        assert prompt in json.dumps(t["body"]["messages"]), t["body"]["messages"]
+    assert "opencode" in PRESETS["tiny"].recordings
+    days, notes = recorded_days(PRESETS["tiny"].recordings)
+    assert not notes and [d.name for d in days] == ["recorded_opencode_day"]
+    assert [s.body for s in days[0].steps] == [e["body"] for e in entries]
+    assert clients.record_opencode_day() == path        # the second call reuses the recording

@@ -15,8 +15,10 @@ machine (never two heavy processes at once), each scenario on freshly started pr
   ocache needs from the server (``--slot-save-path``, ``--metrics``). When ``ocache serve`` cannot
   run its cache layer, (c) is the proxy with ``--no-cache`` (NullLayer) and the report says so.
 
-Presets: ``tiny`` (the smoke run: the tiny hybrid model, three scenarios: growth,
-restart_mid_session, new_session_other_folder) and ``bench`` (the README's main command: the
+Presets: ``tiny`` (the smoke run: the tiny hybrid model, four scenarios: growth,
+restart_mid_session, new_session_other_folder, opencode_runs_same_folder, and a day recorded with the
+real opencode through ``ocache serve --record``, made once by ``ocache.toolchain.clients``;
+``--no-recordings`` leaves it out) and ``bench`` (the README's main command: the
 bench-sized hybrid model, four scenarios, ``-t 1``); ``--all-scenarios`` runs every scenario in ``scenarios/`` (12).
 ``long`` (32k/64k/128k-token conversations, ocache vs llama-server alone) has its own runner and
 report: ``ocache.bench.long``.
@@ -93,13 +95,19 @@ class Preset:
     cold: str = "shared"
     #: scenario file stems run by default (None: all in the folder)
     scenarios: tuple[str, ...] | None = None
+    #: real-client days recorded through ``ocache serve --record`` replayed by default too
+    #: (``opencode``: ``ocache.toolchain.clients.record_opencode_day``, made once and kept outside
+    #: the checkout; skipped with a note when opencode cannot be installed)
+    recordings: tuple[str, ...] = ()
 
 
 PRESETS = {
     # smoke test: the tiny hybrid model prefills a 7k-token opencode turn in well under a second
     "tiny": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=256,
                    time_scale=0.2,
-                   scenarios=("growth", "restart_mid_session", "new_session_other_folder")),
+                   scenarios=("growth", "restart_mid_session", "new_session_other_folder",
+                              "opencode_runs_same_folder"),
+                   recordings=("opencode",)),
     # the README's main command: the bench-sized hybrid (6 delta-net + 2 attention layers).
     # -t 1, not 2: in (c) the proxy process works beside the server, and with -t 2 any second
     # busy process collapses llama-server's prefill ~50x on 2 cores (measured here: 30-44 tok/s
@@ -756,8 +764,32 @@ def load_scenarios(directory: Path, fixtures: Path, names: list[str] | None = No
     return [load_scenario(f, fixtures) for f in files]
 
 
+def recorded_days(names: tuple[str, ...]) -> tuple[list[Scenario], list[str]]:
+    """The preset's recorded real-client days as scenarios (``Preset.recordings``), each made
+    once by the tests' toolchain (a few minutes the first time), and a note per day that could not
+    be made (the registry unreachable, a run failed). Unknown names raise ValueError."""
+    from ocache.toolchain import clients
+
+    scenarios, notes = [], []
+    for name in names:
+        if name != "opencode":
+            raise ValueError(f"unknown recorded day {name!r} (known: opencode)")
+        try:
+            path = clients.record_opencode_day()
+        except Exception as exc:  # noqa: BLE001 - the scenarios still run; the report says why
+            notes.append(f"recorded {name} day skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            continue
+        sc = scenario_from_recording(path)
+        sc.name = f"recorded_{name}_day"
+        sc.description = (f"a day recorded with the real {name} through `ocache serve --record` "
+                          f"({path.name}, `ocache.toolchain.clients.record_{name}_day`)")
+        scenarios.append(sc)
+    return scenarios, notes
+
+
 def _cmd(args: argparse.Namespace) -> int:
     fixtures = Path(args.fixtures) if args.fixtures else default_fixtures()
+    day_notes: list[str] = []
     if args.preset == "long":  # real sizes, ocache vs direct: its own runner and report
         from ocache.bench.long import run_long
 
@@ -773,6 +805,11 @@ def _cmd(args: argparse.Namespace) -> int:
         if names is None and not args.all_scenarios:
             names = list(PRESETS[args.preset].scenarios or []) or None
         scenarios = load_scenarios(Path(args.scenarios), fixtures, names)
+        if args.scenario is None and not args.no_recordings:
+            days, day_notes = recorded_days(PRESETS[args.preset].recordings)
+            scenarios += days
+            for n in day_notes:
+                print(f"ocache bench: {n}", file=sys.stderr)
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     bad = set(configs) - set(CONFIGS)
     if bad:
@@ -782,6 +819,7 @@ def _cmd(args: argparse.Namespace) -> int:
     out = Path(args.out)
     bench = Bench(args.preset, scenarios, out, configs=configs, models=models,
                   time_scale=args.time_scale, threads=args.threads)
+    bench.notes.extend(day_notes)
     t0 = time.monotonic()
     asyncio.run(bench.run())
     wall = time.monotonic() - t0
@@ -817,6 +855,9 @@ def register(subparsers) -> None:
                    help="run every scenario in the folder (the tiny preset runs three by default)")
     p.add_argument("--recording", action="append", metavar="PATH",
                    help="replay a stream recorded by `ocache serve --record` instead of scenarios")
+    p.add_argument("--no-recordings", action="store_true",
+                   help="leave out the preset's recorded real-client days (tiny: an opencode day, "
+                   "recorded once with the real opencode from npm; `--scenario` leaves them out too)")
     p.add_argument("--fixtures", metavar="DIR", help="client request captures (default "
                    "$OCACHE_SHARED/fixtures or ../shared/fixtures)")
     p.add_argument("--configs", default="a,b,c", help="configurations to run (default a,b,c)")
