@@ -144,3 +144,25 @@ def test_guest_loss_prices_a_guest_slot_only():
     ranked = {c.slot: c for c in rank_slots(title(2), slots, RequestContext(kind="guest", session="ses_run2"),
                                             DENSE)}
     assert loss(ranked[1]) == len(title(1)) + ANSWER - len(TITLE_SYSTEM)
+
+
+def test_a_guest_goes_where_its_own_prefix_is_unless_that_destroys_more_than_it_saves():
+    """A guest that repeats a conversation (Open WebUI's title and tags requests resend the chat
+    and add an instruction) reuses the chat where the conversation's slot holds it, as the
+    server's own similarity choice would: overwriting there destroys only the conversation's
+    30-token answer (its next turn reuses the shared chat from the guest's content). When the
+    conversation holds 2,000 tokens past the chat the guest shares, the guest prefills on the
+    empty side slot instead, unless the session tier would spill that conversation first."""
+    chat = toks(2000, 30)
+    guest = chat + toks(50, 31)
+    conv = SlotState(id=0, tokens=chat, n_total=len(chat) + 30, kind="other", owner="webui",
+                     last_used=2.0)
+    ctx = RequestContext(kind="guest", session="webui-title")
+    d = plan_request(guest, [conv, SlotState(id=1)], [], ctx, DENSE, can_spill=frozenset())
+    assert d.slot == 0 and d.predicted == len(chat) and d.evicts
+    long_conv = SlotState(id=0, tokens=chat + toks(2000, 32), n_total=len(chat) + 2030, kind="other",
+                          owner="webui", last_used=2.0)
+    d = plan_request(guest, [long_conv, SlotState(id=1)], [], ctx, DENSE, can_spill=frozenset())
+    assert d.slot == 1 and not d.evicts
+    d = plan_request(guest, [long_conv, SlotState(id=1)], [], ctx, DENSE, can_spill=frozenset({0}))
+    assert d.slot == 0 and d.evicts and d.steps[0] == "before_evict"
