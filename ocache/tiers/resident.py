@@ -192,6 +192,7 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
 
     best_free = max((reach(c) - (free_loss(c) if free_loss is not None else 0)
                      for c in ranked if not c.protected), default=0)
+
     def gain(c: SlotChoice) -> int:
         return reach(c) if free_loss is not None else c.reuse.cache_n
 
