@@ -10,7 +10,7 @@ The resident ranking and the protection rule it applies live in ``ocache/tiers/r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from ocache.llama.flags import ServerParams
 from ocache.tiers.base import Offer
@@ -62,7 +62,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
     tier; when given, the plan ends with the ``anchors`` step.
 
     Another live conversation's slot is protected, but not at any price: see
-    ``ocache.tiers.resident.overwrite_choice`` (the protection rule).
+    ``ocache.tiers.resident.overwrite_choice`` (the protection rule), which here also prices what
+    taking a guest's slot instead destroys (:func:`guest_loss`).
     Raises ValueError when there is no slot.
     """
     ranked = rank_slots(tokens, slots, ctx, params)
@@ -72,7 +73,7 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
         ranked = [c for c in ranked if c.slot == forced_slot] or ranked
     choice = ranked[0]
     if forced_slot is None and not choice.protected:
-        choice = overwrite_choice(ranked, slots, offers, can_spill) or choice
+        choice = overwrite_choice(ranked, slots, offers, can_spill, guest_loss(slots)) or choice
     elif forced_slot is None:
         choice = eviction_choice(ranked, slots, can_spill) or choice
     warnings: list[str] = []
@@ -99,7 +100,7 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
             take_offer = gain / prefill_tps > best.cost_s
         else:
             take_offer = gain >= ub
-    if take_offer:
+    if take_offer and best is not None:
         steps.append("bring")
         tier, predicted = best.tier, best.tokens_usable
         upper = max(upper, predicted)
@@ -112,6 +113,34 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
         steps.append("anchors")
     return Decision(choice.slot, tier, predicted, upper, tuple(steps), evicts, choice,
                     best if take_offer else None, tuple(warnings), tuple(anchors or ()))
+
+
+def guest_loss(slots: Sequence[Any]) -> Callable[[SlotChoice], int]:
+    """``loss(choice)``: tokens an overwrite of an unprotected slot destroys that no tier keeps, for
+    the protection rule's other side (``overwrite_choice``'s ``free_loss``). Pure.
+
+    A slot holding a guest (``kind == "guest"``: opencode's title request, Open WebUI's title/tags)
+    loses its tokens beyond the common prefix with the request (``held - lcp``, ``held`` = the
+    server's count when known, so the answer counts too): the session tier never spills a guest
+    (``SessionTier._spillable``: kind), and the next guest of the same client repeats that prompt
+    (opencode sends a byte-identical title system prompt every run; shared/fixtures README). Any
+    other unprotected slot loses nothing here (empty, unknown, a kept head the head tier restores;
+    a harness head's own loss is already in the ranking's score).
+
+    Why (issue 27, ``ocache bench --preset tiny --scenario opencode_runs_same_folder --models
+    hybrid``): on the next ``opencode run`` in a folder the agent turn reused 7,234 tokens in the
+    previous run's slot (its checkpoint at the user message) and the disk tier offered the same
+    7,234 for the title's slot; the tie went to the title's slot, the title's 541 tokens were lost,
+    and every later title was prefilled in full (10,076 tokens against 7,980 for the server alone,
+    1.263). Priced, the previous run's slot wins: 7,234 against 7,234 - 558.
+    """
+    held = {s.id: (s.n_total if s.n_total is not None else len(s.tokens))
+            for s in slots if s.kind == "guest" and not s.origin and not s.foreign}
+
+    def loss(c: SlotChoice) -> int:
+        return max(held.get(c.slot, 0) - c.reuse.lcp, 0)
+
+    return loss
 
 
 @dataclass(frozen=True)

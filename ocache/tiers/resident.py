@@ -24,7 +24,7 @@ requests) therefore land on a side slot when ``-np >= 2`` and never overwrite an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from ocache.llama.reuse import Reuse, predict_reuse
 from ocache.llama.flags import ServerParams
@@ -155,7 +155,8 @@ def eviction_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
 
 
 def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
-                     offers: Sequence[Any], can_spill: bool | Collection[int]) -> SlotChoice | None:
+                     offers: Sequence[Any], can_spill: bool | Collection[int],
+                     free_loss: Callable[[SlotChoice], int] | None = None) -> SlotChoice | None:
     """The protection rule: the protected slot (another live conversation) worth overwriting for
     this request, or None. Pure.
 
@@ -175,6 +176,12 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
     folder shares the previous run's whole first turn (7,2xx tokens) against a 6,942-token head and
     destroys its 64-token answer; protecting it cost 7,212 tokens per run (head warm-up) and the
     title slot, 9,640 tokens against 7,972 for the server alone; with this rule 8,028.
+
+    ``free_loss(choice)``: tokens an overwrite of an *unprotected* slot destroys that no tier keeps
+    (a guest's prompt: ``ocache.cache.plan.guest_loss``); the best unprotected slot is then worth
+    its reach minus that, and a protected slot its reach too (what an offer could bring into it),
+    so both sides of the comparison are priced alike (None: nothing, as before). Offers fit any
+    slot (``slot`` None), so without a guest's loss this takes no other slot than before.
     """
     loss = _loss_fn(slots, can_spill)
 
@@ -183,13 +190,18 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
                    if o is not None and (o.slot is None or o.slot == c.slot)]
         return max([c.reuse.cache_n, *brought])
 
-    best_free = max((reach(c) for c in ranked if not c.protected), default=0)
+    best_free = max((reach(c) - (free_loss(c) if free_loss is not None else 0)
+                     for c in ranked if not c.protected), default=0)
+
+    def gain(c: SlotChoice) -> int:
+        return reach(c) if free_loss is not None else c.reuse.cache_n
+
     # a reuse below ``min_useful`` (a shared ``<|im_start|>system`` line) is none, as in the ranking
-    taken = [c for c in ranked if c.protected and not c.busy and c.reuse.cache_n >= c.min_useful
-             and c.reuse.cache_n - best_free > loss(c)]
+    taken = [c for c in ranked if c.protected and not c.busy and gain(c) >= c.min_useful
+             and gain(c) - best_free > loss(c)]
     if not taken:
         return None
-    return max(taken, key=lambda c: (c.reuse.cache_n - loss(c), -c.last_used))
+    return max(taken, key=lambda c: (gain(c) - loss(c), -c.last_used))
 
 
 def server_should_choose(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],

@@ -408,3 +408,143 @@ def run_codex(binary: Path, project: Path, prompt: str, env: dict[str, str], *, 
     if resume:
         argv += ["resume", "--last"]
     return _run([*argv, prompt], Path(project), env, timeout)
+
+
+# --- a recorded day with the real opencode (the bench's default set) ------------------------------
+
+#: The day :func:`record_opencode_day` records: six ``opencode run`` in one project folder, one
+#: after the other, each with its own prompt, no restart (issue 27's day: the first thing a new
+#: user does), then one run in a second folder.
+OPENCODE_DAY = (("proj", "list the files here"), ("proj", "what does main.py do?"),
+                ("proj", "explain util.py in two lines"), ("proj", "add a docstring to main.py"),
+                ("proj", "is there a test for util.py?"), ("proj", "summarise the README"),
+                ("proj2", "list the files here"))
+#: Files of the day's project folders (tiny, so the prompts stay the captures' size)
+_DAY_FILES = {"main.py": "from util import greet\n\nprint(greet('world'))\n",
+              "util.py": "def greet(name):\n    return f'hello {name}'\n",
+              "README.md": "# demo\n\nA two-file demo project.\n",
+              "AGENTS.md": "Keep answers short.\n"}
+
+
+def recordings_dir() -> Path:
+    """``cache_root()/recordings``: recorded client days (third-party prompt text, never in the
+    checkout)."""
+    d = cache_root() / "recordings"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
+def opencode_day_key(model_file: str, day: Sequence[tuple[str, str]] = OPENCODE_DAY,
+                     output_tokens: int = 64) -> str:
+    """The recording's cache key (16 hex): the opencode version, the model file's name, the runs
+    (folder, prompt), the output cap, the record schema and the project files."""
+    import hashlib
+
+    from ocache.record import SCHEMA_VERSION
+
+    raw = json.dumps([OPENCODE.spec, model_file, [list(r) for r in day], output_tokens, SCHEMA_VERSION,
+                      sorted(_DAY_FILES.items())])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def record_opencode_day(*, model: str = "hybrid", day: Sequence[tuple[str, str]] = OPENCODE_DAY,
+                        output_tokens: int = 64, timeout: float = 300.0) -> Path:
+    """Record a day with the real opencode (``day``: (folder, prompt) per run, in order) through
+    ``ocache serve --no-cache --record`` in front of the patched llama-server on the ``tiny``
+    ``model`` (``-np 2``, 16k tokens per slot, ``-n output_tokens``), once: the stream is kept as
+    ``recordings_dir()/opencode-day-<key>.jsonl`` (:func:`opencode_day_key`) and returned at once
+    on the next call. ``ocache bench --recording FILE`` replays it; the bench's default set does
+    (``ocache.bench.run``). ``--no-cache`` makes the recorded requests the client's alone (what a
+    day sends does not depend on ocache's plans).
+
+    Raises RegistryUnreachable / ClientInstallError (opencode cannot be installed), ServerError
+    (llama-server did not start) or RuntimeError (a run failed or timed out after ``timeout``
+    seconds, or fewer requests were recorded than the runs sent: the message says which); a failed
+    attempt leaves no file behind.
+    """
+    import sys
+    import tempfile
+    import urllib.error
+    import urllib.request
+
+    from ocache.llama.server import LlamaServer, free_port
+    from ocache.record import iter_stream
+    from ocache.toolchain import engine, models
+
+    paths = models.make("tiny")
+    key = opencode_day_key(paths[model].name, day, output_tokens)
+    out = recordings_dir() / f"opencode-day-{key}.jsonl"
+    if out.exists():
+        return out
+    binary = install(OPENCODE)
+    with file_lock(recordings_dir() / f".{key}.lock"), tempfile.TemporaryDirectory(
+            dir=recordings_dir(), prefix=f".work-{key}-") as tmp:
+        if out.exists():
+            return out
+        work = Path(tmp)
+        srv = LlamaServer(binary=engine.build().binary, model=paths[model], n_parallel=2,
+                          ctx_size=2 * 16384, args=["-n", str(output_tokens)],
+                          log_path=work / "llama-server.log")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proxy = None
+        try:
+            srv.start()
+            with open(work / "ocache.log", "ab") as logf:
+                proxy = subprocess.Popen(
+                    [sys.executable, "-m", "ocache", "serve", "--upstream", srv.url, "--host",
+                     "127.0.0.1", "--port", str(port), "--no-cache", "--record", str(work / "rec")],
+                    stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=work,
+                    env={**os.environ, "OCACHE_CACHE_DIR": str(work / "cache")},
+                    start_new_session=True)
+            deadline = time.monotonic() + 60.0
+            while True:
+                try:
+                    with urllib.request.urlopen(url + "/v1/cache/stats", timeout=2):
+                        break
+                except (urllib.error.URLError, OSError):
+                    if proxy.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"ocache serve did not start (log {work / 'ocache.log'})")
+                    time.sleep(0.1)  # polling a child's readiness
+            env = isolated_env(work / "home")
+            for folder in sorted({f for f, _ in day}):
+                project = work / folder
+                project.mkdir()
+                for name, text in _DAY_FILES.items():
+                    (project / name).write_text(text)
+                write_opencode_config(project, url + "/v1", context_tokens=16384,
+                                      output_tokens=output_tokens)
+            for i, (folder, prompt) in enumerate(day):
+                run = run_opencode(binary, work / folder, prompt, env, timeout=timeout)
+                if run.timed_out or run.returncode != 0:
+                    raise RuntimeError(f"opencode run {i} failed: {run.describe()}")
+
+            def recorded() -> list[dict]:
+                return [r for f in sorted((work / "rec").glob("stream-*.jsonl")) for r in iter_stream(f)]
+
+            # the proxy records after each response, off the client's path: the last line can
+            # trail the client's exit (bounded wait)
+            deadline = time.monotonic() + 30.0
+            while len(recorded()) < 2 * len(day) and time.monotonic() < deadline:
+                time.sleep(0.1)  # polling a file another process appends to
+            recs = recorded()
+            if len(recs) < 2 * len(day):
+                raise RuntimeError(f"{len(recs)} requests recorded for {len(day)} runs (each sends a "
+                                   "title request and an agent turn)")
+        finally:
+            if proxy is not None and proxy.poll() is None:
+                os.killpg(proxy.pid, signal.SIGTERM)
+                try:
+                    proxy.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proxy.pid, signal.SIGKILL)
+                    proxy.wait()
+            srv.stop()
+        files = sorted((work / "rec").glob("stream-*.jsonl"))
+        if len(files) != 1:
+            raise RuntimeError(f"expected one stream file, found {len(files)}")
+        part = out.with_suffix(".part")
+        shutil.copyfile(files[0], part)
+        os.chmod(part, 0o600)
+        os.replace(part, out)
+    return out
