@@ -757,36 +757,39 @@ def test_0008_a_prompt_begins_with_the_slots_own_tokens(start_server, corpus, tm
 
 
 def test_0008_a_splice_the_slot_does_not_hold_is_refused_and_the_slot_kept(start_server, corpus):
-    """patches/0008's refusals, each a 400 whose message starts with ``ocache_splice``, with no
-    prompt token counted and the slot untouched (the next request that extends it reuses all of it):
-    the slot's checked tokens hash otherwise (another conversation is there), it holds fewer tokens
-    than named, the new part's hash is not the prompt's last tokens', no ``id_slot``, bad fields."""
+    """patches/0008's refusals, with no prompt token counted and the slot untouched (the next request
+    that extends it reuses all of it): 412 ``precondition_failed_error`` when the slot's checked
+    tokens hash otherwise (another conversation is there), it holds fewer tokens than named, or the
+    new part's hash is not the prompt's last tokens' (the proxy then plans the request again, as for
+    0007's 412); 400 for a malformed field or no ``id_slot``. Every message starts ``ocache_splice``."""
     srv = start_server("hybrid", n_parallel=1, **SRV)
     head, tail = corpus[:1200], corpus[N_PROMPT + 300:N_PROMPT + 350]
     first = ok(srv, "/completion", {"prompt": head, "n_predict": 4, "id_slot": 0, "return_tokens": True, **GREEDY})
     n_held = first["tokens_cached"]
     prompt = corpus[5:900] + tail
     good = _splice(n_held, head, tail)
-    bad = {
-        "other conversation": {**good, "xxh3": _xxh3(corpus[1:1201])},
-        "longer than held": {**good, "n_keep": n_held + 1},
-        "tail not the prompt's": {**good, "tail_xxh3": _xxh3(corpus[:50])},
-        "check past keep": {**good, "n_check": n_held + 1},
-        "tail past prompt": {**good, "n_tail": len(prompt) + 1},
-        "hash not hex": {**good, "xxh3": "z" * 16},
-        "missing key": {k: v for k, v in good.items() if k != "n_tail"},
+    refused = {
+        "other conversation": ({**good, "xxh3": _xxh3(corpus[1:1201])}, 412),
+        "longer than held": ({**good, "n_keep": n_held + 1}, 412),
+        "tail not the prompt's": ({**good, "tail_xxh3": _xxh3(corpus[:50])}, 412),
+        "check past keep": ({**good, "n_check": n_held + 1}, 400),
+        "tail past prompt": ({**good, "n_tail": len(prompt) + 1}, 400),
+        "hash not hex": ({**good, "xxh3": "z" * 16}, 400),
+        "missing key": ({k: v for k, v in good.items() if k != "n_tail"}, 400),
     }
     before = _prompt_tokens_total(srv)
-    for why, sp in bad.items():
+    for why, (sp, want) in refused.items():
         status, res = call(srv, "/completion", {"prompt": prompt, "n_predict": 4, "id_slot": 0, **GREEDY,
                                                 "ocache_splice": sp})
-        assert status == 400 and res["error"]["message"].startswith("ocache_splice"), (why, status, res)
+        assert status == want and res["error"]["message"].startswith("ocache_splice"), (why, status, res)
+        if want == 412:
+            assert res["error"]["type"] == "precondition_failed_error", res
     status, res = call(srv, "/completion", {"prompt": prompt, "n_predict": 4, **GREEDY, "ocache_splice": good})
     assert status == 400 and "id_slot" in res["error"]["message"], res
     for stream in (True, False):   # a refusal at launch is an HTTP error, also for a stream
         status, res = call(srv, "/completion", {"prompt": prompt, "n_predict": 4, "id_slot": 0, "stream": stream,
-                                                **GREEDY, "ocache_splice": bad["other conversation"]})
-        assert status == 400 and "hash to" in res["error"]["message"], res
+                                                **GREEDY, "ocache_splice": refused["other conversation"][0]})
+        assert status == 412 and "hash to" in res["error"]["message"], res
     assert _prompt_tokens_total(srv) == before
     # the slot still holds the conversation: extending it prefills only the extension
     res = ok(srv, "/completion", {"prompt": head + first["tokens"][:3] + tail, "n_predict": 1, "id_slot": 0,
