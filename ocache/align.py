@@ -172,6 +172,25 @@ class AsSent:
 Decision = Aligned | AsSent
 
 
+#: the user text of the probe conversation :func:`turn_end_marker` renders
+PROBE = "ocache-turn-end-probe"
+
+
+def turn_end_marker(rendered: str) -> str | None:
+    """The template's end-of-turn text, read from its render of ``[{"role": "user", "content":
+    PROBE}]`` without a generation prompt: what follows the user text up to the next whitespace
+    (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3, ``<|end|>`` for harmony). None when the
+    render does not show one. The model's EOS (``/props`` ``eos_token``) may be another token
+    (``<|endoftext|>`` in the Qwen vocab): the generation stops at either, and what follows the
+    answer in a prompt is the template's."""
+    at = rendered.find(PROBE)
+    if at < 0:
+        return None
+    rest = rendered[at + len(PROBE):]
+    marker = rest.split(None, 1)[0] if rest.strip() else ""
+    return marker or None
+
+
 def fields_of(body: Mapping) -> dict:
     return {k: body[k] for k in PROMPT_FIELDS if k in body}
 
@@ -180,7 +199,7 @@ def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
            n_ctx: int | None = None) -> Decision:
     """Whether ``body`` (its prompt tokenized as ``tokens``) is ``turn``'s conversation, rewritten,
     plus a new part, and if so the splice (module docstring: the guard). ``eot_id``: the template's
-    end-of-turn token (the model's EOS, ``<|im_end|>`` for ChatML); ``n_ctx``: the slot's context in
+    end-of-turn token (:func:`turn_end_marker`, tokenized: ``<|im_end|>`` for ChatML); ``n_ctx``: the slot's context in
     tokens, if known (a splice that would not fit is not made)."""
     if turn is None:
         return AsSent("no record")

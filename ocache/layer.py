@@ -132,6 +132,9 @@ class Observation:
     ttft_s: float | None = None
     total_s: float = 0.0
     content: str | None = None
+    #: [align] the assistant message and finish reason of a non-streamed chat answer (None otherwise)
+    message: dict | None = None
+    finish_reason: str | None = None
 
 
 @runtime_checkable

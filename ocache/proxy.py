@@ -1316,6 +1316,10 @@ class Proxy:
                 obs.timings = timings_from_usage(obs.usage)
         if obs.status == 200:
             obs.content = _content_of(path, obj)
+            # [align] the chat answer as relayed, for the aligned route (ocache/cache/align_route.py)
+            choice = (obj.get("choices") or [None])[0] if isinstance(obj.get("choices"), list) else None
+            if isinstance(choice, dict) and isinstance(choice.get("message"), dict):
+                obs.message, obs.finish_reason = choice["message"], choice.get("finish_reason")
 
     def _unavailable(self, rid: str) -> web.Response:
         url = self.upstream.base_url

@@ -162,3 +162,12 @@ def test_canonical_drops_what_is_rewritten_and_keeps_the_rest():
     # user, system and tool content is compared exactly (only its form: text parts joined)
     assert canonical({"role": "user", "content": " x"}) != canonical({"role": "user", "content": "x"})
     assert canonical({"role": "user", "content": "<think>a</think>x"})["content"] == "<think>a</think>x"
+
+
+def test_the_turn_end_marker_is_read_from_the_templates_render():
+    from ocache.align import PROBE, turn_end_marker
+
+    assert turn_end_marker(f"<|im_start|>user\n{PROBE}<|im_end|>\n") == "<|im_end|>"
+    assert turn_end_marker(f"<|start_header_id|>user<|end_header_id|>\n\n{PROBE}<|eot_id|>") == "<|eot_id|>"
+    assert turn_end_marker(f"<|start|>user<|message|>{PROBE}<|end|>") == "<|end|>"
+    assert turn_end_marker(f"user: {PROBE}\n") is None and turn_end_marker("nothing") is None

@@ -80,3 +80,117 @@ def test_a_new_user_message_rewrites_the_loop_on_the_real_template_only(serve_te
     before = _render(own.url, CONVERSATION[:-1])
     after = _render(own.url, CONVERSATION + [{"role": "user", "content": "Thanks."}])
     assert after.startswith(before.removesuffix("<|im_start|>assistant\n<think>\n"))
+
+
+# ---------------------------------------------------------------------------------------------
+# alignment through ocache (ocache/align.py, ocache/cache/align_route.py, patches/0008)
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {"filePath": {"type": "string", "enum": ["a.py", "b.py"]}},
+                   "required": ["filePath"]}}}]
+WORDS = '[a-z] [a-z]{1,9} (" " [a-z]{1,9}){6,12} "\\n</think>\\n\\n"'
+#: the generated turns (the tiny model under a grammar, so that each ends with end of turn):
+#: Qwen3.5's generation prompt opens the think block, the call is its XML format
+CALL = ('root ::= ' + WORDS + ' "<tool_call>\\n<function=read>\\n<parameter=filePath>\\n" ("a.py" | "b.py") '
+        '"\\n</parameter>\\n</function>\\n</tool_call>"')
+ANSWER = 'root ::= ' + WORDS + ' [A-Z] [a-z]{1,9} (" " [a-z]{1,9}){3,8} "."'
+
+
+def _chat(url: str, body: dict) -> tuple[dict, dict]:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read()), dict(r.headers)
+
+
+def _prefilled(url: str) -> int:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return int(float(next(ln.split()[-1] for ln in text.splitlines()
+                          if ln.startswith("llamacpp:prompt_tokens_total"))))
+
+
+def _loop(url: str, server: str) -> list[tuple[dict, dict, int]]:
+    """A tool turn, its result, the answer, a new user message: the client drops the reasoning and
+    sends every turn back as it came. Returns (answer, headers, the server's prefill) per request."""
+    msgs = [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Read a file, then say what it does."}]
+    out = []
+    for grammar, max_tokens in ((CALL, 200), (ANSWER, 200), (None, 12)):
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "max_tokens": max_tokens}
+        if grammar:
+            body["grammar"] = grammar
+        before = _prefilled(server)
+        res, headers = _chat(url, body)
+        out.append((res, headers, _prefilled(server) - before))
+        msg = res["choices"][0]["message"]
+        if grammar is CALL:
+            msgs = msgs + [{"role": "assistant", "content": msg["content"]},
+                           {"role": "tool", "tool_call_id": "c1", "content": engine.chat_template_file(
+                               TEMPLATES["hybrid"]).read_text()[:1500]}]
+        elif grammar is ANSWER:
+            msgs = msgs + [{"role": "assistant", "content": msg["content"]},
+                           {"role": "user", "content": "Thanks. Which file would you change first?"}]
+    return out
+
+
+def test_a_rewritten_history_is_served_from_the_slots_own_tokens_through_ocache(serve_template, tmp_path,
+                                                                                monkeypatch):
+    """Issue 26 on the real Qwen3.5 template, tiny hybrid, the server's own generations: through
+    ocache each turn after the first is aligned (``X-OCache-Aligned``: the slot's tokens + the new
+    part) and the server prefills only the new part (its counter moves by ``prompt_n``, tens of
+    tokens for the new user message where alone the template's rewrite re-prefills the whole
+    prompt); the answer equals a cold prefill of the prompt actually served (the slot's file: that
+    prompt + the tokens generated but the last). With ``tiers.resident.align: false`` nothing is
+    aligned and the prompt is the template's."""
+    from ocache.bench.run import OCacheProcess
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    alone = _loop(srv.url, srv.url)
+    # alone: everything from the first rewritten turn on again (the server resumes at its
+    # checkpoint at the user message before it)
+    assert alone[2][2] > 300
+    srv.stop()
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log", slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, srv.url)
+        stats = (prox.stats() or {})["layer"]["align"]
+    finally:
+        prox.stop()
+    assert "X-OCache-Aligned" not in turns[0][1]
+    for res, headers, prefilled in turns[1:]:
+        kept, new = map(int, headers["X-OCache-Aligned"].split("+"))
+        t = res["timings"]
+        assert t["cache_n"] == kept and t["prompt_n"] == new == prefilled, (headers, t)
+        assert res["usage"]["prompt_tokens"] == kept + new
+    last, headers, prefilled = turns[2]
+    assert prefilled <= 40, (prefilled, alone[2][2])
+    assert stats["aligned"] == 2
+
+    # the answer equals a cold prefill of the prompt served (saved from the slot it ran on)
+    slot = int(headers["X-OCache-Slot"])
+    n_prompt = last["usage"]["prompt_tokens"]
+    _post(srv.url, f"/slots/{slot}?action=save", {"filename": "served.bin"})
+    from test_patch import slot_file_tokens
+    held = slot_file_tokens(tmp_path / "slots" / "served.bin")
+    served, generated = held[:n_prompt], held[n_prompt:]
+    assert len(generated) == last["timings"]["predicted_n"] - 1 >= 8
+    cold = _post(srv.url, "/completion", {"prompt": served, "n_predict": len(generated), "id_slot": 1 - slot,
+                                          "cache_prompt": False, "return_tokens": True, "temperature": 0})
+    assert cold["timings"]["cache_n"] == 0 and cold["tokens"] == generated
+    srv.stop()
+
+    # alignment off: every prompt is the template's (the client's render), byte for byte
+    monkeypatch.setenv("OCACHE_TIERS", "{resident: {align: false}}")
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on", slot_save_path=None)
+    prox = OCacheProcess(srv.url, tmp_path / "cache-off", tmp_path / "ocache-off.log").start()
+    try:
+        off = _loop(prox.url, srv.url)
+    finally:
+        prox.stop()
+    assert all("X-OCache-Aligned" not in h for _, h, _ in off)
+    assert [r["usage"]["prompt_tokens"] for r, _, _ in off] == [r["usage"]["prompt_tokens"] for r, _, _ in alone]
+    assert off[2][2] > 300

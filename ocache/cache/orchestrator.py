@@ -52,6 +52,7 @@ from ocache.tiers.base import Offer, RequestContext, TierBase
 from ocache.tiers.head import HeadTier, open_head_store
 from ocache.tiers.resident import known_conversation_slot, rank_slots, server_should_choose
 from ocache.tokens import TokenViewError, message_keys
+from ocache.cache.align_route import AlignContext, AlignRoute, enabled as align_enabled   # [align]
 
 log = logging.getLogger("ocache.cache")
 
@@ -154,6 +155,7 @@ class OCacheLayer:
             "fast_path_anchors_skipped": 0, "fast_path_failed": 0, "view_mismatches": 0,
             "known_boot_checked": 0, "known_if_boot": 0, "known_waits": 0, "known_waits_usual": 0,
         }
+        self.align = AlignRoute(align_enabled(config))   # [align] issue 26, ocache/cache/align_route.py
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
         self.tiers: list[TierBase] = list(tiers)
@@ -372,6 +374,11 @@ class OCacheLayer:
         kind = fp_mod.classify(body, self.markers) if chat else "other"
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
         keys = None
+        if chat and self.align.on:   # [align] a rewritten history served from the slot's own tokens
+            keys = self._keys(req, body)
+            aligned = await self.align.plan(self, req, body, path, kind, head, keys)
+            if aligned is not None:
+                return aligned
         if chat and self.opt_fast_path:
             keys = self._keys(req, body)
             known = await self._plan_known(req, body, path, kind, head, keys)
@@ -802,12 +809,16 @@ class OCacheLayer:
 
     async def observe(self, req: Any, plan: Any, obs: Any) -> None:
         pctx: PlanContext | None = getattr(plan, "context", None)
+        if isinstance(pctx, AlignContext):   # [align]
+            await self.align.observe(self, req, plan, obs)
+            return
         if isinstance(pctx, ServerPlaced):
             self.observer.observe_placed(self.table, pctx, obs)
             return
         if not isinstance(pctx, PlanContext):
             return
         ok = await self.observer.observe(self.table, self.tiers, req, pctx, obs)
+        await self.align.observe(self, req, plan, obs)   # [align] the turn this slot now holds
         if self._stopping:
             return  # a planned stop: nothing new is sent to the server off a request's path
         if self.opt_reconcile:
@@ -908,6 +919,7 @@ class OCacheLayer:
         return self.table is not None and boot is not None and self.table.boot == boot
 
     async def on_upstream_restart(self) -> None:
+        self.align.forget()   # [align]
         if self.table is not None:
             if self._table_knows_process():
                 self.table.epoch = getattr(self.upstream, "epoch", None)
@@ -995,7 +1007,8 @@ class OCacheLayer:
         out: dict[str, Any] = {"layer": "ocache", **self.counters, "by_tier": dict(self.by_tier),
                                "prefill_tokens_per_s": self.prefill_tps,
                                "recent_mispredictions": list(self.recent_mispredictions),
-                               "setup_warnings": [str(f) for f in self.findings if f.level != "ok"]}
+                               "setup_warnings": [str(f) for f in self.findings if f.level != "ok"],
+                               "align": self.align.stats()}   # [align]
         if table is not None:
             out["slots"] = [{"id": s.id, "tokens": len(s.tokens), "n_total": s.n_total, "kind": s.kind,
                              "owner": s.owner, "origin": s.origin, "checkpoints": len(s.checkpoints),
@@ -1021,6 +1034,8 @@ class OCacheLayer:
         if tier not in known:
             raise ValueError(f"unknown tier {tier!r}; one of {sorted(known)}")
         cleared = 0
+        if tier in ("resident", "all"):
+            self.align.forget()   # [align]
         if tier in ("resident", "all") and self.table is not None:
             for st in self.table.slots:
                 async with self.table.lock(st.id):
