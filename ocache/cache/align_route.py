@@ -12,9 +12,11 @@ prefills only that. Anything else (no record, the guard refuses, a build without
 
 Hooks in ``OCacheLayer`` (``ocache/cache/orchestrator.py``, each marked ``# [align]``):
 
-* ``plan``: ``aligned = await self.align.plan(self, req, body, path, kind, head, keys)`` before
-  the known-turn route (a known turn is forwarded as sent, which on these templates re-prefills
-  from the first rewritten turn); a plan returned is the request's plan;
+* ``plan``: ``aligned = await self.align.plan(self, req, body, path, kind, head, keys)`` after
+  the known-turn route declined (a known turn, its earlier messages unchanged on a template checked
+  append-only, is forwarded at once and needs no splice; on a template that rewrites, or after a
+  client's rewrite, it declines) and before the view of the usual route; a plan returned is the
+  request's plan;
 * ``observe``: ``await self.align.observe(self, req, plan, obs)`` after the observer recorded the
   response (both the aligned plans, whose context is an :class:`AlignContext`, and every other
   plan's :class:`ocache.cache.execute.PlanContext`);

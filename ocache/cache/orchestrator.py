@@ -374,16 +374,16 @@ class OCacheLayer:
         kind = fp_mod.classify(body, self.markers) if chat else "other"
         head = fp_mod.harness_head(body, self.markers) if kind == "agent" else None
         keys = None
-        if chat and self.align.on:   # [align] a rewritten history served from the slot's own tokens
-            keys = self._keys(req, body)
-            aligned = await self.align.plan(self, req, body, path, kind, head, keys)
-            if aligned is not None:
-                return aligned
         if chat and self.opt_fast_path:
             keys = self._keys(req, body)
             known = await self._plan_known(req, body, path, kind, head, keys)
             if known is not None:
                 return known
+        if chat and self.align.on:   # [align] a rewritten history served from the slot's own tokens
+            keys = keys or self._keys(req, body)
+            aligned = await self.align.plan(self, req, body, path, kind, head, keys)
+            if aligned is not None:
+                return aligned
         # GET /slots only when the table cannot vouch for a slot (it then runs while the view is
         # built: neither needs the other); otherwise the reconcile after each response did it
         refreshed = None
