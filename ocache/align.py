@@ -160,8 +160,12 @@ class Splice:
 
 @dataclass(frozen=True)
 class Aligned:
+    """``splice`` to send; ``saved``: tokens of the request's own prompt from where it parts from
+    the slot's known tokens to its new part, which the request sent as is would prefill again at
+    least (a hybrid model resumes at a checkpoint before that point: more)."""
+
     splice: Splice
-    saved: int  # tokens of the request's own prompt before the new part (what the rewrite would re-read at most)
+    saved: int
 
 
 @dataclass(frozen=True)
@@ -242,7 +246,12 @@ def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
     splice = Splice(n_keep=turn.n_held, checked=known, tail=tail)
     if n_ctx is not None and splice.n_prompt > n_ctx:
         return AsSent("splice exceeds the context")
-    return Aligned(splice, saved=end)
+    lcp = 0
+    for a, b in zip(tokens, known):
+        if a != b:
+            break
+        lcp += 1
+    return Aligned(splice, saved=max(0, end - lcp))
 
 
 def record(body: Mapping, tokens: Sequence[int], eot_id: int, answer: Mapping, finish_reason: str | None,

@@ -313,9 +313,14 @@ class _SSEObserver:
     ``":\n\n"``, sent while a prefill outlasts ``sse_ping_interval`` (default 30 s;
     tools/server/server-context.cpp:4535-4548, common/common.h:626)."""
 
-    __slots__ = ("_buf", "timings", "usage", "events", "_anthropic", "first_at", "final")
+    __slots__ = ("_buf", "timings", "usage", "events", "_anthropic", "first_at", "final", "message",
+                 "finish_reason")
 
-    def __init__(self) -> None:
+    def __init__(self, collect: bool = False) -> None:
+        # [align] ``collect``: also build the chat answer from the deltas (``message``, for the
+        # aligned route, ocache/cache/align_route.py); None: not collected
+        self.message: dict | None = {"role": "assistant", "content": ""} if collect else None
+        self.finish_reason: str | None = None
         self._anthropic: dict | None = None
         self._buf = b""
         self.timings: dict | None = None
@@ -337,6 +342,8 @@ class _SSEObserver:
                 self.events += 1
                 if self.first_at is None and b'"prompt_progress"' not in line:
                     self.first_at = time.perf_counter()
+                if self.message is not None and b'"choices"' in line:   # [align]
+                    self._delta(line[5:])
                 if (b'"timings"' in line or b'"usage"' in line or b"response.completed" in line
                         or b"message_stop" in line):
                     self._parse(line[5:])
@@ -347,6 +354,34 @@ class _SSEObserver:
         self._buf = buf[start:] if start < len(buf) else b""
         if len(self._buf) > (16 << 20):  # a pathological unterminated line: stop observing it
             self._buf = b""
+
+    def _delta(self, data: bytes) -> None:
+        """[align] Add one chat chunk's delta (content, reasoning, tool calls by index) to ``message``;
+        a chunk that does not parse ends the collection (``message`` None)."""
+        try:
+            choices = json.loads(data)["choices"]
+            if not choices:   # the usage chunk of stream_options.include_usage
+                return
+            choice = choices[0]
+            delta = choice.get("delta") or {}
+            msg = self.message
+            assert msg is not None
+            for key in ("content", "reasoning_content"):
+                if isinstance(delta.get(key), str):
+                    msg[key] = msg.get(key, "") + delta[key]
+            for tc in delta.get("tool_calls") or ():
+                calls = msg.setdefault("tool_calls", [])
+                i = int(tc.get("index", len(calls)))
+                while len(calls) <= i:
+                    calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+                fn = tc.get("function") or {}
+                calls[i]["id"] = tc.get("id") or calls[i]["id"]
+                calls[i]["function"]["name"] += fn.get("name") or ""
+                calls[i]["function"]["arguments"] += fn.get("arguments") or ""
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError, AssertionError):
+            self.message = None
 
     def _parse(self, data: bytes) -> None:
         try:
@@ -371,6 +406,12 @@ class _SSEObserver:
                 self.timings = timings_from_usage({**self._anthropic, **(self.usage or {})})
             if obj.get("type") in ("response.completed", "message_stop"):
                 self.final = True
+
+
+def _collects(layer: Any, path: str) -> bool:
+    """[align] Whether a streamed chat answer's message is collected for the layer
+    (``wants_message``: the aligned route is on)."""
+    return bool(getattr(layer, "wants_message", False)) and path in ("/v1/chat/completions", "/chat/completions")
 
 
 def _content_of(path: str, obj: dict) -> str | None:
@@ -956,7 +997,7 @@ class Proxy:
             split = plan.split_tokens if plan is not None and up_resp.status == 200 else 0
             if ctype.startswith("text/event-stream"):
                 sent = await self._relay_stream(request, up_resp, headers, obs, t0,
-                                                _SSEObserver() if preq is not None else None,
+                                                _SSEObserver(_collects(self.layer, path)) if preq is not None else None,
                                                 timed=timeout.sock_read != self.config.stream_idle_timeout_s,
                                                 rewriter=figures.LineRewriter(split, plan.split_ms)
                                                 if split > 0 else None)
@@ -1280,6 +1321,8 @@ class Proxy:
         finally:
             if observer is not None:
                 obs.timings, obs.usage = observer.timings, observer.usage
+                if observer.message is not None:   # [align]
+                    obs.message, obs.finish_reason = observer.message, observer.finish_reason
         if rewriter is not None and rewriter.holding:
             await resp.write(rewriter.flush())
         await resp.write_eof()

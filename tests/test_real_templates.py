@@ -98,10 +98,31 @@ ANSWER = 'root ::= ' + WORDS + ' [A-Z] [a-z]{1,9} (" " [a-z]{1,9}){3,8} "."'
 
 
 def _chat(url: str, body: dict) -> tuple[dict, dict]:
+    """One chat request; a streamed one (``"stream": true``) is read whole and given back in the
+    non-streamed shape (the message from the deltas, the last chunk's ``timings`` and ``usage``)."""
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read()), dict(r.headers)
+        raw, headers = r.read(), dict(r.headers)
+    if not body.get("stream"):
+        return json.loads(raw), headers
+    msg: dict = {"role": "assistant", "content": ""}
+    out: dict = {"choices": [{"message": msg}]}
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        for c in obj.get("choices") or ():
+            d = c.get("delta") or {}
+            for k in ("content", "reasoning_content"):
+                if d.get(k):
+                    msg[k] = msg.get(k, "") + d[k]
+            if c.get("finish_reason"):
+                out["choices"][0]["finish_reason"] = c["finish_reason"]
+        for k in ("timings", "usage"):
+            if obj.get(k):
+                out[k] = obj[k]
+    return out, headers
 
 
 def _prefilled(url: str) -> int:
@@ -111,14 +132,15 @@ def _prefilled(url: str) -> int:
                           if ln.startswith("llamacpp:prompt_tokens_total"))))
 
 
-def _loop(url: str, server: str) -> list[tuple[dict, dict, int]]:
+def _loop(url: str, server: str, stream: bool = False) -> list[tuple[dict, dict, int]]:
     """A tool turn, its result, the answer, a new user message: the client drops the reasoning and
     sends every turn back as it came. Returns (answer, headers, the server's prefill) per request."""
     msgs = [{"role": "system", "content": "You are a coding agent."},
             {"role": "user", "content": "Read a file, then say what it does."}]
     out = []
     for grammar, max_tokens in ((CALL, 200), (ANSWER, 200), (None, 12)):
-        body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "max_tokens": max_tokens}
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "max_tokens": max_tokens,
+                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
         if grammar:
             body["grammar"] = grammar
         before = _prefilled(server)
@@ -194,3 +216,21 @@ def test_a_rewritten_history_is_served_from_the_slots_own_tokens_through_ocache(
     assert all("X-OCache-Aligned" not in h for _, h, _ in off)
     assert [r["usage"]["prompt_tokens"] for r, _, _ in off] == [r["usage"]["prompt_tokens"] for r, _, _ in alone]
     assert off[2][2] > 300
+
+
+def test_a_streamed_conversation_is_aligned_too(serve_template, tmp_path):
+    """The same loop streamed (as opencode and most agents ask): ocache builds each relayed answer
+    from the stream's deltas (``Observation.message``) and aligns the next turns."""
+    from ocache.bench.run import OCacheProcess
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log", slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, srv.url, stream=True)
+    finally:
+        prox.stop()
+    assert "X-OCache-Aligned" not in turns[0][1]
+    for res, headers, prefilled in turns[1:]:
+        kept, new = map(int, headers["X-OCache-Aligned"].split("+"))
+        assert res["timings"]["prompt_n"] == new == prefilled and res["timings"]["cache_n"] == kept
+    assert turns[2][2] <= 40

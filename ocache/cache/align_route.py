@@ -31,8 +31,9 @@ goes as sent). After an aligned answer the table cannot name the slot's tokens (
 are not known): the slot is marked unknown with the count the server reports (prompt + generated - 1,
 docs/llama-server.md §7), and only this route continues the conversation there.
 
-Needs the relayed answer: ``Observation.message`` and ``Observation.finish_reason`` (set by the
-proxy for a non-streamed chat answer). A streamed answer is not recorded (no alignment after it).
+Needs the relayed answer: ``Observation.message`` and ``Observation.finish_reason``, set by the
+proxy for a non-streamed chat answer, and for a streamed one from its deltas when the layer's
+``wants_message`` is true (``_SSEObserver(collect=True)``: one JSON parse per chunk, only then).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ log = logging.getLogger("ocache.cache")
 #: the request header an aligned plan adds (ignored by llama-server): it makes a 412 of the
 #: server the plan's, so the proxy plans the request again rather than relaying it
 SPLICE_HEADER = "X-OCache-Splice"
+
+#: most seconds a plan waits for the previous answer of its conversation to be observed (``_settle``)
+SETTLE_WAIT_S = 2.0
 
 
 @dataclass
@@ -76,8 +80,8 @@ def enabled(config: Any) -> bool:
 
 class AlignRoute:
     """Per-slot records and the aligned plans (module docstring). ``counters``: ``aligned``
-    (requests served with a splice), ``aligned_saved_tokens`` (tokens of the requests' own prompts
-    before their new part: what a rewrite re-prefills at most), ``aligned_refused`` (a 412 of the
+    (requests served with a splice), ``aligned_saved_tokens`` (``Aligned.saved`` summed: what those
+    requests sent as is would have prefilled again at least), ``aligned_refused`` (a 412 of the
     server: the request was planned again), and ``as_sent_<reason>`` for a record that matched the
     history but not the guard."""
 
@@ -133,22 +137,40 @@ class AlignRoute:
             return slot, turn
         return None
 
+    async def _settle(self, table: SlotTable, keys: Any) -> None:
+        """An agent sends its next turn the moment the previous answer ends, before the proxy has
+        observed that answer (and this route recorded it): wait (bounded, ``SETTLE_WAIT_S``) for a
+        slot whose last request's messages open this one's (``SlotState.msg_key``, the digests of
+        ``ocache.tokens.message_keys``) while its response is still pending or its lease held."""
+        digests = keys[1] if keys else []
+        for st in table.snapshot():
+            if not st.n_msgs or st.msg_key is None or len(digests) < st.n_msgs:
+                continue
+            if digests[st.n_msgs - 1] == st.msg_key and (st.pending or st.busy):
+                self.counters["settle_waits"] += 1
+                await table.wait_settled(st.id, SETTLE_WAIT_S)
+                return
+
     async def plan(self, layer: Any, req: ParsedRequest, body: Mapping, path: str, kind: str,
                    head: Any, keys: Any) -> Plan | None:
         """An aligned plan for ``req``, or None (the other routes plan it as sent)."""
-        if not self.on or not self.records or req.path not in ("/v1/chat/completions", "/chat/completions"):
+        if not self.on or req.path not in ("/v1/chat/completions", "/chat/completions"):
+            return None
+        # probed here, once, so that recording an answer (observe) never waits for the server:
+        # the next turn may be planned the moment the answer's last byte left
+        if await self._eot(layer) is None or not self.records:
             return None
         msgs = body.get("messages")
         table: SlotTable = layer.table
         if not isinstance(msgs, list) or table is None:
             return None
+        await self._settle(table, keys)
         found = self._candidate(table, msgs)
         if found is None:
             return None
         slot, turn = found
-        eot = await self._eot(layer)
-        if eot is None:
-            return None
+        eot = self.eot_id
+        assert eot is not None
         view = await layer._viewer.view(path, body, head, keys)
         dec = decide(turn, body, view.tokens, eot, n_ctx=table.params.n_ctx_slot)
         if isinstance(dec, AsSent):

@@ -156,6 +156,7 @@ class OCacheLayer:
             "known_boot_checked": 0, "known_if_boot": 0, "known_waits": 0, "known_waits_usual": 0,
         }
         self.align = AlignRoute(align_enabled(config))   # [align] issue 26, ocache/cache/align_route.py
+        self.wants_message = self.align.on                # [align] the proxy collects streamed answers
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
         self.tiers: list[TierBase] = list(tiers)
