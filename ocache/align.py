@@ -116,6 +116,13 @@ def canonical(message: Mapping) -> dict:
     return out
 
 
+def _generated(message: Mapping) -> dict:
+    """What the model generated of an assistant message, :func:`canonical`: role, content, tool
+    calls (a client's own keys beside them, an id or a provider's metadata, are not the model's)."""
+    c = canonical(message)
+    return {k: c.get(k) for k in ("role", "content", "tool_calls")}
+
+
 @dataclass(frozen=True)
 class Turn:
     """What ocache recorded and relayed for the last turn of a conversation that a slot holds.
@@ -220,7 +227,7 @@ def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
     try:
         if any(canonical(a) != canonical(b) for a, b in zip(msgs[:n], turn.messages)):
             return AsSent("history differs")
-        if canonical(msgs[n]) != canonical({"role": "assistant", **turn.answer}):
+        if _generated(msgs[n]) != _generated({"role": "assistant", **turn.answer}):
             return AsSent("answer differs")
     except (AttributeError, TypeError):
         return AsSent("malformed message")

@@ -63,6 +63,7 @@ def test_a_client_that_drops_the_reasoning_is_served_the_slots_tokens_then_the_n
     {"content": "<think>\nThe file is short.\n</think>\n\nIt relays requests."},            # Open WebUI: in the content
     {"content": "  It relays requests.\n", "reasoning": "x"},                               # whitespace, other key
     {"content": [{"type": "text", "text": "It relays requests."}]},                         # content parts
+    {"content": "It relays requests.", "id": "msg_1", "providerOptions": {"x": 1}},         # the client's own keys
 ])
 def test_reasoning_sent_back_rewritten_or_in_the_content_is_aligned(answer):
     assert isinstance(decide(turn(), body(follow_up(answer)), new_prompt(), EOT), Aligned)
