@@ -344,6 +344,11 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
         "fast_path": ("bool", "true", "forward the next turn of a conversation a slot holds (its "
                       "earlier messages unchanged, the template checked append-only) to that slot before its token "
                       "view is built; the view and the figures follow while the server works"),
+        "align": ("bool", "true", "serve a request that repeats the conversation a slot holds, except "
+                  "for what the chat template or the client rewrote (past reasoning dropped or "
+                  "re-rendered), as the slot's own tokens plus the request's new part (patch 0008; "
+                  "the model sees its earlier reasoning); false: every prompt is the template's, "
+                  "byte for byte"),
         "<ServerParams.field>": ("any", "from the argv",
                                  "override one field of ocache.llama.flags.ServerParams (e.g. n_ubatch, "
                                  "checkpoints, checkpoint_min_step)"),

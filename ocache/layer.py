@@ -194,6 +194,10 @@ class Observation:
     ttft_s: float | None = None
     total_s: float = 0.0
     content: str | None = None
+    #: [align] the assistant message and finish reason of a chat answer: a non-streamed one's, or a
+    #: stream's collected from its deltas when the layer's ``wants_message`` is true (None otherwise)
+    message: dict | None = None
+    finish_reason: str | None = None
 
 
 @runtime_checkable

@@ -125,7 +125,7 @@ from ocache.forward import CURRENT_UPSTREAM, UpstreamHung, Forwards, read_timeou
 from ocache.layer import (COMPLETION_ROUTES, CacheLayer, NullLayer, Observation, ParsedRequest, Plan,
                           ReceiptLedger)
 from ocache.lifecycle import QUIESCE_S, Lifecycle
-from ocache.relay import SSEObserver, observe_json, relay_stream
+from ocache.relay import SSEObserver, collects, observe_json, relay_stream
 from ocache.serving import RUNNER_KWARGS, serve
 from ocache.stats import Stats
 from ocache.upstream import Upstream
@@ -432,7 +432,7 @@ class Proxy(Lifecycle):
         if up_resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             idle = self.config.stream_idle_timeout_s
             return await relay_stream(att.request, up_resp, headers, obs, att.t0,
-                                      SSEObserver() if att.preq is not None else None,
+                                      SSEObserver(collects(self.layer, att.path)) if att.preq is not None else None,
                                       idle_s=idle if att.timeout.sock_read != idle else None,
                                       rewriter=figures.LineRewriter(split, plan.split_ms)
                                       if plan is not None and split > 0 else None,

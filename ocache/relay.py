@@ -45,9 +45,14 @@ class SSEObserver:
     ``":\n\n"``, sent while a prefill outlasts ``sse_ping_interval`` (default 30 s;
     tools/server/server-context.cpp:4535-4548, common/common.h:626)."""
 
-    __slots__ = ("_buf", "timings", "usage", "events", "_anthropic", "first_at", "final")
+    __slots__ = ("_buf", "timings", "usage", "events", "_anthropic", "first_at", "final", "message",
+                 "finish_reason")
 
-    def __init__(self) -> None:
+    def __init__(self, collect: bool = False) -> None:
+        # ``collect``: also build the chat answer from the deltas (``message``, for the aligned
+        # route, ocache/cache/align_route.py); None: not collected
+        self.message: dict | None = {"role": "assistant", "content": ""} if collect else None
+        self.finish_reason: str | None = None
         self._anthropic: dict | None = None
         self._buf = b""
         self.timings: dict | None = None
@@ -69,6 +74,8 @@ class SSEObserver:
                 self.events += 1
                 if self.first_at is None and b'"prompt_progress"' not in line:
                     self.first_at = time.perf_counter()
+                if self.message is not None and b'"choices"' in line:
+                    self._delta(line[5:])
                 if (b'"timings"' in line or b'"usage"' in line or b"response.completed" in line
                         or b"message_stop" in line):
                     self._parse(line[5:])
@@ -79,6 +86,34 @@ class SSEObserver:
         self._buf = buf[start:] if start < len(buf) else b""
         if len(self._buf) > (16 << 20):  # a pathological unterminated line: stop observing it
             self._buf = b""
+
+    def _delta(self, data: bytes) -> None:
+        """Add one chat chunk's delta (content, reasoning, tool calls by index) to ``message``; a
+        chunk that does not parse ends the collection (``message`` None)."""
+        try:
+            choices = json.loads(data)["choices"]
+            if not choices:   # the usage chunk of stream_options.include_usage
+                return
+            choice = choices[0]
+            delta = choice.get("delta") or {}
+            msg = self.message
+            assert msg is not None
+            for key in ("content", "reasoning_content"):
+                if isinstance(delta.get(key), str):
+                    msg[key] = msg.get(key, "") + delta[key]
+            for tc in delta.get("tool_calls") or ():
+                calls = msg.setdefault("tool_calls", [])
+                i = int(tc.get("index", len(calls)))
+                while len(calls) <= i:
+                    calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+                fn = tc.get("function") or {}
+                calls[i]["id"] = tc.get("id") or calls[i]["id"]
+                calls[i]["function"]["name"] += fn.get("name") or ""
+                calls[i]["function"]["arguments"] += fn.get("arguments") or ""
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError, AssertionError):
+            self.message = None
 
     def _parse(self, data: bytes) -> None:
         try:
@@ -137,6 +172,17 @@ def observe_json(path: str, data: bytes, obs: Observation) -> None:
             obs.timings = timings_from_usage(obs.usage)
     if obs.status == 200:
         obs.content = content_of(path, obj)
+        # the chat answer as relayed, for the aligned route (ocache/cache/align_route.py)
+        choices = obj.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        if isinstance(choice, dict) and isinstance(choice.get("message"), dict):
+            obs.message, obs.finish_reason = choice["message"], choice.get("finish_reason")
+
+
+def collects(layer: object, path: str) -> bool:
+    """Whether a streamed chat answer's message is collected for the layer (its
+    ``wants_message``: the aligned route is on)."""
+    return bool(getattr(layer, "wants_message", False)) and path in ("/v1/chat/completions", "/chat/completions")
 
 
 async def relay_stream(request: web.Request, up_resp: aiohttp.ClientResponse,
@@ -206,6 +252,8 @@ async def relay_stream(request: web.Request, up_resp: aiohttp.ClientResponse,
     finally:
         if observer is not None:
             obs.timings, obs.usage = observer.timings, observer.usage
+            if observer.message is not None:   # the aligned route's record of the answer
+                obs.message, obs.finish_reason = observer.message, observer.finish_reason
     if rewriter is not None and rewriter.holding:
         await resp.write(rewriter.flush())
     await resp.write_eof()

@@ -696,3 +696,102 @@ def test_0007_a_request_planned_for_another_process_is_refused_before_any_work(s
     assert status == 412 and headers["X-Llama-Server-Boot"] != boot
     assert _prompt_tokens_total(srv) == 0
     conn.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# 0008: a prompt that begins with the slot's own tokens ("ocache_splice")
+
+
+def _xxh3(tokens: list[int]) -> str:
+    """XXH3-64 (seed 0) of token ids as int32 little-endian, 16 hex digits (patches/README.md, 0008)."""
+    return xxhash.xxh3_64_hexdigest(np.asarray(tokens, dtype="<i4").tobytes())
+
+
+def _splice(n_keep: int, checked: list[int], tail: list[int]) -> dict:
+    return {"n_keep": n_keep, "n_check": len(checked), "xxh3": _xxh3(checked),
+            "n_tail": len(tail), "tail_xxh3": _xxh3(tail)}
+
+
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_0008_a_prompt_begins_with_the_slots_own_tokens(start_server, corpus, tmp_path, model):
+    """patches/0008: slot 0 holds a prompt and its generation; a request whose own prompt is a
+    rewrite of that history (other tokens) plus a new part, with ``ocache_splice`` naming the slot's
+    tokens (all of them, the prompt's part checked by hash) and the new part (its last tokens,
+    hashed), is served as the slot's tokens + the new part: only the new part is prefilled (the
+    server's counter moves by it), the prompt is that long, and the greedy output equals a cold
+    prefill of that prompt. The stock build ignores the field and serves the prompt as sent."""
+    head, tail = corpus[:1500], corpus[N_PROMPT + 300:N_PROMPT + 400]
+    rewritten = corpus[1:1400] + tail          # the client's copy: the history rewritten, then the new part
+
+    stock = start_server(model, stock=True, n_parallel=2, **SRV)
+    ok(stock, "/completion", {"prompt": head, "n_predict": 8, "id_slot": 0, **GREEDY})
+    res = ok(stock, "/completion", {"prompt": rewritten, "n_predict": 4, "id_slot": 0, **GREEDY,
+                                    "ocache_splice": _splice(1507, head, tail)})
+    assert res["tokens_evaluated"] == len(rewritten), res      # served as sent
+    assert "ocache" not in ok(stock, "/props")
+    stock.stop()
+
+    srv = start_server(model, n_parallel=2, **SRV)
+    assert ok(srv, "/props")["ocache"]["splice"] is True
+    first = ok(srv, "/completion", {"prompt": head, "n_predict": 8, "id_slot": 0, **GREEDY})
+    n_held = first["tokens_cached"]                            # prompt + generated - 1 (docs/llama-server.md §7)
+    assert n_held == len(head) + 7
+    save(srv, "held.bin")
+    held = slot_file_tokens(tmp_path / "slots" / "held.bin")
+    assert len(held) == n_held and held[:len(head)] == head
+
+    before = _prompt_tokens_total(srv)
+    got = ok(srv, "/completion", {"prompt": rewritten, "n_predict": 16, "id_slot": 0, "return_tokens": True,
+                                  "n_probs": 2, **GREEDY, "ocache_splice": _splice(n_held, head, tail)})
+    assert got["tokens_evaluated"] == n_held + len(tail), got
+    assert got["timings"]["cache_n"] == n_held and got["timings"]["prompt_n"] == len(tail), got["timings"]
+    assert _prompt_tokens_total(srv) - before == len(tail)
+    assert "ocache_splice: prompt = %d tokens of the slot + %d of the request's %d" % (
+        n_held, len(tail), len(rewritten)) in srv.log_tail(200)
+
+    cold = ok(srv, "/completion", {"prompt": held + tail, "n_predict": 16, "id_slot": 1, "cache_prompt": False,
+                                   "return_tokens": True, "n_probs": 2, **GREEDY})
+    assert cold["timings"]["cache_n"] == 0 and len(cold["tokens"]) == 16
+    v = compare(Generation.from_response(cold), Generation.from_response(got))
+    assert v.exact and v.compared >= 1, describe(v)
+
+
+def test_0008_a_splice_the_slot_does_not_hold_is_refused_and_the_slot_kept(start_server, corpus):
+    """patches/0008's refusals, with no prompt token counted and the slot untouched (the next request
+    that extends it reuses all of it): 412 ``precondition_failed_error`` when the slot's checked
+    tokens hash otherwise (another conversation is there), it holds fewer tokens than named, or the
+    new part's hash is not the prompt's last tokens' (the proxy then plans the request again, as for
+    0007's 412); 400 for a malformed field or no ``id_slot``. Every message starts ``ocache_splice``."""
+    srv = start_server("hybrid", n_parallel=1, **SRV)
+    head, tail = corpus[:1200], corpus[N_PROMPT + 300:N_PROMPT + 350]
+    first = ok(srv, "/completion", {"prompt": head, "n_predict": 4, "id_slot": 0, "return_tokens": True, **GREEDY})
+    n_held = first["tokens_cached"]
+    prompt = corpus[5:900] + tail
+    good = _splice(n_held, head, tail)
+    refused = {
+        "other conversation": ({**good, "xxh3": _xxh3(corpus[1:1201])}, 412),
+        "longer than held": ({**good, "n_keep": n_held + 1}, 412),
+        "tail not the prompt's": ({**good, "tail_xxh3": _xxh3(corpus[:50])}, 412),
+        "check past keep": ({**good, "n_check": n_held + 1}, 400),
+        "tail past prompt": ({**good, "n_tail": len(prompt) + 1}, 400),
+        "hash not hex": ({**good, "xxh3": "z" * 16}, 400),
+        "missing key": ({k: v for k, v in good.items() if k != "n_tail"}, 400),
+    }
+    before = _prompt_tokens_total(srv)
+    for why, (sp, want) in refused.items():
+        status, res = call(srv, "/completion", {"prompt": prompt, "n_predict": 4, "id_slot": 0, **GREEDY,
+                                                "ocache_splice": sp})
+        assert status == want and res["error"]["message"].startswith("ocache_splice"), (why, status, res)
+        if want == 412:
+            assert res["error"]["type"] == "precondition_failed_error", res
+    status, res = call(srv, "/completion", {"prompt": prompt, "n_predict": 4, **GREEDY, "ocache_splice": good})
+    assert status == 400 and "id_slot" in res["error"]["message"], res
+    for stream in (True, False):   # a refusal at launch is an HTTP error, also for a stream
+        status, res = call(srv, "/completion", {"prompt": prompt, "n_predict": 4, "id_slot": 0, "stream": stream,
+                                                **GREEDY, "ocache_splice": refused["other conversation"][0]})
+        assert status == 412 and "hash to" in res["error"]["message"], res
+    assert _prompt_tokens_total(srv) == before
+    # the slot still holds the conversation: extending it prefills only the extension
+    res = ok(srv, "/completion", {"prompt": head + first["tokens"][:3] + tail, "n_predict": 1, "id_slot": 0,
+                                  **GREEDY, "return_tokens": True})
+    assert res["timings"]["cache_n"] == n_held, res["timings"]

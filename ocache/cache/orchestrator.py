@@ -45,6 +45,7 @@ from typing import Any, Coroutine, Mapping, Sequence
 
 from ocache import fingerprint as fp_mod
 from ocache.cache import core, report, routes, stopping, warmup, wiring
+from ocache.cache.align_route import AlignContext, AlignRoute, enabled as align_enabled
 from ocache.cache.estimate import estimate as estimate_of
 from ocache.cache.execute import PlanContext, ServerPlaced
 from ocache.cache.observe import Observer
@@ -107,6 +108,8 @@ class OCacheLayer:
         self.markers = getattr(config, "volatile_markers", None) or fp_mod.DEFAULT_MARKERS
         self._viewer = viewer
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.align = AlignRoute(align_enabled(config))   # issue 26, ocache/cache/align_route.py
+        self.wants_message = self.align.on                # the proxy collects streamed answers
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
         self.tiers: list[TierBase] = list(tiers)
@@ -428,12 +431,16 @@ class OCacheLayer:
         table = self.table
         if table is None:
             return
+        if isinstance(pctx, AlignContext):
+            await self.align.observe(self, req, plan, obs)
+            return
         if isinstance(pctx, ServerPlaced):
             self.observer.observe_placed(table, pctx, obs)
             return
         if not isinstance(pctx, PlanContext):
             return
         ok = await self.observer.observe(table, self.tiers, req, pctx, obs)
+        await self.align.observe(self, req, plan, obs)   # the turn this slot now holds
         if self._stopping:
             return  # a planned stop: nothing new is sent to the server off a request's path
         if self.opt_reconcile:
@@ -477,6 +484,7 @@ class OCacheLayer:
         return self.table is not None and boot is not None and self.table.boot == boot
 
     async def on_upstream_restart(self) -> None:
+        self.align.forget()
         if self.table is not None:
             if self._table_knows_process():
                 self.table.epoch = getattr(self.upstream, "epoch", None)

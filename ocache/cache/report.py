@@ -21,7 +21,8 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
     out: dict[str, Any] = {"layer": "ocache", **layer.counters, "by_tier": dict(layer.by_tier),
                            "prefill_tokens_per_s": layer.prefill_tps,
                            "recent_mispredictions": list(layer.recent_mispredictions),
-                           "setup_warnings": [str(f) for f in layer.findings if f.level != "ok"]}
+                           "setup_warnings": [str(f) for f in layer.findings if f.level != "ok"],
+                           "align": layer.align.stats()}
     if table is not None and layer.head_tier is not None:
         out["slots"] = [{"id": s.id, "tokens": len(s.tokens), "n_total": s.n_total, "kind": s.kind,
                          "owner": s.owner, "origin": s.origin, "checkpoints": len(s.checkpoints),
@@ -48,6 +49,8 @@ async def clear(layer: OCacheLayer, tier: str) -> dict[str, Any]:
     if tier not in known:
         raise ValueError(f"unknown tier {tier!r}; one of {sorted(known)}")
     cleared = 0
+    if tier in ("resident", "all"):
+        layer.align.forget()   # the slots' records of the aligned route go with their content
     if tier in ("resident", "all") and layer.table is not None:
         for st in layer.table.slots:
             async with layer.table.lock(st.id):

@@ -198,6 +198,18 @@ def vocab_gguf() -> Path:
     return source_dir() / "models" / "ggml-vocab-qwen35.gguf"
 
 
+def chat_template_file(name: str) -> Path:
+    """A chat template shipped with the pinned source (``models/templates/NAME``, e.g.
+    ``Qwen3.5-4B.jinja``), for ``llama-server --chat-template-file``: the templates users run, as
+    opposed to ocache's append-only ``ocache/data/chat_template.jinja`` that the tiny models embed.
+    The patches never touch ``models/``, so the work tree's copy is the pristine one. Raises
+    FileNotFoundError for a name the source does not have."""
+    path = source_dir() / "models" / "templates" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"no chat template {name!r} in {path.parent}")
+    return path
+
+
 def gguf_py_dir() -> Path:
     """The ``gguf-py`` package of the pinned source (knows the ``qwen35`` arch)."""
     return source_dir() / "gguf-py"

@@ -1,0 +1,278 @@
+"""Alignment: serve a rewritten history from the slot's own tokens (issue 26, seed 000 §13.5).
+
+The chat templates people run rewrite the history: Qwen3/3.5 render an assistant turn's reasoning
+only after the last user message (``loop.index0 > ns.last_query_index`` in
+``models/templates/Qwen3.5-4B.jinja`` of the pinned source), so a new user message re-renders every
+assistant turn since the previous one; clients drop the reasoning (opencode for models not marked
+``interleaved``, the llama.cpp web UI), re-inject it as ``<think>`` text in the content (Open WebUI)
+or send it back. Each time the prompt parts from what the slot holds at the first rewritten turn and
+everything after it is prefilled again (``scripts/measure-align``: 5,522 tokens alone for 33 new).
+
+The slot holds the conversation as the model generated it. When a request is the conversation ocache
+recorded and relayed for that slot, except for those rewrites, followed by something new, ocache
+serves "the slot's tokens up to the end of its last generation, then the request's new part"
+through patch 0008 (``ocache_splice``, patches/README.md): only the new part is prefilled. The model
+then sees its own earlier reasoning (what some templates offer for agents themselves:
+``clear_thinking: false`` in GLM-4.7-Flash's, ``preserve_thinking`` in LFM2.5's), so the prompt is no
+longer the template's byte for byte; config ``tiers.resident.align: false`` turns it off.
+
+This module is the decision only, pure (no I/O): :func:`decide` takes what was recorded for the
+slot's last turn (:class:`Turn`) and the new request (its body and the token ids the server renders
+for it, ``ocache.tokens.TokenView.tokens``) and returns an :class:`Aligned` splice or :class:`AsSent`
+with the reason. :func:`record` builds the :class:`Turn` to keep after a response.
+
+The guard, every condition required (anything else is forwarded as sent):
+
+* the fields besides the messages that shape the prompt (``PROMPT_FIELDS``: tools, template
+  arguments, ...) are the recorded ones: the slot's head was rendered with them;
+* the request's messages begin with the recorded request's messages and then the relayed answer,
+  each equal *reasoning aside* (:func:`canonical`: ``reasoning_content`` / ``reasoning`` /
+  ``thinking`` dropped, a leading ``<think>...</think>`` block taken out of an assistant's content,
+  an assistant's content compared stripped, tool calls by name and parsed arguments, not by id),
+  and at least one message follows them (the new part);
+* the relayed answer ended with the model's end of turn (``finish_reason`` ``stop`` or
+  ``tool_calls``, no client stop strings): the slot then holds the prompt and every generated token
+  but that last one (docs/llama-server.md §7), so the answer's end in the slot is where the
+  template's end-of-turn token follows it in the request;
+* that end is found by counting: the recorded request's own prompt closed ``n_prompt_eot`` turns, so
+  the answer's turn is closed by the ``n_prompt_eot + 1``-th end-of-turn token of the new prompt
+  (ChatML-like templates close every turn, merged tool results included, with one such token); the
+  new part is the new prompt from that token on;
+* the slot's first ``len(known)`` tokens, the ids ocache knows (the first prompt it forwarded as
+  sent in this chain), are checked by the server (0008's ``n_check``/``xxh3``), and it must still
+  hold ``n_held`` tokens: the server refuses the splice otherwise and the request goes as sent.
+
+A request that already extends what the slot holds (its first ``len(known)`` tokens are the known
+ids and the answer's end falls at ``n_held``) needs no splice: :class:`AsSent` ``extends``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import xxhash
+
+#: request fields besides ``messages`` that change the rendered prompt (a subset of
+#: ``ocache.tokens.RENDER_FIELDS``: grammar, json_schema, response_format and reasoning_format
+#: only constrain or parse the output)
+PROMPT_FIELDS: tuple[str, ...] = (
+    "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "reasoning_effort",
+)
+
+#: message keys that carry reasoning (OpenAI-compatible servers and clients use all three)
+REASONING_KEYS = frozenset({"reasoning_content", "reasoning", "thinking"})
+
+#: finish reasons of a generation that ended with the model's end-of-turn token
+ENDED = frozenset({"stop", "tool_calls"})
+
+_THINK = re.compile(r"^\s*<think>.*?</think>", re.S)
+
+
+def xxh3(tokens: Sequence[int]) -> str:
+    """XXH3-64 (seed 0) of token ids as int32 little-endian, 16 hex digits: patch 0008's hash."""
+    return xxhash.xxh3_64_hexdigest(np.asarray(tokens, dtype="<i4").tobytes())
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    return json.dumps(content, sort_keys=True)
+
+
+def _args(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def canonical(message: Mapping) -> dict:
+    """``message`` with what a template or client rewrites taken out, for comparison: the reasoning
+    keys dropped; for an assistant, the content as text without a leading ``<think>...</think>``
+    block, stripped, and tool calls as (name, parsed arguments) without ids. Other roles keep their
+    content exactly (as text)."""
+    role = message.get("role")
+    out: dict = {k: v for k, v in message.items() if k not in REASONING_KEYS and k not in ("content", "tool_calls")}
+    if role == "assistant":
+        out["content"] = _THINK.sub("", _text(message.get("content")), count=1).strip()
+        calls = []
+        for c in message.get("tool_calls") or ():
+            fn = c.get("function") or c
+            calls.append([fn.get("name"), _args(fn.get("arguments"))])
+        out["tool_calls"] = calls
+    else:
+        out["content"] = _text(message.get("content"))
+    return out
+
+
+def _generated(message: Mapping) -> dict:
+    """What the model generated of an assistant message, :func:`canonical`: role, content, tool
+    calls (a client's own keys beside them, an id or a provider's metadata, are not the model's)."""
+    c = canonical(message)
+    return {k: c.get(k) for k in ("role", "content", "tool_calls")}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What ocache recorded and relayed for the last turn of a conversation that a slot holds.
+
+    ``messages``: the request's messages as the client sent them; ``fields``: its ``PROMPT_FIELDS``;
+    ``answer``: the assistant message relayed to the client (``content``, ``reasoning_content``,
+    ``tool_calls``), ``finish_reason`` its finish reason; ``stop``: whether the request had stop
+    strings; ``known``: the slot's first token ids as ocache knows them; ``n_prompt_eot``: the
+    end-of-turn tokens in the request's own rendered prompt; ``n_held``: the tokens the slot holds
+    after the answer (prompt + generated - 1); ``slot``: its id."""
+
+    messages: tuple[Mapping, ...]
+    fields: Mapping[str, Any]
+    answer: Mapping
+    finish_reason: str | None
+    stop: bool
+    known: tuple[int, ...]
+    n_prompt_eot: int
+    n_held: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Splice:
+    """Patch 0008's request: keep the slot's first ``n_keep`` tokens (the first ``len(checked)``
+    checked by hash), then ``tail``, the request's own last tokens."""
+
+    n_keep: int
+    checked: tuple[int, ...]
+    tail: tuple[int, ...]
+
+    def field(self) -> dict:
+        """The body's ``ocache_splice`` object."""
+        return {"n_keep": self.n_keep, "n_check": len(self.checked), "xxh3": xxh3(self.checked),
+                "n_tail": len(self.tail), "tail_xxh3": xxh3(self.tail)}
+
+    @property
+    def n_prompt(self) -> int:
+        """Tokens of the prompt the server will serve."""
+        return self.n_keep + len(self.tail)
+
+
+@dataclass(frozen=True)
+class Aligned:
+    """``splice`` to send; ``saved``: tokens of the request's own prompt from where it parts from
+    the slot's known tokens to its new part, which the request sent as is would prefill again at
+    least (a hybrid model resumes at a checkpoint before that point: more)."""
+
+    splice: Splice
+    saved: int
+
+
+@dataclass(frozen=True)
+class AsSent:
+    reason: str
+
+
+Decision = Aligned | AsSent
+
+
+#: the user text of the probe conversation :func:`turn_end_marker` renders
+PROBE = "ocache-turn-end-probe"
+
+
+def turn_end_marker(rendered: str) -> str | None:
+    """The template's end-of-turn text, read from its render of ``[{"role": "user", "content":
+    PROBE}]`` without a generation prompt: what follows the user text up to the next whitespace
+    (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3, ``<|end|>`` for harmony). None when the
+    render does not show one. The model's EOS (``/props`` ``eos_token``) may be another token
+    (``<|endoftext|>`` in the Qwen vocab): the generation stops at either, and what follows the
+    answer in a prompt is the template's."""
+    at = rendered.find(PROBE)
+    if at < 0:
+        return None
+    rest = rendered[at + len(PROBE):]
+    marker = rest.split(None, 1)[0] if rest.strip() else ""
+    return marker or None
+
+
+def fields_of(body: Mapping) -> dict:
+    return {k: body[k] for k in PROMPT_FIELDS if k in body}
+
+
+def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
+           n_ctx: int | None = None) -> Decision:
+    """Whether ``body`` (its prompt tokenized as ``tokens``) is ``turn``'s conversation, rewritten,
+    plus a new part, and if so the splice (module docstring: the guard). ``eot_id``: the template's
+    end-of-turn token (:func:`turn_end_marker`, tokenized: ``<|im_end|>`` for ChatML); ``n_ctx``: the slot's context in
+    tokens, if known (a splice that would not fit is not made)."""
+    if turn is None:
+        return AsSent("no record")
+    if turn.finish_reason not in ENDED or turn.stop:
+        return AsSent("answer not ended by end of turn")
+    if fields_of(body) != dict(turn.fields):
+        return AsSent("prompt fields differ")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return AsSent("no messages")
+    n = len(turn.messages)
+    if len(msgs) < n + 2:
+        return AsSent("nothing new after the answer")
+    try:
+        if any(canonical(a) != canonical(b) for a, b in zip(msgs[:n], turn.messages)):
+            return AsSent("history differs")
+        if _generated(msgs[n]) != _generated({"role": "assistant", **turn.answer}):
+            return AsSent("answer differs")
+    except (AttributeError, TypeError):
+        return AsSent("malformed message")
+    if not turn.known or turn.n_held < len(turn.known):
+        return AsSent("slot tokens unknown")
+    k = turn.n_prompt_eot + 1
+    seen = 0
+    end = -1
+    for i, t in enumerate(tokens):
+        if t == eot_id:
+            seen += 1
+            if seen == k:
+                end = i
+                break
+    if end < 0:
+        return AsSent("answer end not found")
+    tail = tuple(tokens[end:])
+    if len(tail) < 2:
+        return AsSent("nothing new after the answer")
+    known = turn.known
+    if end == turn.n_held and len(tokens) >= len(known) and tuple(tokens[:len(known)]) == known:
+        return AsSent("extends")
+    splice = Splice(n_keep=turn.n_held, checked=known, tail=tail)
+    if n_ctx is not None and splice.n_prompt > n_ctx:
+        return AsSent("splice exceeds the context")
+    lcp = 0
+    for a, b in zip(tokens, known):
+        if a != b:
+            break
+        lcp += 1
+    return Aligned(splice, saved=max(0, end - lcp))
+
+
+def record(body: Mapping, tokens: Sequence[int], eot_id: int, answer: Mapping, finish_reason: str | None,
+           n_held: int, slot: int, decision: Decision | None, previous: Turn | None) -> Turn:
+    """The :class:`Turn` to keep after ``body`` was answered (``answer``, ``finish_reason``) and the
+    slot holds ``n_held`` tokens: ``tokens`` are the request's own prompt tokens; ``decision`` what
+    :func:`decide` said for it (an :class:`Aligned` request leaves the slot's first ids as they were
+    known before, ``previous.known``; one sent as is makes them its own prompt)."""
+    msgs = body.get("messages") or []
+    if isinstance(decision, Aligned) and previous is not None:
+        known = previous.known
+    else:
+        known = tuple(tokens)
+    return Turn(messages=tuple(msgs), fields=fields_of(body),
+                answer={k: answer[k] for k in ("content", "reasoning_content", "tool_calls") if k in answer},
+                finish_reason=finish_reason, stop=bool(body.get("stop")), known=known,
+                n_prompt_eot=sum(1 for t in tokens if t == eot_id), n_held=n_held, slot=slot)

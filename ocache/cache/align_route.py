@@ -1,0 +1,242 @@
+"""The aligned route: a rewritten history served from the slot's own tokens (issue 26).
+
+One request route of :class:`ocache.cache.orchestrator.OCacheLayer`, beside the known turn, the
+server-placed and the usual one. It keeps, per slot, what ocache recorded and relayed for the last
+turn of the conversation the slot holds (:class:`ocache.align.Turn`), and plans a chat request that
+:func:`ocache.align.decide` finds to be that conversation rewritten (past reasoning dropped or
+re-rendered by the template or the client, the previous answer as the server generated it) plus a
+new part: pinned to the slot, with patch 0008's ``ocache_splice`` (patches/README.md), so the server
+serves the slot's tokens up to the end of its last generation and then the request's new part, and
+prefills only that. Anything else (no record, the guard refuses, a build without 0008, config
+``tiers.resident.align: false``) returns None: the request takes the other routes as sent.
+
+Hooks in ``OCacheLayer`` (``ocache/cache/orchestrator.py``, each marked ``# [align]``):
+
+* ``plan``: ``aligned = await self.align.plan(self, req, body, path, kind, head, keys)`` after
+  the known-turn route declined (a known turn, its earlier messages unchanged on a template checked
+  append-only, is forwarded at once and needs no splice; on a template that rewrites, or after a
+  client's rewrite, it declines) and before the view of the usual route; a plan returned is the
+  request's plan;
+* ``observe``: ``await self.align.observe(self, req, plan, obs)`` after the observer recorded the
+  response (both the aligned plans, whose context is an :class:`AlignContext`, and every other
+  plan's :class:`ocache.cache.execute.PlanContext`);
+* ``on_upstream_restart`` and ``clear``: ``self.align.forget()``; ``stats``: ``"align"``.
+
+The record is checked against the slot table before use: the slot's ``seq`` (which
+``SlotTable.assign``, ``clear`` and ``mark_unknown`` change) must still be the one recorded, and the
+server checks the rest (0008's hashes, 412 otherwise: the plan carries the upstream header
+``X-OCache-Splice``, so the proxy answers the 412 by ending the plan, which marks the slot unknown,
+and planning the request again, ``Proxy._stale_plan``; the record is gone by then and the request
+goes as sent). After an aligned answer the table cannot name the slot's tokens (the generated ids
+are not known): the slot is marked unknown with the count the server reports (prompt + generated - 1,
+docs/llama-server.md §7), and only this route continues the conversation there.
+
+Needs the relayed answer: ``Observation.message`` and ``Observation.finish_reason``, set by the
+proxy for a non-streamed chat answer, and for a streamed one from its deltas when the layer's
+``wants_message`` is true (``ocache.relay.SSEObserver(collect=True)``: one JSON parse per chunk, only then).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ocache.align import PROBE, Aligned, AsSent, Turn, canonical, decide, record, turn_end_marker
+from ocache.cache.execute import PlanContext
+from ocache.config import field_of
+from ocache.layer import Observation, Plan, ParsedRequest
+from ocache.slots import SlotTable
+
+log = logging.getLogger("ocache.cache")
+
+#: the request header an aligned plan adds (ignored by llama-server): it makes a 412 of the
+#: server the plan's, so the proxy plans the request again rather than relaying it
+SPLICE_HEADER = "X-OCache-Splice"
+
+#: most seconds a plan waits for the previous answer of its conversation to be observed (``_settle``)
+SETTLE_WAIT_S = 2.0
+
+
+@dataclass
+class AlignContext:
+    """``Plan.context`` of an aligned request: the decision, the record it came from, the request's
+    own prompt tokens (its render), the slot and the slot table's ``seq`` when the plan was made."""
+
+    request_id: str
+    slot: int
+    decision: Aligned
+    turn: Turn
+    tokens: list[int]
+    body: Mapping
+
+
+def enabled(config: Any) -> bool:
+    """``tiers.resident.align`` (default true)."""
+    tiers = field_of(config, "tiers", None) or {}
+    return bool((tiers.get("resident") or {}).get("align", True))
+
+
+class AlignRoute:
+    """Per-slot records and the aligned plans (module docstring). ``counters``: ``aligned``
+    (requests served with a splice), ``aligned_saved_tokens`` (``Aligned.saved`` summed: what those
+    requests sent as is would have prefilled again at least), ``aligned_refused`` (a 412 of the
+    server: the request was planned again), and ``as_sent_<reason>`` for a record that matched the
+    history but not the guard."""
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
+        self.records: dict[int, tuple[int, Turn]] = {}   # slot -> (table seq when recorded, turn)
+        self.counters: Counter[str] = Counter()
+        self.eot_id: int | None = None
+        self._probed = False
+
+    def forget(self) -> None:
+        self.records.clear()
+        self._probed = False
+        self.eot_id = None
+
+    def stats(self) -> dict:
+        return {"enabled": self.on, "records": len(self.records), **self.counters}
+
+    async def _eot(self, layer: Any) -> int | None:
+        """The template's end-of-turn token (``ocache.align.turn_end_marker`` of the server's render
+        of a probe, tokenized: one token), once per process; None (no alignment) without patch 0008
+        (``/props`` ``ocache.splice``) or without such a token."""
+        if self._probed:
+            return self.eot_id
+        props = getattr(layer.upstream, "props", None) or {}
+        self._probed = True
+        self.eot_id = None
+        if not (props.get("ocache") or {}).get("splice"):
+            return None
+        rendered = (await layer._viewer._post("/apply-template", {
+            "messages": [{"role": "user", "content": PROBE}], "add_generation_prompt": False})).get("prompt", "")
+        marker = turn_end_marker(rendered) if isinstance(rendered, str) else None
+        toks = await layer._viewer._tokenize_remote(marker, False) if marker else []
+        self.eot_id = toks[0] if len(toks) == 1 else None
+        return self.eot_id
+
+    def _candidate(self, table: SlotTable, msgs: list) -> tuple[int, Turn] | None:
+        """The slot whose record's messages open ``msgs`` (reasoning aside) and whose content is
+        still the one recorded."""
+        for slot, (seq, turn) in list(self.records.items()):
+            n = len(turn.messages)
+            if len(msgs) < n + 2:
+                continue
+            try:
+                if any(canonical(a) != canonical(b) for a, b in zip(msgs[:n], turn.messages)):
+                    continue
+            except (AttributeError, TypeError):
+                return None
+            st = table[slot]
+            if st.seq != seq or st.pending:
+                self.records.pop(slot, None)
+                continue
+            return slot, turn
+        return None
+
+    async def _settle(self, table: SlotTable, keys: Any) -> None:
+        """An agent sends its next turn the moment the previous answer ends, before the proxy has
+        observed that answer (and this route recorded it): wait (bounded, ``SETTLE_WAIT_S``) for a
+        slot whose last request's messages open this one's (``SlotState.msg_key``, the digests of
+        ``ocache.tokens.message_keys``) while its response is still pending or its lease held."""
+        digests = keys[1] if keys else []
+        for st in table.snapshot():
+            if not st.n_msgs or st.msg_key is None or len(digests) < st.n_msgs:
+                continue
+            if digests[st.n_msgs - 1] == st.msg_key and (st.pending or st.busy):
+                self.counters["settle_waits"] += 1
+                await table.wait_settled(st.id, SETTLE_WAIT_S)
+                return
+
+    async def plan(self, layer: Any, req: ParsedRequest, body: Mapping, path: str, kind: str,
+                   head: Any, keys: Any) -> Plan | None:
+        """An aligned plan for ``req``, or None (the other routes plan it as sent)."""
+        if not self.on or req.path not in ("/v1/chat/completions", "/chat/completions"):
+            return None
+        # probed here, once, so that recording an answer (observe) never waits for the server:
+        # the next turn may be planned the moment the answer's last byte left
+        if await self._eot(layer) is None or not self.records:
+            return None
+        msgs = body.get("messages")
+        table: SlotTable = layer.table
+        if not isinstance(msgs, list) or table is None:
+            return None
+        await self._settle(table, keys)
+        found = self._candidate(table, msgs)
+        if found is None:
+            return None
+        slot, turn = found
+        eot = self.eot_id
+        assert eot is not None
+        view = await layer._viewer.view(path, body, head, keys)
+        dec = decide(turn, body, view.tokens, eot, n_ctx=table.params.n_ctx_slot)
+        if isinstance(dec, AsSent):
+            self.counters["as_sent_" + dec.reason.replace(" ", "_")] += 1
+            if dec.reason != "extends":
+                log.info("[%s] not aligned on slot %d: %s", req.request_id, slot, dec.reason)
+            return None
+        seq = table[slot].seq
+        lease = await table.lease(slot)
+        if table[slot].seq != seq or table[slot].pending:
+            lease.release()
+            return None
+        sp = dec.splice
+        self.counters["aligned"] += 1
+        self.counters["aligned_saved_tokens"] += dec.saved
+        log.info("[%s] aligned on slot %d: the slot's %d tokens + %d new of the request's %d",
+                 req.request_id, slot, sp.n_keep, len(sp.tail), len(view.tokens))
+        # what the slot holds is now the aligned route's to name: the table knows only its count
+        table.mark_unknown(slot, None)
+        ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body)
+        self.records.pop(slot, None)
+
+        async def release() -> None:
+            lease.release()
+
+        return Plan(body_updates={"id_slot": slot, "ocache_splice": sp.field()},
+                    headers={"X-OCache-Aligned": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Slot": str(slot),
+                             "X-OCache-Kind": kind, "X-OCache-Tier": "resident", "X-OCache-Path": "aligned"},
+                    context=ctx, release=release, upstream_headers={SPLICE_HEADER: str(sp.n_keep)})
+
+    async def observe(self, layer: Any, req: ParsedRequest, plan: Plan, obs: Observation) -> None:
+        """Record the turn a response leaves in its slot (an aligned one or any other chat turn that
+        the slot table recorded); a response without its answer (a stream, an error, cut short)
+        drops the slot's record."""
+        table: SlotTable | None = layer.table
+        if not self.on or table is None:
+            return
+        ctx = getattr(plan, "context", None)
+        if isinstance(ctx, AlignContext):
+            slot = ctx.slot
+            if obs.status == 412:
+                self.counters["aligned_refused"] += 1
+        elif isinstance(ctx, PlanContext):
+            slot = ctx.slot
+        else:
+            return
+        self.records.pop(slot, None)
+        message = getattr(obs, "message", None)
+        body = req.body or {}
+        if (obs.status != 200 or not obs.completed or not isinstance(message, Mapping)
+                or req.path not in ("/v1/chat/completions", "/chat/completions")
+                or await self._eot(layer) is None or self.eot_id is None):
+            return
+        t = obs.timings or {}
+        if isinstance(ctx, AlignContext):
+            try:
+                n_held = int(t["cache_n"]) + int(t["prompt_n"]) + int(t["predicted_n"]) - 1
+            except (KeyError, TypeError, ValueError):
+                return
+            table.mark_unknown(slot, n_held)
+            turn = record(body, ctx.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
+                          n_held, slot, ctx.decision, ctx.turn)
+        else:
+            st = table[slot]
+            if st.pending or st.n_total is None or st.tokens != list(ctx.view.tokens):
+                return
+            turn = record(body, ctx.view.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
+                          st.n_total, slot, None, None)
+        self.records[slot] = (table[slot].seq, turn)

@@ -1,0 +1,25 @@
+"""The aligned route (issue 26): a chat request that is the conversation a slot holds except for
+what the template or the client rewrote (past reasoning dropped or re-rendered), plus a new part,
+is served as the slot's own tokens up to the end of its last generation and then the new part
+(patches/0008 ``ocache_splice``). The guard and the splice are ``ocache/align.py``; the record per
+slot and the plan are ``ocache/cache/align_route.py`` (``AlignRoute``, owned by the layer as
+``layer.align``). Tried after the known-turn route: a known turn (earlier messages unchanged,
+template append-only) is forwarded before anything is checked here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ocache.cache.prepare import Shape
+from ocache.layer import ParsedRequest, Plan
+
+if TYPE_CHECKING:
+    from ocache.cache.orchestrator import OCacheLayer
+
+
+async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | None:
+    """An aligned plan, or None (alignment off, not a chat request, or the guard says "as sent")."""
+    if not shape.chat or not layer.align.on:
+        return None
+    return await layer.align.plan(layer, req, shape.body, shape.path, shape.kind, shape.head, shape.keys)

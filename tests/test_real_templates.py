@@ -1,0 +1,236 @@
+"""The tiny models served with the chat templates users run (the pinned source's
+``models/templates/``), beside ocache's own append-only one (issue 26).
+
+``serve_template`` starts a tiny model with ``--chat-template-file``; the tests here show the
+history rewrite that makes a new user message re-prefill a whole agent loop on those templates and
+not on ocache's. The measurement of that loop with the server's own generations is
+``scripts/measure-align``.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from ocache.toolchain import engine
+
+#: the thinking template each tiny model is served with (both in the pinned source)
+TEMPLATES = {"hybrid": "Qwen3.5-4B.jinja", "dense": "Qwen-Qwen3-0.6B.jinja"}
+
+
+@pytest.fixture
+def serve_template(start_server):
+    """Factory: ``serve_template(model, template=None, **LlamaServer fields)``: ``start_server``
+    with ``--chat-template-file`` of the pinned source's ``models/templates/<template>`` (default:
+    ``TEMPLATES[model]``); ``template="ocache"`` serves the model's own template."""
+    def _serve(model: str = "hybrid", template: str | None = None, **kw):
+        name = template or TEMPLATES[model]
+        args = list(kw.pop("args", []))
+        if name != "ocache":
+            args += ["--chat-template-file", str(engine.chat_template_file(name))]
+        return start_server(model, args=args, **kw)
+    return _serve
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _render(url: str, messages: list[dict]) -> str:
+    return _post(url, "/apply-template", {"messages": messages})["prompt"]
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Read the proxy."},
+    {"role": "assistant", "content": "", "reasoning_content": "I should read the file first.",
+     "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "read", "arguments": "{\"filePath\": \"ocache/proxy.py\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "import asyncio\n"},
+    {"role": "assistant", "content": "It relays requests.", "reasoning_content": "The file is short."},
+]
+
+
+@pytest.mark.parametrize("model", ["hybrid", "dense"])
+def test_a_new_user_message_rewrites_the_loop_on_the_real_template_only(serve_template, model):
+    """On Qwen3.5's and Qwen3's templates the prompt of a new user message no longer holds the
+    previous turn's prompt: the reasoning of every assistant turn since the last user message is
+    dropped (``loop.index0 > ns.last_query_index``), so the prompt parts at the first of them. On
+    ocache's template it is a byte extension. The served template is the file's (``/props``)."""
+    name = TEMPLATES[model]
+    srv = serve_template(model)
+    with urllib.request.urlopen(srv.url + "/props", timeout=30) as r:
+        props = json.loads(r.read())
+    assert props["chat_template"] == engine.chat_template_file(name).read_text()
+    before = _render(srv.url, CONVERSATION[:-1])
+    after = _render(srv.url, CONVERSATION + [{"role": "user", "content": "Thanks."}])
+    assert "I should read the file first." in before
+    assert "I should read the file first." not in after
+    assert not after.startswith(before)
+    # where the two part: inside the first assistant turn after the user message
+    common = next(i for i, (a, b) in enumerate(zip(before, after)) if a != b)
+    assert before[:common].endswith("Read the proxy.<|im_end|>\n<|im_start|>assistant\n<t")
+
+    own = serve_template(model, template="ocache")
+    before = _render(own.url, CONVERSATION[:-1])
+    after = _render(own.url, CONVERSATION + [{"role": "user", "content": "Thanks."}])
+    assert after.startswith(before.removesuffix("<|im_start|>assistant\n<think>\n"))
+
+
+# ---------------------------------------------------------------------------------------------
+# alignment through ocache (ocache/align.py, ocache/cache/align_route.py, patches/0008)
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {"filePath": {"type": "string", "enum": ["a.py", "b.py"]}},
+                   "required": ["filePath"]}}}]
+WORDS = '[a-z] [a-z]{1,9} (" " [a-z]{1,9}){6,12} "\\n</think>\\n\\n"'
+#: the generated turns (the tiny model under a grammar, so that each ends with end of turn):
+#: Qwen3.5's generation prompt opens the think block, the call is its XML format
+CALL = ('root ::= ' + WORDS + ' "<tool_call>\\n<function=read>\\n<parameter=filePath>\\n" ("a.py" | "b.py") '
+        '"\\n</parameter>\\n</function>\\n</tool_call>"')
+ANSWER = 'root ::= ' + WORDS + ' [A-Z] [a-z]{1,9} (" " [a-z]{1,9}){3,8} "."'
+
+
+def _chat(url: str, body: dict) -> tuple[dict, dict]:
+    """One chat request; a streamed one (``"stream": true``) is read whole and given back in the
+    non-streamed shape (the message from the deltas, the last chunk's ``timings`` and ``usage``)."""
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        raw, headers = r.read(), dict(r.headers)
+    if not body.get("stream"):
+        return json.loads(raw), headers
+    msg: dict = {"role": "assistant", "content": ""}
+    out: dict = {"choices": [{"message": msg}]}
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        for c in obj.get("choices") or ():
+            d = c.get("delta") or {}
+            for k in ("content", "reasoning_content"):
+                if d.get(k):
+                    msg[k] = msg.get(k, "") + d[k]
+            if c.get("finish_reason"):
+                out["choices"][0]["finish_reason"] = c["finish_reason"]
+        for k in ("timings", "usage"):
+            if obj.get(k):
+                out[k] = obj[k]
+    return out, headers
+
+
+def _prefilled(url: str) -> int:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return int(float(next(ln.split()[-1] for ln in text.splitlines()
+                          if ln.startswith("llamacpp:prompt_tokens_total"))))
+
+
+def _loop(url: str, server: str, stream: bool = False) -> list[tuple[dict, dict, int]]:
+    """A tool turn, its result, the answer, a new user message: the client drops the reasoning and
+    sends every turn back as it came. Returns (answer, headers, the server's prefill) per request."""
+    msgs = [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Read a file, then say what it does."}]
+    out = []
+    for grammar, max_tokens in ((CALL, 200), (ANSWER, 200), (None, 12)):
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "max_tokens": max_tokens,
+                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+        if grammar:
+            body["grammar"] = grammar
+        before = _prefilled(server)
+        res, headers = _chat(url, body)
+        out.append((res, headers, _prefilled(server) - before))
+        msg = res["choices"][0]["message"]
+        if grammar is CALL:
+            msgs = msgs + [{"role": "assistant", "content": msg["content"]},
+                           {"role": "tool", "tool_call_id": "c1", "content": engine.chat_template_file(
+                               TEMPLATES["hybrid"]).read_text()[:1500]}]
+        elif grammar is ANSWER:
+            msgs = msgs + [{"role": "assistant", "content": msg["content"]},
+                           {"role": "user", "content": "Thanks. Which file would you change first?"}]
+    return out
+
+
+def test_a_rewritten_history_is_served_from_the_slots_own_tokens_through_ocache(serve_template, tmp_path,
+                                                                                monkeypatch):
+    """Issue 26 on the real Qwen3.5 template, tiny hybrid, the server's own generations: through
+    ocache each turn after the first is aligned (``X-OCache-Aligned``: the slot's tokens + the new
+    part) and the server prefills only the new part (its counter moves by ``prompt_n``, tens of
+    tokens for the new user message where alone the template's rewrite re-prefills the whole
+    prompt); the answer equals a cold prefill of the prompt actually served (the slot's file: that
+    prompt + the tokens generated but the last). With ``tiers.resident.align: false`` nothing is
+    aligned and the prompt is the template's."""
+    from ocache.bench.run import OCacheProcess
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    alone = _loop(srv.url, srv.url)
+    # alone: everything from the first rewritten turn on again (the server resumes at its
+    # checkpoint at the user message before it)
+    assert alone[2][2] > 300
+    srv.stop()
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log", slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, srv.url)
+        stats = (prox.stats() or {})["layer"]["align"]
+    finally:
+        prox.stop()
+    assert "X-OCache-Aligned" not in turns[0][1]
+    for res, headers, prefilled in turns[1:]:
+        kept, new = map(int, headers["X-OCache-Aligned"].split("+"))
+        t = res["timings"]
+        assert t["cache_n"] == kept and t["prompt_n"] == new == prefilled, (headers, t)
+        assert res["usage"]["prompt_tokens"] == kept + new
+    last, headers, prefilled = turns[2]
+    assert prefilled <= 40, (prefilled, alone[2][2])
+    assert stats["aligned"] == 2
+
+    # the answer equals a cold prefill of the prompt served (saved from the slot it ran on)
+    slot = int(headers["X-OCache-Slot"])
+    n_prompt = last["usage"]["prompt_tokens"]
+    _post(srv.url, f"/slots/{slot}?action=save", {"filename": "served.bin"})
+    from test_patch import slot_file_tokens
+    held = slot_file_tokens(tmp_path / "slots" / "served.bin")
+    served, generated = held[:n_prompt], held[n_prompt:]
+    assert len(generated) == last["timings"]["predicted_n"] - 1 >= 8
+    cold = _post(srv.url, "/completion", {"prompt": served, "n_predict": len(generated), "id_slot": 1 - slot,
+                                          "cache_prompt": False, "return_tokens": True, "temperature": 0})
+    assert cold["timings"]["cache_n"] == 0 and cold["tokens"] == generated
+    srv.stop()
+
+    # alignment off: every prompt is the template's (the client's render), byte for byte
+    monkeypatch.setenv("OCACHE_TIERS", "{resident: {align: false}}")
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on", slot_save_path=None)
+    prox = OCacheProcess(srv.url, tmp_path / "cache-off", tmp_path / "ocache-off.log").start()
+    try:
+        off = _loop(prox.url, srv.url)
+    finally:
+        prox.stop()
+    assert all("X-OCache-Aligned" not in h for _, h, _ in off)
+    assert [r["usage"]["prompt_tokens"] for r, _, _ in off] == [r["usage"]["prompt_tokens"] for r, _, _ in alone]
+    assert off[2][2] > 300
+
+
+def test_a_streamed_conversation_is_aligned_too(serve_template, tmp_path):
+    """The same loop streamed (as opencode and most agents ask): ocache builds each relayed answer
+    from the stream's deltas (``Observation.message``) and aligns the next turns."""
+    from ocache.bench.run import OCacheProcess
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log", slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, srv.url, stream=True)
+    finally:
+        prox.stop()
+    assert "X-OCache-Aligned" not in turns[0][1]
+    for res, headers, prefilled in turns[1:]:
+        kept, new = map(int, headers["X-OCache-Aligned"].split("+"))
+        assert res["timings"]["prompt_n"] == new == prefilled and res["timings"]["cache_n"] == kept
+    assert turns[2][2] <= 40
