@@ -795,3 +795,38 @@ def test_0008_a_splice_the_slot_does_not_hold_is_refused_and_the_slot_kept(start
     res = ok(srv, "/completion", {"prompt": head + first["tokens"][:3] + tail, "n_predict": 1, "id_slot": 0,
                                   **GREEDY, "return_tokens": True})
     assert res["timings"]["cache_n"] == n_held, res["timings"]
+
+
+def _props(srv: LlamaServer, key: str | None = None) -> tuple[dict, str]:
+    req = urllib.request.Request(srv.url + "/props", headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        text = resp.read().decode()
+    return json.loads(text), text
+
+
+def test_0009_props_report_the_launch_without_its_secrets(start_server):
+    """patches/0009: ``/props`` reports ``ocache.launch``: the argv as given (the values of
+    ``--api-key``, ``-hft``/``--hf-token`` replaced), the ``LLAMA_ARG_*`` environment (no name with
+    KEY or TOKEN) and the working directory, so ocache reads the flags of a server it did not start
+    with its own parser. The stock build reports no ``ocache`` key."""
+    from ocache.llama import flags as llama_flags
+
+    stock = start_server(stock=True, n_parallel=1, **SRV)
+    props, _ = _props(stock)
+    assert "ocache" not in props
+    stock.stop()
+    key, token = "sk-secret-0009", "hf-secret-0009"
+    srv = start_server(n_parallel=2, api_key=key, args=["--hf-token", token],
+                       env={"LLAMA_ARG_N_PREDICT": "64", "LLAMA_ARG_HF_TOKEN_TEST": token}, **SRV)
+    props, text = _props(srv, key)
+    launch = props["ocache"]["launch"]
+    assert key not in text and token not in text
+    want = srv.command()
+    for secret in (key, token):
+        want[want.index(secret)] = "<redacted>"
+    assert launch["argv"][1:] == want[1:]
+    assert launch["env"].get("LLAMA_ARG_N_PREDICT") == "64" and "LLAMA_ARG_HF_TOKEN_TEST" not in launch["env"]
+    assert Path(launch["cwd"]).is_dir()
+    parsed = llama_flags.parse_flags(launch["argv"][1:], launch["env"])
+    assert parsed["n_parallel"] == 2 and parsed["n_ubatch"] == SRV["ubatch"]
+    assert Path(parsed["slot_save_path"]) == Path(srv.slot_save_path)

@@ -339,3 +339,54 @@ def params_from_argv(argv: Sequence[str] | None, props: Mapping | None = None,
     if kw.get("checkpoints") is None and kw.get("arch"):
         kw["checkpoints"] = resumes_from_checkpoints(kw["arch"])
     return ServerParams(**kw)
+
+
+_PATH_OPTS = frozenset({"--slot-save-path", "-m", "--model", "-md", "--model-draft", "--spec-draft-model",
+                        "--lora", "--control-vector", "--chat-template-file"})
+
+
+def argv_from_launch(launch: Mapping[str, Any] | None) -> list[str] | None:
+    """The launch flags of a patched llama-server as one command line, from ``/props``
+    ``ocache.launch`` (patches/0009: ``{"argv": [...], "env": {LLAMA_ARG_*: ...}, "cwd": dir}``), or
+    None for a server that does not report them (stock, or a patched build without 0009).
+
+    The ``LLAMA_ARG_*`` values of the table come first, as the options they stand for (the command
+    line overrides them, common/arg.cpp:771-880, and ``given_flags`` lets a later option win), then
+    the argv without its binary; the values of path options (``--slot-save-path``, ``-m``, ...) that
+    are relative are made absolute against the server's ``cwd``, since ocache runs elsewhere.
+    Malformed input (not a list of strings) is None: the flags are then unknown, as on a stock build.
+    """
+    if not isinstance(launch, Mapping) or not isinstance(launch.get("argv"), list) \
+            or not all(isinstance(a, str) for a in launch["argv"]):
+        return None
+    env = launch.get("env") if isinstance(launch.get("env"), Mapping) else {}
+    cwd = launch.get("cwd") if isinstance(launch.get("cwd"), str) else ""
+    out: list[str] = []
+    for name, opts, kind, _default, env_name in _FLAG_SPECS:
+        if not env_name or not isinstance(env.get(env_name), str):
+            continue
+        raw = env[env_name]
+        if kind == "true":
+            if _env_bool(raw):
+                out.append(opts[-1])
+            else:
+                off = next((s for s in _FLAG_SPECS if s[0] == name and s[2] == "false"), None)
+                if off is not None:
+                    out.append(off[1][-1])
+        elif kind != "false":
+            out += [opts[-1], raw]
+    args = list(launch["argv"][1:])
+    for i, arg in enumerate(args):
+        opt, eq, inline = arg.partition("=")
+        if eq and opt in _PATH_OPTS:
+            args[i] = f"{opt}={_absolute(inline, cwd)}"
+        elif arg in _PATH_OPTS and i + 1 < len(args):
+            args[i + 1] = _absolute(args[i + 1], cwd)
+    return out + args
+
+
+def _absolute(path: str, cwd: str) -> str:
+    import os.path
+
+    p = os.path.expanduser(path)
+    return p if os.path.isabs(p) or not cwd else os.path.normpath(os.path.join(cwd, p))
