@@ -270,7 +270,6 @@ def test_bench_plots_keep_title_and_labels_inside_and_one_plot_per_scenario(tmp_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ocache.bench.run import Bench
 
     def run(prefills, oracle):
         rows = [NS(index=i, server_prefill=p, prompt_n=p, oracle=NS(prefill=o), restart_before=(i == 2))
@@ -279,9 +278,10 @@ def test_bench_plots_keep_title_and_labels_inside_and_one_plot_per_scenario(tmp_
 
     per = {sc: {"a": run([7000, 300, 7000], [7000, 300, 0]), "b": run([7000, 300, 7000], [7000, 300, 0]),
                 "c": run([7000, 300, 20], [7000, 300, 0])} for sc in ("restart mid-session", "growth", "A/B/A")}
-    bench = Bench.__new__(Bench)
-    bench.results, bench.preset_name, bench.out = {"hybrid": per}, "tiny", tmp_path
-    figs = [bench._figure("hybrid", per)] + [bench._scenario_figure("hybrid", sc, r) for sc, r in per.items()]
+    from ocache.bench import plots
+
+    figs = [plots.figure("tiny", "hybrid", per)] + [plots.scenario_figure("tiny", "hybrid", sc, r)
+                                                     for sc, r in per.items()]
     for fig in figs:
         fig.canvas.draw()
         box = fig.bbox

@@ -468,6 +468,48 @@ def _other_api_event(ev: dict, answer: "Answer") -> bool:
     return False
 
 
+def _chat_deltas(ev: dict, answer: Answer) -> bool:
+    """Add a chat stream chunk's deltas (content, reasoning, tool calls) to ``answer``; True when it
+    carried any generated text, reasoning or a tool call."""
+    got = False
+    for ch in ev.get("choices") or []:
+        delta = ch.get("delta") or {}
+        if delta.get("content"):
+            answer.content += delta["content"]
+            got = True
+        if delta.get("reasoning_content"):
+            answer.reasoning += delta["reasoning_content"]
+            got = True
+        if delta.get("tool_calls"):
+            _merge_tool_deltas(answer.tool_calls, delta["tool_calls"])
+            got = True
+    return got
+
+
+def _json_answer(data: dict, answer: Answer) -> tuple[dict | None, dict | None, list[int] | None,
+                                                      Generation | None]:
+    """Fill ``answer`` from a JSON completion (chat, or an Anthropic message: content blocks, usage
+    only); returns (timings, usage, the prompt's tokens from ``__verbose`` or None, the generation)."""
+    msg = ((data.get("choices") or [{}])[0].get("message") or {})
+    answer.content = msg.get("content") or ""
+    answer.reasoning = msg.get("reasoning_content") or ""
+    for t in msg.get("tool_calls") or []:
+        fn = t.get("function") or {}
+        answer.tool_calls.append({"id": t.get("id", ""), "name": fn.get("name", ""),
+                                  "arguments": fn.get("arguments", "")})
+    timings, usage = data.get("timings"), data.get("usage")
+    if data.get("type") == "message":  # an Anthropic answer: content blocks, usage only
+        for block in data.get("content") or []:
+            if block.get("type") == "text":
+                answer.content += block.get("text") or ""
+            elif block.get("type") == "thinking":
+                answer.reasoning += block.get("thinking") or ""
+        timings = timings or timings_from_usage(usage)
+    verbose = data.get("__verbose") or {}
+    tokens = [int(x) for x in verbose["tokens"]] if isinstance(verbose.get("tokens"), list) else None
+    return timings, usage, tokens, Generation.from_response(data)
+
+
 async def post(session: aiohttp.ClientSession, url: str, body: dict,
                headers: dict | None = None) -> Response:
     """POST a completion body; read an SSE stream or a JSON answer. TTFT = time to the first event
@@ -507,24 +549,9 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict,
                             return Response(500, answer, timings, usage, ttft,
                                             time.monotonic() - t0, rheaders,
                                             error=f"stream error: {ev['error']}")
-                        for ch in ev.get("choices") or []:
-                            delta = ch.get("delta") or {}
-                            got = False
-                            if delta.get("content"):
-                                answer.content += delta["content"]
-                                got = True
-                            if delta.get("reasoning_content"):
-                                answer.reasoning += delta["reasoning_content"]
-                                got = True
-                            if delta.get("tool_calls"):
-                                _merge_tool_deltas(answer.tool_calls, delta["tool_calls"])
-                                got = True
-                            if got and ttft is None:
-                                ttft = time.monotonic() - t0
-                        # Anthropic Messages and OpenAI Responses streams (/v1/messages,
-                        # /v1/responses; event shapes: tools/server/server-task.cpp:800-980, 1171-1310)
-                        got = _other_api_event(ev, answer)
-                        if got and ttft is None:
+                        # chat chunks, then Anthropic Messages / OpenAI Responses events (/v1/messages,
+                        # /v1/responses; tools/server/server-task.cpp:800-980, 1171-1310); both read
+                        if (_chat_deltas(ev, answer) | _other_api_event(ev, answer)) and ttft is None:
                             ttft = time.monotonic() - t0
                         if ev.get("type") == "message_start" and isinstance(ev.get("message"), dict):
                             anthropic_usage = dict(ev["message"].get("usage") or {})
@@ -535,26 +562,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict,
                 if timings is None and anthropic_usage:
                     timings = timings_from_usage({**anthropic_usage, **(usage or {})})
             else:
-                data = await resp.json(content_type=None)
-                msg = ((data.get("choices") or [{}])[0].get("message") or {})
-                answer.content = msg.get("content") or ""
-                answer.reasoning = msg.get("reasoning_content") or ""
-                for t in msg.get("tool_calls") or []:
-                    fn = t.get("function") or {}
-                    answer.tool_calls.append({"id": t.get("id", ""), "name": fn.get("name", ""),
-                                              "arguments": fn.get("arguments", "")})
-                timings, usage = data.get("timings"), data.get("usage")
-                if data.get("type") == "message":  # an Anthropic answer: content blocks, usage only
-                    for block in data.get("content") or []:
-                        if block.get("type") == "text":
-                            answer.content += block.get("text") or ""
-                        elif block.get("type") == "thinking":
-                            answer.reasoning += block.get("thinking") or ""
-                    timings = timings or timings_from_usage(usage)
-                verbose = data.get("__verbose") or {}
-                if isinstance(verbose.get("tokens"), list):
-                    tokens = [int(x) for x in verbose["tokens"]]
-                generation = Generation.from_response(data)
+                timings, usage, tokens, generation = _json_answer(await resp.json(content_type=None), answer)
             if events:
                 generation = Generation.from_stream(events, (timings or {}).get("predicted_n"))
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, OSError,

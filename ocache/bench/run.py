@@ -641,93 +641,11 @@ class Bench:
         return "\n".join(parts)
 
     #: legend names of the configurations (CONFIG_TITLES, short)
-    PLOT_LABELS = {"a": "(a) stock llama-server", "b": "(b) tuned flags", "c": "(c) ocache on (b)"}
-
-    @staticmethod
-    def _panel(ax: Any, sc: str, runs: dict) -> None:
-        """One scenario: prefilled tokens per request (log scale) of each configuration and the
-        oracle; a dotted vertical line before a request that followed a server restart."""
-        import matplotlib.ticker
-
-        styles = {"a": ("tab:red", "o"), "b": ("tab:orange", "s"), "c": ("tab:blue", "^")}
-        offsets = {"a": -0.08, "b": 0.0, "c": 0.08}  # a and b often coincide
-        for cfg, run in runs.items():
-            xs = [r.index + offsets.get(cfg, 0.0) for r in run.rows]
-            ys = [max(int(r.server_prefill if r.server_prefill is not None
-                          else r.prompt_n or 0), 1) for r in run.rows]
-            color, marker = styles.get(cfg, ("gray", "x"))
-            ax.plot(xs, ys, marker=marker, color=color, label=Bench.PLOT_LABELS.get(cfg, f"({cfg})"),
-                    linewidth=1.2, markersize=5)
-        base = runs.get("c") or next(iter(runs.values()))
-        if base.rows:
-            ax.plot([r.index for r in base.rows], [max(r.oracle.prefill, 1) for r in base.rows],
-                    "k--", marker=".", label="oracle (the least any cache could prefill)", linewidth=1.0)
-            for r in base.rows:
-                if r.restart_before:
-                    ax.axvline(r.index - 0.5, color="gray", linestyle=":", linewidth=1)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        ax.set_title(sc, fontsize=10)
-        ax.set_xlabel("request (in the order sent)")
-        ax.set_ylabel("tokens prefilled (log scale)")
-        ax.grid(True, which="both", alpha=0.3)
-
-    def _title(self, model: str, what: str) -> str:
-        return (f"Tokens llama-server prefilled per request: {what}, {model} model, "
-                f"{self.preset_name} preset (dotted line: server restart; lower is better)")
-
-    def _figure(self, model: str, per: dict) -> Any:
-        """All scenarios of one model, one panel each (title wrapped inside the figure)."""
-        import textwrap
-
-        import matplotlib.pyplot as plt
-
-        n = len(per)
-        cols = 2 if n > 1 else 1
-        rows = (n + cols - 1) // cols
-        fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 3.4 * rows + 1.0), squeeze=False,
-                                 layout="constrained")
-        for ax, (sc, runs) in zip(axes.flat, per.items()):
-            self._panel(ax, sc, runs)
-        for ax in list(axes.flat)[n:]:
-            ax.axis("off")
-        handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=9)
-        fig.suptitle(textwrap.fill(self._title(model, "every scenario"), 60 * cols), fontsize=11)
-        return fig
-
-    def _scenario_figure(self, model: str, sc: str, runs: dict) -> Any:
-        """One scenario of one model, alone (what a user looks at for that scenario)."""
-        import textwrap
-
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4.8), layout="constrained")
-        self._panel(ax, sc, runs)
-        ax.legend(fontsize=8, loc="best")
-        fig.suptitle(textwrap.fill(self._title(model, sc), 70), fontsize=10)
-        return fig
-
     def plot(self) -> list[Path]:
-        """PNGs per model: ``prefill-<preset>-<model>.png`` (every scenario, one panel each), then
-        ``prefill-<preset>-<model>-<scenario>.png`` per scenario."""
-        import matplotlib
+        """The PNGs of this run (``ocache/bench/plots.py``)."""
+        from ocache.bench import plots
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        paths = []
-        for model, per in self.results.items():
-            figs = [(self._figure(model, per), f"prefill-{self.preset_name}-{model}.png")]
-            figs += [(self._scenario_figure(model, sc, runs),
-                      f"prefill-{self.preset_name}-{model}-{sc.replace('/', '_')}.png")
-                     for sc, runs in per.items()]
-            for fig, name in figs:
-                path = self.out / name
-                fig.savefig(path, dpi=110)
-                plt.close(fig)
-                paths.append(path)
-        return paths
+        return plots.plot(self.results, self.preset_name, self.out)
 
     def to_json(self) -> dict:
         def row(r: Row) -> dict:

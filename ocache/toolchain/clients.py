@@ -462,13 +462,9 @@ def record_opencode_day(*, model: str = "hybrid", day: Sequence[tuple[str, str]]
     seconds, or fewer requests were recorded than the runs sent: the message says which); a failed
     attempt leaves no file behind.
     """
-    import sys
     import tempfile
-    import urllib.error
-    import urllib.request
 
-    from ocache.llama.server import LlamaServer, free_port
-    from ocache.record import iter_stream
+    from ocache.llama.server import LlamaServer
     from ocache.toolchain import engine, models
 
     paths = models.make("tiny")
@@ -485,60 +481,15 @@ def record_opencode_day(*, model: str = "hybrid", day: Sequence[tuple[str, str]]
         srv = LlamaServer(binary=engine.build().binary, model=paths[model], n_parallel=2,
                           ctx_size=2 * 16384, args=["-n", str(output_tokens)],
                           log_path=work / "llama-server.log")
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
         proxy = None
         try:
             srv.start()
-            with open(work / "ocache.log", "ab") as logf:
-                proxy = subprocess.Popen(
-                    [sys.executable, "-m", "ocache", "serve", "--upstream", srv.url, "--host",
-                     "127.0.0.1", "--port", str(port), "--no-cache", "--record", str(work / "rec")],
-                    stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=work,
-                    env={**os.environ, "OCACHE_CACHE_DIR": str(work / "cache")},
-                    start_new_session=True)
-            deadline = time.monotonic() + 60.0
-            while True:
-                try:
-                    with urllib.request.urlopen(url + "/v1/cache/stats", timeout=2):
-                        break
-                except (urllib.error.URLError, OSError):
-                    if proxy.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"ocache serve did not start (log {work / 'ocache.log'})")
-                    time.sleep(0.1)  # polling a child's readiness
-            env = isolated_env(work / "home")
-            for folder in sorted({f for f, _ in day}):
-                project = work / folder
-                project.mkdir()
-                for name, text in _DAY_FILES.items():
-                    (project / name).write_text(text)
-                write_opencode_config(project, url + "/v1", context_tokens=16384,
-                                      output_tokens=output_tokens)
-            for i, (folder, prompt) in enumerate(day):
-                run = run_opencode(binary, work / folder, prompt, env, timeout=timeout)
-                if run.timed_out or run.returncode != 0:
-                    raise RuntimeError(f"opencode run {i} failed: {run.describe()}")
-
-            def recorded() -> list[dict]:
-                return [r for f in sorted((work / "rec").glob("stream-*.jsonl")) for r in iter_stream(f)]
-
-            # the proxy records after each response, off the client's path: the last line can
-            # trail the client's exit (bounded wait)
-            deadline = time.monotonic() + 30.0
-            while len(recorded()) < 2 * len(day) and time.monotonic() < deadline:
-                time.sleep(0.1)  # polling a file another process appends to
-            recs = recorded()
-            if len(recs) < 2 * len(day):
-                raise RuntimeError(f"{len(recs)} requests recorded for {len(day)} runs (each sends a "
-                                   "title request and an agent turn)")
+            proxy, url = _recording_proxy(srv.url, work)
+            _run_day(binary, work, url, day, output_tokens, timeout)
+            _wait_recorded(work / "rec", 2 * len(day), len(day))
         finally:
-            if proxy is not None and proxy.poll() is None:
-                os.killpg(proxy.pid, signal.SIGTERM)
-                try:
-                    proxy.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proxy.pid, signal.SIGKILL)
-                    proxy.wait()
+            if proxy is not None:
+                _stop_child(proxy)
             srv.stop()
         files = sorted((work / "rec").glob("stream-*.jsonl"))
         if len(files) != 1:
@@ -548,3 +499,78 @@ def record_opencode_day(*, model: str = "hybrid", day: Sequence[tuple[str, str]]
         os.chmod(part, 0o600)
         os.replace(part, out)
     return out
+
+
+def _recording_proxy(upstream: str, work: Path) -> tuple[subprocess.Popen, str]:
+    """``ocache serve --no-cache --record work/rec`` in front of ``upstream`` as a child, once it
+    answers (60 s bound): (process, its URL). Raises RuntimeError when it does not start."""
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from ocache.llama.server import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(work / "ocache.log", "ab") as logf:
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "ocache", "serve", "--upstream", upstream, "--host",
+             "127.0.0.1", "--port", str(port), "--no-cache", "--record", str(work / "rec")],
+            stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=work,
+            env={**os.environ, "OCACHE_CACHE_DIR": str(work / "cache")},
+            start_new_session=True)
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/v1/cache/stats", timeout=2):
+                return proxy, url
+        except (urllib.error.URLError, OSError):
+            if proxy.poll() is not None or time.monotonic() > deadline:
+                _stop_child(proxy)
+                raise RuntimeError(f"ocache serve did not start (log {work / 'ocache.log'})")
+            time.sleep(0.1)  # polling a child's readiness
+
+
+def _run_day(binary: Path, work: Path, url: str, day: Sequence[tuple[str, str]], output_tokens: int,
+             timeout: float) -> None:
+    """One project folder per distinct folder of ``day`` (``_DAY_FILES``, an opencode config
+    pointing at ``url``), then each run in order. Raises RuntimeError on a failed run."""
+    env = isolated_env(work / "home")
+    for folder in sorted({f for f, _ in day}):
+        project = work / folder
+        project.mkdir()
+        for name, text in _DAY_FILES.items():
+            (project / name).write_text(text)
+        write_opencode_config(project, url + "/v1", context_tokens=16384, output_tokens=output_tokens)
+    for i, (folder, prompt) in enumerate(day):
+        run = run_opencode(binary, work / folder, prompt, env, timeout=timeout)
+        if run.timed_out or run.returncode != 0:
+            raise RuntimeError(f"opencode run {i} failed: {run.describe()}")
+
+
+def _wait_recorded(rec: Path, want: int, runs: int) -> None:
+    """Wait (30 s bound) until ``want`` requests are in the stream files under ``rec``: the proxy
+    records after each response, off the client's path, so the last line can trail the client's
+    exit. Raises RuntimeError with the count when fewer came."""
+    from ocache.record import iter_stream
+
+    def recorded() -> int:
+        return sum(1 for f in sorted(rec.glob("stream-*.jsonl")) for _ in iter_stream(f))
+
+    deadline = time.monotonic() + 30.0
+    while recorded() < want and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling a file another process appends to
+    if recorded() < want:
+        raise RuntimeError(f"{recorded()} requests recorded for {runs} runs (each sends a "
+                           "title request and an agent turn)")
+
+
+def _stop_child(proc: subprocess.Popen) -> None:
+    """SIGTERM to the child's process group, SIGKILL after 30 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
