@@ -292,7 +292,7 @@ def test_bench_plots_keep_title_and_labels_inside_and_one_plot_per_scenario(tmp_
             assert box.x0 <= bb.x0 and bb.x1 <= box.x1 and box.y0 <= bb.y0 and bb.y1 <= box.y1, t.get_text()
         assert all("log scale" in ax.get_ylabel() for ax in fig.axes if ax.get_ylabel())
         plt.close(fig)
-    paths = bench.plot()
+    paths = plots.plot({"hybrid": per}, "tiny", tmp_path)
     assert [p.name for p in paths] == ["prefill-tiny-hybrid.png", "prefill-tiny-hybrid-restart mid-session.png",
                                        "prefill-tiny-hybrid-growth.png", "prefill-tiny-hybrid-A_B_A.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
