@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import aiohttp
+
 from ocache.llama import flags
 
 
@@ -28,3 +30,32 @@ def test_a_server_without_the_report_or_a_malformed_one_gives_no_flags():
     assert flags.argv_from_launch({"argv": "llama-server -np 2"}) is None
     assert flags.argv_from_launch({"argv": ["x", 3]}) is None
     assert flags.argv_from_launch({"argv": ["llama-server"], "env": "junk", "cwd": 5}) == []
+
+
+import pytest  # noqa: E402
+
+from test_hardening_cache import A1, A2, SERVER, body_of, hdrs, send, through_ocache  # noqa: E402
+
+from ocache.config import Config  # noqa: E402
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stock", [False, True])
+async def test_serve_upstream_alone_reads_the_patched_servers_flags(start_server, tmp_path, stock):
+    """Issue 29: ``ocache serve --upstream URL`` with no ``server_args`` in front of the patched server
+    reads its launch flags from ``/props`` (patches/0009): the disk tier is on, and after a
+    llama-server restart the next turn of the conversation restores from disk. In front of the stock
+    server the flags stay unknown: no disk tier, the turn is prefilled (as before this patch, and as
+    the first code block of the README gave every user)."""
+    srv = start_server("dense", stock=stock, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    config = Config(upstream=srv.url, cache_dir=str(tmp_path / "state"), disk_min_tokens=1024)
+    async with through_ocache(config) as (base, proxy), aiohttp.ClientSession() as s:
+        await send(s, base, proxy, body_of(A1), hdrs(A1))
+        layer = proxy.layer
+        assert (layer.table.params.slot_save_path is not None) is (not stock)
+        assert (layer.disk_tier is not None) is (not stock)
+        if layer.disk_tier is not None:
+            await layer.disk_tier.flush()
+        srv.restart()
+        rec = await send(s, base, proxy, body_of(A2), hdrs(A2))
+        assert (rec["tier"] == "disk") is (not stock), rec["tier"]

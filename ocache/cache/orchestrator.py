@@ -55,7 +55,7 @@ from ocache.cache.routes import known
 from ocache.config import Config
 from ocache.fingerprint import Identity
 from ocache.layer import Observation, ParsedRequest, Plan
-from ocache.llama.flags import params_from_argv
+from ocache.llama.flags import argv_from_launch, params_from_argv
 from ocache.slots import SlotError, SlotTable
 from ocache.tiers.base import TierBase
 from ocache.tiers.disk import DiskTier
@@ -104,7 +104,10 @@ class OCacheLayer:
         self.opt_reconcile = opts.reconcile
         self.opt_fast_path = opts.fast_path
         self.param_overrides = dict(opts.param_overrides)
-        self.argv = list(opts.argv) if opts.argv else None
+        #: the launch flags: ``server_args`` / ``--launch`` as configured, else (per epoch) what a
+        #: patched server reports in ``/props`` ``ocache.launch`` (patches/0009, ``argv_from_launch``)
+        self.configured_argv = list(opts.argv) if opts.argv else None
+        self.argv = self.configured_argv
         self.markers = getattr(config, "volatile_markers", None) or fp_mod.DEFAULT_MARKERS
         self._viewer = viewer
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -193,11 +196,13 @@ class OCacheLayer:
                 self.head_tier = self._make_head_tier(self.table)
             self.table.session = self.session
             data = await self.table.fetch_slots()
+            caps = props.get("ocache") if isinstance(props, Mapping) else None
+            reported = argv_from_launch(caps.get("launch")) if isinstance(caps, Mapping) else None
+            self.argv = self.configured_argv if self.configured_argv is not None else reported
             self.table.params = params_from_argv(self.argv, props, data, **self.param_overrides)
             if self._epoch is not None and epoch != self._epoch and not self._table_knows_process():
                 self.table.reset_all(epoch)
             self.table.epoch = epoch
-            caps = props.get("ocache") if isinstance(props, Mapping) else None
             # patches/0006: this server checks a restore's xxh3 on its own read of the file
             self.table.checks_xxh3 = isinstance(caps, Mapping) and caps.get("restore_xxh3") is True
             # patches/0007: this server refuses a request planned for another process (412)
