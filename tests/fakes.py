@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+import asyncio
+from typing import Any, Callable, Sequence
 
 from ocache.llama.flags import ServerParams
 from ocache.llama.reuse import common_prefix
@@ -195,3 +196,13 @@ async def serve(layer: Any, req: Any, generated: int = 1) -> tuple[Any, dict]:
         await plan.release()
     await layer.observe(req, plan, Observation(200, True, timings))
     return plan, timings
+
+
+async def until(cond: Callable[[], object], what: str, bound: int = 10_000) -> None:
+    """Yield to the event loop until ``cond()`` holds (bounded by a number of loop turns, not
+    seconds: no timing on a loaded machine); AssertionError naming ``what`` when it never does."""
+    for _ in range(bound):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")

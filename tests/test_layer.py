@@ -7,16 +7,7 @@ import asyncio
 
 import pytest
 
-from fakes import CountingTier, make_layer, request, serve
-
-
-async def _until(cond, what: str, bound: int = 10_000) -> None:
-    """Yield to the event loop until ``cond()`` holds (bounded by a number of loop turns)."""
-    for _ in range(bound):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"never happened: {what}")
+from fakes import CountingTier, make_layer, request, serve, until as _until
 
 
 async def test_one_lookup_per_tier_per_request():

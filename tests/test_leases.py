@@ -12,18 +12,9 @@ import asyncio
 import aiohttp
 import pytest
 
-from fakes import CountingTier, make_layer, request, serve
+from fakes import CountingTier, make_layer, request, serve, until as _until
 from ocache.config import Config
 from ocache.slots import SlotStates
-
-
-async def _until(cond, what: str, bound: int = 10_000) -> None:
-    """Yield to the event loop until ``cond()`` holds (bounded by a number of loop turns)."""
-    for _ in range(bound):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def finish(layer, req, plan) -> None:
