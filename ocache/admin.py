@@ -57,7 +57,10 @@ ADMIN_ROUTES = ADMIN_POST | ADMIN_GET
 #: llama-server's slot actions: ``POST /slots/:id_slot`` (tools/server/server.cpp:291) dispatches
 #: ``action`` = save / restore / erase, anything else is 400 (server-context.cpp:4841-4871).
 SLOT_ACTIONS = frozenset({"save", "restore", "erase"})
-_SLOT_PATH = re.compile(r"^/slots/[^/]+$")
+#: every spelling of ``/slots/{id}`` llama-server routes: cpp-httplib matches ``/slots/:id_slot`` with
+#: a trailing slash too (``/slots/0/?action=erase`` erased slot 0 behind the guard: issue 28 #5), so
+#: repeated and trailing slashes are matched here as well (the path is percent-decoded by aiohttp)
+_SLOT_PATH = re.compile(r"^/+slots/+[^/]+/*$")
 _Key = getattr(web, "RequestKey", None)  # aiohttp >= 3.12; plain strings before
 #: request storage: the request id ocache gave the request, and whether it carried the admin token
 RID = _Key("ocache_rid", str) if _Key else "ocache_rid"
@@ -100,13 +103,15 @@ def denied(request: web.BaseRequest, token: str | None, rid: str | None = None) 
 
 
 def is_slot_action(request: web.BaseRequest) -> bool:
-    """A client's ``POST /slots/{id}?action=save|restore|erase`` (llama-server's slot files)."""
-    return (request.method == "POST" and request.query.get("action") in SLOT_ACTIONS
-            and _SLOT_PATH.match(request.path) is not None)
+    """A client's ``POST /slots/{id}?action=save|restore|erase`` (llama-server's slot files), in any
+    spelling the server routes: every value of a repeated ``action`` counts (``?action=foo&action=
+    restore`` restored a slot behind the guard: the server read the other value)."""
+    return (request.method == "POST" and _SLOT_PATH.match(request.path) is not None
+            and any(a in SLOT_ACTIONS for a in request.query.getall("action", ())))
 
 
 def slot_action_refused(request: web.BaseRequest, upstream_url: str, rid: str | None) -> web.Response:
-    action = request.query.get("action")
+    action = ",".join(request.query.getall("action", ()))
     return error(403, f"ocache owns llama-server's slots: a client's /slots action={action} would "
                  "change a slot behind ocache's slot table. Use POST /v1/cache/clear (admin token) "
                  f"or `ocache warm DIR`, or call llama-server directly at {upstream_url}",

@@ -570,6 +570,12 @@ async def test_client_slot_actions_refused(dense):
                 body = await r.json()
                 assert r.status == 403, body
                 assert "ocache owns" in body["error"]["message"]
+        # the spellings llama-server routes too (issue 28 #5: each reached the server before)
+        for path in ("/slots/0/?action=erase", "//slots/0?action=save", "/slots/0?action=foo&action=restore",
+                     "/slots/0?action=restore&action=foo", "/slots/0?%61ction=%65rase", "/slots/0%2F?action=erase"):
+            async with c.post(base + path, json={"filename": "x.bin"}) as r:
+                body = await r.json()
+                assert r.status == 403 and "ocache owns" in body["error"]["message"], (path, body)
         async with c.post(srv.url + "/slots/0?action=erase") as r:
             assert r.status == 200  # the server itself would have done it
         async with c.get(base + "/slots") as r:
