@@ -66,7 +66,11 @@ _Key = getattr(web, "RequestKey", None)  # aiohttp >= 3.12; plain strings before
 RID = _Key("ocache_rid", str) if _Key else "ocache_rid"
 ADMIN = _Key("ocache_admin", bool) if _Key else "ocache_admin"
 #: keys whose values name a client (a session id), dropped from redacted stats
-PRIVATE_KEYS = frozenset({"owner", "session", "session_id", "session_hint"})
+#: keys whose (string) values a caller without the admin token never reads: session ids, and every
+#: project folder or file-system path (issue 28 #5: the stats and the view named project folders and
+#: the state directory without the token)
+PRIVATE_KEYS = frozenset({"owner", "session", "session_id", "session_hint", "folder", "dir", "cwd", "path",
+                          "cache_dir", "state_dir", "data_dir", "meta_dir", "slot_save_path", "model_path"})
 
 
 def error(status: int, message: str, type_: str, rid: str | None = None, **extra: Any) -> web.Response:

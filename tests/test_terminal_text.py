@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import io
+import json
 from types import SimpleNamespace
 
 from rich.console import Console
@@ -56,3 +57,19 @@ def test_stats_and_top_escape_request_text():
     out = buf.getvalue()
     assert not any(c in out for c in "\x1b\x07\u202e")
     assert "[red]proj[/red]" in out and "[b]x" in out      # shown as typed, not as markup
+
+
+def test_stats_without_the_token_name_no_folder_or_path():
+    """Issue 28 #5: ``/v1/cache/stats`` and the view without the admin token named project folders
+    and the state directory; ``admin.redact`` drops them (string values only: a counter keeps its
+    number)."""
+    from ocache import admin
+
+    stats = {"layer": {"tier_disk": {"store": {"by_folder": [{"folder": "/home/u/secret-proj", "client": "opencode",
+                                                              "entries": 2}]}},
+                       "slots": [{"owner": "ses_1", "tokens": 9}], "path": 3},
+             "journal": [{"folder": "/home/u/secret-proj", "seen": 1.0}], "cache_dir": "/home/u/.cache/ocache",
+             "upstream": {"props": {"model_path": "/home/u/models/m.gguf"}}}
+    out = json.dumps(admin.redact(stats))
+    assert "/home/u" not in out and "ses_1" not in out
+    assert '"entries": 2' in out and '"tokens": 9' in out and '"path": 3' in out
