@@ -355,8 +355,10 @@ async def test_new_session_goes_to_the_server_holding_its_folder(start_server, t
 
 @pytest.mark.server
 async def test_busy_servers_second_conversation_goes_to_the_idle_one(start_server, tmp_path):
-    """Two conversations live on server 1; while the first generates a long answer there, the
-    second's next turn is served by the idle server 2 (from the shared store), exactly."""
+    """Two conversations live on server 1; while the first generates a long answer, the second's
+    next turn is served by the server that is not generating it (server 2, from the shared store,
+    when A's turn runs on server 1), exactly. No assertion on a choice made by measured seconds
+    (issue 28 #8)."""
     s1, s2 = two_servers(start_server)
     a1, b1, b2 = body(A1), body(B1), body(B2)
     ha, hb = session_headers(A1), session_headers(B1)
@@ -366,11 +368,14 @@ async def test_busy_servers_second_conversation_goes_to_the_idle_one(start_serve
         assert [x["upstream"] for x in r] == [s1.url, s1.url], [x["route"] for x in r]
         long = dict(body(A2, max_tokens=4000), stream=True)
         async with s.post(base + CHAT, json=long, headers=ha) as held:
-            assert held.headers["X-OCache-Upstream"] == s1.url, held.headers.get("X-OCache-Route")
-            await held.content.readline()  # the first event: A's generation is under way on server 1
+            # where A's turn goes is decided by measured seconds (its slot on server 1, or a restore
+            # on server 2 when that is estimated faster on a loaded machine): not asserted
+            busy = held.headers["X-OCache-Upstream"]
+            await held.content.readline()  # the first event: A's generation is under way there
             rec = await send(s, base, proxy, b2, hb)
-        assert rec["upstream"] == s2.url, rec["route"]
-        assert "in flight" in rec["route"]
+        assert rec["upstream"] != busy, rec["route"]      # B's next turn never waits behind A's answer
+        if busy == s1.url:                                # B's own server is the busy one
+            assert rec["upstream"] == s2.url and "in flight" in rec["route"], rec["route"]
         ref = await cold(s1.url, b2)
     assert_exact(ref, rec)
 
