@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from ocache.align import PROBE, Aligned, AsSent, Turn, canonical, decide, record, turn_end_marker
 from ocache.cache.execute import PlanContext
@@ -152,8 +152,10 @@ class AlignRoute:
                 return
 
     async def plan(self, layer: Any, req: ParsedRequest, body: Mapping, path: str, kind: str,
-                   head: Any, keys: Any) -> Plan | None:
-        """An aligned plan for ``req``, or None (the other routes plan it as sent)."""
+                   head: Any, keys: Any, view_of: Callable[[], Awaitable[Any]] | None = None) -> Plan | None:
+        """An aligned plan for ``req``, or None (the other routes plan it as sent). ``view_of``: the
+        request's token view as the layer prepares it (shared with the route that plans it when this
+        one declines: one view per request, ``tests/test_one_view.py``); None: the viewer's own."""
         if not self.on or req.path not in ("/v1/chat/completions", "/chat/completions"):
             return None
         # probed here, once, so that recording an answer (observe) never waits for the server:
@@ -171,7 +173,9 @@ class AlignRoute:
         slot, turn = found
         eot = self.eot_id
         assert eot is not None
-        view = await layer._viewer.view(path, body, head, keys)
+        view = await view_of() if view_of is not None else await layer._viewer.view(path, body, head, keys)
+        if view is None:   # the server rejects the body: the usual route forwards it as sent
+            return None
         dec = decide(turn, body, view.tokens, eot, n_ctx=table.params.n_ctx_slot)
         if isinstance(dec, AsSent):
             self.counters["as_sent_" + dec.reason.replace(" ", "_")] += 1

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ocache.cache.prepare import Shape
+from ocache.cache.prepare import Rejected, Shape
 from ocache.layer import ParsedRequest, Plan
+from ocache.tokens import TokenView
 
 if TYPE_CHECKING:
     from ocache.cache.orchestrator import OCacheLayer
@@ -22,4 +23,10 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     """An aligned plan, or None (alignment off, not a chat request, or the guard says "as sent")."""
     if not shape.chat or not layer.align.on:
         return None
-    return await layer.align.plan(layer, req, shape.body, shape.path, shape.kind, shape.head, shape.keys)
+
+    async def view_of() -> TokenView | None:
+        prep = await layer.prepare(req, shape)    # kept in req.memo: the next route reuses it
+        return None if isinstance(prep, Rejected) else prep.view
+
+    return await layer.align.plan(layer, req, shape.body, shape.path, shape.kind, shape.head, shape.keys,
+                                  view_of)
