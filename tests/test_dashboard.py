@@ -328,17 +328,27 @@ def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
         assert num("t-fail-open") == stats["fail_open"]
         assert text("up-state") == stats["upstream"]["state"] == "ready"
         assert num("up-epoch") == stats["upstream"]["epoch"]
+        # each table read in one script: the page re-renders its rows every poll (replaceChildren), so
+        # an element found before a poll and read after it is stale (seen under load)
+        snap = drv.execute_script("""return Object.fromEntries(Array.from(
+            document.querySelectorAll(arguments[0])).map(r => [r.dataset[arguments[1]], Object.fromEntries(
+            Array.from(r.cells).flatMap((c) => Array.from(c.classList, (k) => [k, c.textContent])).concat(
+            [["row", r.textContent]]))]))""", "#slot-table tr[data-slot]", "slot")
         for s in layer["slots"]:
-            row = drv.find_element(By.CSS_SELECTOR, f"#slot-table tr[data-slot='{s['id']}']")
-            assert int(row.find_element(By.CSS_SELECTOR, "td.tokens").text.replace(",", "")) == s["tokens"]
+            row = snap[str(s["id"])]
+            assert int(row["tokens"].replace(",", "")) == s["tokens"]
             if s["owner"]:
-                assert s["owner"] in row.text
+                assert s["owner"] in row["row"]
         assert SESSION in drv.find_element(By.ID, "slot-table").text
+        snap = drv.execute_script("""return Object.fromEntries(Array.from(
+            document.querySelectorAll(arguments[0])).map(r => [r.dataset[arguments[1]], Object.fromEntries(
+            Array.from(r.cells).flatMap((c) => Array.from(c.classList, (k) => [k, c.textContent])).concat(
+            [["row", r.textContent]]))]))""", "#req-table tr[data-rid]", "rid")
         for r in stats["last_completions"]:
-            row = drv.find_element(By.CSS_SELECTOR, f"#req-table tr[data-rid='{r['request_id']}']")
-            assert int(row.find_element(By.CSS_SELECTOR, "td.prefilled").text.replace(",", "")) == r["prompt_n"]
-            assert int(row.find_element(By.CSS_SELECTOR, "td.reused").text.replace(",", "")) == r["cache_n"]
-            assert r["tier"] in row.text
+            row = snap[r["request_id"]]
+            assert int(row["prefilled"].replace(",", "")) == r["prompt_n"]
+            assert int(row["reused"].replace(",", "")) == r["cache_n"]
+            assert r["tier"] in row["row"]
         disk_row = drv.find_element(By.ID, "tier-disk")
         assert int(disk_row.find_element(By.CSS_SELECTOR, ".saves").text) == layer["tier_disk"]["anchors_written"]
         folders = drv.find_element(By.ID, "folder-table").text
