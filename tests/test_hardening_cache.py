@@ -791,6 +791,10 @@ async def test_warm_dir_spills_the_conversation_it_replaces(start_server, tmp_pa
             await proxy.layer.idle()
             assert saved() > spills, session.counters
             replaced = next(o for o in held if o not in {table[i].owner for i in range(2)})
+            # restore vs prefill is priced with measured rates (a loaded machine measured a restore
+            # slower than the prefill it saves and prefilled): price the spill's read as free, so
+            # what is checked is that the spill exists and is offered, not this machine's seconds
+            session.read_cost_s = lambda nbytes: 0.0
             rec = await send(s, base, proxy, convs[replaced][0], {"x-session-affinity": replaced})
             assert rec["tier"] == "session", rec
 
