@@ -281,6 +281,8 @@ class AdminRoutes:
                 "layer_class": type(proxy.layer).__name__}
         if len(proxy.upstreams) > 1:
             body["upstreams"] = [u.to_dict() for u in proxy.upstreams]
+        if proxy.responses is not None:
+            body["response_cache"] = proxy.responses.stats()
         return body
 
     async def _own(self, request: web.Request, rid: str, path: str) -> web.Response:
@@ -297,8 +299,14 @@ class AdminRoutes:
                                 headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
         else:  # POST /v1/cache/clear
             tier = request.query.get("tier", "all")
+            responses = proxy.responses   # the response cache (ocache/response_cache.py), or None
             try:
-                result = await proxy.layer.clear(tier)
+                if tier == "response":
+                    result = responses.clear() if responses is not None else {"tier": tier, "cleared": 0}
+                else:
+                    result = await proxy.layer.clear(tier)
+                    if tier == "all" and responses is not None:
+                        result["response"] = responses.clear()["cleared"]
             except ValueError as exc:
                 return error(400, str(exc), "invalid_request_error", rid)
             except Exception as exc:

@@ -73,6 +73,9 @@ class Attempt:
     obs: Observation = field(default_factory=lambda: Observation(status=0, completed=False))
     up_resp: aiohttp.ClientResponse | None = None
     sent: web.StreamResponse | None = None
+    #: the answer's bytes as the upstream sent them (the body, or the SSE stream), recorded for the
+    #: response cache when this request answers its key (ocache/response_cache.py); None: not kept
+    keep: bytearray | None = None
 
     @property
     def path(self) -> str:

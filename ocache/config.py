@@ -128,6 +128,10 @@ class Config:
     volatile_markers: list[str] | None = _f(None, "strings that start the volatile part of a system "
                                             "prompt (e.g. '<env>'); unset = the fingerprint "
                                             "module's defaults")
+    response_cache: dict = _f({}, "the response cache (ocache/response_cache.py): the stored "
+                              "answer of an identical greedy request, replayed without the server; "
+                              "keys `enabled` (false), `ttl_s` (600: seconds an answer is served), "
+                              "`max_mb` (64: MiB of answers kept)")
     tiers: dict = _f({}, "per-tier settings: tiers.<tier>.<key>, the keys listed below (any other "
                      "key is a config error)")
 
@@ -320,6 +324,7 @@ def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = 
         values[k] = _coerce(k, v, "command line")
     cfg = Config(**values)
     check_tiers(cfg.tiers)
+    check_response_cache(cfg.response_cache)
     return cfg
 
 
@@ -394,6 +399,24 @@ def check_tiers(tiers: Mapping[str, Any]) -> None:
         if unknown:
             raise ConfigError(f"tiers.{name}: unknown key(s) {', '.join(unknown)}; known: "
                               f"{', '.join(sorted(TIER_KEYS[name]))}")
+
+
+#: the keys of ``response_cache:`` and their types (ocache/response_cache.py reads them)
+RESPONSE_CACHE_KEYS: dict[str, tuple[type, ...]] = {"enabled": (bool,), "ttl_s": (int, float),
+                                                    "max_mb": (int, float)}
+
+
+def check_response_cache(rc: Mapping[str, Any]) -> None:
+    """Reject an unknown key or a bad value under ``response_cache:`` (ConfigError)."""
+    given: dict[str, Any] = dict(rc or {})
+    for k, v in given.items():
+        if k not in RESPONSE_CACHE_KEYS:
+            raise ConfigError(f"response_cache: unknown key {k!r}; known: "
+                              f"{', '.join(RESPONSE_CACHE_KEYS)}")
+        if isinstance(v, bool) != (k == "enabled") or not isinstance(v, RESPONSE_CACHE_KEYS[k]):
+            raise ConfigError(f"response_cache.{k}: invalid value {v!r}")
+        if k != "enabled" and given[k] <= 0:
+            raise ConfigError(f"response_cache.{k}: {v!r} must be above 0")
 
 
 def field_of(obj: Any, name: str, default: Any = None) -> Any:

@@ -77,7 +77,7 @@ Response headers added by ocache (all ``X-OCache-*``):
 | ``X-OCache-Figures`` | known conversation's turn | ``late``: its figures were not ready when the answer began (``FIGURES_WAIT_S``); they reach the log line and ``last_completions`` |
 | ``X-OCache-Upstream`` | 503 from ocache; several servers: every planned request | the upstream URL that could not be reached / that served the request |
 | ``X-OCache-Route`` | several servers, planned request | why that server (ocache/router.py) |
-| ``X-OCache-Tier`` | set by the layer | where the reused prefix came from (``resident``/``head``/``disk``/``session``/``cold``) |
+| ``X-OCache-Tier`` | set by the layer | where the reused prefix came from (``resident``/``head``/``disk``/``session``/``cold``; ``response``: the whole answer replayed by the response cache, ocache/response_cache.py) |
 | ``X-OCache-Split``, ``-Prefilled``, ``-Reused`` | set by the layer | tokens ocache prefilled itself for this request; tokens the server prefills for it (ocache's steps included); tokens reused from before it (see ``ocache/cache/orchestrator.py``) |
 | other ``X-OCache-*`` | set by the layer | see ``ocache/cache/orchestrator.py`` (e.g. ``X-OCache-Slot``) |
 
@@ -126,6 +126,7 @@ from ocache.layer import (COMPLETION_ROUTES, CacheLayer, NullLayer, Observation,
                           ReceiptLedger)
 from ocache.lifecycle import QUIESCE_S, Lifecycle
 from ocache.relay import SSEObserver, collects, observe_json, relay_stream
+from ocache.response_cache import ResponseCache
 from ocache.serving import RUNNER_KWARGS, serve
 from ocache.stats import Stats
 from ocache.upstream import Upstream
@@ -216,6 +217,8 @@ class Proxy(Lifecycle):
         #: the receipts of the plans in hand (``ocache/layer.py``): each released exactly once
         self.receipts = ReceiptLedger()
         self.forwards = Forwards(config, self.stats)
+        #: the response cache, when the config enables it (ocache/response_cache.py)
+        self.responses = ResponseCache.from_config(config)
         self.attempts = Attempts(self)
         self.finisher = Finisher(self)
         self.admin = AdminRoutes(self)
@@ -243,7 +246,10 @@ class Proxy(Lifecycle):
         return next((u for u in self.upstreams if u.base_url == url.rstrip("/")), None)
 
     def _layer_stats(self) -> dict[str, Any]:
-        return self.layer.stats() if self.layer is not None else {}
+        out = self.layer.stats() if self.layer is not None else {}
+        if self.responses is not None:   # ocache_layer_stat{key="response_cache.hits"}, ...
+            out = {**out, "response_cache": self.responses.stats()}
+        return out
 
     def stats_body(self) -> dict[str, Any]:
         """The ``GET /v1/cache/stats`` JSON (``AdminRoutes.stats_body``, ocache/admin.py)."""
@@ -277,7 +283,8 @@ class Proxy(Lifecycle):
                 self._idle.set()
 
     async def _proxy(self, request: web.Request, rid: str) -> web.StreamResponse:
-        """read -> parse -> plan -> send with recovery (``ocache/attempts.py``) -> relay -> finish."""
+        """read -> parse -> (the response cache) -> plan -> send with recovery
+        (``ocache/attempts.py``) -> relay -> finish."""
         t0 = time.perf_counter()
         has_body = request.body_exists
         body = await self._read(request, rid)
@@ -289,6 +296,19 @@ class Proxy(Lifecycle):
         if request.method == "POST" and request.path in COMPLETION_ROUTES:
             preq = self._parse(request, rid, request.method, request.path, body)
         att = Attempt(request, rid, t0, body, has_body, preq, self._read_timeout(request.path, preq))
+        # the response cache (ocache/response_cache.py): a stored answer replayed, or this request
+        # answers its key (its answer recorded and settled once it is over), or not cached
+        lead = await self.responses.serve(self, att) if self.responses is not None else None
+        if isinstance(lead, web.StreamResponse):
+            return lead
+        try:
+            return await self._answer(att)
+        finally:
+            if self.responses is not None and lead is not None:
+                self.responses.settle(lead, att)
+
+    async def _answer(self, att: Attempt) -> web.StreamResponse:
+        """plan -> send with recovery -> relay -> finish, for one request read and parsed."""
         down = await self.attempts.plan(att)
         if down is not None:
             return down                      # ocache's 503: not reachable (no plan was made)
@@ -432,7 +452,8 @@ class Proxy(Lifecycle):
         if up_resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             idle = self.config.stream_idle_timeout_s
             return await relay_stream(att.request, up_resp, headers, obs, att.t0,
-                                      SSEObserver(collects(self.layer, att.path)) if att.preq is not None else None,
+                                      SSEObserver(collects(self.layer, att.path), att.keep)
+                                      if att.preq is not None else None,
                                       idle_s=idle if att.timeout.sock_read != idle else None,
                                       rewriter=figures.LineRewriter(split, plan.split_ms)
                                       if plan is not None and split > 0 else None,
@@ -474,6 +495,8 @@ class Proxy(Lifecycle):
         obs.ttft_s = time.perf_counter() - att.t0
         if att.preq is not None and data:
             observe_json(att.path, data, obs)
+        if att.keep is not None:
+            att.keep += data      # the response cache's record (ocache/response_cache.py)
         if split > 0 and data and att.plan is not None:
             data = figures.rewrite(data, split, att.plan.split_ms)
         att.sent = web.Response(status=up_resp.status, reason=up_resp.reason, headers=headers, body=data)

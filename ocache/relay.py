@@ -46,9 +46,11 @@ class SSEObserver:
     tools/server/server-context.cpp:4535-4548, common/common.h:626)."""
 
     __slots__ = ("_buf", "timings", "usage", "events", "_anthropic", "first_at", "final", "message",
-                 "finish_reason")
+                 "finish_reason", "keep")
 
-    def __init__(self, collect: bool = False) -> None:
+    def __init__(self, collect: bool = False, keep: bytearray | None = None) -> None:
+        # ``keep``: every chunk fed is appended to it (the response cache's record of the stream)
+        self.keep = keep
         # ``collect``: also build the chat answer from the deltas (``message``, for the aligned
         # route, ocache/cache/align_route.py); None: not collected
         self.message: dict | None = {"role": "assistant", "content": ""} if collect else None
@@ -62,6 +64,8 @@ class SSEObserver:
         self.final = False
 
     def feed(self, chunk: bytes) -> None:
+        if self.keep is not None:
+            self.keep += chunk
         buf = self._buf + chunk if self._buf else chunk
         start = 0
         while True:

@@ -642,6 +642,14 @@ async def p_launch_devices(tmp_path, mp):
     assert out.read_text().strip() == "1"
 
 
+async def p_response_cache(tmp_path, mp):
+    on = Proxy(Config(upstream=_closed_upstream(), response_cache={"enabled": True, "ttl_s": 5,
+                                                                    "max_mb": 1}),
+               layer_factory=NullLayer, monitor=False).responses
+    assert on is not None and (on.ttl_s, on.max_bytes) == (5.0, 1 << 20)
+    assert Proxy(Config(upstream=_closed_upstream()), layer_factory=NullLayer, monitor=False).responses is None
+
+
 PROBES = {
     "host": p_host, "port": p_port, "upstream": p_upstream, "upstream_api_key": p_upstream_api_key,
     "admin_token": p_admin_token, "allowed_hosts": p_allowed_hosts, "cache_dir": p_cache_dir,
@@ -670,6 +678,7 @@ PROBES = {
     "tiers.session.resume": p_session_resume,
     "upstreams": p_upstreams, "route_policy": p_route_policy, "route_load_weight": p_route_load_weight,
     "launch_replicas": p_launch_replicas, "launch_devices": p_launch_devices,
+    "response_cache": p_response_cache,
 }
 
 
