@@ -69,6 +69,7 @@ import xxhash
 
 from ocache.api.convert import CONVERTED_ROUTES, ConversionError, to_chat
 from ocache.fingerprint import Head, cut_body
+from ocache.media import MARKER as MEDIA_MARKER
 
 log = logging.getLogger("ocache.tokens")
 
@@ -365,6 +366,8 @@ class TokenViewer:
         # head.key -> (head prefix text, its tokens); a few harnesses at a time, so a small LRU
         self.heads: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
         self.max_heads = 32
+        #: image digest (ocache/media.py) -> prompt positions the server gives it, this epoch
+        self.media_positions: dict[str, int] = {}
         self._probe: dict | None = None
         self._epoch = getattr(upstream, "epoch", None)
         self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
@@ -437,6 +440,7 @@ class TokenViewer:
         self.heads.clear()
         self.msg_prefixes.clear()
         self.stubs.clear()
+        self.media_positions.clear()
         self.delta_ok = True
         self._n_delta = 0
         self._probe = None
@@ -741,7 +745,10 @@ class TokenViewer:
             if keys[1]:
                 msg_key, n_msgs = keys[2], len(keys[1])
             text = await self.render(body, keys)
-            tokens = await self.tokenize(text)
+            if MEDIA_MARKER.search(text):   # images: each keyed by its digest (ocache/media.py)
+                tokens = await self._media_tokens(text, body)
+            else:
+                tokens = await self.tokenize(text)
         elif path in PROMPT_ROUTES:
             if "prompt" not in body:
                 raise TokenViewError("no prompt in a completion request")
@@ -755,6 +762,33 @@ class TokenViewer:
         stats["seconds"] = time.perf_counter() - t0
         return TokenView(tokens=tokens, head_end=head_end, user_starts=find_seq(tokens, probe["user_ids"]),
                          text=text, stats=stats, msg_key=msg_key, n_msgs=n_msgs, source=self)
+
+
+    async def _media_tokens(self, text: str, body: Mapping) -> list[int]:
+        """``ocache.media.media_tokens`` of a rendered prompt with media markers, through this
+        viewer: the positions of each image from the server's count (one-image message minus an
+        empty one, ``/v1/chat/completions/input_tokens``), once per digest and epoch. Raises
+        TokenViewError, status 415 for media ocache cannot key (the request is then not planned)."""
+        from ocache import media  # noqa: PLC0415 (a module of its own; the marker is imported above)
+
+        async def tok(part: str, first: bool) -> list[int]:
+            return await self.tokenize(part) if first else await self._tokenize_remote(part, False)
+
+        async def positions(url: str, dig: str) -> int:
+            n = self.media_positions.get(dig)
+            if n is None:
+                counts = []
+                for content in ([{"type": "image_url", "image_url": {"url": url}}], [{"type": "text", "text": ""}]):
+                    got = await self._post("/v1/chat/completions/input_tokens",
+                                           {"messages": [{"role": "user", "content": content}]})
+                    counts.append(int(got["input_tokens"]))
+                n = self.media_positions[dig] = counts[0] - counts[1]
+            return n
+
+        try:
+            return await media.media_tokens(text, body, tok, positions)
+        except media.MediaError as exc:
+            raise TokenViewError(f"media not viewed: {exc}", 415) from exc
 
 
 async def prompt_tokens(viewer: "TokenViewer", prompt: Any) -> tuple[list[int], str]:

@@ -86,3 +86,65 @@ async def test_projector_loads_and_the_server_keys_images_by_their_bytes(start_s
                                                        "parse_special": True}) as r:
             n_before = len((await r.json())["tokens"])
         assert other["timings"]["cache_n"] == n_before, (other["timings"], n_before)
+
+
+async def test_token_view_keys_each_image_by_its_digest(start_server, tmp_path):
+    """ocache's token view of an image prompt (ocache/media.py through TokenViewer.view) is as long
+    as the server's prompt, equal for the same bytes under another URL, and different from the
+    image's first position on for other pixels; through ocache the next identical request is
+    predicted right (no view mismatch). On main the marker was tokenized as text: the view was
+    the wrong length (this fails there)."""
+    from ocache.cache import OCacheLayer
+    from ocache.config import Config
+    from ocache.media import digest
+    from ocache.tokens import TokenViewer, TokenViewError
+
+    srv = start_server("dense", n_parallel=1, ctx_size=4096, args=["--mmproj", str(make_projector())])
+    a, b = png(40, 32, 1), png(24, 24, 3)
+    two = chat(data_url(a))
+    two["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": data_url(b)}})
+    viewer = TokenViewer(srv.url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for body in (chat(data_url(a)), two):
+                view = await viewer.view("/v1/chat/completions", body)
+                done = await complete(s, srv.url, {**body, "cache_prompt": False})
+                assert len(view.tokens) == done["timings"]["prompt_n"] + done["timings"]["cache_n"]
+            va = (await viewer.view("/v1/chat/completions", chat(data_url(a)))).tokens
+            va2 = (await viewer.view("/v1/chat/completions", chat(data_url(a, "image/jpeg")))).tokens
+            vb = (await viewer.view("/v1/chat/completions", chat(data_url(b)))).tokens
+            assert va == va2 and digest(data_url(a)) == digest(data_url(a, "image/jpeg"))
+            first = next(i for i, (x, y) in enumerate(zip(va, vb)) if x != y)
+            # they part exactly where the image starts: text before it, its positions after
+            assert all(t >= 0 for t in va[:first]) and all(t < 0 for t in va[first:first + TINY.n_patches])
+            assert all(t < 0 for t in vb[first:first + TINY.n_patches])
+            assert len([t for t in va if t < 0]) == TINY.n_patches
+            # an image the server fetches itself has no digest here: no view, never a wrong one
+            with pytest.raises(TokenViewError):
+                await viewer.view("/v1/chat/completions", chat("http://127.0.0.1:9/x.png"))
+    finally:
+        await viewer.close()
+    cfg = Config(upstream=srv.url, cache_dir=str(tmp_path / "cache"),
+                 tiers={"resident": {"server_args": srv.command()[1:]}})
+    from aiohttp.test_utils import TestServer
+
+    from ocache.proxy import RUNNER_KWARGS, Proxy
+
+    proxy = Proxy(cfg, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
+    server = TestServer(proxy.make_app(), host="127.0.0.1")
+    await server.start_server(**RUNNER_KWARGS)
+    try:
+        async with aiohttp.ClientSession() as s:
+            base = f"http://127.0.0.1:{server.port}"
+            for url in (data_url(a), data_url(a, "image/jpeg")):
+                async with s.post(base + "/v1/chat/completions", json=chat(url)) as r:
+                    assert r.status == 200 and "X-OCache-Fail-Open" not in r.headers
+                    got = await r.json()
+                    predicted = int(r.headers["X-OCache-Predicted-Cache"])
+                await proxy.wait_background()
+                await proxy.layer.idle()
+            assert got["timings"]["cache_n"] == predicted, (got["timings"], predicted)
+            assert proxy.layer.counters["view_mismatches"] == 0
+            assert proxy.layer.counters["mispredictions"] == 0
+    finally:
+        await server.close()
