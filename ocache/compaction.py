@@ -168,10 +168,14 @@ def opencode_history(messages: Sequence[Mapping]) -> str:
     ``scripts/measure-compaction``. System messages are left out (opencode's are not session
     messages); a tool's output is not truncated (opencode cuts very long ones)."""
     results = {m.get("tool_call_id"): _text(m.get("content")) for m in messages if m.get("role") == "tool"}
-    blocks = []
+    called = {c.get("id") for m in messages for c in (m.get("tool_calls") or ())}
+    blocks: list[str] = []
     for m in messages:
         role = m.get("role")
-        if role == "user":
+        if role == "tool" and m.get("tool_call_id") not in called and blocks:
+            # a result whose call is the assistant's text (a call the server did not parse)
+            blocks[-1] += f"\n[Tool result]: {_text(m.get('content'))}"
+        elif role == "user":
             blocks.append(f"[User]: {_text(m.get('content'))}")
         elif role == "assistant":
             lines = []
