@@ -20,26 +20,27 @@ pytestmark = pytest.mark.server
 SUMMARY_TOKENS = 12
 
 
-def _conversation(url: str, server: str) -> tuple[list[dict], list[int]]:
+def _conversation(url: str, server: str, keep: bool = False) -> tuple[list[dict], list[dict]]:
     """A tool turn and the answer, each sent back as it came (the reasoning dropped, as opencode
-    does for a model not marked ``interleaved``). Returns the messages with the answer and the
-    server's prefill per request."""
+    does for a model not marked ``interleaved``; ``keep``: sent back). Returns the messages with
+    the answer and the response headers per request."""
     msgs = [{"role": "system", "content": "You are a coding agent."},
             {"role": "user", "content": "Read a file, then say what it does."}]
-    prefills = []
+    heads = []
     for grammar in (CALL, ANSWER):
         body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "max_tokens": 200,
                 "grammar": grammar}
-        before = _prefilled(server)
-        res, _ = _chat(url, body)
-        prefills.append(_prefilled(server) - before)
+        res, headers = _chat(url, body)
+        heads.append(headers)
         choice = res["choices"][0]
         assert choice["finish_reason"] == "stop", choice
         msgs = msgs + [{"role": "assistant", "content": choice["message"]["content"]}]
+        if keep and choice["message"].get("reasoning_content"):
+            msgs[-1]["reasoning_content"] = choice["message"]["reasoning_content"]
         if grammar is CALL:
             msgs.append({"role": "tool", "tool_call_id": "c1",
                          "content": engine.chat_template_file(TEMPLATES["hybrid"]).read_text()[:3000]})
-    return msgs, prefills
+    return msgs, heads
 
 
 def _compaction(url: str, server: str, msgs: list[dict]) -> tuple[dict, dict, int, int]:
@@ -110,3 +111,22 @@ def test_a_compaction_is_served_as_the_conversations_continuation(serve_template
         prox.stop()
     assert "X-OCache-Continued" not in headers and headers.get("X-OCache-Path") != "continued"
     assert off["usage"]["prompt_tokens"] == n_off and off_prefill >= n_off - 16
+
+
+def test_on_ocaches_own_template_too(serve_template, tmp_path):
+    """On ocache's own template (past reasoning kept), a client that sends the reasoning back: the
+    compaction is continued the same way (the server keeps the slot's K tokens and prefills the
+    instruction turn)."""
+    from ocache.bench.run import OCacheProcess
+
+    srv = serve_template("hybrid", template="ocache", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        msgs, _ = _conversation(prox.url, srv.url, keep=True)
+        res, headers, prefilled, n_sent = _compaction(prox.url, srv.url, msgs)
+    finally:
+        prox.stop()
+    assert headers.get("X-OCache-Path") == "continued", (headers, (tmp_path / "ocache.log").read_text()[-3000:])
+    kept, new = map(int, headers["X-OCache-Continued"].split("+"))
+    assert res["timings"]["cache_n"] == kept and res["timings"]["prompt_n"] == new == prefilled < 600 < n_sent

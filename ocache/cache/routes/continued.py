@@ -128,8 +128,10 @@ async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction, body: 
     viewer = layer._viewer
     if eot is None or viewer is None:
         return "no splice on this server"
-    await _settle(table)
     found = _candidate(layer, table, comp, body)
+    if isinstance(found, str):    # the previous answer may not be recorded yet
+        await _settle(table)
+        found = _candidate(layer, table, comp, body)
     if isinstance(found, str):
         return found
     slot, turn = found
