@@ -354,6 +354,10 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
                   "re-rendered), as the slot's own tokens plus the request's new part (patch 0008; "
                   "the model sees its earlier reasoning); false: every prompt is the template's, "
                   "byte for byte"),
+        "continue_compaction": ("bool", "true", "serve a client's compaction request (opencode's: the "
+                                "history flattened as text) of a conversation a slot holds as that "
+                                "conversation's tokens plus one user turn with the client's instruction "
+                                "(patch 0008; needs align); false: forwarded as sent"),
         "<ServerParams.field>": ("any", "from the argv",
                                  "override one field of ocache.llama.flags.ServerParams (e.g. n_ubatch, "
                                  "checkpoints, checkpoint_min_step)"),

@@ -475,6 +475,11 @@ async def p_resident_align(tmp_path, mp):
     assert _layer().align.on is True
 
 
+async def p_resident_continue_compaction(tmp_path, mp):
+    assert _layer(tiers={"resident": {"continue_compaction": False}}).continued.on is False
+    assert _layer().continued.on is True
+
+
 async def p_resident_server_params(tmp_path, mp):
     from ocache.llama.flags import params_from_argv
 
@@ -669,6 +674,7 @@ PROBES = {
     "tiers.resident.reconcile": p_resident_reconcile,
     "tiers.resident.fast_path": p_resident_fast_path,
     "tiers.resident.align": p_resident_align,
+    "tiers.resident.continue_compaction": p_resident_continue_compaction,
     "tiers.resident.<ServerParams.field>": p_resident_server_params,
     "tiers.disk.enabled": p_disk_enabled, "tiers.disk.slot_save_path": p_disk_slot_save_path,
     "tiers.disk.grid": p_disk_grid, "tiers.disk.free_floor_gb": p_disk_free_floor_gb,

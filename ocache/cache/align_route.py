@@ -215,6 +215,11 @@ class AlignRoute:
         ctx = getattr(plan, "context", None)
         if isinstance(ctx, AlignContext):
             slot = ctx.slot
+            on_observed = getattr(ctx, "on_observed", None)   # a continued compaction (routes/continued.py)
+            if on_observed is not None:
+                self.records.pop(slot, None)
+                on_observed(self, table, obs)
+                return
             if obs.status == 412:
                 self.counters["aligned_refused"] += 1
         elif isinstance(ctx, PlanContext):

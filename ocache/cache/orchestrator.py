@@ -46,6 +46,7 @@ from typing import Any, Coroutine, Mapping, Sequence
 from ocache import fingerprint as fp_mod
 from ocache.cache import core, report, routes, stopping, warmup, wiring
 from ocache.cache.align_route import AlignContext, AlignRoute, enabled as align_enabled
+from ocache.cache.routes.continued import ContinueRoute, enabled as continue_enabled
 from ocache.cache.estimate import estimate as estimate_of
 from ocache.cache.execute import PlanContext, ServerPlaced
 from ocache.cache.observe import Observer
@@ -113,6 +114,7 @@ class OCacheLayer:
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.align = AlignRoute(align_enabled(config))   # issue 26, ocache/cache/align_route.py
         self.wants_message = self.align.on                # the proxy collects streamed answers
+        self.continued = ContinueRoute(continue_enabled(config))   # issue 26, routes/continued.py
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
         self.tiers: list[TierBase] = list(tiers)

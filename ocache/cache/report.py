@@ -22,7 +22,7 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
                            "prefill_tokens_per_s": layer.prefill_tps,
                            "recent_mispredictions": list(layer.recent_mispredictions),
                            "setup_warnings": [str(f) for f in layer.findings if f.level != "ok"],
-                           "align": layer.align.stats()}
+                           "align": layer.align.stats(), "continued": layer.continued.stats()}
     if table is not None and layer.head_tier is not None:
         out["slots"] = [{"id": s.id, "tokens": len(s.tokens), "n_total": s.n_total, "kind": s.kind,
                          "owner": s.owner, "origin": s.origin, "checkpoints": len(s.checkpoints),

@@ -4,7 +4,8 @@
 * ``BEFORE_VIEW`` — routes that decide on the request's :class:`~ocache.cache.prepare.Shape`
   alone, before its token view is built: ``known`` (the next turn of a conversation a slot holds,
   forwarded at once, viewed while the server works), ``aligned`` (a rewritten history served from
-  the slot's own tokens plus the new part, issue 26);
+  the slot's own tokens plus the new part, issue 26), ``continued`` (a client's compaction of a
+  conversation a slot holds, served as its continuation, issue 26);
 * ``AFTER_VIEW`` — routes that need the :class:`~ocache.cache.prepare.Prepared` request (view and
   context on this server): ``server_placed`` (the server chooses the slot), ``usual`` (the planner
   chooses slot and steps; it plans every request it is given, so it comes last).
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from ocache.cache.prepare import Prepared, Shape
-from ocache.cache.routes import aligned, known, server_placed, usual
+from ocache.cache.routes import aligned, continued, known, server_placed, usual
 from ocache.layer import ParsedRequest, Plan
 from ocache.tiers.base import RequestContext
 
@@ -31,6 +32,7 @@ Route = Callable[["OCacheLayer", ParsedRequest, Prepared, RequestContext], Await
 BEFORE_VIEW: tuple[EarlyRoute, ...] = (
     known.plan,
     aligned.plan,
+    continued.plan,
 )
 AFTER_VIEW: tuple[Route, ...] = (
     server_placed.plan,

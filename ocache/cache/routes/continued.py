@@ -1,0 +1,197 @@
+"""The continued route: a client's compaction of a conversation a slot holds, served as that
+conversation's continuation (issue 26 item 3, seed 000 §13.9).
+
+opencode's compaction request has no tools and one user message with the whole history flattened
+as text (``ocache/compaction.py``), so as sent it shares no token with what the slot holds: a cold
+prefill of the entire history. When :func:`ocache.compaction.parse` recognises such a request and
+its guard (``ocache.compaction.matches``) finds the conversation in a slot's record (the aligned
+route's, ``ocache/cache/align_route.py``: what ocache recorded and relayed for the slot's last
+turn), the request is served as the recorded request and its answer plus one user turn with the
+client's instruction (``ocache.compaction.continuation``): pinned to that slot, with patch 0008's
+``ocache_splice`` (the slot's tokens up to the end of its last generation, then the request's new
+turn; ``ocache.align.decide``), or without one where the continuation's render already extends what
+the slot holds (an append-only template). The server prefills only the instruction turn. Anything
+else (not a compaction, no record matches, the guard or ``decide`` refuses, a server without 0008,
+a converted route, ``tiers.resident.continue_compaction: false`` or ``tiers.resident.align:
+false``) returns None: the request takes the other routes as sent.
+
+Headers ``X-OCache-Continued: K+N`` (the slot's K tokens + the N of the instruction turn) and
+``X-OCache-Path: continued``; stats ``layer.continued`` (:meth:`ContinueRoute.stats`); one log line.
+
+Only the resident slot is used: a conversation that left its slot (spilled, evicted) is forwarded
+as sent. After the answer the slot holds the continuation (the table learns its count: prompt +
+generated - 1, docs/llama-server.md §7); the conversation's record stays (its tokens are still the
+slot's first ones, checked by the server's hash), so a retried compaction or a later turn of the
+conversation is served from it again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ocache.align import Aligned, AsSent, Splice, Turn, decide
+from ocache.cache.align_route import SETTLE_WAIT_S, SPLICE_HEADER, AlignContext
+from ocache.cache.prepare import Prepared, Shape
+from ocache.compaction import Compaction, continuation, matches, parse
+from ocache.config import field_of
+from ocache.layer import Observation, ParsedRequest, Plan
+from ocache.slots import SlotTable
+from ocache.tokens import TokenViewError
+
+if TYPE_CHECKING:
+    from ocache.cache.orchestrator import OCacheLayer
+
+log = logging.getLogger("ocache.cache")
+
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+
+
+def enabled(config: Any) -> bool:
+    """``tiers.resident.continue_compaction`` (default true)."""
+    tiers = field_of(config, "tiers", None) or {}
+    return bool((tiers.get("resident") or {}).get("continue_compaction", True))
+
+
+class ContinueRoute:
+    """The route's switch and counters: ``requests`` (compactions served as a continuation),
+    ``saved_tokens`` (the request's own prompt tokens minus the instruction turn's: what it would
+    have prefilled as sent, less what it prefilled), ``refused`` (a 412 of the server: planned
+    again, as sent), ``recognised`` (compaction requests seen) and ``as_sent_<reason>``."""
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
+        self.counters: Counter[str] = Counter()
+
+    def stats(self) -> dict:
+        return {"enabled": self.on, "requests": 0, "saved_tokens": 0, **self.counters}
+
+
+@dataclass
+class ContinuedContext(AlignContext):
+    """``Plan.context`` of a continued request (an :class:`AlignContext`: the layer hands its
+    response to ``AlignRoute.observe``, which calls :meth:`on_observed`)."""
+
+    route: ContinueRoute = field(default_factory=ContinueRoute)
+    saved: int = 0
+
+    def on_observed(self, align: Any, table: SlotTable, obs: Observation) -> None:
+        """The slot now holds the continuation: its count (prompt + generated - 1) when the answer
+        came, and the conversation's record again (still its first tokens); a 412 (the slot no
+        longer held them) counts ``refused``, and the record is gone."""
+        if obs.status == 412:
+            self.route.counters["refused"] += 1
+            return
+        t = obs.timings or {}
+        try:
+            n_held = int(t["cache_n"]) + int(t["prompt_n"]) + int(t["predicted_n"]) - 1
+        except (KeyError, TypeError, ValueError):
+            return
+        table.mark_unknown(self.slot, n_held)
+        if obs.status == 200 and obs.completed and n_held >= self.turn.n_held:
+            align.records[self.slot] = (table[self.slot].seq, self.turn)
+
+
+def _candidate(layer: OCacheLayer, table: SlotTable, comp: Compaction, body: Any) -> tuple[int, Turn] | str:
+    """The slot whose recorded conversation ``comp`` compacts, or why none."""
+    why = "no record"
+    for slot, (seq, turn) in list(layer.align.records.items()):
+        st = table[slot]
+        if st.seq != seq or st.pending:
+            continue
+        miss = matches(comp, turn, body)
+        if miss is None:
+            return slot, turn
+        why = miss
+    return why
+
+
+async def _settle(table: SlotTable) -> None:
+    """A client sends its compaction the moment the previous answer ends, before the proxy observed
+    it (and the aligned route recorded it): wait for busy slots (bounded, ``SETTLE_WAIT_S``)."""
+    for st in table.snapshot():
+        if st.pending or st.busy:
+            await table.wait_settled(st.id, SETTLE_WAIT_S)
+
+
+def _as_sent(route: ContinueRoute, rid: str, why: str) -> None:
+    route.counters["as_sent_" + why.replace(" ", "_")] += 1
+    log.info("[%s] compaction not continued: %s", rid, why)
+
+
+async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction, body: Any, shape: Shape) -> tuple | str:
+    """(slot, turn, the continuation's body fields, the decision, its tokens, whether it needs a
+    splice) for a recognised compaction, or why not."""
+    eot = await layer.align._eot(layer)
+    viewer = layer._viewer
+    if eot is None or viewer is None:
+        return "no splice on this server"
+    found = _candidate(layer, table, comp, body)
+    if isinstance(found, str):    # the previous answer may not be recorded yet
+        await _settle(table)
+        found = _candidate(layer, table, comp, body)
+    if isinstance(found, str):
+        return found
+    slot, turn = found
+    fields = continuation(turn, comp)
+    try:
+        view = await viewer.view(shape.path, fields)
+    except TokenViewError as exc:
+        return f"the continuation does not render ({exc})"
+    dec = decide(turn, fields, view.tokens, eot, n_ctx=table.params.n_ctx_slot)
+    if isinstance(dec, AsSent) and dec.reason == "extends":
+        # the render already begins with what the slot holds: no splice needed
+        dec = Aligned(Splice(turn.n_held, (), tuple(view.tokens[turn.n_held:])), 0)
+        return slot, turn, fields, dec, view.tokens, False
+    if isinstance(dec, AsSent):
+        return dec.reason
+    return slot, turn, fields, dec, view.tokens, True
+
+
+async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | None:
+    """A continued plan, or None (module docstring: anything else is forwarded as sent)."""
+    route: ContinueRoute = layer.continued
+    table = layer.table
+    if not (route.on and layer.align.on and shape.chat and req.path in CHAT_PATHS) or table is None:
+        return None
+    body = shape.body
+    comp = parse(body)
+    if comp is None:
+        return None
+    route.counters["recognised"] += 1
+    got = await _decide(layer, table, comp, body, shape)
+    if isinstance(got, str):
+        _as_sent(route, req.request_id, got)
+        return None
+    slot, turn, fields, dec, tokens, splice = got
+    prep = await layer.prepare(req, shape)    # the request as sent (kept in req.memo for the next route)
+    n_sent = len(prep.view.tokens) if isinstance(prep, Prepared) else 0
+    seq = table[slot].seq
+    lease = await table.lease(slot)
+    if table[slot].seq != seq or table[slot].pending:
+        lease.release()
+        _as_sent(route, req.request_id, "the slot changed")
+        return None
+    sp = dec.splice
+    saved = max(0, n_sent - len(sp.tail))
+    route.counters["requests"] += 1
+    route.counters["saved_tokens"] += saved
+    log.info("[%s] compaction continued on slot %d: the conversation's %d tokens + %d of the "
+             "instruction turn (as sent: %d tokens)", req.request_id, slot, sp.n_keep, len(sp.tail), n_sent)
+    table.mark_unknown(slot, None)
+    layer.align.records.pop(slot, None)
+    ctx = ContinuedContext(req.request_id, slot, dec, turn, list(tokens), fields, route=route, saved=saved)
+
+    async def release() -> None:
+        lease.release()
+
+    updates = {**fields, "id_slot": slot}
+    if splice:
+        updates["ocache_splice"] = sp.field()
+    return Plan(body_updates=updates,
+                headers={"X-OCache-Continued": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Slot": str(slot),
+                         "X-OCache-Kind": shape.kind, "X-OCache-Tier": "resident", "X-OCache-Path": "continued"},
+                context=ctx, release=release,
+                upstream_headers={SPLICE_HEADER: str(sp.n_keep)} if splice else {})

@@ -1,0 +1,205 @@
+"""Compaction served as a continuation: the guard, pure (issue 26 item 3, seed 000 §13.9).
+
+A client compacts a long conversation by asking the model for a summary of it. opencode 1.18.33
+(``SessionCompaction.process`` in its ``session/compaction.ts``; the request captured from the real
+client by ``tests/test_compaction_capture.py``, stored in ``tests/data/opencode-compaction.json``)
+sends no tools, its compaction agent's system prompt and one user message that holds the whole
+history flattened as text::
+
+    Here is the conversation so far:
+
+    <conversation>
+    [User]: <the user's text>
+
+    [Assistant reasoning]: <reasoning>
+    [Assistant]: <text>
+    [Assistant tool call]: read({"filePath": "a.py"})
+    [Tool result]: <output>
+
+    [User]: ...
+    </conversation>
+
+    Create a new anchored summary from the conversation history in the <conversation> tags above ...
+
+(messages joined by a blank line, the parts of one message by a newline; a user's attachments
+follow its text as ``[Attached <mime>: <name>]`` lines). That text shares no token with the
+conversation the server holds, so sent as is it is a cold prefill of the whole history exactly when
+the history is longest.
+
+What ocache serves instead (``ocache/cache/routes/continued.py``): the conversation the slot holds
+(its tokens up to the end of its last generation: the recorded request, the relayed answer) and one
+user turn with the client's instruction (:func:`instruction`: its system text, then its text after
+the history block), so the server prefills only that turn. The model summarises the conversation as
+it read it, with its tools and system prompt above; the instruction's words about "the
+<conversation> tags above" then name the conversation above.
+
+The guard (:func:`matches`), every condition required, anything else is forwarded as sent:
+
+* the request is one of a known client's compactions (:func:`parse`: no tools, system messages then
+  one user message whose text holds the history block of that client's shape) and names at least
+  one user message;
+* its first user line is the text of the recorded conversation's first user message, and its last
+  user line the text of one of the recorded conversation's user messages (a client may leave its
+  newest turns out of the summary: opencode keeps ``compaction.preserve_recent_tokens`` of them
+  verbatim after it), each compared whole, whitespace at the ends aside;
+* the fields the prompt is rendered with (``ocache.align.PROMPT_FIELDS``) that the request sets are
+  the recorded ones (the continuation is rendered with the recorded ones: a field the client set
+  otherwise could not be taken out of the forwarded body).
+
+The rest of the decision is the aligned route's: :func:`ocache.align.decide` on the continuation
+(:func:`continuation`), a request that is the recorded conversation plus one new user turn.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ocache.align import PROMPT_FIELDS, Turn, _text
+
+#: opencode's history block: what opens and closes it in the user message
+OPENCODE_OPEN = "<conversation>\n"
+OPENCODE_CLOSE = "\n</conversation>"
+
+#: the entries of opencode's flattened history (``[User]: ``, ``[Assistant]: ``, ...), each at the
+#: start of the block or after a newline
+_ENTRY = re.compile(r"(?:^|\n)\[(User|Assistant|Assistant reasoning|Assistant tool call|Tool result|Tool error)\]: ")
+#: a user's attachment lines after its text
+_ATTACHED = re.compile(r"(?:\n\[Attached [^\]\n]*\])+\s*$")
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """A client's compaction request as :func:`parse` read it: ``client`` (``"opencode"``),
+    ``user_lines``: the texts of the history's user entries in order (stripped), ``system``: the
+    request's system texts, ``after``: the user message's text after the history block (stripped),
+    the client's instructions."""
+
+    client: str
+    user_lines: tuple[str, ...]
+    system: tuple[str, ...]
+    after: str
+
+
+def _user_lines(history: str) -> tuple[str, ...]:
+    """The texts of the ``[User]: `` entries of an opencode history (each runs to the next entry)."""
+    found = list(_ENTRY.finditer(history))
+    out = []
+    for i, m in enumerate(found):
+        if m.group(1) != "User":
+            continue
+        end = found[i + 1].start() if i + 1 < len(found) else len(history)
+        out.append(_ATTACHED.sub("", history[m.end():end]).strip())
+    return tuple(out)
+
+
+def parse(body: Mapping) -> Compaction | None:
+    """``body`` (a chat request) read as a known client's compaction request, or None: no tools,
+    its messages system messages then one user message whose text holds opencode's history block
+    (``OPENCODE_OPEN`` ... ``OPENCODE_CLOSE``) with at least one user entry."""
+    if body.get("tools"):
+        return None
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        return None
+    last = msgs[-1]
+    if not isinstance(last, Mapping) or last.get("role") != "user":
+        return None
+    if any(not isinstance(m, Mapping) or m.get("role") not in ("system", "developer") for m in msgs[:-1]):
+        return None
+    try:
+        text = _text(last.get("content"))
+        system = tuple(_text(m.get("content")).strip() for m in msgs[:-1])
+    except (AttributeError, TypeError):
+        return None
+    start = text.find(OPENCODE_OPEN)
+    end = text.rfind(OPENCODE_CLOSE)
+    if start < 0 or end < start:
+        return None
+    lines = _user_lines(text[start + len(OPENCODE_OPEN):end])
+    if not lines:
+        return None
+    return Compaction("opencode", lines, tuple(s for s in system if s),
+                      text[end + len(OPENCODE_CLOSE):].strip())
+
+
+def user_texts(messages: Sequence[Mapping]) -> list[str]:
+    """The texts of the user messages of ``messages`` (text parts joined by newlines), stripped."""
+    return [_text(m.get("content")).strip() for m in messages if m.get("role") == "user"]
+
+
+def matches(comp: Compaction, turn: Turn, body: Mapping) -> str | None:
+    """None when ``comp`` (of ``body``) is the compaction of ``turn``'s conversation (module
+    docstring: the guard), else why not."""
+    users = user_texts(turn.messages)
+    if not users:
+        return "no user message in the record"
+    if comp.user_lines[0] != users[0]:
+        return "first user line differs"
+    if comp.user_lines[-1] not in users:
+        return "last user line not in the record"
+    for k in PROMPT_FIELDS:
+        if k in body and turn.fields.get(k) != body[k]:
+            return "prompt fields differ"
+    return None
+
+
+def instruction(comp: Compaction) -> str:
+    """The one user turn served after the conversation: the client's system texts, then its
+    instructions after the history block, separated by blank lines."""
+    return "\n\n".join(p for p in (*comp.system, comp.after) if p)
+
+
+def continuation(turn: Turn, comp: Compaction) -> dict[str, Any]:
+    """The body fields of the continuation: the recorded request's prompt fields and its messages,
+    the relayed answer, one user turn with :func:`instruction`. ``ocache.align.decide(turn, <these
+    fields>, <their render>)`` finds where the conversation the slot holds ends in it."""
+    messages = [*turn.messages, {"role": "assistant", **turn.answer},
+                {"role": "user", "content": instruction(comp)}]
+    return {**dict(turn.fields), "messages": messages}
+
+
+def opencode_history(messages: Sequence[Mapping]) -> str:
+    """A chat conversation (``messages``: user, assistant with ``reasoning_content`` / ``content`` /
+    ``tool_calls``, tool results) flattened as opencode 1.18.33 flattens its session for a
+    compaction (module docstring; ``tests/data/opencode-compaction.json``): for the tests and
+    ``scripts/measure-compaction``. System messages are left out (opencode's are not session
+    messages); a tool's output is not truncated (opencode cuts very long ones)."""
+    results = {m.get("tool_call_id"): _text(m.get("content")) for m in messages if m.get("role") == "tool"}
+    called = {c.get("id") for m in messages for c in (m.get("tool_calls") or ())}
+    blocks: list[str] = []
+    for m in messages:
+        role = m.get("role")
+        if role == "tool" and m.get("tool_call_id") not in called and blocks:
+            # a result whose call is the assistant's text (a call the server did not parse)
+            blocks[-1] += f"\n[Tool result]: {_text(m.get('content'))}"
+        elif role == "user":
+            blocks.append(f"[User]: {_text(m.get('content'))}")
+        elif role == "assistant":
+            lines = []
+            if m.get("reasoning_content"):
+                lines.append(f"[Assistant reasoning]: {m['reasoning_content']}")
+            if _text(m.get("content")):
+                lines.append(f"[Assistant]: {_text(m.get('content'))}")
+            for c in m.get("tool_calls") or ():
+                fn = c.get("function") or {}
+                args = fn.get("arguments")
+                args = json.dumps(json.loads(args) if isinstance(args, str) else args, separators=(",", ":"),
+                                  ensure_ascii=False)
+                lines.append(f"[Assistant tool call]: {fn.get('name')}({args})")
+                if c.get("id") in results:
+                    lines.append(f"[Tool result]: {results[c['id']]}")
+            if lines:
+                blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def opencode_request(messages: Sequence[Mapping], system: str, after: str, **fields: Any) -> dict:
+    """opencode's compaction request of the conversation ``messages``: its compaction agent's
+    ``system`` text, one user message with the history block and ``after`` (the instructions),
+    ``fields`` beside them (``max_tokens``, ``stream``, ...)."""
+    text = (f"Here is the conversation so far:\n\n{OPENCODE_OPEN}{opencode_history(messages)}"
+            f"{OPENCODE_CLOSE}\n\n{after}")
+    return {**fields, "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}]}

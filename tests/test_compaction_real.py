@@ -1,0 +1,132 @@
+"""The continued route on the real Qwen3.5 template, tiny hybrid, the server's own generations
+(issue 26 item 3): an agent conversation (a tool turn, its result, the answer) through ocache, then
+opencode's compaction of it, in the shape the real client sends (``ocache.compaction.opencode_request``,
+checked against the capture in tests/test_compaction.py). The 20k-token measurement is
+``scripts/measure-compaction``."""
+
+from __future__ import annotations
+
+import pytest
+
+from ocache.compaction import opencode_request
+from test_compaction import AFTER, SYSTEM
+from test_real_templates import (ANSWER, CALL, TEMPLATES, TOOLS, _chat, _post, _prefilled,  # noqa: F401
+                                 serve_template)
+from ocache.toolchain import engine
+
+pytestmark = pytest.mark.server
+
+#: the summary's length (tokens): the tiny model does not stop on its own
+SUMMARY_TOKENS = 12
+
+
+def _conversation(url: str, server: str, keep: bool = False) -> tuple[list[dict], list[dict]]:
+    """A tool turn and the answer, each sent back as it came (the reasoning dropped, as opencode
+    does for a model not marked ``interleaved``; ``keep``: sent back). Returns the messages with
+    the answer and the response headers per request."""
+    msgs = [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Read a file, then say what it does."}]
+    heads = []
+    for grammar in (CALL, ANSWER):
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "max_tokens": 200,
+                "grammar": grammar}
+        res, headers = _chat(url, body)
+        heads.append(headers)
+        choice = res["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        msgs = msgs + [{"role": "assistant", "content": choice["message"]["content"]}]
+        if keep and choice["message"].get("reasoning_content"):
+            msgs[-1]["reasoning_content"] = choice["message"]["reasoning_content"]
+        if grammar is CALL:
+            msgs.append({"role": "tool", "tool_call_id": "c1",
+                         "content": engine.chat_template_file(TEMPLATES["hybrid"]).read_text()[:3000]})
+    return msgs, heads
+
+
+def _compaction(url: str, server: str, msgs: list[dict]) -> tuple[dict, dict, int, int]:
+    """opencode's compaction of ``msgs``: (the answer, its headers, the server's prefill, the tokens
+    of the request's own prompt as the server renders it)."""
+    body = opencode_request(msgs, SYSTEM, AFTER, model="qwen", max_tokens=SUMMARY_TOKENS, temperature=0)
+    prompt = _post(server, "/apply-template", {"messages": body["messages"]})["prompt"]
+    n_sent = len(_post(server, "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})["tokens"])
+    before = _prefilled(server)
+    res, headers = _chat(url, body)
+    return res, headers, _prefilled(server) - before, n_sent
+
+
+def test_a_compaction_is_served_as_the_conversations_continuation(serve_template, tmp_path, monkeypatch):
+    """Alone the compaction prefills its whole prompt (it shares no token with the conversation).
+    Through ocache it is continued (``X-OCache-Continued: K+N``, ``X-OCache-Path: continued``): the
+    server keeps the slot's K tokens and prefills only the instruction turn's N (its counter moves
+    by N); the answer equals a cold prefill of the prompt actually served (the slot's file). With
+    ``tiers.resident.continue_compaction: false`` it is forwarded as sent: the same prompt as alone.
+    Fails on the code before the route: the compaction prefilled its whole prompt."""
+    from ocache.bench.run import OCacheProcess
+    from test_patch import slot_file_tokens
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    msgs, _ = _conversation(srv.url, srv.url)
+    alone, _, alone_prefill, n_alone = _compaction(srv.url, srv.url, msgs)
+    assert alone["usage"]["prompt_tokens"] == n_alone
+    assert alone_prefill >= n_alone - 16, (alone_prefill, n_alone)   # all of it (a ubatch's rounding aside)
+    srv.stop()
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        got, _ = _conversation(prox.url, srv.url)     # its answer is aligned: the model saw its reasoning
+        res, headers, prefilled, n_sent = _compaction(prox.url, srv.url, got)
+        stats = (prox.stats() or {})["layer"]["continued"]
+    finally:
+        prox.stop()
+    assert headers.get("X-OCache-Path") == "continued", (headers, open(tmp_path / "ocache.log").read()[-3000:])
+    kept, new = map(int, headers["X-OCache-Continued"].split("+"))
+    t = res["timings"]
+    assert t["cache_n"] == kept and t["prompt_n"] == new == prefilled, (headers, t)
+    assert new < 600 < n_sent and kept > n_sent // 2, (kept, new, n_sent)
+    assert stats["requests"] == 1 and stats["saved_tokens"] == n_sent - new, stats
+
+    # the answer equals a cold prefill of the prompt served (saved from the slot it ran on)
+    slot = int(headers["X-OCache-Slot"])
+    n_prompt = res["usage"]["prompt_tokens"]
+    assert n_prompt == kept + new
+    _post(srv.url, f"/slots/{slot}?action=save", {"filename": "served.bin"})
+    held = slot_file_tokens(tmp_path / "slots" / "served.bin")
+    served, generated = held[:n_prompt], held[n_prompt:]
+    assert len(generated) == t["predicted_n"] - 1 >= SUMMARY_TOKENS - 1
+    cold = _post(srv.url, "/completion", {"prompt": served, "n_predict": len(generated), "id_slot": 1 - slot,
+                                          "cache_prompt": False, "return_tokens": True, "temperature": 0})
+    assert cold["timings"]["cache_n"] == 0 and cold["tokens"] == generated
+    srv.stop()
+
+    # switched off: forwarded as sent, the prompt the client's
+    monkeypatch.setenv("OCACHE_TIERS", "{resident: {continue_compaction: false}}")
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on", slot_save_path=None)
+    prox = OCacheProcess(srv.url, tmp_path / "cache-off", tmp_path / "ocache-off.log").start()
+    try:
+        got, _ = _conversation(prox.url, srv.url)
+        off, headers, off_prefill, n_off = _compaction(prox.url, srv.url, got)
+    finally:
+        prox.stop()
+    assert "X-OCache-Continued" not in headers and headers.get("X-OCache-Path") != "continued"
+    assert off["usage"]["prompt_tokens"] == n_off and off_prefill >= n_off - 16
+
+
+def test_on_ocaches_own_template_too(serve_template, tmp_path):
+    """On ocache's own template (past reasoning kept), a client that sends the reasoning back: the
+    compaction is continued the same way (the server keeps the slot's K tokens and prefills the
+    instruction turn)."""
+    from ocache.bench.run import OCacheProcess
+
+    srv = serve_template("hybrid", template="ocache", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        msgs, _ = _conversation(prox.url, srv.url, keep=True)
+        res, headers, prefilled, n_sent = _compaction(prox.url, srv.url, msgs)
+    finally:
+        prox.stop()
+    assert headers.get("X-OCache-Path") == "continued", (headers, (tmp_path / "ocache.log").read_text()[-3000:])
+    kept, new = map(int, headers["X-OCache-Continued"].split("+"))
+    assert res["timings"]["cache_n"] == kept and res["timings"]["prompt_n"] == new == prefilled < 600 < n_sent
