@@ -895,14 +895,17 @@ async def prompt_tokens(http: aiohttp.ClientSession, base_url: str, path: str, b
 
 
 def _token_viewer(base_url: str) -> Any:
-    """``ocache.tokens.TokenViewer`` on this server (its own HTTP session; the caller closes it)
-    if that module is present, else None (the endpoints are called directly)."""
+    """``ocache.tokens.TokenViewer`` on this server without delta renders (its own HTTP session;
+    the caller closes it) if that module is present, else None (the endpoints are called directly)."""
     try:
         from ocache.tokens import TokenViewer  # type: ignore[import-not-found]
     except ImportError:
         return None
     try:
-        return TokenViewer(base_url)
+        # full renders only: a delta render assumes an append-only template and is checked in the
+        # background, so the first request after a history rewrite (the templates people run,
+        # issue 26) would be measured on a wrong prompt (seen: 5,470 tokens for the server's 5,458)
+        return TokenViewer(base_url, delta=False)
     except Exception as exc:  # another module's constructor: fall back to the endpoints
         log.warning("TokenViewer unavailable (%s); tokenizing through the endpoints", exc)
         return None
