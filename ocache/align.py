@@ -132,7 +132,10 @@ class Turn:
     ``tool_calls``), ``finish_reason`` its finish reason; ``stop``: whether the request had stop
     strings; ``known``: the slot's first token ids as ocache knows them; ``n_prompt_eot``: the
     end-of-turn tokens in the request's own rendered prompt; ``n_held``: the tokens the slot holds
-    after the answer (prompt + generated - 1); ``slot``: its id."""
+    after the answer (prompt + generated - 1); ``slot``: its id; ``segments``: the slot's tokens
+    ocache knows, as (position, ids) pieces in order (the first prompt sent as is, then each
+    aligned request's new part; the generated ids between them are not known), for
+    :func:`upper_lcp` (empty: ``known`` at 0)."""
 
     messages: tuple[Mapping, ...]
     fields: Mapping[str, Any]
@@ -143,6 +146,22 @@ class Turn:
     n_prompt_eot: int
     n_held: int
     slot: int
+    segments: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+
+def upper_lcp(tokens: Sequence[int], segments: Sequence[tuple[int, Sequence[int]]], n_held: int) -> int:
+    """The most tokens ``tokens`` can share from the start with a slot that holds ``n_held`` tokens
+    of which ``segments`` ((position, ids), in order) are known: the first position where ``tokens``
+    differs from a known id (an unknown id, a generated one, may match). So the tokens a server
+    would prefill again for ``tokens`` sent as is to that slot are at least ``end - upper_lcp``."""
+    n = min(len(tokens), n_held)
+    for start, ids in segments:
+        if start >= n:
+            break
+        for i, t in enumerate(ids[:n - start]):
+            if tokens[start + i] != t:
+                return start + i
+    return n
 
 
 @dataclass(frozen=True)
@@ -167,9 +186,10 @@ class Splice:
 
 @dataclass(frozen=True)
 class Aligned:
-    """``splice`` to send; ``saved``: tokens of the request's own prompt from where it parts from
-    the slot's known tokens to its new part, which the request sent as is would prefill again at
-    least (a hybrid model resumes at a checkpoint before that point: more)."""
+    """``splice`` to send; ``saved``: tokens of the request's own prompt from the first point where
+    it differs from a token ocache knows the slot holds (:func:`upper_lcp`) to its new part, which
+    the request sent as is would prefill again at least (it may part earlier, inside a generated
+    turn whose ids are not known; a hybrid model resumes at a checkpoint before that point: more)."""
 
     splice: Splice
     saved: int
@@ -253,11 +273,7 @@ def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
     splice = Splice(n_keep=turn.n_held, checked=known, tail=tail)
     if n_ctx is not None and splice.n_prompt > n_ctx:
         return AsSent("splice exceeds the context")
-    lcp = 0
-    for a, b in zip(tokens, known):
-        if a != b:
-            break
-        lcp += 1
+    lcp = upper_lcp(tokens, turn.segments or ((0, known),), turn.n_held)
     return Aligned(splice, saved=max(0, end - lcp))
 
 
@@ -270,9 +286,15 @@ def record(body: Mapping, tokens: Sequence[int], eot_id: int, answer: Mapping, f
     msgs = body.get("messages") or []
     if isinstance(decision, Aligned) and previous is not None:
         known = previous.known
+        sp = decision.splice
+        kept = tuple((start, ids[:sp.n_keep - start]) for start, ids in (previous.segments or ((0, known),))
+                     if start < sp.n_keep)
+        segments = kept + ((sp.n_keep, sp.tail),)
     else:
         known = tuple(tokens)
+        segments = ((0, known),)
     return Turn(messages=tuple(msgs), fields=fields_of(body),
                 answer={k: answer[k] for k in ("content", "reasoning_content", "tool_calls") if k in answer},
                 finish_reason=finish_reason, stop=bool(body.get("stop")), known=known,
-                n_prompt_eot=sum(1 for t in tokens if t == eot_id), n_held=n_held, slot=slot)
+                n_prompt_eot=sum(1 for t in tokens if t == eot_id), n_held=n_held, slot=slot,
+                segments=segments)

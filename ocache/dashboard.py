@@ -35,6 +35,12 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
   ``kind``, ``slot``, ``tier``, ``prefilled``, ``reused``, ``restore_ms``, ``ttft_ms``, ``status``;
 * ``tiers``: ``head`` (saves, restores), ``disk`` (anchors, restores, hits, save/restore p50 s),
   ``session`` (spills, restores, hits, spill/restore p50 s, entries, bytes);
+* ``align`` (issue 26, ``layer.align``: ocache/cache/align_route.py): ``enabled``, ``aligned``
+  (requests served from the slot's own tokens after a history rewrite), ``saved`` (tokens those
+  requests sent as is would have prefilled again at least, ``aligned_saved_tokens``),
+  ``refused`` (splices the server refused: planned again as sent), ``requests``: the latest
+  aligned ones (``request_id``, ``time``, ``slot``, ``kept``: the slot's tokens served, ``new``:
+  tokens prefilled, ``saved``);
 * ``store``: ``entries``, ``bytes``, ``budget_bytes``, ``by_kind`` (``anchor``/``spill`` →
   entries, bytes, hits), ``next_eviction`` (the entry eviction would take first);
 * ``servers`` (several llama-servers behind one ocache, ocache/router.py; empty with one): per
@@ -167,9 +173,20 @@ def view(stats: dict, admin: bool = False) -> dict:
                   "budget_bytes": store.get("budget_bytes"), "by_kind": by_kind,
                   "by_folder": store.get("by_folder") or [],
                   "next_eviction": store.get("next_eviction")},
+        "align": _align(layer),
         "setup_warnings": list(layer.get("setup_warnings") or []),
         "servers": _servers(layer),
     }
+
+
+def _align(layer: dict) -> dict:
+    """The aligned route's figures (``layer.align``, see the module docstring)."""
+    a = layer.get("align") if isinstance(layer.get("align"), dict) else {}
+    return {"enabled": bool(a.get("enabled")), "aligned": _int(a.get("aligned")),
+            "saved": _int(a.get("aligned_saved_tokens")), "refused": _int(a.get("aligned_refused")),
+            "requests": [{"request_id": r.get("request_id"), "time": r.get("time"), "slot": r.get("slot"),
+                          "kept": _int(r.get("kept")), "new": _int(r.get("new")), "saved": _int(r.get("saved"))}
+                         for r in (a.get("last") or []) if isinstance(r, dict)]}
 
 
 def _servers(layer: dict) -> list[dict]:

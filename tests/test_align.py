@@ -172,3 +172,26 @@ def test_the_turn_end_marker_is_read_from_the_templates_render():
     assert turn_end_marker(f"<|start_header_id|>user<|end_header_id|>\n\n{PROBE}<|eot_id|>") == "<|eot_id|>"
     assert turn_end_marker(f"<|start|>user<|message|>{PROBE}<|end|>") == "<|end|>"
     assert turn_end_marker(f"user: {PROBE}\n") is None and turn_end_marker("nothing") is None
+
+
+def test_saved_counts_only_what_differs_from_a_token_known_in_the_slot():
+    """``Aligned.saved`` is a lower bound of what the request sent as is would prefill again: the
+    prompt is compared with every piece of the slot ocache knows (the first prompt sent as is, each
+    aligned request's new part), the generated ids between them counting as matches. Before, only
+    the first prompt was compared, so in a chain of aligned requests every later one claimed all
+    tokens from that first prompt's end as saved."""
+    from ocache.align import upper_lcp
+
+    segments = [(0, (1, 2)), (4, (5, 9))]                   # positions 2, 3: generated, not known
+    assert upper_lcp([1, 2, 7, 7, 5, 6, 1], segments, 10) == 5
+    assert upper_lcp([1, 3], segments, 10) == 1
+    assert upper_lcp([1, 2, 7, 7, 5, 9, 1, 1], segments, 7) == 7    # no more than the slot holds
+    b1 = body(follow_up())
+    d1 = decide(turn(), b1, new_prompt(), EOT)
+    assert isinstance(d1, Aligned)
+    r1 = record(b1, new_prompt(), EOT, {"content": "Sure."}, "stop", n_held=d1.splice.n_prompt + 3, slot=0,
+                decision=d1, previous=turn())
+    assert r1.segments == ((0, PREV_TOKENS), (N_HELD, d1.splice.tail))
+    # a next prompt that holds every known prompt token and parts inside the last new part
+    toks = list(PREV_TOKENS) + [6] * (N_GEN - 1) + [d1.splice.tail[0], 4, 4, 4]
+    assert upper_lcp(toks, r1.segments, r1.n_held) == N_HELD + 1

@@ -326,6 +326,10 @@ def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
         assert text("t-disk-bytes") == _human(layer["tier_disk"]["store"]["bytes"])
         assert num("t-disk-entries") == layer["tier_disk"]["store"]["entries"] > 0
         assert num("t-fail-open") == stats["fail_open"]
+        # aligned requests (issue 26): none on ocache's own append-only template; the table stays hidden
+        assert num("t-aligned") == layer["align"].get("aligned", 0) == 0
+        assert num("t-aligned-saved") == layer["align"].get("aligned_saved_tokens", 0)
+        assert not drv.find_element(By.ID, "aligned").is_displayed()
         assert text("up-state") == stats["upstream"]["state"] == "ready"
         assert num("up-epoch") == stats["upstream"]["epoch"]
         # each table read in one script: the page re-renders its rows every poll (replaceChildren), so

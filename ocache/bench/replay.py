@@ -15,15 +15,27 @@ Scenario file::
     max_tokens: 16               # generation cap per request (tokens); replaces the client's
     gap_s: 0.5                   # default pause before each step (seconds, x --time-scale)
     n_parallel: 1                # optional: -np for the tuned configurations (b, c)
+    template: real               # optional: serve the model with a template of the pinned
+                                 #   source (ocache.bench.agent.resolve_template: real, a file
+                                 #   name, {hybrid: ..., dense: ...}); default its own
+    reasoning: keep              # optional: a turn sends the answer's reasoning back as
+                                 #   reasoning_content (keep, the default) or drops it (drop)
     steps:
       - send: opencode_agent_turn1.json   # a fixture (relative to the fixtures folder) or a path
         session: main                     # remember body + answer under this name
         gap_s: 0                          # optional per-step pause
         edit: [...]                       # optional body edits, see below
+      - send: {messages: [...], tools: [...]}  # or the body itself, inline
+        session: loop
+        grammar: tool_call                # optional: sample under ocache.bench.agent.grammar
       - turn: main                        # session main's last body + the model's answer +
         user: "go on"                     #   a tool result for each tool call it made, else a
         tool_result: "ok"                 #   user message; repeated `repeat` times
         repeat: 4
+      - turn: loop                        # the answer (as generated) + a tool result even
+        then: tool                        #   when no call was parsed (a call under a grammar
+        tool_result: {file: docs/build.md, chars: 5200}   # stays text); the result's text
+        grammar: answer                   #   from a file of the pinned source
       - restart: true                     # stop + start the llama-server process(es)
       - parallel:                         # concurrent steps; each may have `delay_s`
           - {send: opencode_title.json}
@@ -33,6 +45,12 @@ Edits (``edit:`` on ``send`` and ``turn``), applied to message texts in order:
 ``{replace: REGEX, with: TEXT}`` (every match in every message string) and
 ``{insert: TEXT, message: I, at: F}`` (into message ``I``'s text at fraction ``F`` of its length,
 moved forward to the next line start, so a block lands in the middle of a prompt).
+
+The next request of a ``turn`` carries the answer the server generated for the session's last
+request (:class:`Answer`, as llama-server parsed it: content, ``reasoning_content``, tool calls), the
+way a client sends it back (``reasoning``). A ``grammar:`` name is resolved against the server
+(its template's call format and whether its generation prompt opens the think block) when the
+replay starts.
 
 Every replayed body is made deterministic: ``temperature: 0`` (greedy), ``seed: 0``, and the
 client's ``max_tokens``/``max_completion_tokens``/``n_predict`` replaced by the scenario's
@@ -100,6 +118,8 @@ class Step:
     session: str | None = None          # send: store as; turn: grow this one
     user: str = "Thanks. Now continue with the next step and keep it short."
     tool_result: str = "ok"
+    then: str | None = None             # turn: "tool" or "user" after the answer (None: by calls)
+    grammar: str | None = None          # a name of ocache.bench.agent.GRAMMARS
     edits: list = field(default_factory=list)
     gap_s: float | None = None
     delay_s: float = 0.0                # parallel children: offset from the group start
@@ -116,6 +136,8 @@ class Scenario:
     n_parallel: int | None = None
     steps: list[Step] = field(default_factory=list)
     source: str | None = None
+    template: Any = None                # ocache.bench.agent.resolve_template's spec
+    reasoning: str = "keep"             # keep | drop
 
     def n_requests(self) -> int:
         def count(s: Step) -> int:
@@ -175,11 +197,34 @@ def synthetic_body(seed: int, words: int) -> dict:
             "stream": True}
 
 
+def _check_grammar(name: Any, where: str) -> str | None:
+    from ocache.bench.agent import GRAMMARS
+
+    if name is not None and name not in GRAMMARS:
+        raise ScenarioError(f"{where}: grammar must be one of {', '.join(GRAMMARS)}")
+    return name
+
+
+def _tool_result(spec: Any, where: str) -> str:
+    """A turn's tool result: the text itself, or ``{file: PATH, chars: N, offset: N}`` of the
+    pinned source (``ocache.bench.agent.source_text``)."""
+    if not isinstance(spec, dict):
+        return str(spec)
+    from ocache.bench.agent import source_text
+
+    if set(spec) - {"file", "chars", "offset"} or "file" not in spec:
+        raise ScenarioError(f"{where}: tool_result needs {{file: PATH, chars: N, offset: N}}")
+    try:
+        return source_text(str(spec["file"]), int(spec.get("chars", 5200)), int(spec.get("offset", 0)))
+    except (OSError, ValueError) as exc:
+        raise ScenarioError(f"{where}: tool_result: {exc}") from None
+
+
 def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
     if not isinstance(raw, dict):
         raise ScenarioError(f"{where}: a step must be a mapping, got {raw!r}")
     known = {"send", "turn", "restart", "parallel", "synthetic", "session", "user", "tool_result",
-             "edit", "gap_s", "delay_s", "repeat", "label", "path", "headers"}
+             "edit", "gap_s", "delay_s", "repeat", "label", "path", "headers", "then", "grammar"}
     unknown = set(raw) - known
     if unknown:
         raise ScenarioError(f"{where}: unknown keys {sorted(unknown)}")
@@ -189,7 +234,7 @@ def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
                             "send/turn/restart/parallel/synthetic")
     kind = kinds[0]
     common = dict(gap_s=raw.get("gap_s"), delay_s=float(raw.get("delay_s", 0.0)),
-                  label=raw.get("label"))
+                  label=raw.get("label"), grammar=_check_grammar(raw.get("grammar"), where))
     if kind == "synthetic":
         spec = raw["synthetic"]
         if not isinstance(spec, dict) or set(spec) - {"words", "seed"} or "seed" not in spec:
@@ -200,6 +245,14 @@ def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
                     path="/v1/chat/completions", session=raw.get("session"),
                     edits=_check_edits(raw.get("edit"), where),
                     **{**common, "label": common["label"] or f"context {spec['seed']}"})
+    if kind == "send" and isinstance(raw["send"], dict):
+        body = copy.deepcopy(raw["send"])
+        if not isinstance(body.get("messages"), list):
+            raise ScenarioError(f"{where}: an inline body needs a `messages` list")
+        return Step("send", source="inline", body=body,
+                    headers={k.lower(): v for k, v in (raw.get("headers") or {}).items()},
+                    path=raw.get("path", "/v1/chat/completions"), session=raw.get("session"),
+                    edits=_check_edits(raw.get("edit"), where), **common)
     if kind == "send":
         src = raw["send"]
         p = Path(src).expanduser()
@@ -218,10 +271,13 @@ def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
                     path=raw.get("path", "/v1/chat/completions"), session=raw.get("session"),
                     edits=_check_edits(raw.get("edit"), where), **common)
     if kind == "turn":
+        then = raw.get("then")
+        if then not in (None, "tool", "user"):
+            raise ScenarioError(f"{where}: then must be tool or user")
         return Step("turn", session=str(raw["turn"]),
                     user=str(raw.get("user", Step.user)),
-                    tool_result=str(raw.get("tool_result", Step.tool_result)),
-                    edits=_check_edits(raw.get("edit"), where), **common)
+                    tool_result=_tool_result(raw.get("tool_result", Step.tool_result), where),
+                    then=then, edits=_check_edits(raw.get("edit"), where), **common)
     if kind == "restart":
         if raw["restart"] is not True:
             raise ScenarioError(f"{where}: restart must be `true`")
@@ -248,7 +304,8 @@ def load_scenario(path: str | Path, fixtures: str | Path) -> Scenario:
         raise ScenarioError(f"{path}: {exc}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("steps"), list):
         raise ScenarioError(f"{path}: a scenario is a mapping with a `steps` list")
-    unknown = set(raw) - {"name", "description", "max_tokens", "gap_s", "n_parallel", "steps"}
+    unknown = set(raw) - {"name", "description", "max_tokens", "gap_s", "n_parallel", "steps",
+                          "template", "reasoning"}
     if unknown:
         raise ScenarioError(f"{path}: unknown keys {sorted(unknown)}")
     steps: list[Step] = []
@@ -272,7 +329,10 @@ def load_scenario(path: str | Path, fixtures: str | Path) -> Scenario:
         check(st, f"step {i}")
     sc = Scenario(name=str(raw.get("name") or path.stem), description=str(raw.get("description", "")),
                   max_tokens=int(raw.get("max_tokens", 16)), gap_s=float(raw.get("gap_s", 0.5)),
-                  n_parallel=raw.get("n_parallel"), steps=steps, source=str(path))
+                  n_parallel=raw.get("n_parallel"), steps=steps, source=str(path),
+                  template=raw.get("template"), reasoning=str(raw.get("reasoning", "keep")))
+    if sc.reasoning not in ("keep", "drop"):
+        raise ScenarioError(f"{path}: reasoning must be keep or drop")
     if sc.max_tokens < 1:
         raise ScenarioError(f"{path}: max_tokens must be >= 1")
     return sc
@@ -368,10 +428,11 @@ class Answer:
         return (self.content, self.reasoning,
                 tuple((t.get("name") or "", t.get("arguments") or "") for t in self.tool_calls))
 
-    def message(self) -> dict:
-        """The assistant message a client sends back in its next request (opencode's shape)."""
+    def message(self, reasoning: bool = True) -> dict:
+        """The assistant message a client sends back in its next request (opencode's shape), with
+        its reasoning as ``reasoning_content`` or (``reasoning`` false: the client drops it) without."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning:
+        if self.reasoning and reasoning:
             msg["reasoning_content"] = self.reasoning
         if self.tool_calls:
             msg["tool_calls"] = [{"id": t["id"], "type": "function",
@@ -380,17 +441,23 @@ class Answer:
         return msg
 
 
-def next_turn(body: dict, answer: Answer, user: str, tool_result: str, turn_no: int) -> dict:
-    """The next request of a session: ``body``'s messages + the answer + one tool result per tool
-    call it made (``tool_result`` text) or, without tool calls, a user message (``user`` with the
-    turn number appended so every turn differs)."""
+def next_turn(body: dict, answer: Answer, user: str, tool_result: str, turn_no: int,
+              then: str | None = None, reasoning: bool = True) -> dict:
+    """The next request of a session: ``body``'s messages + the answer (with its reasoning or,
+    ``reasoning`` false, without) + one tool result per tool call it made (``tool_result`` text)
+    or, without tool calls, a user message (``user`` with the turn number appended so every turn
+    differs). ``then``: ``"tool"`` appends a tool result even when no call was parsed (a call
+    generated under a grammar stays the answer's text; its id is ``call_<turn_no>``), ``"user"``
+    a user message even after calls (their results first)."""
     out = copy.deepcopy(body)
     msgs = list(out.get("messages") or [])
-    msgs.append(answer.message())
+    msgs.append(answer.message(reasoning))
     if answer.tool_calls:
         for t in answer.tool_calls:
             msgs.append({"role": "tool", "tool_call_id": t["id"], "content": tool_result})
-    else:
+    elif then == "tool":
+        msgs.append({"role": "tool", "tool_call_id": f"call_{turn_no}", "content": tool_result})
+    if then == "user" or (then is None and not answer.tool_calls):
         msgs.append({"role": "user", "content": f"{user} (turn {turn_no})"})
     out["messages"] = msgs
     return out
@@ -686,6 +753,31 @@ class Target:
     meter: PrefillMeter | None = None
 
 
+def _uses_grammars(scenario: Scenario) -> bool:
+    def uses(s: Step) -> bool:
+        return bool(s.grammar) or any(uses(c) for c in s.children)
+    return any(uses(s) for s in scenario.steps)
+
+
+async def step_grammars(http: aiohttp.ClientSession, server_url: str) -> dict[str, str]:
+    """Every ``ocache.bench.agent.grammar`` by name for the template ``server_url`` serves: its
+    call format from ``/props`` ``chat_template``, and whether its generation prompt opens the think
+    block (the render of a one-message conversation ends with ``<think>\n``). Raises ReplayError
+    on an HTTP error."""
+    from ocache.bench.agent import GRAMMARS, call_format, grammar
+
+    async with http.get(server_url + "/props") as r:
+        if r.status != 200:
+            raise ReplayError(f"/props: HTTP {r.status}")
+        template = (await r.json()).get("chat_template") or ""
+    async with http.post(server_url + "/apply-template", json={
+            "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}) as r:
+        if r.status != 200:
+            raise ReplayError(f"/apply-template: HTTP {r.status}")
+        opens = (await r.json())["prompt"].endswith("<think>\n")
+    return {name: grammar(name, call_format(template), opens=opens) for name in GRAMMARS}
+
+
 async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
                  timeout_s: float = 1800.0) -> list[Sent]:
     """Send the scenario's requests to ``target.url``; return them in the order they were sent.
@@ -704,6 +796,7 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
 
         step_no = 0
         mark: int | None = None
+        grammars = await step_grammars(http, target.upstream_url) if _uses_grammars(scenario) else {}
 
         async def run_one(step: Step) -> None:
             nonlocal restarted
@@ -718,11 +811,14 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
                                       "whose last request failed or never ran")
                 turn_counts[step.session] = turn_counts.get(step.session, 1) + 1
                 body = next_turn(st["body"], st["answer"], step.user, step.tool_result,
-                                 turn_counts[step.session])
+                                 turn_counts[step.session], then=step.then,
+                                 reasoning=scenario.reasoning == "keep")
                 headers = dict(st["headers"])
                 label = step.label or f"{step.session} turn {turn_counts[step.session]}"
             if step.edits:
                 body = apply_edits(body, step.edits)
+            if step.grammar:
+                body["grammar"] = grammars[step.grammar]
             path = step.path if step.kind == "send" else sessions[step.session]["path"]
             rec = Sent(index=len(sent), label=label, session=step.session, path=path, body=body,
                        headers=headers, t_sent=time.monotonic() - t_start,
@@ -799,14 +895,17 @@ async def prompt_tokens(http: aiohttp.ClientSession, base_url: str, path: str, b
 
 
 def _token_viewer(base_url: str) -> Any:
-    """``ocache.tokens.TokenViewer`` on this server (its own HTTP session; the caller closes it)
-    if that module is present, else None (the endpoints are called directly)."""
+    """``ocache.tokens.TokenViewer`` on this server without delta renders (its own HTTP session;
+    the caller closes it) if that module is present, else None (the endpoints are called directly)."""
     try:
         from ocache.tokens import TokenViewer  # type: ignore[import-not-found]
     except ImportError:
         return None
     try:
-        return TokenViewer(base_url)
+        # full renders only: a delta render assumes an append-only template and is checked in the
+        # background, so the first request after a history rewrite (the templates people run,
+        # issue 26) would be measured on a wrong prompt (seen: 5,470 tokens for the server's 5,458)
+        return TokenViewer(base_url, delta=False)
     except Exception as exc:  # another module's constructor: fall back to the endpoints
         log.warning("TokenViewer unavailable (%s); tokenizing through the endpoints", exc)
         return None
@@ -939,28 +1038,67 @@ async def measure(sent: list[Sent], upstream_url: str, grid: int | None,
                     await res
 
 
+async def _cold_run(http: aiohttp.ClientSession, upstream_url: str, s: Sent, served: list[int] | None,
+                    cold_cache: dict, r: Response) -> Response:
+    """The cold reference of one replayed request: of its body (once per distinct body, shared
+    across configurations: a mismatch against a reference made on another server is confirmed
+    on this one) or, for an aligned request, of the prompt it was served (``served``: token ids,
+    ``ocache.bench.served``), keyed by those ids."""
+    if served is not None:
+        from ocache.bench.served import cold_completion_body
+
+        body = cold_completion_body(s.body, served)
+        key = body_key("/completion", body)
+        cold = cold_cache.get(key)
+        if cold is None:
+            cold = await post(http, upstream_url + "/completion", body)
+            if cold.tokens is None and cold.generation is not None:
+                cold.tokens = list(cold.generation.tokens)
+            cold_cache[key] = cold
+        return cold
+    key = body_key(s.path, s.body)
+    cold = cold_cache.get(key)
+    if cold is None:
+        cold = await post(http, *cold_request(upstream_url, s.path, s.body))
+        cold_cache[key] = cold
+    elif not r.error and not cold.error and not judge(cold, r)[0]:
+        # the shared reference came from another server (other flags): confirm a mismatch
+        # against a cold run on this one before reporting it
+        cold = await post(http, *cold_request(upstream_url, s.path, s.body))
+    return cold
+
+
+def _generated(s: Sent, cold: Response, exact: bool | None) -> list[int] | None:
+    """The ids a replayed request generated: its own from a non-streamed answer (all of them, as
+    many as ``predicted_n``); for a stream, whose per-token entries leave out what the reasoning
+    parser consumes (``</think>``), the cold run's when the request was exact; else None."""
+    r = s.response
+    g = r.generation
+    n = (r.timings or {}).get("predicted_n")
+    if not s.body.get("stream") and g is not None and g.complete and (n is None or len(g.tokens) == int(n)):
+        return list(g.tokens)
+    return list(cold.tokens) if exact and cold.tokens else None
+
+
 async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: str,
                    oracle: Oracle, rows: list[Row], cold_cache: dict, viewer: Any,
                    exact_oracle: Oracle | None = None) -> list[Row]:
+    from ocache.bench.served import ServedPrompts
+
+    slots = ServedPrompts()
     for s in sent:
         r = s.response
-        tokens = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
-        key = body_key(s.path, s.body)
-        cold = cold_cache.get(key)
-        here = cold is None
-        if here:
-            cold = await post(http, *cold_request(upstream_url, s.path, s.body))
-            cold_cache[key] = cold
-        if (not here and not r.error and not cold.error
-                and not judge(cold, r)[0]):
-            # the shared reference came from another server (other flags): confirm a mismatch
-            # against a cold run on this one before reporting it
-            cold = await post(http, *cold_request(upstream_url, s.path, s.body))
+        rendered = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
+        served, unknown = slots.served(r.headers, rendered)
+        tokens = rendered if served is None else served
+        cold = await _cold_run(http, upstream_url, s, served, cold_cache, r)
         verdict = oracle.min_prefill(tokens)
-        note = None
+        note = unknown
         usage_n = (r.usage or {}).get("prompt_tokens")
         if usage_n is not None and int(usage_n) != len(tokens):
-            note = f"tokenized {len(tokens)} != server prompt_tokens {usage_n}"
+            note = ((note + "; ") if note else "") + f"tokenized {len(tokens)} != server prompt_tokens {usage_n}"
+        if served is not None:
+            note = ((note + "; ") if note else "") + "judged on the prompt served (aligned)"
         exact = compared = None
         if not r.error and not cold.error:
             exact, why, compared = judge(cold, r)
@@ -976,9 +1114,13 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
                         error=r.error or (f"cold run: {cold.error}" if cold.error else None),
                         note=note,
                         oracle_exact=exact_oracle.min_prefill(tokens) if exact_oracle else verdict))
+        slots.record(r.headers, tokens, None if r.error else _generated(s, cold, exact))
         for o in (oracle, exact_oracle):
             if o is not None:
                 o.add(tokens)
                 if cold.tokens:
                     o.add(tokens + cold.tokens)
+                    # the state the server holds after a generation: every token but the last
+                    # (docs/llama-server.md §7), a whole source a next prompt may extend
+                    o.add(tokens + cold.tokens[:-1])
     return rows

@@ -268,7 +268,8 @@ class Bench:
 
     def __init__(self, preset: str, scenarios: list[Scenario], out: Path,
                  configs: tuple[str, ...] = CONFIGS, models: tuple[str, ...] | None = None,
-                 time_scale: float | None = None, threads: int | None = None) -> None:
+                 time_scale: float | None = None, threads: int | None = None,
+                 template: str | None = None) -> None:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         self.preset_name = preset
@@ -278,6 +279,9 @@ class Bench:
         self.configs = configs
         self.models = models or self.preset.models
         self.time_scale = self.preset.time_scale if time_scale is None else time_scale
+        #: ``--template``: the template every scenario is served with (ocache.bench.agent
+        #: resolve_template), in place of each scenario's own ``template:``
+        self.template = template
         if threads:
             import dataclasses
             self.preset = dataclasses.replace(self.preset, threads=threads)
@@ -297,21 +301,31 @@ class Bench:
         self.logs = self.out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
 
+    def template_of(self, scenario: Scenario, model: str) -> str | None:
+        """The template file ``model`` is served with on ``scenario`` (None: its own): ``--template``
+        or the scenario's ``template:`` (``ocache.bench.agent.resolve_template``)."""
+        from ocache.bench.agent import resolve_template
+
+        return resolve_template(self.template if self.template is not None else scenario.template, model)
+
     def _server(self, config: str, model: str, scenario: Scenario, work: Path) -> LlamaServer:
+        from ocache.bench.agent import template_args
+
         p = self.preset
         np_ = scenario.n_parallel or p.n_parallel
         logf = self.logs / f"{model}-{scenario.name}-{config}-llama.log"
         logf.unlink(missing_ok=True)
+        args = template_args(self.template_of(scenario, model), model)
         if config == "a":
             return StockDefaultsServer(binary=self.builds["stock"].binary,
                                        model=self.model_paths[model],
                                        ctx_size=p.ctx_per_slot * p.n_parallel, threads=p.threads,
-                                       log_path=logf)
+                                       log_path=logf, args=args)
         cms = min(p.checkpoint_min_step, p.ctx_per_slot // 2)
         kw: dict[str, Any] = dict(model=self.model_paths[model], n_parallel=np_,
                                   ctx_size=p.ctx_per_slot * np_, threads=p.threads,
                                   ctx_checkpoints=32, checkpoint_min_step=cms,
-                                  cache_ram=p.cache_ram_mib, log_path=logf)
+                                  cache_ram=p.cache_ram_mib, log_path=logf, args=args)
         if config == "b":
             return LlamaServer(binary=self.builds["stock"].binary, metrics=True, **kw)
         return LlamaServer(binary=self.builds["patched"].binary, metrics=True,
@@ -624,6 +638,15 @@ class Bench:
                "patched build with (b)'s flags; for (a), whose flags differ, a mismatch is "
                "confirmed on its own server before it is reported).\n"),
         ]
+        served = sorted({(sc.name, m, self.template_of(sc, m)) for sc in self.scenarios
+                         for m in self.models if self.template_of(sc, m)})
+        if served:
+            parts.append("Chat templates (the pinned source's `models/templates/`, `--chat-template-file`, "
+                         "for (a), (b) and (c) alike; the other scenarios run on the models' own): "
+                         + "; ".join(f"{n} on {m}: `{t}`" for n, m, t in served) + ". An aligned request "
+                         "of (c) (`X-OCache-Aligned`) is judged on the prompt it was served (the slot's "
+                         "tokens, then the rendering's new part): its oracle and its cold reference "
+                         "(`/completion` of those token ids) are that prompt's.\n")
         if self.notes:
             parts.append("Notes:\n" + "\n".join(f"- {n}" for n in self.notes) + "\n")
         parts.append("## Summary\n\n" + self.summary_table() + "\n")
@@ -736,7 +759,7 @@ def _cmd(args: argparse.Namespace) -> int:
     models = tuple(m.strip() for m in args.models.split(",")) if args.models else None
     out = Path(args.out)
     bench = Bench(args.preset, scenarios, out, configs=configs, models=models,
-                  time_scale=args.time_scale, threads=args.threads)
+                  time_scale=args.time_scale, threads=args.threads, template=args.template)
     bench.notes.extend(day_notes)
     t0 = time.monotonic()
     asyncio.run(bench.run())
@@ -785,5 +808,10 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="llama-server -t/-tb (default: the preset's, 1; use 2 only on an idle "
                    "machine with more cores than servers)")
+    p.add_argument("--template", metavar="NAME", default=None,
+                   help="serve every scenario's model with this chat template of the pinned source's "
+                   "models/templates/ (a file name; 'real': Qwen3.5-4B.jinja on hybrid, "
+                   "Qwen-Qwen3-0.6B.jinja on dense; 'ocache': the models' own), for (a), (b) and (c) "
+                   "alike; default: each scenario's `template:`, else the models' own")
     p.add_argument("--out", default="out", metavar="DIR", help="output folder (default ./out)")
     p.set_defaults(func=_cmd)

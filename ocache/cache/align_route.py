@@ -39,7 +39,8 @@ proxy for a non-streamed chat answer, and for a streamed one from its deltas whe
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -57,6 +58,9 @@ SPLICE_HEADER = "X-OCache-Splice"
 
 #: most seconds a plan waits for the previous answer of its conversation to be observed (``_settle``)
 SETTLE_WAIT_S = 2.0
+
+#: aligned requests kept for ``stats()["last"]`` (the dashboard's table)
+LAST_KEPT = 20
 
 
 @dataclass
@@ -83,12 +87,15 @@ class AlignRoute:
     (requests served with a splice), ``aligned_saved_tokens`` (``Aligned.saved`` summed: what those
     requests sent as is would have prefilled again at least), ``aligned_refused`` (a 412 of the
     server: the request was planned again), and ``as_sent_<reason>`` for a record that matched the
-    history but not the guard."""
+    history but not the guard. ``last``: the latest aligned requests (at most ``LAST_KEPT``, oldest
+    first), each ``request_id``, ``time`` (epoch seconds), ``slot``, ``kept`` (the slot's tokens
+    served), ``new`` (tokens prefilled: the request's new part), ``saved`` (its ``Aligned.saved``)."""
 
     def __init__(self, on: bool = True) -> None:
         self.on = on
         self.records: dict[int, tuple[int, Turn]] = {}   # slot -> (table seq when recorded, turn)
         self.counters: Counter[str] = Counter()
+        self.last: deque[dict] = deque(maxlen=LAST_KEPT)
         self.eot_id: int | None = None
         self._probed = False
 
@@ -98,7 +105,7 @@ class AlignRoute:
         self.eot_id = None
 
     def stats(self) -> dict:
-        return {"enabled": self.on, "records": len(self.records), **self.counters}
+        return {"enabled": self.on, "records": len(self.records), **self.counters, "last": list(self.last)}
 
     async def _eot(self, layer: Any) -> int | None:
         """The template's end-of-turn token (``ocache.align.turn_end_marker`` of the server's render
@@ -190,6 +197,8 @@ class AlignRoute:
         sp = dec.splice
         self.counters["aligned"] += 1
         self.counters["aligned_saved_tokens"] += dec.saved
+        self.last.append({"request_id": req.request_id, "time": time.time(), "slot": slot,
+                          "kept": sp.n_keep, "new": len(sp.tail), "saved": dec.saved})
         log.info("[%s] aligned on slot %d: the slot's %d tokens + %d new of the request's %d",
                  req.request_id, slot, sp.n_keep, len(sp.tail), len(view.tokens))
         # what the slot holds is now the aligned route's to name: the table knows only its count

@@ -92,6 +92,15 @@
     set("t-inflight", int(t.inflight)); set("t-disk-bytes", bytes(t.disk_bytes));
     set("t-disk-entries", int(v.store.entries));
     set("t-fail-open", int(t.fail_open)); set("t-mispredictions", int(t.mispredictions));
+    const al = v.align || {enabled: false, aligned: 0, saved: 0, refused: 0, requests: []};
+    set("t-aligned", al.enabled ? int(al.aligned) : "off"); set("t-aligned-saved", int(al.saved));
+    set("align-refused", int(al.refused));
+    $("aligned").hidden = !al.requests.length;
+    fill($("align-table").tBodies[0], al.requests.slice().reverse().map((r) => row([
+      r.request_id, r.time ? new Date(r.time * 1000).toLocaleTimeString() : "–",
+      [r.slot === null ? "–" : String(r.slot), "n"], [int(r.kept), "n kept"],
+      [int(r.new), "n new"], [int(r.saved), "n saved"],
+    ], {rid: r.request_id})));
 
     $("warnings").hidden = !v.setup_warnings.length;
     fill($("warning-list"), v.setup_warnings.map((w) => {

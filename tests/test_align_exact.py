@@ -1,0 +1,111 @@
+"""Exactness of alignment (issue 26, item 5), on the real Qwen3.5 template, tiny hybrid, the
+server's own generations (the loop of ``tests/test_real_templates.py``: a tool turn under a
+grammar, its result, the answer, a new user message; the client drops the reasoning).
+
+* ``tiers.resident.align: false``: every prompt the server receives is byte for byte the
+  template's rendering: the slot's tokens after each answer (its file, ``/slots/N?action=save``)
+  begin with the tokens of ``/apply-template`` + ``/tokenize`` of the request as sent.
+* on: every aligned request's greedy output equals a cold prefill of the prompt actually served
+  (the slot's file: that prompt, then the tokens generated but the last), the same grammar and
+  limit; and that prompt is the slot's previous content followed by the rendering's new part.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+from ocache.bench.run import OCacheProcess
+from test_patch import slot_file_tokens
+from test_real_templates import ANSWER, CALL, TOOLS, _chat, _post, serve_template  # noqa: F401
+from ocache.toolchain import engine
+
+USER = "Thanks. Which file would you change first?"
+
+
+def _tokens(url: str, body: dict) -> list[int]:
+    """The request's prompt as the server renders and tokenizes it (what a cold server prefills)."""
+    prompt = _post(url, "/apply-template", {k: body[k] for k in ("messages", "tools") if k in body})["prompt"]
+    return _post(url, "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})["tokens"]
+
+
+def _saved(srv, tmp_path, slot: int, name: str) -> list[int]:
+    _post(srv.url, f"/slots/{slot}?action=save", {"filename": name})
+    return slot_file_tokens(tmp_path / "slots" / name)
+
+
+def _play(url: str, srv, tmp_path, grammar_last: str | None):
+    """The loop through ``url``; after each answer the slot it ran on is saved. Yields per request
+    (body, response, headers, the slot's tokens)."""
+    msgs = [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Read a file, then say what it does."}]
+    for i, grammar in enumerate((CALL, ANSWER, grammar_last)):
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0,
+                "max_tokens": 200 if grammar else 12}
+        if grammar:
+            body["grammar"] = grammar
+        res, headers = _chat(url, body)
+        slot = int(headers["X-OCache-Slot"])
+        yield body, res, headers, _saved(srv, tmp_path, slot, f"turn{i}.bin")
+        content = res["choices"][0]["message"]["content"]
+        if i == 0:
+            msgs = msgs + [{"role": "assistant", "content": content},
+                           {"role": "tool", "tool_call_id": "c1",
+                            "content": engine.chat_template_file("Qwen3.5-4B.jinja").read_text()[:1500]}]
+        else:
+            msgs = msgs + [{"role": "assistant", "content": content}, {"role": "user", "content": USER}]
+
+
+def test_with_alignment_off_every_prompt_is_the_templates_byte_for_byte(serve_template, tmp_path, monkeypatch):
+    monkeypatch.setenv("OCACHE_TIERS", "{resident: {align: false}}")
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    # ocache is not told the slot folder: no disk or session tier, the slots are the test's to save
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log").start()
+    try:
+        turns = list(_play(prox.url, srv, tmp_path, None))
+        stats = (prox.stats() or {})["layer"]["align"]
+    finally:
+        prox.stop()
+    assert stats["enabled"] is False and not stats.get("aligned")
+    for body, res, headers, held in turns:
+        assert "X-OCache-Aligned" not in headers
+        rendered = _tokens(srv.url, body)
+        n_prompt = res["usage"]["prompt_tokens"]
+        assert n_prompt == len(rendered)
+        assert held[:n_prompt] == rendered
+        assert len(held) == n_prompt + res["timings"]["predicted_n"] - 1
+
+
+def test_every_aligned_answer_equals_a_cold_prefill_of_the_prompt_served(serve_template, tmp_path):
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = list(_play(prox.url, srv, tmp_path, ANSWER))
+        view = json.loads(urllib.request.urlopen(prox.url + "/ocache/api/view", timeout=30).read())
+    finally:
+        prox.stop()
+    aligned = 0
+    for (body, res, headers, held), (_, _, _, before) in zip(turns[1:], turns):
+        kept, new = map(int, headers["X-OCache-Aligned"].split("+"))
+        aligned += 1
+        n_prompt = res["usage"]["prompt_tokens"]
+        served, generated = held[:n_prompt], held[n_prompt:]
+        # the prompt served: the slot's previous tokens, then the rendering's new part
+        rendered = _tokens(srv.url, body)
+        assert n_prompt == kept + new and served == before[:kept] + rendered[-new:]
+        assert served != rendered   # the template rewrote the history: this is not its prompt
+        assert len(generated) == res["timings"]["predicted_n"] - 1 >= 8
+        slot = int(headers["X-OCache-Slot"])
+        cold = _post(srv.url, "/completion", {"prompt": served, "n_predict": body["max_tokens"],
+                                              "grammar": body["grammar"], "id_slot": 1 - slot,
+                                              "cache_prompt": False, "return_tokens": True,
+                                              "temperature": 0})
+        assert cold["timings"]["cache_n"] == 0
+        assert cold["tokens"][:-1] == generated and len(cold["tokens"]) == len(generated) + 1
+    assert aligned == 2
+    # the dashboard's figures: both aligned requests, the tokens each kept and prefilled
+    al = view["align"]
+    assert al["aligned"] == 2 and [(r["kept"], r["new"]) for r in al["requests"]] == [
+        tuple(map(int, h["X-OCache-Aligned"].split("+"))) for _, _, h, _ in turns[1:]]
+    assert al["saved"] == sum(r["saved"] for r in al["requests"]) > 0
