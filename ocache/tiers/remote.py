@@ -334,6 +334,22 @@ class RemoteTier(TierBase):
         for slot in list(self._pending):
             self.forget_slot(slot)
 
+    async def on_drain(self, table: Any) -> dict | None:
+        """A planned stop: upload what the tiers before this one spilled and committed (the layer
+        drains the tiers in order; this one is registered after the disk and session tiers)."""
+        n = 0
+        try:
+            n = await self.sync(refresh=True)
+        except Exception as exc:  # noqa: BLE001 - a drain goes on
+            log.warning("remote: upload on drain failed: %s", exc)
+        return {"uploaded": n}
+
+    async def close(self) -> None:
+        """Stop the background sync and close the client."""
+        await self.stop()
+        with contextlib.suppress(Exception):
+            await self.bucket.objects.__aexit__(None, None, None)
+
     async def flush(self) -> None:
         """One sync round now (tests and drains: what was committed locally is in the bucket after)."""
         try:
@@ -363,6 +379,10 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
     bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
                           orphan_age_s=settings.orphan_age_s)
     tier = RemoteTier(bucket, table, sync_s=settings.sync_s, refresh_s=settings.refresh_s)
+    try:
+        await bucket.refresh()   # the first requests already see what the other hosts uploaded
+    except Exception as exc:  # noqa: BLE001 - the bucket may be down now: the sync retries
+        log.warning("remote tier: first read of %s failed: %s", settings.url, exc)
     tier.start()
     log.info("remote tier: %s (endpoint %s, budget %.3g GB)", settings.url, settings.endpoint_url or "AWS",
              settings.max_gb)
