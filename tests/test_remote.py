@@ -201,3 +201,43 @@ async def test_lookup_offers_a_bucket_entry_the_local_store_lacks(tmp_path, s3_b
         await bb.fetch(e.key)
         assert await tb.lookup(view, SimpleNamespace(kind="agent", session=None)) is None  # local now
         assert entry_key("id-A", "a", TOKS) == e.key
+
+
+@pytest.mark.parametrize("secret_ok", [True, False])
+def test_doctor_checks_the_bucket(tmp_path, s3_bucket, secret_ok, monkeypatch):
+    """``ocache doctor`` reads ``store.remote`` from the config and asks the bucket: an ok line with
+    the credentials of the environment, an error line and exit status 1 with a wrong secret."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    if not secret_ok:
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    cfg = tmp_path / "ocache.yaml"
+    cfg.write_text(yaml.safe_dump({"store": {"remote": s3_bucket}}))
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    out = subprocess.run([sys.executable, "-m", "ocache", "doctor", "--offline", "--config", str(cfg), "--",
+                          "-m", "x.gguf", "--slot-save-path", str(slots)],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    line = next((ln for ln in out.stdout.splitlines() if "store.remote" in ln), "")
+    if secret_ok:
+        assert "[ok] store.remote" in line and "(0 entries)" in line, out.stdout + out.stderr
+    else:
+        assert "[error] store.remote" in line and out.returncode == 1, out.stdout + out.stderr
+
+
+def test_store_config_is_checked():
+    from ocache import config as cfg_mod
+
+    cfg_mod.check_store({"remote": {"url": "s3://bkt/p", "max_gb": 1, "endpoint_url": "http://x:1"}})
+    for bad, match in (({"remote": {"url": "http://bkt"}}, "url"), ({"other": {}}, "unknown key"),
+                       ({"remote": {"url": "s3://bkt", "max_gb": "lots"}}, "max_gb"),
+                       ({"remote": {"url": "s3://bkt", "max_gb": True}}, "max_gb")):
+        with pytest.raises(cfg_mod.ConfigError, match=match):
+            cfg_mod.check_store(bad)
+    assert RemoteSettings.of(cfg_mod.Config()) is None
+    s = RemoteSettings.of(cfg_mod.Config(store={"remote": {"url": "s3://bkt/p", "max_gb": 3}}))
+    assert s is not None and s.max_gb == 3 and s.sync_s == 1.0

@@ -366,6 +366,23 @@ class RemoteTier(TierBase):
                 "download_s_max": xs[-1] if xs else None}
 
 
+async def check_remote(config: Any) -> tuple[bool, str] | None:
+    """``ocache doctor``'s check of ``store.remote``: the bucket answers with these credentials and
+    its records can be listed. Returns ``(ok, one line)``, None when no remote is configured."""
+    settings = RemoteSettings.of(config)
+    if settings is None:
+        return None
+    try:
+        async with settings.objects() as objects:
+            await objects.check()
+            n = len(await objects.list("records/"))
+    except ImportError:
+        return False, "store.remote: aiobotocore is not installed (pip install 'ocache[s3]')"
+    except Exception as exc:  # noqa: BLE001 - the line says what failed
+        return False, f"store.remote: {settings.url} at {settings.endpoint_url or 'AWS'}: {type(exc).__name__}: {exc}"
+    return True, f"store.remote: {settings.url} at {settings.endpoint_url or 'AWS'} answers ({n} entries)"
+
+
 async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier | None:
     """The remote tier of ``config.store.remote`` over ``store`` (the local store of the disk and
     session tiers), its client open and its background sync started; None when not configured.

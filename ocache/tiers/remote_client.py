@@ -21,6 +21,11 @@ from typing import Any, AsyncIterator, Callable
 from urllib.parse import urlparse
 
 
+#: seconds to connect to the bucket / to wait for its next byte (botocore's defaults are 60 / 60)
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0
+
+
 class RemoteConfigError(ValueError):
     """``store.remote`` is malformed (the message names the key)."""
 
@@ -79,12 +84,18 @@ class S3Objects:
         self._client: Any = None
 
     async def __aenter__(self) -> "S3Objects":
+        from aiobotocore.config import AioConfig
         from aiobotocore.session import AioSession
 
         self._stack = contextlib.AsyncExitStack()
         session = AioSession(profile=self.profile)
+        # bounded waits: a bucket that does not answer fails a sync round (retried by the next one)
+        # or a download (the request goes on without it), never hangs one
+        cfg = AioConfig(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                        retries={"max_attempts": 3, "mode": "standard"})
         self._client = await self._stack.enter_async_context(
-            session.create_client("s3", endpoint_url=self.endpoint_url, region_name=self.region or "us-east-1"))
+            session.create_client("s3", endpoint_url=self.endpoint_url, region_name=self.region or "us-east-1",
+                                  config=cfg))
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
