@@ -36,13 +36,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
 
 import xxhash
 
 from ocache.tiers.entry import Entry, entry_key, token_bytes, tokens_from_bytes
 from ocache.tiers.evict import EvictionPolicy, ValuePolicy
 from ocache.tiers.remote_client import ObjectInfo, S3Objects
+from ocache.tiers.slotfile import CHUNK
 from ocache.tiers.store import BudgetError, Store, reserve_async
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,27 @@ def parse_record(name_key: str, raw: bytes) -> RemoteEntry:
         raise ValueError("record objects do not match its files")
     e.tokens = None
     return RemoteEntry(e, token_bytes(toks), objects, str(doc.get("host") or ""))
+
+
+def open_checked(path: Path, size: int, xxh3: str) -> BinaryIO:
+    """``path`` opened for reading, its bytes checked against ``size`` and ``xxh3`` through the
+    same handle and the handle rewound: what is uploaded from it is what was checked (a local file
+    replaced meanwhile is a new inode; this handle keeps reading the old one). Raises ValueError
+    (it differs from its record), OSError."""
+    fh = open(path, "rb")
+    try:
+        h = xxhash.xxh3_64()
+        n = 0
+        while chunk := fh.read(CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+        if n != size or h.hexdigest() != xxh3:
+            raise ValueError(f"{path.name} differs from its record")
+        fh.seek(0)
+        return fh
+    except BaseException:
+        fh.close()
+        raise
 
 
 class RemoteBucket:
@@ -188,16 +211,22 @@ class RemoteBucket:
         if e.bytes > self.budget_bytes:
             self.counters["skipped_budget"] += 1
             return False
+        files: dict[str, BinaryIO] = {}
         try:
-            toks = await asyncio.to_thread(self.store.tokens, e.key)
-            blobs = await asyncio.to_thread(self._read_checked, e)
-        except (OSError, KeyError, ValueError) as exc:   # evicted or changed meanwhile
-            log.info("remote: %s not uploaded: %s", e.key[:16], exc)
-            return False
-        await self.make_room(e.bytes)
-        objects = {role: f"{DATA}{e.key}-{role}-{f.xxh3}" for role, f in e.files.items()}
-        for role, name in objects.items():
-            await self.objects.put(name, blobs[role])
+            try:
+                toks = await asyncio.to_thread(self.store.tokens, e.key)
+                for role, f in e.files.items():
+                    files[role] = await asyncio.to_thread(open_checked, self.store.path(f.name), f.size, f.xxh3)
+            except (OSError, KeyError, ValueError) as exc:   # evicted or changed meanwhile
+                log.info("remote: %s not uploaded: %s", e.key[:16], exc)
+                return False
+            await self.make_room(e.bytes)
+            objects = {role: f"{DATA}{e.key}-{role}-{f.xxh3}" for role, f in e.files.items()}
+            for role, name in objects.items():
+                await self.objects.put(name, files[role])
+        finally:
+            for fh in files.values():
+                fh.close()
         rec = {"version": LAYOUT_VERSION, "record": e.record(toks), "objects": objects,
                "host": self.host, "uploaded": self.clock()}
         if not await self.objects.put(f"{RECORDS}{e.key}.json", json.dumps(rec).encode(), create_only=True):
@@ -214,15 +243,6 @@ class RemoteBucket:
         self.counters["upload_bytes"] += e.bytes
         log.info("remote: uploaded %s (%s, %d tokens, %d bytes)", e.key[:16], e.kind, e.n_tokens, e.bytes)
         return True
-
-    def _read_checked(self, e: Entry) -> dict[str, bytes]:
-        out = {}
-        for role, f in e.files.items():
-            data = self.store.path(f.name).read_bytes()
-            if len(data) != f.size or xxhash.xxh3_64_hexdigest(data) != f.xxh3:
-                raise ValueError(f"{f.name} differs from its record")
-            out[role] = data
-        return out
 
     # ------------------------------------------------------------------ eviction
     async def make_room(self, nbytes: int) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, BinaryIO, Callable
 from urllib.parse import urlparse
 
 
@@ -116,9 +116,11 @@ class S3Objects:
         """Head the bucket (``ocache doctor``): raises ClientError (403, 404) or a connection error."""
         await self.client.head_bucket(Bucket=self.location.bucket)
 
-    async def put(self, key: str, body: bytes, *, create_only: bool = False) -> bool:
-        """Store ``body`` under ``key``. ``create_only``: ``If-None-Match: *``; False when the key
-        exists already (412, or 409 for a conditional put racing another), True when stored."""
+    async def put(self, key: str, body: bytes | BinaryIO, *, create_only: bool = False) -> bool:
+        """Store ``body`` (bytes, or a binary file read from its position: one PUT, so at most the
+        server's single-object limit, 5 GB on AWS) under ``key``. ``create_only``: ``If-None-Match:
+        *``; False when the key exists already (412, or 409 for a conditional put racing another),
+        True when stored."""
         kw: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
         try:
             await self.client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=body, **kw)
