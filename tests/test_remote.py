@@ -241,3 +241,25 @@ def test_store_config_is_checked():
     assert RemoteSettings.of(cfg_mod.Config()) is None
     s = RemoteSettings.of(cfg_mod.Config(store={"remote": {"url": "s3://bkt/p", "max_gb": 3}}))
     assert s is not None and s.max_gb == 3 and s.sync_s == 1.0
+
+
+async def test_the_layers_of_one_store_share_one_bucket_and_one_sync(tmp_path, s3_bucket):
+    """Several servers of one host (``upstreams:``) have one layer each over one local store: their
+    remote tiers share one bucket (client, index, uploads); only the first runs the sync."""
+    from ocache.config import Config
+    from ocache.tiers.remote import open_remote_tier
+
+    store = Store(tmp_path / "meta", tmp_path / "slots", "id-A")
+    store.open()
+    cfg = Config(store={"remote": {**s3_bucket, "sync_s": 0.1}})
+    t1 = await open_remote_tier(cfg, store, SimpleNamespace(params=ServerParams()))
+    t2 = await open_remote_tier(cfg, store, SimpleNamespace(params=ServerParams()))
+    try:
+        assert t1 is not None and t2 is not None and t1.bucket is t2.bucket
+        assert t1._task is not None and t2._task is None
+        e = put(store, TOKS, state_bytes=10_000, kind="h")
+        await t2.flush()
+        assert e.key in t1.bucket.index and t1.bucket.counters["uploads"] == 1
+    finally:
+        await t2.close()
+        await t1.close()

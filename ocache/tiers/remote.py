@@ -119,10 +119,10 @@ class RemoteTier(TierBase):
         self.restore_rate = shared if shared is not None else Rate(5e8)
         self._pending: dict[int, tuple[str, int]] = {}
         self._task: asyncio.Task | None = None
-        self._sync_lock = asyncio.Lock()
         self._refresh_task: asyncio.Task | None = None
         self._last_miss_refresh = 0.0
         self._skip: set[str] = set()          # keys this host could not upload (logged once)
+        self.owns: tuple[str, str, int] | None = None   # the _BUCKETS key when this tier opened it
         self.download_s: list[float] = []
         self.counters: dict[str, int] = {"lookups": 0, "offers": 0, "restores": 0, "hits": 0,
                                          "unconfirmed": 0, "bring_failed": 0, "sync_failed": 0}
@@ -158,7 +158,7 @@ class RemoteTier(TierBase):
         """One round: re-read the index (``refresh``), upload every local entry the bucket lacks,
         evict down to the budget, sweep orphan data objects. Returns the entries uploaded. Raises
         what the bucket raises."""
-        async with self._sync_lock:
+        async with self.bucket.lock:
             if refresh:
                 await self.bucket.refresh()
                 await self.bucket.sweep()
@@ -181,7 +181,7 @@ class RemoteTier(TierBase):
 
         async def run() -> None:
             try:
-                async with self._sync_lock:
+                async with self.bucket.lock:
                     await self.bucket.refresh()
             except Exception as exc:  # noqa: BLE001
                 log.info("remote: refresh after a miss failed: %s", exc)
@@ -345,10 +345,12 @@ class RemoteTier(TierBase):
         return {"uploaded": n}
 
     async def close(self) -> None:
-        """Stop the background sync and close the client."""
+        """Stop the background sync; the tier that opened the bucket also closes its client."""
         await self.stop()
-        with contextlib.suppress(Exception):
-            await self.bucket.objects.__aexit__(None, None, None)
+        if self.owns is not None and _BUCKETS.get(self.owns) is self.bucket:
+            del _BUCKETS[self.owns]
+            with contextlib.suppress(Exception):
+                await self.bucket.objects.__aexit__(None, None, None)
 
     async def flush(self) -> None:
         """One sync round now (tests and drains: what was committed locally is in the bucket after)."""
@@ -385,22 +387,35 @@ async def check_remote(config: Any) -> tuple[bool, str] | None:
 
 async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier | None:
     """The remote tier of ``config.store.remote`` over ``store`` (the local store of the disk and
-    session tiers), its client open and its background sync started; None when not configured.
+    session tiers) for the slot table ``table``; None when not configured. The layers of several
+    servers of one host share one store, so they share its :class:`RemoteBucket` too (one client,
+    one index, one background sync: the first tier's); each gets its own tier for its own slots.
     Raises RemoteConfigError (bad settings), ImportError (aiobotocore missing: ``pip install
     'ocache[s3]'``)."""
     settings = RemoteSettings.of(config)
     if settings is None:
         return None
-    objects = settings.objects()
-    await objects.__aenter__()
-    bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
-                          orphan_age_s=settings.orphan_age_s)
+    shared_key = (str(store.meta_dir), settings.url, id(asyncio.get_running_loop()))
+    bucket = _BUCKETS.get(shared_key)
+    owner = bucket is None
+    if bucket is None:
+        objects = settings.objects()
+        await objects.__aenter__()
+        bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
+                              orphan_age_s=settings.orphan_age_s)
+        _BUCKETS[shared_key] = bucket
+        try:
+            await bucket.refresh()   # the first requests already see what the other hosts uploaded
+        except Exception as exc:  # noqa: BLE001 - the bucket may be down now: the sync retries
+            log.warning("remote tier: first read of %s failed: %s", settings.url, exc)
     tier = RemoteTier(bucket, table, sync_s=settings.sync_s, refresh_s=settings.refresh_s)
-    try:
-        await bucket.refresh()   # the first requests already see what the other hosts uploaded
-    except Exception as exc:  # noqa: BLE001 - the bucket may be down now: the sync retries
-        log.warning("remote tier: first read of %s failed: %s", settings.url, exc)
-    tier.start()
-    log.info("remote tier: %s (endpoint %s, budget %.3g GB)", settings.url, settings.endpoint_url or "AWS",
-             settings.max_gb)
+    if owner:
+        tier.owns = shared_key
+        tier.start()
+        log.info("remote tier: %s (endpoint %s, budget %.3g GB)", settings.url, settings.endpoint_url or "AWS",
+                 settings.max_gb)
     return tier
+
+
+#: (store meta_dir, bucket URL, event loop id) -> the bucket its tiers share (open_remote_tier)
+_BUCKETS: dict[tuple[str, str, int], RemoteBucket] = {}

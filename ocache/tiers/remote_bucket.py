@@ -143,6 +143,7 @@ class RemoteBucket:
         self.clock = clock
         self.policy: EvictionPolicy = policy or ValuePolicy()
         self.index: dict[str, RemoteEntry] = {}
+        self.lock = asyncio.Lock()             # one sync round or refresh at a time (its tiers')
         self._etags: dict[str, str] = {}       # record key -> etag of the record read
         self._use_etags: dict[str, str] = {}
         self.refreshed_at = 0.0
