@@ -263,3 +263,21 @@ async def test_the_layers_of_one_store_share_one_bucket_and_one_sync(tmp_path, s
     finally:
         await t2.close()
         await t1.close()
+
+
+async def test_a_data_object_gone_meanwhile_fails_the_download_and_deletes_nothing(tmp_path, s3_bucket):
+    """Another host evicting the entry deletes its record first, then its data: a host whose index
+    still lists it finds the data gone, gives up (``missing``), leaves no file behind and deletes
+    nothing in the bucket."""
+    sa, oa, ba = host(tmp_path, "A", s3_bucket)
+    sb, ob, bb = host(tmp_path, "B", s3_bucket)
+    async with oa, ob:
+        e = put(sa, TOKS, state_bytes=20_000, kind="a")
+        await ba.upload(e)
+        await bb.refresh()
+        await oa.delete(ba.index[e.key].objects["bin"])
+        with pytest.raises(RemoteError) as err:
+            await bb.fetch(e.key)
+        assert err.value.reason == "missing" and e.key not in bb.index
+        assert oc_files(sb) == [] and sb.used_bytes() == 0
+        assert f"{RECORDS}{e.key}.json" in await listed(oa, RECORDS)

@@ -335,6 +335,9 @@ class RemoteBucket:
                 log.warning("remote: could not delete %s: %s", key[:16], dexc)
         else:
             self.counters["download_failed"] += 1
+            if exc.reason == "missing":   # being evicted by another host: not offered until a refresh lists it
+                self.index.pop(key, None)
+                self._etags.pop(key, None)
 
     async def _download(self, r: RemoteEntry, role: str, dest: Any) -> None:
         """Stream one data object into ``dest`` (created 0600, never overwritten), hashing as it
