@@ -89,7 +89,12 @@ async def test_a_session_from_host_a_continues_on_host_b(start_server, tmp_path,
     assert rec["tier"] == "remote", (rec["tier"], rec["timings"], st)
     assert rec["timings"]["cache_n"] >= n1 - UB, (rec["timings"], n1)
     assert st["downloads"] == 1 and st["restores"] == 1 and st["hits"] == 1, st
-    v = compare(Generation.from_response(await cold(srv_b, second)), Generation.from_response(rec["data"]))
+    ref = await cold(srv_b, second)
+    print(f"host B: cache_n {rec['timings']['cache_n']}, prompt_n {rec['timings']['prompt_n']} "
+          f"({rec['timings']['prompt_ms']:.0f} ms) after a {st['download_bytes']}-byte download in "
+          f"{st['download_s_max'] * 1e3:.0f} ms; cold: prompt_n {ref['timings']['prompt_n']} "
+          f"({ref['timings']['prompt_ms']:.0f} ms)")
+    v = compare(Generation.from_response(ref), Generation.from_response(rec["data"]))
     assert v.exact and v.compared >= 3, describe(v)
 
 
@@ -140,4 +145,6 @@ async def test_a_new_session_on_b_in_a_folder_restores_its_head_from_the_bucket(
         st = remote_of(proxy).stats()
     assert rec["tier"] == "remote", (rec["tier"], rec["timings"], st)
     assert rec["timings"]["cache_n"] >= max(anchors) - UB, (rec["timings"], anchors)
+    print(f"host B, new session: cache_n {rec['timings']['cache_n']}, prompt_n {rec['timings']['prompt_n']} "
+          f"after a {st['download_bytes']}-byte download in {st['download_s_max'] * 1e3:.0f} ms")
     assert st["downloads"] == 1, json.dumps(st)
