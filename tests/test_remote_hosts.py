@@ -4,7 +4,7 @@ store), and one S3 bucket on a real SeaweedFS (``s3_bucket``, tests/conftest.py)
 The proxies run in this process (``tests/test_spill.py`` ``through_ocache``); they share nothing but
 the bucket: their stores are opened from different directories.
 
-Server settings as tests/test_spill.py (``-ub 128``, ``--cache-ram 0``, checkpoints every 256).
+The failover test runs on the dense and the hybrid tiny model. Server settings as tests/test_spill.py (``-ub 128``, ``--cache-ram 0``, checkpoints every 256).
 """
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ async def spilled_on_a(srv_a, tmp_path, s3) -> tuple[dict, dict, int]:
     return first, r1["data"], await n_prompt(srv_a.url, first)
 
 
-async def test_a_session_from_host_a_continues_on_host_b(start_server, tmp_path, s3_bucket):
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+async def test_a_session_from_host_a_continues_on_host_b(start_server, tmp_path, s3_bucket, model):
     """As after a failover: the next turn on B restores A's spilled conversation from the bucket
     (``cache_n`` >= A's last prompt minus one ubatch) and answers as a cold run does."""
-    srv_a = start_server("dense", n_parallel=1, ctx_size=4096, slot_save_path=tmp_path / "slotsA", **SERVER)
-    srv_b = start_server("dense", n_parallel=1, ctx_size=4096, slot_save_path=tmp_path / "slotsB", **SERVER)
+    srv_a = start_server(model, n_parallel=1, ctx_size=4096, slot_save_path=tmp_path / "slotsA", **SERVER)
+    srv_b = start_server(model, n_parallel=1, ctx_size=4096, slot_save_path=tmp_path / "slotsB", **SERVER)
     first, answer, n1 = await spilled_on_a(srv_a, tmp_path, s3_bucket)
     second = session_turn2(3, first, answer)
     async with host(srv_b, tmp_path / "cacheB", s3_bucket) as (base, proxy, s):
