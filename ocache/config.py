@@ -134,6 +134,11 @@ class Config:
                               "`max_mb` (64: MiB of answers kept)")
     tiers: dict = _f({}, "per-tier settings: tiers.<tier>.<key>, the keys listed below (any other "
                      "key is a config error)")
+    store: dict = _f({}, "the store below the tiers: store.remote.{url: s3://bucket/prefix, "
+                     "endpoint_url, region, profile, max_gb, sync_s, refresh_s, orphan_age_s} shares "
+                     "anchors, heads and spilled sessions between hosts through an S3-compatible "
+                     "bucket (ocache/tiers/remote.py; pip install 'ocache[s3]'); credentials from the "
+                     "usual AWS environment or files")
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -325,6 +330,7 @@ def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = 
     cfg = Config(**values)
     check_tiers(cfg.tiers)
     check_response_cache(cfg.response_cache)
+    check_store(cfg.store)
     return cfg
 
 
@@ -421,6 +427,33 @@ def check_response_cache(rc: Mapping[str, Any]) -> None:
             raise ConfigError(f"response_cache.{k}: invalid value {v!r}")
         if k != "enabled" and given[k] <= 0:
             raise ConfigError(f"response_cache.{k}: {v!r} must be above 0")
+
+
+#: Keys of ``store.remote`` (``ocache.tiers.remote.RemoteSettings``): name -> type.
+STORE_REMOTE_KEYS = {"url": str, "endpoint_url": str, "region": str, "profile": str, "max_gb": float,
+                     "sync_s": float, "refresh_s": float, "orphan_age_s": float}
+
+
+def check_store(store: Mapping[str, Any]) -> None:
+    """Reject unknown keys under ``store:`` and ``store.remote``, a remote without an
+    ``s3://bucket`` url and mistyped values. Raises ConfigError."""
+    unknown = sorted(set(map(str, store or {})) - {"remote"})
+    if unknown:
+        raise ConfigError(f"store: unknown key(s) {', '.join(unknown)}; known: remote")
+    remote = (store or {}).get("remote")
+    if remote is None:
+        return
+    if not isinstance(remote, Mapping):
+        raise ConfigError(f"store.remote: expected a mapping, got {remote!r}")
+    bad = sorted(set(map(str, remote)) - set(STORE_REMOTE_KEYS))
+    if bad:
+        raise ConfigError(f"store.remote: unknown key(s) {', '.join(bad)}; known: {', '.join(STORE_REMOTE_KEYS)}")
+    if not str(remote.get("url") or "").startswith("s3://") or len(str(remote["url"])) <= 5:
+        raise ConfigError(f"store.remote.url: {remote.get('url')!r} is not s3://bucket/prefix")
+    for k, tp in STORE_REMOTE_KEYS.items():
+        v = remote.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (str,) if tp is str else (int, float))):
+            raise ConfigError(f"store.remote.{k}: expected a {tp.__name__}, got {v!r}")
 
 
 def field_of(obj: Any, name: str, default: Any = None) -> Any:

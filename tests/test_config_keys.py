@@ -655,6 +655,34 @@ async def p_response_cache(tmp_path, mp):
     assert Proxy(Config(upstream=_closed_upstream()), layer_factory=NullLayer, monitor=False).responses is None
 
 
+async def p_store(tmp_path, mp):
+    from ocache.cache import wiring
+    from ocache.tiers import remote_bucket
+    from ocache.tiers.remote import RemoteTier
+    from ocache.tiers.store import Store
+
+    async def no_bucket(self):   # nothing listens at the endpoint: the tier is built, not used
+        return None
+
+    mp.setattr(remote_bucket.RemoteBucket, "refresh", no_bucket)
+    mp.setenv("AWS_ACCESS_KEY_ID", "k")
+    mp.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    store = Store(tmp_path / "meta", tmp_path / "slots", IDENTITY)
+    store.open()
+    tiers = [SimpleNamespace(name="disk", store=store)]
+    table = SimpleNamespace(params=None)
+    assert await wiring.build_remote_tier(Config(), table, tiers) is None
+    cfg = Config(store={"remote": {"url": "s3://bkt/pre", "endpoint_url": _closed_upstream(), "max_gb": 2}})
+    tier = await wiring.build_remote_tier(cfg, table, tiers)
+    try:
+        assert isinstance(tier, RemoteTier) and tier.bucket.budget_bytes == 2 * 10**9
+        assert tier.bucket.objects.location.prefix == "pre/"
+    finally:
+        await tier.close()
+    with pytest.raises(cfg_mod.ConfigError, match="store.remote: unknown key"):
+        cfg_mod.check_store({"remote": {"url": "s3://bkt", "bucket": "x"}})
+
+
 PROBES = {
     "host": p_host, "port": p_port, "upstream": p_upstream, "upstream_api_key": p_upstream_api_key,
     "admin_token": p_admin_token, "allowed_hosts": p_allowed_hosts, "cache_dir": p_cache_dir,
@@ -684,7 +712,7 @@ PROBES = {
     "tiers.session.resume": p_session_resume,
     "upstreams": p_upstreams, "route_policy": p_route_policy, "route_load_weight": p_route_load_weight,
     "launch_replicas": p_launch_replicas, "launch_devices": p_launch_devices,
-    "response_cache": p_response_cache,
+    "response_cache": p_response_cache, "store": p_store,
 }
 
 

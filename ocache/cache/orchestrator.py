@@ -131,6 +131,7 @@ class OCacheLayer:
         self._disk_tier_off = False
         self._session_tier: SessionTier | None = None
         self._session_tier_off = False
+        self._remote_tier_tried = False
         #: a planned stop began (:meth:`begin_stop`): no new GET /slots reconcile or origin upkeep
         self._stopping = False
         self.journal: FolderJournal | None = None
@@ -216,6 +217,7 @@ class OCacheLayer:
             wiring.sync_store_identity(self.tiers, self.identity().key)
             await self._session_tier_ready()  # session tier (tiers/spill.py): register; resume after a drain
             self._disk_tier_ready()           # disk tier (tiers/disk.py): anchors on disk
+            await self._remote_tier_ready()   # remote tier (tiers/remote.py): a bucket under the store
             # head files through the same verified store (tiers/store.py)
             open_head_store(self.head_tier, self.config, self.table.params, self.identity().key)
             self._ready = True
@@ -258,6 +260,15 @@ class OCacheLayer:
         self._disk_tier_off = tier is None
         if tier is not None:
             self.disk_tier = tier
+            self.add_tier(tier)
+
+    async def _remote_tier_ready(self) -> None:
+        """Register the remote tier once, after the tiers whose store it shares (``store.remote``)."""
+        if self._remote_tier_tried:
+            return
+        self._remote_tier_tried = True
+        tier = await wiring.build_remote_tier(self.config, self.table, self.tiers)
+        if tier is not None:
             self.add_tier(tier)
 
     def _anthropic_pin_ok(self) -> bool:

@@ -94,6 +94,24 @@ def build_disk_tier(config: Any, table: Any, identity_fn: Any) -> Any:
         return None
 
 
+async def build_remote_tier(config: Any, table: Any, tiers: Sequence[Any]) -> Any:
+    """``ocache.tiers.remote.open_remote_tier`` over the local store of the disk/session tiers, when
+    ``store.remote`` is configured (None: not configured, no local store, or it failed: logged)."""
+    store = next((t.store for t in tiers if getattr(t, "name", "") in ("disk", "session")), None)
+    if not ((getattr(config, "store", None) or {}).get("remote") or {}).get("url"):
+        return None
+    if store is None:
+        log.warning("remote tier off: no local store (the disk and session tiers are off)")
+        return None
+    try:
+        from ocache.tiers.remote import open_remote_tier
+
+        return await open_remote_tier(config, store, table)
+    except Exception:
+        log.exception("remote tier setup failed; it stays off")
+        return None
+
+
 async def setup_findings(session: Any, base_url: str, headers: dict, params: ServerParams, props: Any,
                          slots: Any, argv: Sequence[str] | None) -> tuple[list, bool | None] | None:
     """``ocache.llama.checks``' advice on the server's setup (each non-ok finding logged) and

@@ -58,7 +58,26 @@ def _cmd(args: argparse.Namespace) -> int:
             print("  (launch flags unknown: pass them after `--` to check them too)")
         for f in findings:
             print(f"  {f}")
-    return 1 if any(f.level == ERROR for f in findings) else 0
+    remote_ok = None if args.json else _remote_check(args)
+    return 1 if any(f.level == ERROR for f in findings) or remote_ok is False else 0
+
+
+def _remote_check(args: argparse.Namespace) -> bool | None:
+    """Print the check of ``store.remote`` (``ocache.tiers.remote.check_remote``) when the config
+    names one; returns whether it passed (None: no remote configured, or no config)."""
+    try:
+        from ocache.config import load
+
+        cfg = load(args.config) if args.config else load()
+    except Exception:
+        return None
+    from ocache.tiers.remote import check_remote
+
+    got = asyncio.run(check_remote(cfg))
+    if got is None:
+        return None
+    print(f"  [{'ok' if got[0] else 'error'}] {got[1]}")
+    return got[0]
 
 
 def register(subparsers: Any) -> None:

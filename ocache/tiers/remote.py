@@ -1,0 +1,421 @@
+"""The remote tier: the store's entries (anchors, heads, spilled sessions) shared by several hosts
+through one S3-compatible bucket, under each host's local store (issue 30; docs/decisions.md D7,
+D10).
+
+What it does
+    * **Upload**, never on a request's path: a background task (:meth:`RemoteTier.start`) looks at
+      the local store every ``sync_s`` seconds and uploads each committed entry the bucket does not
+      hold (``ocache.tiers.remote_bucket.RemoteBucket.upload``: data objects, then the record,
+      create-only). Entries of every identity are uploaded; each host serves only its own.
+    * **Index**: the bucket's records, re-read every ``refresh_s`` seconds and, at most once a
+      second, after a lookup that found nothing (another host may have uploaded it since).
+    * **Lookup**: an entry the local store lacks, of the server's identity, whose token ids give the
+      longest reuse: an anchor or head whose tokens are a prefix of the request, or a spilled
+      conversation of the request's session (``ocache.llama.reuse.predict_reuse``, as the session
+      tier prices it). Its cost is the measured download rate plus the local verify and restore
+      rates; the planner takes it only when that beats the prefill it saves
+      (``ocache.cache.plan.plan_request``).
+    * **Bring**: download into the local slot directory under a temporary name, verify size, xxh3,
+      identity and the token header (``RemoteBucket.fetch``), commit it to the local store (from then
+      on it is a local entry the disk/session tiers find too), verify it as every local restore is
+      verified (``Store.verify``) and restore it into the slot. A failed check deletes the bucket's
+      entry and raises RemoteTierError before the server reads a byte; the request is then served
+      from what the slot holds.
+    * **Admit**: the next response's ``cache_n`` confirms the restore (within two ubatches of
+      ``min(entry tokens, prompt)``, the session tier's rule); a confirmed one is a hit, written to
+      the entry's use object (the bucket's eviction input).
+
+Configuration (``store.remote`` in ocache.yaml, ``ocache.config.check_store``): ``url``
+(``s3://bucket/prefix``), ``endpoint_url``, ``region``, ``profile``, ``max_gb`` (the bucket's
+budget, default 100), ``sync_s`` (1), ``refresh_s`` (10), ``orphan_age_s`` (3600). Credentials:
+botocore's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws/credentials``,
+``AWS_PROFILE``, instance roles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ocache.config import field_of as _get
+from ocache.tiers.base import Offer, Rate, TierBase
+from ocache.tiers.entry import IntegrityError, entry_key, token_bytes
+from ocache.tiers.remote_bucket import RemoteBucket, RemoteEntry, RemoteError
+from ocache.tiers.remote_client import S3Objects
+from ocache.tiers.store import Store, sidecar_checkpoints
+
+log = logging.getLogger(__name__)
+
+#: kinds whose entries are offered when their tokens are a prefix of the request
+PREFIX_KINDS = ("a", "h")
+SESSION_KIND = "s"
+
+
+class RemoteTierError(RuntimeError):
+    """``bring`` failed; ``reason`` as ``RemoteError.reason``, or ``restore`` (the server refused
+    the downloaded file) / ``upstream`` (the server could not be asked)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"remote tier: {reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+
+
+@dataclass
+class RemoteRef:
+    """``Offer.ref`` of the remote tier."""
+
+    key: str
+    n_tokens: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """``store.remote`` (see the module docstring); times in seconds, ``max_gb`` in 10^9 bytes."""
+
+    url: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    max_gb: float = 100.0
+    sync_s: float = 1.0
+    refresh_s: float = 10.0
+    orphan_age_s: float = 3600.0
+
+    @classmethod
+    def of(cls, config: Any) -> "RemoteSettings | None":
+        """The settings of ``config.store.remote``, None when it has no ``url``."""
+        store = _get(config, "store") or {}
+        remote = store.get("remote") if isinstance(store, dict) else None
+        if not isinstance(remote, dict) or not remote.get("url"):
+            return None
+        kw = {k: remote[k] for k in cls.__dataclass_fields__ if k in remote}
+        return cls(**kw)
+
+    def objects(self) -> S3Objects:
+        return S3Objects(self.url, endpoint_url=self.endpoint_url, region=self.region, profile=self.profile)
+
+
+class RemoteTier(TierBase):
+    """The remote tier over a :class:`RemoteBucket` and the cache layer's slot table (``table``:
+    ``restore``, ``params``, ``checks_xxh3``, optional ``restore_rate``)."""
+
+    name = "remote"
+
+    def __init__(self, bucket: RemoteBucket, table: Any, *, sync_s: float = 1.0, refresh_s: float = 10.0,
+                 download_bytes_s: float = 5e7, verify_bytes_s: float = 2e9) -> None:
+        self.bucket = bucket
+        self.store: Store = bucket.store
+        self.table = table
+        self.sync_s = float(sync_s)
+        self.refresh_s = float(refresh_s)
+        self.download_rate = Rate(download_bytes_s)
+        self.verify_rate = Rate(verify_bytes_s)
+        shared = getattr(table, "restore_rate", None)
+        self.restore_rate = shared if shared is not None else Rate(5e8)
+        self._pending: dict[int, tuple[str, int]] = {}
+        self._task: asyncio.Task | None = None
+        self._refresh_task: asyncio.Task | None = None
+        self._last_miss_refresh = 0.0
+        self._skip: set[str] = set()          # keys this host could not upload (logged once)
+        self.owns: tuple[str, str, int] | None = None   # the _BUCKETS key when this tier opened it
+        self.download_s: list[float] = []
+        self.counters: dict[str, int] = {"lookups": 0, "offers": 0, "restores": 0, "hits": 0,
+                                         "unconfirmed": 0, "bring_failed": 0, "sync_failed": 0}
+
+    # ------------------------------------------------------------------ background sync
+    def start(self) -> None:
+        """Start the background sync (idempotent; needs a running event loop)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop(), name="ocache-remote-sync")
+
+    async def stop(self) -> None:
+        for t in (self._task, self._refresh_task):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+        self._task = self._refresh_task = None
+
+    async def _loop(self) -> None:
+        last_refresh = 0.0
+        while True:
+            try:
+                refresh = time.monotonic() - last_refresh >= self.refresh_s
+                await self.sync(refresh=refresh)
+                if refresh:
+                    last_refresh = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - the bucket may be down; retried next round
+                self.counters["sync_failed"] += 1
+                log.warning("remote: sync failed: %s", exc)
+            await asyncio.sleep(self.sync_s)
+
+    async def sync(self, refresh: bool = True) -> int:
+        """One round: re-read the index (``refresh``), upload every local entry the bucket lacks,
+        evict down to the budget, sweep orphan data objects. Returns the entries uploaded. Raises
+        what the bucket raises."""
+        async with self.bucket.lock:
+            if refresh:
+                await self.bucket.refresh()
+                await self.bucket.sweep()
+            n = 0
+            for e in sorted(self.store.entries(), key=lambda e: e.created):
+                if e.key in self.bucket.index or e.key in self._skip or "remote" in e.meta:
+                    continue
+                if await self.bucket.upload(e):
+                    n += 1
+                elif self.store.get(e.key) is not None:
+                    self._skip.add(e.key)
+            await self.bucket.make_room(0)
+            return n
+
+    def _refresh_on_miss(self) -> None:
+        now = time.monotonic()
+        if now - self._last_miss_refresh < 1.0 or (self._refresh_task and not self._refresh_task.done()):
+            return
+        self._last_miss_refresh = now
+
+        async def run() -> None:
+            try:
+                async with self.bucket.lock:
+                    await self.bucket.refresh()
+            except Exception as exc:  # noqa: BLE001
+                log.info("remote: refresh after a miss failed: %s", exc)
+
+        self._refresh_task = asyncio.create_task(run())
+
+    # ------------------------------------------------------------------ lookup / bring
+    def read_cost_s(self, nbytes: int) -> float:
+        """Seconds to download, verify and restore ``nbytes`` at the measured rates."""
+        return (nbytes / self.download_rate.value + nbytes / self.verify_rate.value
+                + nbytes / self.restore_rate.value)
+
+    async def lookup(self, view: Any, ctx: Any = None) -> Offer | None:
+        """The bucket entry with the longest reuse for ``view.tokens`` that the local store lacks
+        (see the module docstring), or None (then the index is refreshed in the background)."""
+        ident = self.store.identity
+        if ident is None or not self.bucket.index:
+            self._refresh_on_miss()
+            return None
+        self.counters["lookups"] += 1
+        toks: Sequence[int] = view.tokens
+        best = self._best_prefix(ident, toks)
+        sess = self._best_session(ident, view, ctx)
+        if sess is not None and (best is None or sess[0] > best[0]):
+            best = sess
+        if best is None:
+            self._refresh_on_miss()
+            return None
+        usable, r = best
+        self.counters["offers"] += 1
+        return Offer(tier=self.name, tokens_usable=usable, cost_s=self.read_cost_s(r.entry.bytes),
+                     ref=RemoteRef(r.key, r.entry.n_tokens, r.entry.bytes), verified=True)
+
+    def _candidate(self, key: str) -> RemoteEntry | None:
+        r = self.bucket.index.get(key)
+        if r is None or self.store.get(key) is not None:
+            return None   # not in the bucket, or local: the local tiers offer it
+        return r
+
+    def _best_prefix(self, ident: str, toks: Sequence[int]) -> tuple[int, RemoteEntry] | None:
+        """The longest anchor/head whose token ids are a prefix of ``toks`` (content address, then
+        the ids compared), as ``(usable tokens, entry)``."""
+        index = self.bucket.index
+        pairs = sorted({(r.entry.n_tokens, r.entry.kind) for r in index.values()
+                        if r.entry.kind in PREFIX_KINDS and r.entry.identity == ident
+                        and 0 < r.entry.n_tokens <= len(toks)}, reverse=True)
+        for n, kind in pairs:
+            r = self._candidate(entry_key(ident, kind, toks[:n]))
+            if r is not None and r.token_raw == token_bytes(toks[:n]):
+                return (n if n < len(toks) else n - 1), r
+        return None
+
+    def _best_session(self, ident: str, view: Any, ctx: Any) -> tuple[int, RemoteEntry] | None:
+        """The spilled conversation of the request's session with the longest predicted reuse."""
+        if _get(ctx, "kind") == "guest":
+            return None
+        from ocache.llama.reuse import Checkpoint, predict_reuse
+        from ocache.tiers.spill import session_key
+
+        skey = session_key(_get(ctx, "session"), view)
+        if skey is None:
+            return None
+        best: tuple[int, RemoteEntry] | None = None
+        for r in list(self.bucket.index.values()):
+            e = r.entry
+            if e.kind != SESSION_KIND or e.identity != ident or e.meta.get("session") != skey:
+                continue
+            if self._candidate(e.key) is None:
+                continue
+            stored = r.tokens()
+            cps = [Checkpoint(int(n)) for n in (e.meta.get("checkpoints") or [])]
+            reuse = predict_reuse(stored, len(stored), cps, view.tokens, self.table.params)
+            if reuse.cache_n > 0 and (best is None or reuse.cache_n > best[0]):
+                best = (reuse.cache_n, r)
+        return best
+
+    async def bring(self, offer: Offer, slot: int) -> None:
+        """Download, verify and commit the offered entry locally, then restore it into ``slot``
+        (the caller holds its lease). Raises RemoteTierError."""
+        ref: RemoteRef = offer.ref
+        t0 = time.monotonic()
+        try:
+            e = await self.bucket.fetch(ref.key)
+        except KeyError as exc:
+            self.counters["bring_failed"] += 1
+            raise RemoteTierError("gone", ref.key) from exc
+        except RemoteError as exc:
+            self.counters["bring_failed"] += 1
+            raise RemoteTierError(exc.reason, str(exc)) from exc
+        t1 = time.monotonic()
+        self.download_rate.add(e.bytes, t1 - t0)
+        self.download_s.append(t1 - t0)
+        await self._restore(e.key, slot)
+
+    async def _restore(self, key: str, slot: int) -> None:
+        from ocache.llama.reuse import Checkpoint
+        from ocache.slots import file_refused
+
+        t0 = time.monotonic()
+        try:
+            e = await asyncio.to_thread(self.store.verify, key, server_hash=self.table.checks_xxh3)
+        except (KeyError, IntegrityError) as exc:
+            self.counters["bring_failed"] += 1
+            raise RemoteTierError("verify", str(exc)) from exc
+        self.verify_rate.add(e.bytes, time.monotonic() - t0)
+        toks = await asyncio.to_thread(self.store.tokens, key)
+        if e.meta.get("checkpoints"):
+            cps = [Checkpoint(int(n)) for n in e.meta["checkpoints"]]
+        elif "ckpt" in e.files:
+            cps = [Checkpoint(n) for n in sidecar_checkpoints(self.store.path(e.files["ckpt"].name))]
+        else:
+            cps = []
+        try:
+            resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=cps,
+                                            xxh3=e.files["bin"].xxh3 if self.table.checks_xxh3 else None)
+        except Exception as exc:  # noqa: BLE001
+            self.counters["bring_failed"] += 1
+            if not file_refused(exc):
+                raise RemoteTierError("upstream", str(exc)) from exc
+            await asyncio.to_thread(self.store.delete, key, f"server refused the restore: {exc}")
+            raise RemoteTierError("restore", str(exc)) from exc
+        if int(_get(resp, "n_restored", -1)) != e.n_tokens:
+            self.counters["bring_failed"] += 1
+            await asyncio.to_thread(self.store.delete, key, "restored token count differs")
+            raise RemoteTierError("restore", f"n_restored={_get(resp, 'n_restored')} != {e.n_tokens}")
+        self.counters["restores"] += 1
+        self._pending[slot] = (key, e.n_tokens)
+
+    # ------------------------------------------------------------------ after the request
+    async def admit(self, view: Any, slot: int, obs: Any) -> None:
+        """Confirm a restore by the response's ``cache_n`` and record the hit in the bucket."""
+        p = self._pending.pop(slot, None)
+        if p is None:
+            return
+        cache_n = _get(_get(obs, "timings") or {}, "cache_n")
+        ub = int(getattr(getattr(self.table, "params", None), "n_ubatch", 512) or 512)
+        n = min(p[1], len(view.tokens)) if view is not None else p[1]
+        if cache_n is not None and int(cache_n) >= n - 2 * ub - 1:
+            self.counters["hits"] += 1
+            await self.bucket.note_use(p[0])
+        else:
+            self.counters["unconfirmed"] += 1
+            log.warning("remote: restore of %d tokens into slot %d not confirmed (cache_n=%s)", p[1], slot, cache_n)
+
+    def forget_slot(self, slot: int) -> None:
+        if self._pending.pop(slot, None) is not None:
+            self.counters["unconfirmed"] += 1
+
+    async def on_upstream_restart(self) -> None:
+        for slot in list(self._pending):
+            self.forget_slot(slot)
+
+    async def on_drain(self, table: Any) -> dict | None:
+        """A planned stop: upload what the tiers before this one spilled and committed (the layer
+        drains the tiers in order; this one is registered after the disk and session tiers)."""
+        n = 0
+        try:
+            n = await self.sync(refresh=True)
+        except Exception as exc:  # noqa: BLE001 - a drain goes on
+            log.warning("remote: upload on drain failed: %s", exc)
+        return {"uploaded": n}
+
+    async def close(self) -> None:
+        """Stop the background sync; the tier that opened the bucket also closes its client."""
+        await self.stop()
+        if self.owns is not None and _BUCKETS.get(self.owns) is self.bucket:
+            del _BUCKETS[self.owns]
+            with contextlib.suppress(Exception):
+                await self.bucket.objects.__aexit__(None, None, None)
+
+    async def flush(self) -> None:
+        """One sync round now (tests and drains: what was committed locally is in the bucket after)."""
+        try:
+            await self.sync(refresh=True)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("remote: flush failed: %s", exc)
+
+    def stats(self) -> dict:
+        xs = sorted(self.download_s)
+        return {**self.counters, **self.bucket.counters, "entries": len(self.bucket.index),
+                "bytes": self.bucket.used_bytes(), "budget_bytes": self.bucket.budget_bytes,
+                "download_bytes_s": round(self.download_rate.value),
+                "download_s_p50": xs[len(xs) // 2] if xs else None,
+                "download_s_max": xs[-1] if xs else None}
+
+
+async def check_remote(config: Any) -> tuple[bool, str] | None:
+    """``ocache doctor``'s check of ``store.remote``: the bucket answers with these credentials and
+    its records can be listed. Returns ``(ok, one line)``, None when no remote is configured."""
+    settings = RemoteSettings.of(config)
+    if settings is None:
+        return None
+    try:
+        async with settings.objects() as objects:
+            await objects.check()
+            n = len(await objects.list("records/"))
+    except ImportError:
+        return False, "store.remote: aiobotocore is not installed (pip install 'ocache[s3]')"
+    except Exception as exc:  # noqa: BLE001 - the line says what failed
+        return False, f"store.remote: {settings.url} at {settings.endpoint_url or 'AWS'}: {type(exc).__name__}: {exc}"
+    return True, f"store.remote: {settings.url} at {settings.endpoint_url or 'AWS'} answers ({n} entries)"
+
+
+async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier | None:
+    """The remote tier of ``config.store.remote`` over ``store`` (the local store of the disk and
+    session tiers) for the slot table ``table``; None when not configured. The layers of several
+    servers of one host share one store, so they share its :class:`RemoteBucket` too (one client,
+    one index, one background sync: the first tier's); each gets its own tier for its own slots.
+    Raises RemoteConfigError (bad settings), ImportError (aiobotocore missing: ``pip install
+    'ocache[s3]'``)."""
+    settings = RemoteSettings.of(config)
+    if settings is None:
+        return None
+    shared_key = (str(store.meta_dir), settings.url, id(asyncio.get_running_loop()))
+    bucket = _BUCKETS.get(shared_key)
+    owner = bucket is None
+    if bucket is None:
+        objects = settings.objects()
+        await objects.__aenter__()
+        bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
+                              orphan_age_s=settings.orphan_age_s)
+        _BUCKETS[shared_key] = bucket
+        try:
+            await bucket.refresh()   # the first requests already see what the other hosts uploaded
+        except Exception as exc:  # noqa: BLE001 - the bucket may be down now: the sync retries
+            log.warning("remote tier: first read of %s failed: %s", settings.url, exc)
+    tier = RemoteTier(bucket, table, sync_s=settings.sync_s, refresh_s=settings.refresh_s)
+    if owner:
+        tier.owns = shared_key
+        tier.start()
+        log.info("remote tier: %s (endpoint %s, budget %.3g GB)", settings.url, settings.endpoint_url or "AWS",
+                 settings.max_gb)
+    return tier
+
+
+#: (store meta_dir, bucket URL, event loop id) -> the bucket its tiers share (open_remote_tier)
+_BUCKETS: dict[tuple[str, str, int], RemoteBucket] = {}

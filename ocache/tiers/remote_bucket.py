@@ -1,0 +1,379 @@
+"""The bucket side of the remote tier (``ocache.tiers.remote``): the object layout, the index of
+the bucket's records, uploads of local entries, verified downloads into the local store, and
+eviction under the bucket's byte budget (docs/decisions.md D7, D10).
+
+Layout under the location's prefix (``ocache.tiers.remote_client.Location``)
+    * ``data/<key>-<role>-<xxh3>``: one object per file of an entry (``bin``, ``ckpt``), named by
+      its content hash, so two hosts that upload the same entry with other bytes never overwrite
+      each other's files;
+    * ``records/<key>.json``: ``{"version", "record", "objects", "host", "uploaded"}``: ``record``
+      is the local store's record (``Entry.record``: kind, identity, token ids, each file's size
+      and xxh3, hits, times), ``objects`` the data object of each role. It is put **last** and
+      **create-only** (``If-None-Match: *``): the commit point. A host that dies mid-upload leaves
+      data objects and no record, which nothing restores; :meth:`RemoteBucket.sweep` deletes such
+      objects once older than ``orphan_age_s``. The second host to upload an entry gets 412 and
+      deletes its own data objects unless the winner's record names them;
+    * ``use/<key>.json``: ``{"hits", "last_used"}``, overwritten by the host that confirmed a hit:
+      the eviction policy's inputs (last writer wins: a lost count only shifts an eviction).
+
+Trust: nothing downloaded reaches a slot before :meth:`RemoteBucket.fetch` checked it: the
+record parses (token ids against their count and hash), its key is the content address of its
+identity, kind and tokens, its identity is the store's, every file's size and xxh3 match the
+record, and the local store's commit checks the token ids in the slot file header (then the tiers
+restore it as any local entry, after ``Store.verify``). A failed check deletes the entry from
+the bucket, record first, and raises RemoteError.
+
+Eviction: the local store's value rule (``ocache.tiers.evict.ValuePolicy``) over the index, with
+the hits and last use of the use objects; a victim's record is deleted first (from then on no
+host restores it), then its data and use objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+import xxhash
+
+from ocache.tiers.entry import Entry, entry_key, token_bytes, tokens_from_bytes
+from ocache.tiers.evict import EvictionPolicy, ValuePolicy
+from ocache.tiers.remote_client import ObjectInfo, S3Objects
+from ocache.tiers.slotfile import CHUNK
+from ocache.tiers.store import BudgetError, Store, reserve_async
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1
+RECORDS = "records/"
+DATA = "data/"
+USE = "use/"
+
+
+class RemoteError(RuntimeError):
+    """A download was refused or failed. ``reason``: ``record`` (unparsable or mislabelled
+    record), ``identity``, ``size``, ``hash``, ``header`` (a failed check: the bucket entry was
+    deleted), ``missing`` (a data object is gone), ``budget`` (no local room), ``io`` (the bucket or
+    the local disk failed: kept)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"remote: {reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+
+
+@dataclass
+class RemoteEntry:
+    """One entry of the bucket's index: the parsed record (``entry``, its ``tokens`` None), the
+    token ids as int32 LE bytes, and the data object of each role."""
+
+    entry: Entry
+    token_raw: bytes = field(repr=False)
+    objects: dict[str, str]
+    host: str = ""
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    def tokens(self) -> list[int]:
+        return tokens_from_bytes(self.token_raw)
+
+
+def parse_record(name_key: str, raw: bytes) -> RemoteEntry:
+    """A record object's bytes as a RemoteEntry. Raises ValueError (wrong version, key that is not
+    the content address of the record's identity, kind and token ids, a role without its object),
+    KeyError, TypeError."""
+    doc = json.loads(raw)
+    if doc.get("version") != LAYOUT_VERSION:
+        raise ValueError(f"layout version {doc.get('version')!r}")
+    e = Entry.from_dict(doc["record"], with_tokens=True)
+    toks = e.tokens or []
+    if e.key != name_key or entry_key(e.identity, e.kind, toks) != e.key:
+        raise ValueError("record key is not the content address of its tokens")
+    objects = {str(r): str(o) for r, o in dict(doc["objects"]).items()}
+    if set(objects) != set(e.files) or any(not o.startswith(DATA) for o in objects.values()):
+        raise ValueError("record objects do not match its files")
+    e.tokens = None
+    return RemoteEntry(e, token_bytes(toks), objects, str(doc.get("host") or ""))
+
+
+def open_checked(path: Path, size: int, xxh3: str) -> BinaryIO:
+    """``path`` opened for reading, its bytes checked against ``size`` and ``xxh3`` through the
+    same handle and the handle rewound: what is uploaded from it is what was checked (a local file
+    replaced meanwhile is a new inode; this handle keeps reading the old one). Raises ValueError
+    (it differs from its record), OSError."""
+    fh = open(path, "rb")
+    try:
+        h = xxhash.xxh3_64()
+        n = 0
+        while chunk := fh.read(CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+        if n != size or h.hexdigest() != xxh3:
+            raise ValueError(f"{path.name} differs from its record")
+        fh.seek(0)
+        return fh
+    except BaseException:
+        fh.close()
+        raise
+
+
+class RemoteBucket:
+    """The bucket of a remote tier, in front of one host's local :class:`Store`.
+
+    ``objects``: an open :class:`S3Objects`. ``budget_bytes``: most bytes of entries in the
+    bucket (``store.remote.max_gb``). ``host``: this host's name in the records (logs only).
+    ``orphan_age_s``: data objects no record names are deleted by :meth:`sweep` once this old.
+    Counters in ``counters``; every method is a coroutine of the event loop (file reads and
+    hashing run in threads)."""
+
+    def __init__(self, objects: S3Objects, store: Store, *, budget_bytes: int, host: str = "",
+                 orphan_age_s: float = 3600.0, clock: Callable[[], float] = time.time,
+                 policy: EvictionPolicy | None = None) -> None:
+        self.objects = objects
+        self.store = store
+        self.budget_bytes = int(budget_bytes)
+        self.host = host or os.uname().nodename
+        self.orphan_age_s = float(orphan_age_s)
+        self.clock = clock
+        self.policy: EvictionPolicy = policy or ValuePolicy()
+        self.index: dict[str, RemoteEntry] = {}
+        self.lock = asyncio.Lock()             # one sync round or refresh at a time (its tiers')
+        self._etags: dict[str, str] = {}       # record key -> etag of the record read
+        self._use_etags: dict[str, str] = {}
+        self.refreshed_at = 0.0
+        self.counters: dict[str, int] = {
+            "uploads": 0, "upload_bytes": 0, "upload_lost_race": 0, "upload_failed": 0,
+            "downloads": 0, "download_bytes": 0, "verify_failed": 0, "download_failed": 0,
+            "evicted": 0, "evicted_bytes": 0, "orphans_deleted": 0, "bad_records": 0,
+            "skipped_budget": 0,
+        }
+
+    # ------------------------------------------------------------------ index
+    def used_bytes(self) -> int:
+        return sum(r.entry.bytes for r in self.index.values())
+
+    async def refresh(self) -> None:
+        """Re-read the bucket's records (new ones fetched, gone ones dropped) and use objects.
+        A record that does not parse is deleted from the bucket (it can never be served)."""
+        listed = await self.objects.list(RECORDS)
+        keys = {}
+        for o in listed:
+            if o.key.endswith(".json"):
+                keys[o.key[len(RECORDS):-5]] = o
+        for k in list(self.index):
+            if k not in keys:
+                self.index.pop(k, None)
+                self._etags.pop(k, None)
+        for k, o in keys.items():
+            if k in self.index and self._etags.get(k) == o.etag:
+                continue
+            raw = await self.objects.get(o.key)
+            if raw is None:
+                continue
+            try:
+                self.index[k] = parse_record(k, raw)
+                self._etags[k] = o.etag
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                self.counters["bad_records"] += 1
+                log.warning("remote: record %s does not parse (%s); deleting it", k[:16], exc)
+                await self.objects.delete(o.key)
+        await self._read_uses()
+        self.refreshed_at = time.monotonic()
+
+    async def _read_uses(self) -> None:
+        for o in await self.objects.list(USE):
+            k = o.key[len(USE):-5] if o.key.endswith(".json") else ""
+            r = self.index.get(k)
+            if r is None or self._use_etags.get(k) == o.etag:
+                continue
+            raw = await self.objects.get(o.key)
+            try:
+                doc = json.loads(raw or b"{}")
+                r.entry.hits = max(r.entry.hits, int(doc.get("hits", 0)))
+                r.entry.last_used = max(r.entry.last_used, float(doc.get("last_used", 0.0)))
+                self._use_etags[k] = o.etag
+            except (ValueError, TypeError, AttributeError):
+                continue
+
+    # ------------------------------------------------------------------ upload
+    async def upload(self, e: Entry) -> bool:
+        """Upload a local entry: make room under the budget, put its data objects (the bytes read
+        and checked against the local record first), then its record, create-only. Returns True
+        when the bucket holds the entry afterwards (ours or another host's), False when it was
+        skipped (no room, its local files changed or went). Raises what the bucket raises."""
+        if e.key in self.index:
+            return True
+        if e.bytes > self.budget_bytes:
+            self.counters["skipped_budget"] += 1
+            return False
+        files: dict[str, BinaryIO] = {}
+        try:
+            try:
+                toks = await asyncio.to_thread(self.store.tokens, e.key)
+                for role, f in e.files.items():
+                    files[role] = await asyncio.to_thread(open_checked, self.store.path(f.name), f.size, f.xxh3)
+            except (OSError, KeyError, ValueError) as exc:   # evicted or changed meanwhile
+                log.info("remote: %s not uploaded: %s", e.key[:16], exc)
+                return False
+            await self.make_room(e.bytes)
+            objects = {role: f"{DATA}{e.key}-{role}-{f.xxh3}" for role, f in e.files.items()}
+            for role, name in objects.items():
+                await self.objects.put(name, files[role])
+        finally:
+            for fh in files.values():
+                fh.close()
+        rec = {"version": LAYOUT_VERSION, "record": e.record(toks), "objects": objects,
+               "host": self.host, "uploaded": self.clock()}
+        if not await self.objects.put(f"{RECORDS}{e.key}.json", json.dumps(rec).encode(), create_only=True):
+            self.counters["upload_lost_race"] += 1
+            await self.refresh()
+            theirs = self.index.get(e.key)
+            keep = set(theirs.objects.values()) if theirs is not None else set()
+            for name in set(objects.values()) - keep:
+                await self.objects.delete(name)
+            return theirs is not None
+        self.index[e.key] = RemoteEntry(Entry.from_dict(e.summary(), with_tokens=False),
+                                        token_bytes(toks), objects, self.host)
+        self.counters["uploads"] += 1
+        self.counters["upload_bytes"] += e.bytes
+        log.info("remote: uploaded %s (%s, %d tokens, %d bytes)", e.key[:16], e.kind, e.n_tokens, e.bytes)
+        return True
+
+    # ------------------------------------------------------------------ eviction
+    async def make_room(self, nbytes: int) -> int:
+        """Evict by value (lowest first) until ``nbytes`` more fit the budget. Returns the bytes
+        freed. Raises what the bucket raises."""
+        freed = 0
+        for victim in self.policy.candidates([r.entry for r in self.index.values()], self.clock()):
+            if self.used_bytes() + nbytes <= self.budget_bytes:
+                break
+            freed += victim.bytes
+            await self.delete(victim.key, "evicted by value for the bucket's budget")
+            self.counters["evicted"] += 1
+            self.counters["evicted_bytes"] += victim.bytes
+        return freed
+
+    async def delete(self, key: str, reason: str) -> None:
+        """Delete an entry from the bucket: its record first, then its data and use objects."""
+        r = self.index.pop(key, None)
+        self._etags.pop(key, None)
+        log.info("remote: deleting %s: %s", key[:16], reason)
+        await self.objects.delete(f"{RECORDS}{key}.json")
+        for name in (r.objects.values() if r is not None else ()):
+            await self.objects.delete(name)
+        await self.objects.delete(f"{USE}{key}.json")
+
+    async def sweep(self) -> int:
+        """Delete data objects that no record of the index names and that are older than
+        ``orphan_age_s`` (a host died between its data and its record; one uploading now has its data
+        younger than that). Call after :meth:`refresh`. Returns how many."""
+        named = {o for r in self.index.values() for o in r.objects.values()}
+        now = time.time()   # the server's LastModified is wall time, whatever ``clock`` says
+        gone = 0
+        listed: list[ObjectInfo] = await self.objects.list(DATA)
+        for o in listed:
+            if o.key not in named and now - o.modified >= self.orphan_age_s:
+                await self.objects.delete(o.key)
+                gone += 1
+        self.counters["orphans_deleted"] += gone
+        return gone
+
+    # ------------------------------------------------------------------ download
+    async def fetch(self, key: str) -> Entry:
+        """Download an entry into the local store, verified (see the module docstring), and return
+        the local Entry. Raises RemoteError; KeyError when the key is not in the index."""
+        r = self.index[key]
+        e = r.entry
+        if e.identity != self.store.identity:
+            raise RemoteError("identity", f"{e.identity} != {self.store.identity}")
+        local = self.store.get(key)
+        if local is not None:
+            return local
+        try:
+            await reserve_async(self.store, key, e.bytes, e.kind)
+        except BudgetError as exc:
+            raise RemoteError("budget", str(exc)) from exc
+        tmp = self.store.temp_name(e.kind, key)
+        try:
+            for role, f in e.files.items():
+                name = tmp if role == "bin" else tmp + ".ckpt"
+                await self._download(r, role, self.store.path(name))
+            local = await asyncio.to_thread(self.store.commit, e.kind, r.tokens(), tmp,
+                                            fingerprint=e.fingerprint, meta={**e.meta, "remote": r.host})
+        except RemoteError as exc:
+            self.store.release(key)
+            self.store.discard_temp(tmp)
+            await self._refused(key, exc)
+            raise
+        except ValueError as exc:         # commit: the slot file header holds other token ids
+            self.store.release(key)
+            err = RemoteError("header", str(exc))
+            await self._refused(key, err)
+            raise err from exc
+        except OSError as exc:
+            self.store.release(key)
+            self.store.discard_temp(tmp)
+            self.counters["download_failed"] += 1
+            raise RemoteError("io", str(exc)) from exc
+        self.counters["downloads"] += 1
+        self.counters["download_bytes"] += local.bytes
+        return local
+
+    async def _refused(self, key: str, exc: RemoteError) -> None:
+        if exc.reason in ("size", "hash", "header", "record"):
+            self.counters["verify_failed"] += 1
+            log.warning("remote: %s refused: %s; deleting it from the bucket", key[:16], exc)
+            try:
+                await self.delete(key, f"failed verification: {exc.reason}")
+            except Exception as dexc:  # noqa: BLE001 - the refusal stands either way
+                log.warning("remote: could not delete %s: %s", key[:16], dexc)
+        else:
+            self.counters["download_failed"] += 1
+            if exc.reason == "missing":   # being evicted by another host: not offered until a refresh lists it
+                self.index.pop(key, None)
+                self._etags.pop(key, None)
+
+    async def _download(self, r: RemoteEntry, role: str, dest: Any) -> None:
+        """Stream one data object into ``dest`` (created 0600, never overwritten), hashing as it
+        goes; raises RemoteError (``missing``, ``size``, ``hash``, ``io``)."""
+        want = r.entry.files[role]
+        h = xxhash.xxh3_64()
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            def sink(part: bytes) -> None:
+                if fh.tell() + len(part) > want.size:
+                    raise RemoteError("size", f"{r.objects[role]} is longer than {want.size} bytes")
+                fh.write(part)
+                h.update(part)
+
+            try:
+                n = await self.objects.stream(r.objects[role], sink)
+            except FileNotFoundError as exc:
+                raise RemoteError("missing", r.objects[role]) from exc
+            except RemoteError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the bucket failed: the entry is kept
+                raise RemoteError("io", f"{r.objects[role]}: {exc}") from exc
+        if n != want.size:
+            raise RemoteError("size", f"{r.objects[role]}: {n} != {want.size} bytes")
+        if h.hexdigest() != want.xxh3:
+            raise RemoteError("hash", r.objects[role])
+
+    async def note_use(self, key: str) -> None:
+        """Record a confirmed hit of ``key`` in its use object (best effort: logged on failure)."""
+        r = self.index.get(key)
+        if r is None:
+            return
+        r.entry.hits += 1
+        r.entry.last_used = self.clock()
+        body = json.dumps({"hits": r.entry.hits, "last_used": r.entry.last_used}).encode()
+        try:
+            await self.objects.put(f"{USE}{key}.json", body)
+        except Exception as exc:  # noqa: BLE001
+            log.info("remote: could not record a use of %s: %s", key[:16], exc)

@@ -1,0 +1,177 @@
+"""The S3 client of the remote tier (``ocache.tiers.remote``): one bucket location, the five calls
+the tier makes (create-only put, streamed get, list, delete, head of the bucket), over aiobotocore.
+
+Why aiobotocore (docs/decisions.md D10): it runs on aiohttp like the rest of ocache, and botocore's
+credential chain reads the usual AWS environment variables, ``~/.aws/credentials`` /
+``~/.aws/config`` profiles and instance roles with no code here; obstore was faster on loopback
+gets but reads credentials from the environment only.
+
+A location is ``s3://bucket/prefix`` (``prefix`` may be empty); every object key the tier names is
+relative to it. ``endpoint_url`` names an S3-compatible server (SeaweedFS, MinIO, Ceph RGW, R2);
+None is AWS itself. The create-only put sends ``If-None-Match: *`` (S3 conditional writes, 2024;
+SeaweedFS 4.48 honours it: ``tests/test_remote.py::test_create_only_put``): a second put of the same
+key answers 412 and :meth:`S3Objects.put` returns False.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, BinaryIO, Callable
+from urllib.parse import urlparse
+
+
+#: seconds to connect to the bucket / to wait for its next byte (botocore's defaults are 60 / 60)
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0
+
+
+class RemoteConfigError(ValueError):
+    """``store.remote`` is malformed (the message names the key)."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """``s3://bucket/prefix``: ``prefix`` is empty or ends with ``/``."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, url: str) -> "Location":
+        """Raises RemoteConfigError for anything but ``s3://bucket[/prefix]``."""
+        u = urlparse(str(url))
+        if u.scheme != "s3" or not u.netloc or u.query or u.fragment:
+            raise RemoteConfigError(f"store.remote.url: {url!r} is not s3://bucket/prefix")
+        prefix = u.path.strip("/")
+        return cls(u.netloc, prefix + "/" if prefix else "")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: ``key`` relative to the location's prefix, ``size`` in bytes,
+    ``modified`` Unix seconds, ``etag`` as the server gives it."""
+
+    key: str
+    size: int
+    modified: float
+    etag: str
+
+
+def _code(exc: Exception) -> str:
+    resp = getattr(exc, "response", None) or {}
+    return str((resp.get("Error") or {}).get("Code") or "")
+
+
+def _status(exc: Exception) -> int:
+    resp = getattr(exc, "response", None) or {}
+    return int((resp.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0)
+
+
+class S3Objects:
+    """The tier's calls on one :class:`Location` (an ``async with`` opens the client).
+
+    Errors: botocore's ``ClientError`` (an S3 error answer) and ``BotoCoreError``/``aiohttp``
+    errors (no answer) propagate, except where a method says otherwise."""
+
+    def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None,
+                 profile: str | None = None) -> None:
+        self.location = Location.parse(url)
+        self.endpoint_url = endpoint_url or None
+        self.region = region or None
+        self.profile = profile or None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client: Any = None
+
+    async def __aenter__(self) -> "S3Objects":
+        from aiobotocore.config import AioConfig
+        from aiobotocore.session import AioSession
+
+        self._stack = contextlib.AsyncExitStack()
+        session = AioSession(profile=self.profile)
+        # bounded waits: a bucket that does not answer fails a sync round (retried by the next one)
+        # or a download (the request goes on without it), never hangs one
+        cfg = AioConfig(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                        retries={"max_attempts": 3, "mode": "standard"})
+        self._client = await self._stack.enter_async_context(
+            session.create_client("s3", endpoint_url=self.endpoint_url, region_name=self.region or "us-east-1",
+                                  config=cfg))
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._stack is not None:
+            await self._stack.aclose()
+        self._stack = self._client = None
+
+    def _key(self, key: str) -> str:
+        return self.location.prefix + key
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            raise RuntimeError("S3Objects is not open (use `async with`)")
+        return self._client
+
+    async def check(self) -> None:
+        """Head the bucket (``ocache doctor``): raises ClientError (403, 404) or a connection error."""
+        await self.client.head_bucket(Bucket=self.location.bucket)
+
+    async def put(self, key: str, body: bytes | BinaryIO, *, create_only: bool = False) -> bool:
+        """Store ``body`` (bytes, or a binary file read from its position: one PUT, so at most the
+        server's single-object limit, 5 GB on AWS) under ``key``. ``create_only``: ``If-None-Match:
+        *``; False when the key exists already (412, or 409 for a conditional put racing another),
+        True when stored."""
+        kw: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
+        try:
+            await self.client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=body, **kw)
+        except Exception as exc:
+            if create_only and (_status(exc) in (409, 412)
+                                or _code(exc) in ("PreconditionFailed", "ConditionalRequestConflict")):
+                return False
+            raise
+        return True
+
+    async def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None when there is no such key."""
+        try:
+            resp = await self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
+        except Exception as exc:
+            if _status(exc) == 404 or _code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
+        async with resp["Body"] as body:
+            return bytes(await body.read())
+
+    async def stream(self, key: str, sink: Callable[[bytes], None], chunk: int = 1 << 20) -> int:
+        """Hand the object's bytes to ``sink`` in chunks of at most ``chunk`` bytes; returns the
+        bytes read. Raises FileNotFoundError when there is no such key."""
+        try:
+            resp = await self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
+        except Exception as exc:
+            if _status(exc) == 404 or _code(exc) in ("NoSuchKey", "404"):
+                raise FileNotFoundError(key) from exc
+            raise
+        n = 0
+        async with resp["Body"] as body:
+            async for part in body.iter_chunks(chunk):
+                sink(part)
+                n += len(part)
+        return n
+
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (relative keys), in key order."""
+        out: list[ObjectInfo] = []
+        async for page in self._pages(prefix):
+            for o in page.get("Contents") or ():
+                out.append(ObjectInfo(str(o["Key"])[len(self.location.prefix):], int(o["Size"]),
+                                      o["LastModified"].timestamp(), str(o.get("ETag", ""))))
+        return out
+
+    async def _pages(self, prefix: str) -> AsyncIterator[dict]:
+        pager = self.client.get_paginator("list_objects_v2")
+        async for page in pager.paginate(Bucket=self.location.bucket, Prefix=self._key(prefix)):
+            yield page
+
+    async def delete(self, key: str) -> None:
+        """Delete ``key`` (no error when it is gone already: S3 answers 204 either way)."""
+        await self.client.delete_object(Bucket=self.location.bucket, Key=self._key(key))
