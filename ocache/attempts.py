@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
+from ocache import admin
 from ocache.forward import CONNECT_FAILED, CURRENT_UPSTREAM
 from ocache.layer import Observation, ParsedRequest, Plan
+from ocache.wire import unplanned_body
 
 if TYPE_CHECKING:
     from ocache.proxy import Proxy
@@ -207,9 +209,21 @@ class Attempts:
         return resp
 
     async def _forward(self, att: Attempt) -> aiohttp.ClientResponse | web.Response:
-        """One send of the request as planned now (``Proxy._forward``)."""
+        """One send of the request as planned now (``Proxy._forward``). A completion sent without a
+        plan to a llama-server never carries the client's ``id_slot`` (``wire.unplanned_body``):
+        removed, or ocache's 400 when the body cannot be rewritten."""
         att.obs.status = 0
-        resp = await self.proxy._forward(att.request, att.rid, att.out_body, att.has_body, att.timeout,
+        body = att.out_body
+        if att.plan is None and att.preq is not None and att.body and self.proxy.upstream.state != "foreign":
+            unplanned = unplanned_body(att.body, att.preq.body)
+            if unplanned is None:
+                att.obs.status = 400
+                log.info("[%s] unplanned body may name id_slot: 400", att.rid)
+                return admin.error(400, "ocache could not parse this body and will not forward an "
+                                   "id_slot it may hold (send plain UTF-8 JSON without a BOM, nested "
+                                   "less deeply)", "invalid_request_error", att.rid)
+            body = unplanned
+        resp = await self.proxy._forward(att.request, att.rid, body, att.has_body, att.timeout,
                                          att.obs, up_headers(att.plan))
         att.up_resp = resp if isinstance(resp, aiohttp.ClientResponse) else None
         return resp
