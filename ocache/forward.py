@@ -163,9 +163,11 @@ class Forwards:
             return unavailable(self.config, up, rid)
         except asyncio.TimeoutError as exc:
             if request.path in HEALTH_ROUTES:
+                # this client's /health got no answer in time: its 503, and a shared probe now; the
+                # hung verdict is the probe's (``hung_probes`` misses in a row), never one request's
                 obs.status = 503
-                up.notify_unreachable(
-                    f"no answer to {request.path} in {timeout.sock_read:g} s (stopped or hung)", hung=True)
+                up.last_error = f"no answer to {request.path} in {timeout.sock_read:g} s"
+                up.poke()
                 self.stats.upstream_unavailable()
                 return unavailable(self.config, up, rid)
             obs.status = 504
