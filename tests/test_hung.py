@@ -141,3 +141,38 @@ async def test_stopped_server_abandoned_generation_is_cancelled_and_its_slot_ser
         async with c.post(base + "/v1/chat/completions", json=chat("count")) as r:
             assert r.status == 200, await r.text()
             json.loads(await r.read())
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("path", ["/apply-template", "/tokenize"])
+async def test_server_stopped_during_the_token_view_ends_the_plan_with_503(start_server, monkeypatch, path):
+    """The server stopped (SIGSTOP) while a request's plan waits for its token view (the first
+    ``/apply-template`` or ``/tokenize`` of the plan is the moment): the hung verdict ends the plan,
+    and the client gets ocache's 503 with ``Retry-After``, not the view's own 120 s bound. After
+    SIGCONT the next request is served. On the old code the hung verdict ended forwards only: the
+    client waited for the view's 120 s timeout (this test's 60 s bound fails first)."""
+    from ocache.tokens import TokenViewer
+
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=1)
+    real = TokenViewer._post
+    stopped: list[str] = []
+
+    async def stop_first(self, where, payload):
+        if where == path and not stopped:
+            stopped.append(where)
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+        return await real(self, where, payload)
+
+    monkeypatch.setattr(TokenViewer, "_post", stop_first)
+    async with proxy_on(srv.url, probe_interval_s=0.2, probe_timeout_s=0.5, hung_probes=2) as (base, proxy), \
+            client() as c:
+        try:
+            async with c.post(base + "/v1/chat/completions", json=chat("a question"), timeout=60) as r:
+                assert stopped == [path]
+                assert r.status == 503 and r.headers["Retry-After"]
+                assert "no answer to GET /health" in (await r.json())["error"]["message"]
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        await poll(lambda: proxy.upstream.state == "ready", timeout=60, what="ready again")
+        async with c.post(base + "/v1/chat/completions", json=chat("another question")) as r:
+            assert r.status == 200

@@ -48,3 +48,26 @@ async def test_request_beside_a_server_placed_generation_does_not_wait_for_it(st
                 assert busy and slot not in {str(b) for b in busy}
             finally:
                 stream.close()
+
+
+@pytest.mark.server
+async def test_a_body_larger_than_any_context_gets_the_servers_answer_at_once(start_server, caplog):
+    """A 50 MB chat body (far more bytes than the slot context can hold as tokens): ocache builds
+    no token view of it (``attempts.too_large``) and answers the 400 llama-server gives (it took 60 s
+    on this machine to tokenize it first) at once, counted as ``unplannable: size``, nothing
+    forwarded, no error logged. On the old code the view spent its whole 120 s bound, then logged an
+    error with a traceback (this test's 30 s bound fails first)."""
+    import logging
+
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=1)
+    raw = json.dumps(chat("word " * (10 << 20), max_tokens=1)).encode()
+    assert len(raw) > 50 << 20
+    async with proxy_on(srv.url, probe_interval_s=0.5) as (base, proxy), client() as c:
+        async with c.post(base + "/v1/chat/completions", data=raw,
+                          headers={"Content-Type": "application/json"}, timeout=30) as r:
+            status = r.status
+            answer = await r.json()
+        await proxy.wait_background()
+        assert proxy.stats.to_dict()["unplannable"] == {"size": 1}
+    assert status == 400 and answer["error"]["type"] == "exceed_context_size_error", answer
+    assert not [x for x in caplog.records if x.levelno >= logging.ERROR]
