@@ -531,3 +531,32 @@ def test_two_stores_sharing_a_slot_dir_never_remove_each_others_files(tmp_path):
     assert b.open().orphans == len(a_files)
     assert set(oc_files(b)) == {f.name for f in eb.files.values()}
     assert b.verify(eb.key).key == eb.key
+
+
+def test_unreturned_spills_decay_and_expire_so_their_bytes_stay_bounded(tmp_path):
+    """Issue 28 item 9: two-turn sessions spill and never come back. A spill never restored loses
+    value by the hour (it goes before an older anchor of equal size) and is deleted at the first
+    commit two hours after it was written, so what unreturned spills hold is bounded by the spill
+    rate times two hours; a spill that was restored once keeps the day's half-life. On the old policy
+    every spill stayed until the budget (40 GB) was full."""
+    from ocache.tiers.evict import UNRETURNED_TTL_S, ValuePolicy
+
+    clock = Clock()
+    s = make_store(tmp_path, clock=clock)
+    anchor = put(s, list(range(1000, 1400)), kind="a", seed=1)
+    clock.t += 600
+    back = put(s, list(range(2000, 2400)), kind="s", seed=2)
+    s.touch(back.key)                                   # restored once: it came back
+    gone = put(s, list(range(3000, 3400)), kind="s", seed=3)
+    clock.t += 1800
+    order = [e.key for e in ValuePolicy().candidates(s.entries(), clock.t)]
+    assert order[0] == gone.key                          # the unreturned spill goes first
+    total = 0
+    for i in range(6):                                   # a spill every 30 min, none restored
+        clock.t += 1800
+        put(s, list(range(5000 + 500 * i, 5400 + 500 * i)), kind="s", seed=10 + i)
+        spills = [e for e in s.entries("s") if e.hits == 0]
+        total = max(total, len(spills))
+        assert all(clock.t - e.created <= UNRETURNED_TTL_S for e in spills)
+    assert total <= UNRETURNED_TTL_S / 1800 + 1           # the bound: rate x TTL
+    assert s.get(gone.key) is None and s.get(back.key) is not None and s.get(anchor.key) is not None

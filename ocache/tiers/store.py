@@ -432,6 +432,7 @@ class Store:
                 atomic_write(self.record_path(key), json.dumps(e.record(tokens)).encode())
                 self._tok_cache.put(key, tokens)
                 self._entries[key] = e
+                self._expire_unreturned(now)
                 self._write_index()
                 self.counters["committed"] += 1
                 return e
@@ -440,6 +441,16 @@ class Store:
             self.release(key)
             self.discard_temp(temp_bin)
             raise
+
+    def _expire_unreturned(self, now: float) -> None:
+        """Delete what the policy says expired (``ValuePolicy.expired``: spills never restored within
+        their TTL), at each commit: their bytes stay bounded by the write rate times that TTL."""
+        expired = getattr(self.policy, "expired", None)
+        gone = expired(list(self._entries.values()), now) if expired is not None else []
+        for e in gone:
+            self._delete_locked(e.key, "unreturned")
+        self.counters["expired"] += len(gone)
+        log_deleted(gone, "spills no request came back to within their TTL")
 
     def discard_temp(self, temp_bin: str) -> None:
         """Remove a temp slot file that will not be committed, with its sidecar and the sidecar's own
