@@ -294,11 +294,13 @@ class SlotStates:
         self._check(slot)
         return self._locks[slot]
 
-    async def lease(self, slot: int) -> SlotLease:
-        """Wait for ``slot``'s lock and return the lease that owns it. A cancellation while waiting
-        leaves the lock as it was (``asyncio.Lock.acquire`` takes it only when the wait succeeded)."""
+    async def lease(self, slot: int, timeout_s: float | None = None) -> SlotLease:
+        """Wait for ``slot``'s lock and return the lease that owns it; at most ``timeout_s`` seconds
+        (None: no bound), then ``TimeoutError``. A cancellation or timeout while waiting leaves the
+        lock as it was (``asyncio.Lock.acquire`` takes it only when the wait succeeded)."""
         lock = self.lock(slot)
-        await lock.acquire()
+        async with asyncio.timeout(timeout_s):
+            await lock.acquire()
         self.counters["leases_held"] += 1
         return SlotLease(slot, lock, self._lease_returned)
 

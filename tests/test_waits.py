@@ -71,3 +71,34 @@ async def test_a_body_larger_than_any_context_gets_the_servers_answer_at_once(st
         assert proxy.stats.to_dict()["unplannable"] == {"size": 1}
     assert status == 400 and answer["error"]["type"] == "exceed_context_size_error", answer
     assert not [x for x in caplog.records if x.levelno >= logging.ERROR]
+
+
+@pytest.mark.server
+async def test_a_request_whose_best_slot_is_generating_takes_the_idle_one(start_server, tmp_path):
+    """Two identical long generations through ocache on ``-np 2``, the second sent once the first
+    runs: the second's best slot is the first's (the same prompt), busy with a generation that does
+    not end; it runs on the other slot (at the latest after ``usual.LEASE_WAIT_S``, the bounded lease
+    wait) and both run together. Guards the bound; it passes on the code before it too (the planner
+    already preferred the idle slot here: the unbounded wait needs the first to hold every lease)."""
+    from ocache.cache.routes.usual import LEASE_WAIT_S
+
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=2, ctx_size=2 * 16384)
+    tiers = {"resident": {"server_args": ["-np", "2", "--slot-save-path", str(tmp_path / "slots")]}}
+    long = chat("Count.", max_tokens=100000, ignore_eos=True, stream=True)
+    async with proxy_on(srv.url, admin_token="tok", probe_interval_s=0.5, tiers=tiers) as (base, proxy), \
+            client() as c:
+        first = await c.post(base + "/v1/chat/completions", json=long)
+        second = None
+        try:
+            await asyncio.wait_for(first.content.readline(), 60)
+            second = await asyncio.wait_for(c.post(base + "/v1/chat/completions", json=long),
+                                            LEASE_WAIT_S + 60)
+            assert second.status == 200
+            await asyncio.wait_for(second.content.readline(), 60)
+            assert second.headers["X-OCache-Slot"] != first.headers["X-OCache-Slot"]
+            async with c.get(srv.url + "/slots") as r:
+                assert all(s["is_processing"] for s in await r.json())
+        finally:
+            first.close()
+            if second is not None:
+                second.close()

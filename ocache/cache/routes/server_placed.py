@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ocache.cache.execute import ServerPlaced
 from ocache.cache.prepare import Prepared
+from ocache.cache.routes.usual import LEASE_WAIT_S
 from ocache.layer import ParsedRequest, Plan
 from ocache.slots import SlotError, SlotLease
 from ocache.tiers.base import RequestContext
@@ -54,8 +55,15 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: Requ
     leases: list[SlotLease] = []
     try:
         for i in range(len(table)):
-            leases.append(await table.lease(i))
+            # a slot leased meanwhile (another request placed or generating there) is waited for at
+            # most LEASE_WAIT_S: then this request goes the usual way (its bounded lease wait)
+            leases.append(await table.lease(i, LEASE_WAIT_S))
         await table.refresh()          # the id_task of every slot, right before the request
+    except TimeoutError:
+        for lease in leases:
+            lease.release()
+        log.info("[%s] a slot stayed leased for %g s: not server-placed", req.request_id, LEASE_WAIT_S)
+        return None
     except BaseException:
         for lease in leases:
             lease.release()
