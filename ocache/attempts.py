@@ -11,7 +11,7 @@ request, so nothing that reached a server runs twice:
 | answered 503 while loading its model | held until ready, sent again (server-http.cpp:307-327) |
 | answered 412 to the plan's precondition | the plan ended, the upstream probed, planned again (``STALE_REPLANS``) |
 | answered 412 to the client's own precondition | the plan ended, the 412 is the answer |
-| stopped answering (hung) | the send ends with ocache's 503 (``ocache/forward.py``) |
+| stopped answering (hung) | the send, or the plan waiting on the server, ends with ocache's 503 (``ocache/forward.py``) |
 
 The request's state lives in one ``Attempt``; ``Attempt.plan`` is always the plan in hand: a plan
 is taken off it (``Attempts._end``) before its receipt is spent, so the finish path, which reads
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
-from ocache.forward import CONNECT_FAILED, CURRENT_UPSTREAM
+from ocache import admin
+from ocache.forward import CONNECT_FAILED, CURRENT_UPSTREAM, UpstreamHung
 from ocache.layer import Observation, ParsedRequest, Plan
+from ocache.wire import unplanned_body
 
 if TYPE_CHECKING:
     from ocache.proxy import Proxy
@@ -45,6 +48,29 @@ log = logging.getLogger("ocache.proxy")
 STALE_REPLANS = 2
 #: llama-server's own probe routes: a 503 from one of them is the answer, never held
 PROBE_ROUTES = frozenset({"/health", "/v1/health", "/metrics", "/props", "/slots"})
+
+
+#: bytes per token above which a body cannot fit the slot's context: a token is a few bytes of
+#: text, at most ~6 per character as a JSON ``\\u`` escape; 64 leaves room for roles, tools and
+#: markup. A body above ``max(PLAN_MIN_BYTES, 64 * n_ctx)`` is not planned (``too_large``)
+BYTES_PER_TOKEN_MAX = 64
+#: bodies up to this size are always planned (images in base64 take bytes, not tokens)
+PLAN_MIN_BYTES = 16 << 20
+#: a body with media (base64 images, audio) may be large and short in tokens: the server judges it
+_MEDIA = re.compile(rb'"(?:image_url|input_audio|image|input_image|file)"')
+
+
+def too_large(body: bytes, props: Mapping | None) -> bool:
+    """Whether ``body`` has more bytes than its prompt could ever fit the server's slot context
+    (``props["default_generation_settings"]["n_ctx"]``, tokens) at ``BYTES_PER_TOKEN_MAX``: the
+    server refuses such a prompt after tokenizing it, so ocache forwards it unplanned instead of
+    building a token view of it (a 50 MB body spent the view's whole 120 s, then logged a
+    traceback: issue 28 item 3). False when the context is not known."""
+    dgs = (props or {}).get("default_generation_settings")
+    n_ctx = dgs.get("n_ctx") if isinstance(dgs, Mapping) else None
+    if not isinstance(n_ctx, int) or n_ctx <= 0:
+        return False
+    return len(body) > max(PLAN_MIN_BYTES, BYTES_PER_TOKEN_MAX * n_ctx)
 
 
 def up_headers(plan: Plan | None) -> Mapping[str, str] | None:
@@ -117,12 +143,26 @@ class Attempts:
                 return self._down(att)
             att.plannable = state == "ready"
         preq = att.preq
+        if preq is not None and preq.body is not None and att.plannable and too_large(att.body, p.upstream.props):
+            # more bytes than the server's context can hold as tokens: not planned (no token view
+            # spending its whole bound on it); text only: llama-server's own 400 at once (it spent
+            # 60 s tokenizing 50 MB before refusing it); with media: forwarded for the server to judge
+            log.info("[%s] body of %d bytes exceeds what the slot context holds: not planned", att.rid,
+                     len(att.body))
+            p.stats.unplannable("size")
+            att.plannable = False
+            if not _MEDIA.search(att.body):
+                return self._too_large(att)
         if preq is not None and preq.body is not None and att.plannable:
             epoch = p.upstream.epoch
             try:
-                att.plan, att.out_body = await p._plan(preq, att.body)
+                # the hung verdict ends a plan waiting on the server (a token view, a restore)
+                att.plan, att.out_body = await p.forwards.planned(p.upstream, p._plan(preq, att.body))
             except asyncio.CancelledError:
                 raise
+            except UpstreamHung:
+                log.warning("[%s] llama-server stopped answering while the request was planned", att.rid)
+                return self._down(att)
             except RecursionError:
                 log.warning("[%s] body nested too deeply for the cache layer: forwarded untouched", att.rid)
                 p.stats.unplannable("nesting")
@@ -165,6 +205,17 @@ class Attempts:
                 p.stats.layer_error("plan")
                 att.fail_open = True
         return None
+
+    def _too_large(self, att: Attempt) -> web.Response:
+        """ocache's 400 for a text body larger than the slot context can hold, in llama-server's
+        shape for it (``exceed_context_size_error``, server-common.cpp's ``format_error_response``)."""
+        p = self.proxy
+        p.stats.request(att.path, 400)
+        dgs = (p.upstream.props or {}).get("default_generation_settings") or {}
+        resp = admin.error(400, f"request ({len(att.body)} bytes) exceeds the available context size "
+                           f"({dgs.get('n_ctx')} tokens) at any tokenization, try increasing it",
+                           "exceed_context_size_error", att.rid)
+        return resp
 
     def _down(self, att: Attempt) -> web.Response:
         p = self.proxy
@@ -210,9 +261,21 @@ class Attempts:
         return resp
 
     async def _forward(self, att: Attempt) -> aiohttp.ClientResponse | web.Response:
-        """One send of the request as planned now (``Proxy._forward``)."""
+        """One send of the request as planned now (``Proxy._forward``). A completion sent without a
+        plan to a llama-server never carries the client's ``id_slot`` (``wire.unplanned_body``):
+        removed, or ocache's 400 when the body cannot be rewritten."""
         att.obs.status = 0
-        resp = await self.proxy._forward(att.request, att.rid, att.out_body, att.has_body, att.timeout,
+        body = att.out_body
+        if att.plan is None and att.preq is not None and att.body and self.proxy.upstream.state != "foreign":
+            unplanned = unplanned_body(att.body, att.preq.body)
+            if unplanned is None:
+                att.obs.status = 400
+                log.info("[%s] unplanned body may name id_slot: 400", att.rid)
+                return admin.error(400, "ocache could not parse this body and will not forward an "
+                                   "id_slot it may hold (send plain UTF-8 JSON without a BOM, nested "
+                                   "less deeply)", "invalid_request_error", att.rid)
+            body = unplanned
+        resp = await self.proxy._forward(att.request, att.rid, body, att.has_body, att.timeout,
                                          att.obs, up_headers(att.plan))
         att.up_resp = resp if isinstance(resp, aiohttp.ClientResponse) else None
         return resp

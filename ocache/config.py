@@ -91,6 +91,10 @@ class Config:
                                 "client's /health through ocache) may take; longer counts as not "
                                 "answering (llama-server answers /health at once, even while busy)",
                                 min=0.1)
+    hung_probes: int = _f(3, "llama-server is declared hung (the forwards in flight to it ended, "
+                          "their tasks cancelled) only after this many /health probes in a row "
+                          "got no answer in probe_timeout_s each (one slow probe on a loaded "
+                          "machine is not a stopped server)", min=1, max=100)
     loading_wait_s: float = _f(120.0, "requests that arrive while llama-server loads its model are "
                                "held until it is ready, at most this many seconds; then they get "
                                "the server's 503 with Retry-After", min=0)

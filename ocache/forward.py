@@ -6,9 +6,9 @@ stopped answering while this send waited), 504 (no byte in time), 502 (closed wi
 or an answer that is not valid HTTP: any aiohttp client error). A pooled keep-alive connection the
 server had already closed is resent once on a fresh one (no answer came, so nothing ran twice).
 
-The sends and relays in flight are kept per upstream so that an upstream that becomes hung (a
-probe timed out: ``Upstream.on_hung``) ends them at once (``Forwards.abort``) instead of leaving
-them to ``upstream_read_timeout_s``. What to do after an answer (re-plan, reroute, hold) is the
+The sends, relays and plans (``Forwards.planned``) in flight are kept per upstream so that an
+upstream that becomes hung (``hung_probes`` probes timed out: ``Upstream.on_hung``) ends them at
+once (``Forwards.abort``) instead of leaving them to ``upstream_read_timeout_s``. What to do after an answer (re-plan, reroute, hold) is the
 attempts loop's (``ocache/attempts.py``); this module sends once.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from ocache.layer import ParsedRequest
 
 log = logging.getLogger("ocache.proxy")
+
+T = TypeVar("T")
 
 #: Routes llama-server answers at once, without its task queue (server-context.cpp:4635-4646):
 #: forwarded with ``probe_timeout_s`` as their read timeout.
@@ -130,6 +132,29 @@ class Forwards:
         for resp in relaying:
             resp.content.set_exception(UpstreamHung(f"stopped answering mid-response ({reason})"))
 
+    async def planned(self, up: Upstream, aw: Awaitable[T]) -> T:
+        """Await ``aw`` (a request's plan: its token view, a restore, a warm-up, all sent to ``up``)
+        as a forward in flight: the hung verdict (``abort``) ends it with ``UpstreamHung`` instead of
+        leaving the client to the plan's own bounds (a server stopped during a restore kept the
+        client 75 s, issue 28 item 3). The plan sees a cancellation (it releases what it holds, as
+        when the client leaves). Raises what ``aw`` raises, ``asyncio.CancelledError`` when the
+        client left."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._sending.add(task)
+        self._up[task] = up
+        try:
+            return await aw
+        except asyncio.CancelledError:
+            if task not in self._aborted or task.cancelling() != 1:
+                raise
+            task.uncancel()
+            raise UpstreamHung("stopped answering while the request was planned") from None
+        finally:
+            self._sending.discard(task)
+            self._up.pop(task, None)
+            self._aborted.discard(task)
+
     async def forward(self, up: Upstream, request: web.Request, rid: str, body: bytes, has_body: bool,
                       timeout: aiohttp.ClientTimeout, obs: Observation,
                       up_headers: Mapping[str, str] | None = None) -> aiohttp.ClientResponse | web.Response:
@@ -163,9 +188,11 @@ class Forwards:
             return unavailable(self.config, up, rid)
         except asyncio.TimeoutError as exc:
             if request.path in HEALTH_ROUTES:
+                # this client's /health got no answer in time: its 503, and a shared probe now; the
+                # hung verdict is the probe's (``hung_probes`` misses in a row), never one request's
                 obs.status = 503
-                up.notify_unreachable(
-                    f"no answer to {request.path} in {timeout.sock_read:g} s (stopped or hung)", hung=True)
+                up.last_error = f"no answer to {request.path} in {timeout.sock_read:g} s"
+                up.poke()
                 self.stats.upstream_unavailable()
                 return unavailable(self.config, up, rid)
             obs.status = 504

@@ -196,7 +196,8 @@ class Proxy(Lifecycle):
         self.upstreams = [Upstream(u, api_key=config.upstream_api_key,
                                    probe_interval_s=config.probe_interval_s,
                                    pid_source=pids[i] if i < len(pids) else None,
-                                   probe_timeout_s=config.probe_timeout_s)
+                                   probe_timeout_s=config.probe_timeout_s,
+                                   hung_probes=config.hung_probes)
                           for i, u in enumerate(urls)]
         self.server_configs = server_configs or (
             [dataclasses.replace(config, upstream=u, upstreams=[]) for u in urls] if len(urls) > 1

@@ -294,11 +294,13 @@ class SlotStates:
         self._check(slot)
         return self._locks[slot]
 
-    async def lease(self, slot: int) -> SlotLease:
-        """Wait for ``slot``'s lock and return the lease that owns it. A cancellation while waiting
-        leaves the lock as it was (``asyncio.Lock.acquire`` takes it only when the wait succeeded)."""
+    async def lease(self, slot: int, timeout_s: float | None = None) -> SlotLease:
+        """Wait for ``slot``'s lock and return the lease that owns it; at most ``timeout_s`` seconds
+        (None: no bound), then ``TimeoutError``. A cancellation or timeout while waiting leaves the
+        lock as it was (``asyncio.Lock.acquire`` takes it only when the wait succeeded)."""
         lock = self.lock(slot)
-        await lock.acquire()
+        async with asyncio.timeout(timeout_s):
+            await lock.acquire()
         self.counters["leases_held"] += 1
         return SlotLease(slot, lock, self._lease_returned)
 
@@ -619,19 +621,19 @@ class SlotTable(SlotStates):
 
     async def learn_placement(self, before: Mapping[int, int], tokens: Sequence[int], *,
                               owner: str | None, kind: str, user_starts: Sequence[int] = (),
-                              labels: Mapping | None = None) -> int | None:
+                              labels: Mapping | None = None, slot: int | None = None) -> int | None:
         """After a request forwarded without ``id_slot`` (the server chose its slot by its own
         prompt similarity, docs/llama-server.md §9): ``GET /slots``, find the one slot whose
         ``id_task`` grew since ``before`` (``task_ids()`` taken while ocache held every slot's
         lock, so no other request ran) and record that it now holds ``tokens`` (+ the generated
         tail the server reports in ``n_prompt_tokens``). Returns the slot, or None when no single
         slot can be named (the request failed, or other clients used the server). The caller holds
-        every slot's lock. Raises SlotError when ``GET /slots`` fails."""
+        every slot's lock, or, with ``slot`` (the one :meth:`placed_slot` named while the request
+        ran), that slot's: then only its entry is read. Raises SlotError when ``GET /slots`` fails."""
         meta: dict = {}
         data = await self.fetch_slots(meta)
         self._restarted(data, meta.get("boot"))
-        grown = [e for e in data if e.get("id_task") is not None
-                 and int(e["id_task"]) > before.get(int(e.get("id", -1)), -1)]
+        grown = [e for e in _grown(data, before) if slot is None or int(e.get("id", -1)) == slot]
         if len(grown) != 1 or not 0 <= int(grown[0].get("id", -1)) < len(self.slots):
             return None
         e = grown[0]
@@ -642,6 +644,26 @@ class SlotTable(SlotStates):
         st.hold(tokens, int(n) if n is not None else None, user_starts=user_starts, owner=owner, kind=kind,
                 labels=labels)
         return st.id
+
+    async def placed_slot(self, before: Mapping[int, int], wait_s: float, poll_s: float = 0.05) -> int | None:
+        """While a request forwarded without ``id_slot`` runs (the caller holds every slot's lock,
+        ``before`` = ``task_ids()`` then): ``GET /slots`` every ``poll_s`` seconds until one slot's
+        ``id_task`` grew (the server placed the request there: it takes the task when it starts its
+        prompt), at most ``wait_s`` seconds. Returns that slot, or None (not placed yet, several
+        grew, or ``GET /slots`` failed). The caller can then let the other slots go: holding every
+        lease to the end made a 4-token chat wait 6.56 s behind a 1,500-token generation (issue 28
+        item 3)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                grown = _grown(await self.fetch_slots(), before)
+            except SlotError:
+                return None
+            if len(grown) == 1 and 0 <= int(grown[0].get("id", -1)) < len(self.slots):
+                return int(grown[0]["id"])
+            if grown or time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(poll_s)  # bounded poll of the server's state (wait_s), not a test sync
 
     async def settle_interrupted(self, slot: int, wait_s: float = 3.0, poll_s: float = 0.1) -> bool:
         """For a slot whose last request was cut short (``interrupted``, count still pending) and
@@ -771,3 +793,9 @@ class SlotTable(SlotStates):
             log.warning("warm slot %d: server holds %s tokens, expected %d", slot, cached, len(tokens))
             st.n_total = int(cached)
         return timings
+
+
+def _grown(data: list[dict], before: Mapping[int, int]) -> list[dict]:
+    """The ``GET /slots`` entries whose ``id_task`` grew since ``before`` (slot -> id_task)."""
+    return [e for e in data if e.get("id_task") is not None
+            and int(e["id_task"]) > before.get(int(e.get("id", -1)), -1)]

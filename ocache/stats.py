@@ -17,7 +17,7 @@ Metric families (all prefixed ``ocache_``):
 | upstream_unavailable_total | counter | | requests answered 503 because llama-server was down |
 | upstream_restarts_total | counter | | new upstream processes detected (epoch changes) |
 | layer_errors_total | counter | stage | cache-layer exceptions (plan: request forwarded untouched) |
-| unplannable_total | counter | reason | completion bodies forwarded byte for byte, never planned (``body``: not UTF-8 JSON object / lone surrogate; ``nesting``: too deep for the layer) |
+| unplannable_total | counter | reason | completion bodies forwarded byte for byte, never planned (``body``: not UTF-8 JSON object / lone surrogate; ``nesting``: too deep for the layer; ``size``: more bytes than the slot context can hold) |
 | unparsed_total | counter | route, status | answers to those bodies, by the upstream's status: never counted in ``completions_total``, the token counters or ``ttft_seconds`` (ocache neither planned nor read them; the JSON view's ``unparsed``) |
 | held_loading_total | counter | | requests held while llama-server loaded its model |
 | figures_late_total | counter | | known-conversation answers sent before their figures were ready (``X-OCache-Figures: late``; the figures then reach the log line and ``last_completions``) |

@@ -92,15 +92,16 @@ class Upstream:
     ``session`` is the shared aiohttp ClientSession (created by ``start()``; the cache layer uses it
     for its own calls; the proxy forwards through it with ``auto_decompress=False``). ``props`` is the
     last ``/props`` JSON (None before the first successful probe). ``state`` is ``"down"``
-    (connection refused / unreachable / no answer to ``/health`` in ``probe_timeout_s``: then
-    ``hung`` is True), ``"loading"`` (``/health`` answers 503 while the model loads), ``"ready"``
+    (connection refused / unreachable / no answer to ``hung_probes`` ``/health`` requests in a row,
+    ``probe_timeout_s`` each: then ``hung`` is True), ``"loading"`` (``/health`` answers 503 while the model loads), ``"ready"``
     or ``"foreign"`` (not llama-server; ``foreign_reason`` says why).
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, probe_interval_s: float = 2.0,
                  pid_source: Callable[[], int | None] | None = None,
-                 probe_timeout_s: float = 5.0) -> None:
+                 probe_timeout_s: float = 5.0, hung_probes: int = 3) -> None:
         self.base_url = base_url.rstrip("/")
+        self.hung_probes = max(1, int(hung_probes))
         self.api_key = api_key
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
@@ -123,6 +124,7 @@ class Upstream:
         self.restarting = False
         self.foreign_reason: str | None = None
         self.probes = 0
+        self.missed_probes = 0             # /health requests of the probes that got no answer in time
         self._seen_down = False
         self._callbacks: list[Callable[[], Awaitable[None]]] = []
         self._hung_callbacks: list[Callable[[str], None]] = []
@@ -351,22 +353,35 @@ class Upstream:
         return await asyncio.shield(self._shared_probe())
 
     async def _probe_once(self) -> str:
+        """One shared probe: ``GET /health`` up to ``hung_probes`` times in a row while it gets no
+        answer in ``probe_timeout_s`` (the hung verdict needs every one of them missed: one slow
+        answer on a loaded machine cut a healthy generation, issue 28 item 4; the verdict comes
+        after at most ``hung_probes * probe_timeout_s`` seconds), then the identity."""
         self.last_probe = time.time()
         self.probes += 1
         timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
-        try:
-            async with self._http.get(self.url("/health"), timeout=timeout) as r:
-                body = await r.read()
-                health = r.status
-                ctype = r.headers.get("Content-Type", "")
-                boot_id = r.headers.get(BOOT_HEADER)
-        except asyncio.TimeoutError:
-            self._set_down(f"no answer to GET /health in {self.probe_timeout_s:g} s (stopped or hung; "
-                           "llama-server answers /health at once)", hung=True)
-            return self.state
-        except (aiohttp.ClientError, OSError) as exc:
-            self._set_down(f"{type(exc).__name__}: {exc}", hung=False)
-            return self.state
+        tries = 1 if self.state == "down" and self.hung else self.hung_probes  # known hung: one try
+        for attempt in range(1, tries + 1):
+            try:
+                async with self._http.get(self.url("/health"), timeout=timeout) as r:
+                    body = await r.read()
+                    health = r.status
+                    ctype = r.headers.get("Content-Type", "")
+                    boot_id = r.headers.get(BOOT_HEADER)
+                break
+            except asyncio.TimeoutError:
+                self.missed_probes += 1
+                if attempt < tries:
+                    log.info("upstream %s: no answer to GET /health in %g s (%d of %d before the hung "
+                             "verdict)", self.base_url, self.probe_timeout_s, attempt, tries)
+                    continue
+                self._set_down(f"no answer to GET /health in {self.probe_timeout_s:g} s, {tries} "
+                               "time(s) in a row (stopped or hung; llama-server answers /health at "
+                               "once)", hung=True)
+                return self.state
+            except (aiohttp.ClientError, OSError) as exc:
+                self._set_down(f"{type(exc).__name__}: {exc}", hung=False)
+                return self.state
         self.hung = False
         health_json = _json_or_none(body)
         if health == 503 and _is_loading(health_json):
@@ -493,6 +508,7 @@ class Upstream:
             "hung": self.hung,
             "foreign": self.foreign_reason,
             "probes": self.probes,
+            "missed_probes": self.missed_probes,
             "epoch": self.epoch,
             "restarts": self.restarts,
             "boot": asdict(self.boot) if self.boot else None,

@@ -73,6 +73,31 @@ def with_fields(raw: bytes, obj: dict, updates: dict) -> bytes:
     return raw[:i] + fields + sep + raw[i:]
 
 
+#: bytes that can spell the key ``id_slot`` in a JSON text: the key itself, or a ``\\u`` escape of
+#: one of its letters (``"\\u0069d_slot"``): a body ocache did not parse and holds neither cannot
+#: name a slot
+_SLOT_SPELLING = re.compile(rb"id_slot|\\u00(?:69|64|5[fF]|73|6[cC]|6[fF]|74)")
+
+
+def unplanned_body(raw: bytes, obj: dict | None) -> bytes | None:
+    """The body to forward for a completion ocache did not plan (``raw`` as sent; ``obj``: its
+    parsed object, None when ``parse_body`` refused it): ``raw`` when it cannot name a slot, ``raw``
+    re-encoded without a top-level ``id_slot`` when ``obj`` has one, and None (answer 400) when it
+    may name one and cannot be rewritten: an unparsed body (UTF-8 BOM, deep nesting: llama-server
+    parses both, nlohmann's ``parse`` skips a BOM and has no depth limit, and would honour the
+    ``id_slot``) whose bytes can spell the key, or an object too deep to encode again. A client's
+    ``id_slot`` outside a plan would overwrite another session's live slot (issue 28 item 5)."""
+    if obj is None:
+        return None if _SLOT_SPELLING.search(raw) else raw
+    if "id_slot" not in obj:
+        return raw
+    try:
+        return json.dumps({k: v for k, v in obj.items() if k != "id_slot"}, ensure_ascii=False,
+                          separators=(",", ":")).encode()
+    except (RecursionError, ValueError):
+        return None
+
+
 def _has_lone_surrogate(obj: Any) -> bool:
     """Whether any key or string value holds a surrogate code point (``json.loads`` joins valid
     pairs, so any that is left is lone). Iterative: no recursion limit."""

@@ -334,6 +334,12 @@ async def p_probe_timeout_s(tmp_path, mp):
         assert proxy.upstream.probe_timeout_s == 1.5
 
 
+async def p_hung_probes(tmp_path, mp):
+    """The behaviour: tests/test_hung.py (one missed probe does not end a generation)."""
+    async with _proxy(hung_probes=4) as (_, proxy, _c):
+        assert proxy.upstream.hung_probes == 4
+
+
 async def p_loading_wait_s(tmp_path, mp):
     """A request while the upstream loads its model waits for it at most ``loading_wait_s``."""
     waits = []
@@ -692,6 +698,7 @@ PROBES = {
     "launch": p_launch, "launch_binary": p_launch_binary, "launch_backend": p_launch_backend,
     "launch_max_failures": p_launch_max_failures, "upstream_read_timeout_s": p_upstream_read_timeout_s,
     "stream_idle_timeout_s": p_stream_idle_timeout_s, "probe_timeout_s": p_probe_timeout_s,
+    "hung_probes": p_hung_probes,
     "loading_wait_s": p_loading_wait_s, "client_idle_timeout_s": p_client_idle_timeout_s,
     "client_keepalive_s": p_client_keepalive_s, "disk_budget_gb": p_disk_budget_gb,
     "disk_ttl_days": p_disk_ttl_days, "disk_min_tokens": p_disk_min_tokens,

@@ -166,3 +166,24 @@ def test_a_guest_goes_where_its_own_prefix_is_unless_that_destroys_more_than_it_
     assert d.slot == 1 and not d.evicts
     d = plan_request(guest, [long_conv, SlotState(id=1)], [], ctx, DENSE, can_spill=frozenset({0}))
     assert d.slot == 0 and d.evicts and d.steps[0] == "before_evict"
+
+
+def test_a_side_request_of_the_same_session_is_priced_like_another_conversation():
+    """Issue 28 item 6: a long no-tools request of the agent's own session (a compaction, a side
+    question: kind ``other``) sharing only the head's 3,000 tokens with the session's live agent turn.
+    It is not the slot's own conversation, so the overwrite is priced: when the session tier would
+    spill the agent turn, it is taken after ``before_evict`` (the spill); when it would not, the
+    4,267 tokens it destroys outweigh the 3,000 it reuses and the empty slot is taken. On the old
+    ranking the agent slot was the request's ``own``: overwritten at once, no spill step."""
+    agent = agent_slot(1, DENSE, last=2.0)
+    side = PREFIX[:3000] + toks(3000, 55)
+    ctx = RequestContext(kind="other", session="ses_run1")
+    d = plan_request(side, [agent, SlotState(id=1)], [], ctx, DENSE, can_spill=frozenset({0}))
+    assert d.slot == 0 and d.evicts and d.steps[0] == "before_evict"
+    d = plan_request(side, [agent, SlotState(id=1)], [], ctx, DENSE, can_spill=frozenset())
+    assert d.slot == 1 and not d.evicts
+    # the session's next agent turn still continues its own slot
+    nxt = agent_turn(1) + toks(40, 77)
+    d = plan_request(nxt, [agent, SlotState(id=1)], [], RequestContext(kind="agent", session="ses_run1"),
+                     DENSE, can_spill=frozenset({0}))
+    assert d.slot == 0 and not d.evicts

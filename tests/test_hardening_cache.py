@@ -143,7 +143,8 @@ async def settle(url: str, tries: int = 10) -> None:
 
 
 def data_files(srv) -> list[Path]:
-    return sorted(p for p in Path(srv.slot_save_path).iterdir())
+    """The slot directory's files, without the stores' registry (``.ocache-stores``, store_files)."""
+    return sorted(p for p in Path(srv.slot_save_path).iterdir() if p.name != ".ocache-stores")
 
 
 class SaveLog:
@@ -671,7 +672,7 @@ def test_size_estimate_learns_from_every_measured_file(tmp_path):
     _slot_file(s.path(name), toks, 20_000)   # larger than the budget
     with pytest.raises(store_mod.BudgetError):
         s.commit("a", toks, name)
-    assert not list((tmp_path / "data").iterdir())
+    assert [p.name for p in (tmp_path / "data").iterdir()] == [".ocache-stores"]
     est = s.estimate_bytes(100)
     assert est is not None and est > 10_000
     with pytest.raises(store_mod.BudgetError):
@@ -691,7 +692,7 @@ def test_discard_temp_removes_the_sidecars_temp_file(tmp_path):
     for suffix in ("", ".ckpt", ".ckpt.tmp"):
         s.path(name + suffix).write_bytes(b"x")
     s.discard_temp(name)
-    assert not list((tmp_path / "data").iterdir())
+    assert [p.name for p in (tmp_path / "data").iterdir()] == [".ocache-stores"]
 
 
 def test_shared_store_keeps_no_store_that_failed_to_open(tmp_path):

@@ -120,6 +120,54 @@ async def test_bodies_ocache_cannot_reencode_are_forwarded_byte_for_byte(dense, 
 
 
 @pytest.mark.server
+@pytest.mark.parametrize("case", ["utf8-bom", "deep", "escaped-key"])
+async def test_unparseable_body_never_pins_a_client_slot(dense, case):
+    """Issue 28 item 5: a body ocache cannot parse but llama-server can (a UTF-8 BOM, 3,000 nested
+    arrays) with the client's ``id_slot`` was forwarded byte for byte, and the server ran it in that
+    slot, over another session's live conversation. Now ocache answers 400 and the server never sees
+    it (the server itself answers 200 to the same bytes). On the old code: 200."""
+    srv, base, proxy = dense
+    async with client() as c:
+        s0, h0, _ = await post_raw(c, base, json.dumps(chat("the first session's turn")).encode())
+        assert s0 == 200
+        slot = int(h0["X-OCache-Slot"])
+        text = json.dumps(chat("another client", id_slot=slot))
+        raw = {"utf8-bom": b"\xef\xbb\xbf" + text.encode(),
+               "deep": text[:-1].encode() + b', "x": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+               "escaped-key": b"\xef\xbb\xbf" + text.replace("id_slot", "\\u0069d_slot").encode()}[case]
+        ds, _, _ = await post_raw(c, srv.url, raw)
+        ps, _, praw = await post_raw(c, base, raw)
+    assert ds == 200                      # llama-server parses it and honours the id_slot
+    assert ps == 400, praw[:300]
+    assert "id_slot" in json.loads(praw)["error"]["message"]
+    await proxy.wait_background()
+    assert proxy.stats.to_dict()["unplannable"] == {"body": 1}
+
+
+@pytest.mark.server
+async def test_fail_open_forward_drops_the_clients_id_slot(dense, monkeypatch):
+    """A parsed body forwarded without a plan (the cache layer failed: fail-open) is sent without
+    the client's ``id_slot`` (``wire.unplanned_body``), so the server picks the slot itself."""
+    srv, base, proxy = dense
+    sent: list[bytes] = []
+    real = proxy.forwards.forward
+
+    async def spy(up, request, rid, body, *a, **kw):
+        sent.append(body)
+        return await real(up, request, rid, body, *a, **kw)
+
+    async def broken(preq):
+        raise RuntimeError("layer bug")
+
+    monkeypatch.setattr(proxy.forwards, "forward", spy)
+    monkeypatch.setattr(proxy.layer, "plan", broken)
+    async with client() as c:
+        ps, ph, _ = await post_raw(c, base, json.dumps(chat("hi", id_slot=1)).encode())
+    assert ps == 200 and ph.get("X-OCache-Fail-Open") == "plan"
+    assert sent and all("id_slot" not in json.loads(b) for b in sent)
+
+
+@pytest.mark.server
 @pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "hi"}', b"hello, not json",
                                  b"[1, 2, 3]"], ids=["truncated", "text", "array"])
 async def test_unparsed_body_is_relayed_and_not_counted_as_a_completion(dense, raw):

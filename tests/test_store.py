@@ -496,3 +496,67 @@ def test_grid_hashes_are_chained_prefix_identities():
     assert all(x != y for x, y in zip(ha[4:], hb[4:]))
     assert grid_hashes(a[:4096], 1024) == ha[:4]    # a prefix's chain is the chain's prefix
     assert len(set(ha)) == len(ha)
+
+
+def test_two_stores_sharing_a_slot_dir_never_remove_each_others_files(tmp_path):
+    """Issue 28 item 2: two ocaches with their own cache_dir and one ``--slot-save-path``. The second
+    store's open keeps the first's committed files and its in-flight temp file (the first verifies
+    them after); each removes its own orphans; a store whose meta directory is gone has its files
+    removed by the registry. On the old sweep the second open removed the first's files."""
+    slots = tmp_path / "slots"
+    a = Store(tmp_path / "a", slots, "id-A", clock=Clock())
+    a.open()
+    ea = put(a, list(range(100, 300)))
+    in_flight = a.temp_name("s", "k-a")          # the server is writing A's spill right now
+    write_slot_file(slots / in_flight, [1, 2, 3], 100)
+    a_files = set(oc_files(a))
+    b = Store(tmp_path / "b", slots, "id-A", clock=Clock())
+    rep = b.open()
+    assert rep.orphans == 0 and a_files <= set(oc_files(b))
+    assert a.verify(ea.key, expect_tokens=list(range(100, 300))).key == ea.key
+    eb = put(b, list(range(100, 300)))          # the same tokens and identity: its own file
+    assert eb.files["bin"].name != ea.files["bin"].name
+    b_orphan = b.temp_name("a", "k-b")             # B killed during a write of its own
+    write_slot_file(slots / b_orphan, [4, 5], 100)
+    b.close()
+    b = Store(tmp_path / "b", slots, "id-A", clock=Clock())
+    assert b.open().orphans == 1 and not (slots / b_orphan).exists()
+    assert (slots / in_flight).exists() and a.verify(ea.key).key == ea.key
+    a.close()
+    b.close()
+    # A's cache_dir removed for good: the registry proves its files orphaned
+    import shutil
+    shutil.rmtree(tmp_path / "a")
+    b = Store(tmp_path / "b", slots, "id-A", clock=Clock())
+    assert b.open().orphans == len(a_files)
+    assert set(oc_files(b)) == {f.name for f in eb.files.values()}
+    assert b.verify(eb.key).key == eb.key
+
+
+def test_unreturned_spills_decay_and_expire_so_their_bytes_stay_bounded(tmp_path):
+    """Issue 28 item 9: two-turn sessions spill and never come back. A spill never restored loses
+    value by the hour (it goes before an older anchor of equal size) and is deleted at the first
+    commit two hours after it was written, so what unreturned spills hold is bounded by the spill
+    rate times two hours; a spill that was restored once keeps the day's half-life. On the old policy
+    every spill stayed until the budget (40 GB) was full."""
+    from ocache.tiers.evict import UNRETURNED_TTL_S, ValuePolicy
+
+    clock = Clock()
+    s = make_store(tmp_path, clock=clock)
+    anchor = put(s, list(range(1000, 1400)), kind="a", seed=1)
+    clock.t += 600
+    back = put(s, list(range(2000, 2400)), kind="s", seed=2)
+    s.touch(back.key)                                   # restored once: it came back
+    gone = put(s, list(range(3000, 3400)), kind="s", seed=3)
+    clock.t += 1800
+    order = [e.key for e in ValuePolicy().candidates(s.entries(), clock.t)]
+    assert order[0] == gone.key                          # the unreturned spill goes first
+    total = 0
+    for i in range(6):                                   # a spill every 30 min, none restored
+        clock.t += 1800
+        put(s, list(range(5000 + 500 * i, 5400 + 500 * i)), kind="s", seed=10 + i)
+        spills = [e for e in s.entries("s") if e.hits == 0]
+        total = max(total, len(spills))
+        assert all(clock.t - e.created <= UNRETURNED_TTL_S for e in spills)
+    assert total <= UNRETURNED_TTL_S / 1800 + 1           # the bound: rate x TTL
+    assert s.get(gone.key) is None and s.get(back.key) is not None and s.get(anchor.key) is not None

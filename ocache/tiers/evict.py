@@ -43,23 +43,52 @@ class EvictionPolicy(Protocol):
         ...
 
 
+#: store kind of the session tier's spills (``ocache.tiers.spill``)
+SPILL_KIND = "s"
+#: a spill never restored loses half its value every hour, and is expired two hours after it was
+#: written (``ValuePolicy.expired``): most conversations that are spilled never come back (171
+#: spills, 874 MB after 10 minutes of two-turn sessions, issue 28 item 9), so the bytes of the
+#: unreturned ones stay below (spill rate x 2 h): ~10.5 GB at that rate, not the whole 40 GB budget
+UNRETURNED_HALF_LIFE_S = 3600.0
+UNRETURNED_TTL_S = 2 * 3600.0
+
+
 class ValuePolicy:
     """Evict by ascending *value*: ``(hits + 1) * n_tokens / bytes * 0.5 ** (idle_s / half_life_s)``,
     the prompt tokens an entry saves per byte of disk, weighted by how often it served and halved
     for every ``half_life_s`` seconds (default one day) since its last use (docs/architecture.md
-    §3). A use sets ``last_used`` (and counts a hit); a new write of a key starts its idle time
-    again and keeps the hits of the entry it replaces. Entries of equal value keep the order they
-    were given in (a stable sort: the store passes its entries in insertion order)."""
+    §3); a spill never restored (kind ``SPILL_KIND``, no hit) halves every ``unreturned_half_life_s``
+    instead and is expired after ``unreturned_ttl_s`` (:meth:`expired`; None: never). A use sets
+    ``last_used`` (and counts a hit); a new write of a key starts its idle time again and keeps the
+    hits of the entry it replaces. Entries of equal value keep the order they were given in (a
+    stable sort: the store passes its entries in insertion order)."""
 
-    def __init__(self, half_life_s: float = DAY_S) -> None:
-        if half_life_s <= 0:
-            raise ValueError(f"half_life_s must be > 0, not {half_life_s}")
+    def __init__(self, half_life_s: float = DAY_S, *, unreturned_half_life_s: float = UNRETURNED_HALF_LIFE_S,
+                 unreturned_ttl_s: float | None = UNRETURNED_TTL_S) -> None:
+        if half_life_s <= 0 or unreturned_half_life_s <= 0:
+            raise ValueError(f"half lives must be > 0, not {half_life_s}, {unreturned_half_life_s}")
         self.half_life_s = float(half_life_s)
+        self.unreturned_half_life_s = float(unreturned_half_life_s)
+        self.unreturned_ttl_s = unreturned_ttl_s
+
+    @staticmethod
+    def unreturned(entry: Entry) -> bool:
+        """A spill no request came back to (never restored)."""
+        return entry.kind == SPILL_KIND and entry.hits == 0
 
     def value(self, entry: Entry, now: float) -> float:
         """The entry's value at ``now`` (tokens per byte, weighted; higher stays longer)."""
-        halvings = max(0.0, now - entry.last_used) / self.half_life_s
+        half = self.unreturned_half_life_s if self.unreturned(entry) else self.half_life_s
+        halvings = max(0.0, now - entry.last_used) / min(half, self.half_life_s)
         return (entry.hits + 1) * entry.n_tokens / max(1, entry.bytes) * 0.5 ** halvings
+
+    def expired(self, entries: Iterable[Entry], now: float) -> list[Entry]:
+        """The unreturned spills written more than ``unreturned_ttl_s`` seconds before ``now``
+        (the store deletes them at its next commit)."""
+        ttl = self.unreturned_ttl_s
+        if ttl is None:
+            return []
+        return [e for e in entries if self.unreturned(e) and now - e.created > ttl]
 
     def update_on_put(self, entry: Entry, old: Entry | None, now: float) -> None:
         entry.created = entry.last_used = now

@@ -90,6 +90,11 @@ def classify_slot(s: SlotState, reuse: Reuse, ctx: RequestContext, params: Serve
             # opencode's title request shares the session key with the agent turns: a guest is
             # never the same conversation as an agent slot
             same = ctx.session == s.owner and (ctx.kind == "guest") == (s.kind == "guest")
+            # a request of another kind in the same session (a compaction, a side question: no
+            # tools, beside an agent turn) that does not continue the slot's conversation would
+            # destroy it: priced like any other overwrite (issue 28 item 6: it overwrote the live
+            # conversation without a spill, and the next turn prefilled 112 tokens, not 19-22)
+            same = same and (ctx.kind == s.kind or reuse.lcp >= held - params.n_ubatch)
         else:
             same = reuse.lcp >= held - params.n_ubatch and s.kind == ctx.kind
         if same and not s.origin:

@@ -12,9 +12,10 @@ Where things live
     * data files: flat in the server's ``--slot-save-path`` (``data_dir``). llama-server refuses a
       filename with ``/`` (``fs_validate_filename``, common/common.cpp:796-868, docs/llama-server.md §5), so there
       are no subdirectories; every name ocache owns starts with ``oc-`` and is built from a content
-      hash, never from a client string: ``oc-<kind>-<key>.bin`` (+ ``.ckpt``), where ``key`` is the
-      xxh3-128 of (identity key, kind, token ids). Files in ``data_dir`` that do not start with
-      ``oc-`` are never touched.
+      hash, never from a client string: ``oc-<kind>-<tag>-<key>.bin`` (+ ``.ckpt``), where ``key`` is
+      the xxh3-128 of (identity key, kind, token ids) and ``tag`` names the store (several stores can
+      share one data directory: ``store_files``). Files in ``data_dir`` that do not start with
+      ``oc-`` are never touched (but for the registry ``.ocache-stores/``).
     * records and the index: ``meta_dir`` (mode 0700): ``records/<key>.json`` (one per entry, the
       source of truth), ``index.json`` (a checksummed summary for a fast start), ``store.json`` (where
       the data files live, for the offline ``ocache cache`` commands) and ``lock`` (one writer).
@@ -133,6 +134,7 @@ class Store:
         self._lock_fd: int | None = None
         self._want_lock = lock
         self.report = OpenReport()
+        self.tag = sf.store_tag(self.meta_dir)  # in every data file name (store_files: shared data dirs)
         self.counters: dict[str, int] = {"evicted": 0, "evicted_bytes": 0, "expired": 0,
                                          "verify_failed": 0, "committed": 0, "commit_failed": 0,
                                          "identity_switches": 0}
@@ -141,8 +143,13 @@ class Store:
     def record_path(self, key: str) -> Path:
         return self.records_dir / f"{key}.json"
 
-    final_name = staticmethod(sf.final_name)
-    temp_name = staticmethod(sf.temp_name)
+    def final_name(self, kind: str, key: str) -> str:
+        """The data file name of an entry's ``.bin``, tagged with this store (``store_files``)."""
+        return sf.final_name(kind, key, self.tag)
+
+    def temp_name(self, kind: str, key: str) -> str:
+        """A fresh temp name for the server's ``action=save``, tagged with this store."""
+        return sf.temp_name(kind, key, self.tag)
 
     def path(self, name: str) -> Path:
         if "/" in name or not name.startswith(PREFIX):
@@ -154,8 +161,10 @@ class Store:
         """Create the directories (0700), take the lock, load or rebuild the index, sweep.
 
         Start-up deletions are decided from records and files only: records that cannot be parsed
-        (with their key-named files) and ``oc-`` files that no record claims (a write killed part
-        way). Entries of other identities are kept. Returns the :class:`OpenReport`.
+        (with their key-named files) and ``oc-`` files that no record claims and that are provably
+        orphans (this store's tag, or the data directory's registry says their store is gone:
+        ``store_files.remove_orphans``; another store's files in a shared ``--slot-save-path`` are
+        never touched). Entries of other identities are kept. Returns the :class:`OpenReport`.
         Raises LockedError if another process holds the lock. ``readonly``: no lock, no write and
         no deletion (``ocache cache ls`` next to a running ocache): the index is loaded or rebuilt in
         memory only.
@@ -167,12 +176,17 @@ class Store:
                 sf.prepare_dirs(self.meta_dir, self.records_dir, self.data_dir)
                 self._take_lock()
                 sf.write_store_json(self.meta_dir, self.data_dir)
+                try:
+                    sf.register(self.data_dir, self.tag, self.meta_dir)
+                except OSError as exc:  # unregistered: others keep our files all the same (not "gone")
+                    log.warning("store: cannot register in %s: %s", self.data_dir, exc)
                 sf.sweep_atomic_temps((self.meta_dir, self.records_dir))
             rep = OpenReport()
             rep.index, self._entries = sf.load_index(self.index_path, sf.record_keys(self.records_dir))
             if rep.index != "ok":
                 self._entries, rep.bad_records = sf.read_records(self.records_dir,
-                                                                    None if readonly else self.data_dir)
+                                                                    None if readonly else self.data_dir,
+                                                                    self.tag)
             if readonly:
                 rep.entries = len(self._entries)
                 self.report = rep
@@ -180,7 +194,8 @@ class Store:
             if self.identity is not None:
                 rep.other_identity = sum(1 for e in self._entries.values() if e.identity != self.identity)
             claimed = {f.name for e in self._entries.values() for f in e.files.values()}
-            rep.orphans, rep.orphan_bytes = sf.remove_orphans(self.data_dir, claimed, self._reserved)
+            rep.orphans, rep.orphan_bytes = sf.remove_orphans(self.data_dir, claimed, self._reserved,
+                                                                   self.tag)
             rep.entries = len(self._entries)
             self._write_index()
             self.report = rep
@@ -417,6 +432,7 @@ class Store:
                 atomic_write(self.record_path(key), json.dumps(e.record(tokens)).encode())
                 self._tok_cache.put(key, tokens)
                 self._entries[key] = e
+                self._expire_unreturned(now)
                 self._write_index()
                 self.counters["committed"] += 1
                 return e
@@ -425,6 +441,16 @@ class Store:
             self.release(key)
             self.discard_temp(temp_bin)
             raise
+
+    def _expire_unreturned(self, now: float) -> None:
+        """Delete what the policy says expired (``ValuePolicy.expired``: spills never restored within
+        their TTL), at each commit: their bytes stay bounded by the write rate times that TTL."""
+        expired = getattr(self.policy, "expired", None)
+        gone = expired(list(self._entries.values()), now) if expired is not None else []
+        for e in gone:
+            self._delete_locked(e.key, "unreturned")
+        self.counters["expired"] += len(gone)
+        log_deleted(gone, "spills no request came back to within their TTL")
 
     def discard_temp(self, temp_bin: str) -> None:
         """Remove a temp slot file that will not be committed, with its sidecar and the sidecar's own

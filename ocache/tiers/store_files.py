@@ -1,6 +1,7 @@
 """The store's own files (``ocache.tiers.store``): the names of its data files, the directories
 and their modes, the one-writer lock, the records, the checksummed index, ``store.json``, atomic
-writes, and the start-up sweep of orphan data files.
+writes, the registry of the stores sharing one data directory, and the start-up sweep of orphan
+data files.
 
 Layout of ``meta_dir`` (mode 0700): ``records/<key>.json`` (one record per entry, the source of
 truth, ``ocache.tiers.entry``), ``index.json`` (``{"version", "checksum", "entries"}``: the entries'
@@ -9,6 +10,16 @@ summaries and the xxh3-64 of their canonical JSON, for a fast start), ``store.js
 (an exclusive ``flock``). Every write is atomic (:func:`atomic_write`). Nothing here decides a
 deletion from the index: the records and the files themselves do (:func:`read_records`,
 :func:`remove_orphans`).
+
+One data directory (a llama-server ``--slot-save-path``) can serve several stores: two ``ocache
+serve`` with their own ``cache_dir`` in front of one server, or a test next to a running instance.
+Every name a store gives a data file carries its *tag* (:func:`store_tag`, from its meta directory):
+``oc-<kind>-<tag>-<key>.bin``, ``oc-tmp-<kind>-<tag>-<key>-<hex>.bin``. Each store registers its
+tag and meta directory in ``data_dir/.ocache-stores/<tag>.json`` (:func:`register`). A store's
+sweep deletes a file no record of its own claims only when the name proves it its own (its tag) or
+the registry proves nobody else's: a tag whose registered meta directory is gone, or an untagged
+(older) name while no other store is registered (:func:`remove_orphans`). Issue 28 item 2: a second
+store's open removed a running store's slot files as orphans.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +45,30 @@ CKPT_SUFFIX = ".ckpt"
 SIDECAR_TMP_SUFFIX = ".tmp"   # the patched server's own temp name for a sidecar being written
 
 
-def final_name(kind: str, key: str) -> str:
+REGISTRY_DIR = ".ocache-stores"   # in data_dir; not an ``oc-`` name, so no sweep ever touches it
+_TAGGED = re.compile(r"^oc-(?:tmp-)?[^-]+-(s[0-9a-f]{8})-")
+
+
+def store_tag(meta_dir: Path) -> str:
+    """The tag of the store in ``meta_dir``: ``s`` + 8 hex digits of the xxh3-64 of its resolved
+    path (the ``s`` keeps it apart from a hex key)."""
+    return "s" + xxhash.xxh3_64_hexdigest(str(Path(meta_dir).resolve()).encode())[:8]
+
+
+def tag_of(name: str) -> str | None:
+    """The store tag in a data file name, or None for an untagged (older) name."""
+    m = _TAGGED.match(name)
+    return m.group(1) if m else None
+
+
+def final_name(kind: str, key: str, tag: str) -> str:
     """The data file name of an entry's ``.bin`` (its sidecar: + ``CKPT_SUFFIX``)."""
-    return f"{PREFIX}{kind}-{key}.bin"
+    return f"{PREFIX}{kind}-{tag}-{key}.bin"
 
 
-def temp_name(kind: str, key: str) -> str:
+def temp_name(kind: str, key: str, tag: str) -> str:
     """A fresh temporary file name (no directory) for the server's ``action=save``."""
-    return f"{TMP_PREFIX}{kind}-{key}-{secrets.token_hex(4)}.bin"
+    return f"{TMP_PREFIX}{kind}-{tag}-{key}-{secrets.token_hex(4)}.bin"
 
 
 def temp_files(temp_bin: str) -> tuple[str, str, str]:
@@ -191,11 +219,12 @@ def write_index(index_path: Path, entries: Mapping[str, Entry]) -> None:
     atomic_write(index_path, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
 
-def read_records(records_dir: Path, data_dir: Path | None) -> tuple[dict[str, Entry], int]:
+def read_records(records_dir: Path, data_dir: Path | None, tag: str = "") -> tuple[dict[str, Entry], int]:
     """Every record of ``records_dir``, in file name order, parsed and its token list checked
     against its count and hash (then dropped: loaded again on demand). Returns ``(entries by key,
     how many were unreadable)``. With ``data_dir`` an unreadable record is deleted together with the
-    data files its key names (``oc-*-<key>.bin*``); with None (read-only) nothing is deleted."""
+    data files its key names (``oc-*-<key>.bin*``) that are this store's (tagged ``tag``, or untagged);
+    with None (read-only) nothing is deleted."""
     entries: dict[str, Entry] = {}
     bad = 0
     last = ""
@@ -213,6 +242,8 @@ def read_records(records_dir: Path, data_dir: Path | None) -> tuple[dict[str, En
             log.debug("store: unreadable record %s (%s): removing it and its files", p.name, exc)
             last = f"{p.name}: {exc}"
             for f in data_dir.glob(f"{PREFIX}*-{p.stem}.bin*"):
+                if tag_of(f.name) not in (tag, None):
+                    continue
                 with contextlib.suppress(OSError):
                     f.unlink()
             with contextlib.suppress(OSError):
@@ -222,11 +253,54 @@ def read_records(records_dir: Path, data_dir: Path | None) -> tuple[dict[str, En
     return entries, bad
 
 
-def remove_orphans(data_dir: Path, claimed: set[str], in_flight: Iterable[str]) -> tuple[int, int]:
-    """Delete every ``oc-`` file of ``data_dir`` that no record claims (a write killed part way),
-    except the temp files of a reservation still in flight in this process (their name holds
-    ``-<key>-`` of a key in ``in_flight``). Returns ``(files, bytes)`` removed."""
+def register(data_dir: Path, tag: str, meta_dir: Path) -> None:
+    """Record in ``data_dir``'s registry that the store ``tag`` lives in ``meta_dir``. Raises OSError."""
+    reg = data_dir / REGISTRY_DIR
+    reg.mkdir(exist_ok=True, mode=0o700)
+    atomic_write(reg / f"{tag}.json", json.dumps({"meta_dir": str(Path(meta_dir).resolve())}).encode())
+
+
+def registered(data_dir: Path) -> dict[str, Path | None] | None:
+    """The registry of ``data_dir``: ``{tag: meta_dir}`` (None for an entry that cannot be read: it is
+    taken as alive), or None when the registry itself cannot be listed (then nothing but a store's
+    own tagged files may be deleted)."""
+    reg = data_dir / REGISTRY_DIR
+    try:
+        paths = list(reg.glob("s*.json"))
+    except OSError:
+        return None
+    out: dict[str, Path | None] = {}
+    for p in paths:
+        try:
+            out[p.stem] = Path(json.loads(p.read_bytes())["meta_dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            out[p.stem] = None
+    return out
+
+
+def _gone(meta_dir: Path | None) -> bool:
+    """Whether a registered store no longer exists (its meta directory has no ``records``)."""
+    if meta_dir is None:
+        return False
+    try:
+        return not (meta_dir / "records").is_dir()
+    except OSError:
+        return False
+
+
+def remove_orphans(data_dir: Path, claimed: set[str], in_flight: Iterable[str], tag: str) -> tuple[int, int]:
+    """Delete the ``oc-`` files of ``data_dir`` that no record of this store (``claimed``) claims and
+    that are provably orphans: this store's own tag (a write killed part way), a tag whose registered
+    store is gone, or an untagged name while no other live store is registered (a registry that cannot
+    be read counts as one).
+    The temp files of a reservation still in flight in this process (their name holds ``-<key>-`` of a
+    key in ``in_flight``) are kept. Registry entries of gone stores are removed after their files.
+    Returns ``(files, bytes)`` removed."""
     keys = list(in_flight)
+    reg = registered(data_dir)
+    others = {} if reg is None else {t: m for t, m in reg.items() if t != tag}
+    gone = {t for t, m in others.items() if _gone(m)}
+    live_others = reg is None or bool(set(others) - gone)
     n = nbytes = 0
     for p in data_dir.iterdir():
         name = p.name
@@ -234,10 +308,20 @@ def remove_orphans(data_dir: Path, claimed: set[str], in_flight: Iterable[str]) 
             continue
         if any(f"-{k}-" in name for k in keys):
             continue
+        owner = tag_of(name)
+        if owner is None:
+            mine = not live_others
+        else:
+            mine = owner == tag or owner in gone
+        if not mine:
+            continue
         with contextlib.suppress(OSError):
             nbytes += p.stat().st_size
             p.unlink()
             n += 1
+    for t in gone:
+        with contextlib.suppress(OSError):
+            (data_dir / REGISTRY_DIR / f"{t}.json").unlink()
     if n:
         log.warning("store: removed %d orphan files (%d bytes) no record claims", n, nbytes)
     return n, nbytes

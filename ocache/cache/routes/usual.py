@@ -17,6 +17,7 @@ from ocache.cache.prepare import Prepared
 from ocache.layer import ParsedRequest, Plan
 from ocache.slots import SlotLease
 from ocache.tiers.base import RequestContext
+from ocache.tiers.resident import rank_slots
 
 if TYPE_CHECKING:
     from ocache.cache.orchestrator import OCacheLayer
@@ -25,6 +26,32 @@ log = logging.getLogger("ocache.cache")
 
 #: times a plan moves to another slot when the one it waited for changed meanwhile
 REPLANS_MAX = 3
+#: seconds a plan waits for a busy slot's lease while another slot is idle; then it takes the best
+#: idle slot (a busy slot is held by a request in flight: a whole generation, issue 28 item 3). A
+#: turn finding its own slot still being released (its previous answer just relayed) waits less
+LEASE_WAIT_S = 5.0
+
+
+async def _lease(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, lk: core.Lookups,
+                 dec: Decision, seen: tuple[int, bool]) -> tuple[Decision, tuple[int, bool], SlotLease]:
+    """The lease of ``dec``'s slot. While it is busy, waited for ``LEASE_WAIT_S`` at a time; when it
+    is still busy and another slot is idle by then, the decision for the best idle slot instead (the
+    ranking's order) and its lease."""
+    table = layer.ready_table
+    while True:
+        if not table.snapshot()[dec.slot].busy:
+            return dec, seen, await table.lease(dec.slot)
+        try:
+            return dec, seen, await table.lease(dec.slot, LEASE_WAIT_S)
+        except TimeoutError:
+            snap = table.snapshot()
+            idle = [c.slot for c in rank_slots(prep.tokens, snap, ctx, table.params) if not c.busy]
+            if not idle:
+                continue
+            layer.counters["replans"] += 1
+            log.info("slot %d still busy after %g s: planning on idle slot %d", dec.slot, LEASE_WAIT_S,
+                     idle[0])
+            dec, seen = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors, forced_slot=idle[0])
 
 
 async def _lease_settled(layer: OCacheLayer, prep: Prepared, ctx: RequestContext,
@@ -35,7 +62,7 @@ async def _lease_settled(layer: OCacheLayer, prep: Prepared, ctx: RequestContext
     decision and the lease of its slot; a cancellation or error releases what it holds."""
     table = layer.ready_table
     dec, seen = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors)
-    lease = await table.lease(dec.slot)
+    dec, seen, lease = await _lease(layer, prep, ctx, lk, dec, seen)
     try:
         for attempt in range(REPLANS_MAX):
             if seen == core.inputs(layer, dec.slot, ctx):
