@@ -37,6 +37,10 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
   ``session`` (spills, restores, hits, spill/restore p50 s, entries, bytes);
 * ``store``: ``entries``, ``bytes``, ``budget_bytes``, ``by_kind`` (``anchor``/``spill`` →
   entries, bytes, hits), ``next_eviction`` (the entry eviction would take first);
+* ``tiers_off``: the tiers the server's setup turns off (``tier``, ``why``, ``fix``:
+  ``ocache.cache.report.tiers_off``), ``tiers_checked`` (the setup checks ran: false before
+  llama-server was first ready; None without a cache layer, ``--no-cache``), ``tiers_off_lines`` (them as the page's top box, the first lines of
+  ``ocache stats`` and of ``ocache serve``'s log: ``ocache.llama.checks.tiers_off_lines``);
 * ``servers`` (several llama-servers behind one ocache, ocache/router.py; empty with one): per
   server ``url``, ``state``, ``epoch``, ``inflight``, ``routed`` (requests sent there), ``reasons``
   (routed by reason: ``prefix``, ``round robin``, ``only ready server``, ...), ``slots``,
@@ -53,6 +57,8 @@ from importlib import resources
 from typing import Any, Callable
 
 from aiohttp import web
+
+from ocache.llama.checks import tiers_off_lines
 
 #: Lines kept for the page's event list.
 EVENTS_KEPT = 100
@@ -168,6 +174,10 @@ def view(stats: dict, admin: bool = False) -> dict:
                   "by_folder": store.get("by_folder") or [],
                   "next_eviction": store.get("next_eviction")},
         "setup_warnings": list(layer.get("setup_warnings") or []),
+        "tiers_off": list(layer.get("tiers_off") or []),
+        "tiers_checked": layer.get("tiers_checked"),
+        # the lines ocache serve's log and ocache stats print first (empty: every tier on)
+        "tiers_off_lines": tiers_off_lines(layer.get("tiers_off") or []) if layer.get("tiers_off") else [],
         "servers": _servers(layer),
     }
 

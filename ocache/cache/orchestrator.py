@@ -217,12 +217,29 @@ class OCacheLayer:
             # head files through the same verified store (tiers/store.py)
             open_head_store(self.head_tier, self.config, self.table.params, self.identity().key)
             self._ready = True
-            found = await wiring.setup_findings(self.session, self.base_url, self._headers(), self.table.params,
-                                                props, data, self.argv)
+            found = await wiring.setup_findings(self.session, self.base_url, self._headers(),
+                                                self._checked_params(), props, data, self.argv)
             if found is not None:
                 self.findings, actions_ok = found
                 self._no_save = actions_ok is False
                 self.head_tier.no_save = self.head_tier.no_save or self._no_save
+
+    def _checked_params(self) -> Any:
+        """The table's parameters for the setup checks, with the slot-save folder the config gives
+        (``config.slot_save_path``) where the launch flags do not say it: the checks then see the
+        folder the tiers use."""
+        import contextlib
+        import dataclasses
+
+        params = self.ready_table.params
+        if params.slot_save_path is None:
+            from ocache.config import slot_save_path
+
+            with contextlib.suppress(ValueError):
+                known = slot_save_path(self.config, params)
+                if known is not None:
+                    params = dataclasses.replace(params, slot_save_path=str(known))
+        return params
 
     def identity(self) -> Identity:
         """The server's identity (``wiring.server_identity``), computed once per epoch."""

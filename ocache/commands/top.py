@@ -72,6 +72,18 @@ def secs(s: float | None) -> str:
     return f"{s / 3600:.1f} h"
 
 
+def tier_lines(v: dict) -> list[str]:
+    """The view's ``tiers_off_lines``; "all on" once checked; "not checked yet" before the layer's
+    first setup checks; nothing without a cache layer (``tiers_checked`` None)."""
+    if v.get("tiers_off_lines"):
+        return list(v["tiers_off_lines"])
+    if v.get("tiers_checked") is None:
+        return []
+    if v["tiers_checked"]:
+        return ["tiers: all on (resident, head, disk, session)"]
+    return ["tiers: not checked yet (llama-server has not been ready since ocache started)"]
+
+
 def summary_lines(v: dict, url: str) -> list[str]:
     """``ocache stats``: the view as a few plain lines."""
     t, u, tr, st = v["totals"], v["upstream"], v["tiers"], v["store"]
@@ -81,6 +93,7 @@ def summary_lines(v: dict, url: str) -> list[str]:
     lines = [
         f"ocache {url}: llama-server {u['state']}, epoch {u['epoch']} ({u['restarts']} restarts), "
         f"{term(u['build_info'] or 'build unknown')}; up {secs(v['uptime_s'])}",
+        *(term(x) for x in tier_lines(v)),
         f"saved   {n(t['saved'])} tokens = {secs(t['saved_s'])} of prefill{rate} "
         f"(reused {n(t['reused'])} minus {n(t['own_prefill'])} ocache prefilled itself)",
         f"served  {n(t['completions'])} completions: prefilled {n(t['prefilled'])}, reused {n(t['reused'])}"

@@ -93,6 +93,12 @@
     set("t-disk-entries", int(v.store.entries));
     set("t-fail-open", int(t.fail_open)); set("t-mispredictions", int(t.mispredictions));
 
+    const off = v.tiers_off_lines || [];
+    $("tiers-off").hidden = !off.length;
+    fill($("tiers-off-list"), off.map((w) => {
+      const li = document.createElement("li"); li.textContent = w; return li;
+    }));
+
     $("warnings").hidden = !v.setup_warnings.length;
     fill($("warning-list"), v.setup_warnings.map((w) => {
       const li = document.createElement("li"); li.textContent = w; return li;
