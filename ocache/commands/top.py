@@ -177,6 +177,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def piped_width(console: Console, view: Any, at_least: int = 80) -> int:
+    """The width ``ocache top --once`` prints at when its output is not a terminal: as wide as
+    ``view``'s widest line (rich would cut every line at 80 columns there: its default width
+    without a terminal, unless ``$COLUMNS`` says more), never under ``at_least`` or ``$COLUMNS``."""
+    from rich.measure import Measurement
+
+    widest = Measurement.get(console, console.options.update(max_width=100_000), view).maximum
+    return max(at_least, console.width, widest)
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     from rich.live import Live
 
@@ -188,7 +198,10 @@ def cmd_top(args: argparse.Namespace) -> int:
         print(f"ocache top: {exc}", file=sys.stderr)
         return 1
     if args.once:
-        console.print(top_renderable(v, url))
+        view = top_renderable(v, url)
+        if not console.is_terminal:
+            console = Console(width=piped_width(console, view))
+        console.print(view)
         return 0
     try:
         with Live(top_renderable(v, url), console=console, screen=True, auto_refresh=False) as live:
