@@ -24,7 +24,11 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
   forwarded byte for byte: not completions, no figures), ``prefilled`` (Σ ``timings.prompt_n``: tokens the server computed),
   ``reused`` (Σ ``timings.cache_n``: tokens it took from the slot's KV cache), ``own_prefill``
   (tokens ocache prefilled itself to warm harness heads, ``layer.warmup_tokens``; they show up
-  in a later ``cache_n``), ``saved`` = ``reused - own_prefill`` (at least 0), ``prefill_tok_s`` (the
+  in a later ``cache_n``), ``saved_vs_alone`` (the headline: ``alone_prefill`` - ``ocache_prefill``,
+  what llama-server alone with the same flags would have prefilled for the same requests,
+  ``ocache.llama.alone``, minus what it prefilled through ocache; can be negative; None without a
+  cache layer), ``saved_vs_alone_s`` (it at the measured rate), ``saved`` = ``reused -
+  own_prefill`` (at least 0: the saving against a cold prefill of every request), ``prefill_tok_s`` (the
   measured prefill rate, ``layer.prefill_tokens_per_s``), ``saved_s`` = ``saved / prefill_tok_s``
   (None before a rate is measured), ``disk_bytes`` (the store's files), ``fail_open``,
   ``mispredictions``, ``reused_by_tier`` (Σ ``cache_n`` per X-OCache-Tier);
@@ -146,6 +150,7 @@ def view(stats: dict, admin: bool = False) -> dict:
             "completions": completions, "unparsed": unparsed, "prefilled": prefilled, "reused": reused,
             "own_prefill": own, "saved": saved, "prefill_tok_s": rate,
             "saved_s": None if rate is None else round(saved / rate, 3),
+            **_alone(layer.get("alone"), rate),
             "disk_bytes": _int(store.get("bytes")),
             "fail_open": _int(stats.get("fail_open")),
             "mispredictions": _int(layer.get("mispredictions")),
@@ -180,6 +185,17 @@ def view(stats: dict, admin: bool = False) -> dict:
         "tiers_off_lines": tiers_off_lines(layer.get("tiers_off") or []) if layer.get("tiers_off") else [],
         "servers": _servers(layer),
     }
+
+
+def _alone(alone: Any, rate: float | None) -> dict:
+    """The saving against llama-server alone with the same flags (``layer.stats()['alone']``,
+    ``ocache.llama.alone``): None where the layer does not model it (``--no-cache``, a router)."""
+    if not isinstance(alone, dict):
+        return {"saved_vs_alone": None, "saved_vs_alone_s": None, "alone_prefill": None,
+                "ocache_prefill": None}
+    saved = _int(alone.get("prefill")) - _int(alone.get("ocache_prefill"))
+    return {"saved_vs_alone": saved, "saved_vs_alone_s": None if rate is None else round(saved / rate, 3),
+            "alone_prefill": _int(alone.get("prefill")), "ocache_prefill": _int(alone.get("ocache_prefill"))}
 
 
 def _servers(layer: dict) -> list[dict]:

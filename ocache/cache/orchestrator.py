@@ -55,6 +55,7 @@ from ocache.cache.routes import known
 from ocache.config import Config
 from ocache.fingerprint import Identity
 from ocache.layer import Observation, ParsedRequest, Plan
+from ocache.llama.alone import AloneModel
 from ocache.llama.flags import argv_from_launch, params_from_argv
 from ocache.slots import SlotError, SlotTable
 from ocache.tiers.base import TierBase
@@ -125,6 +126,11 @@ class OCacheLayer:
         self._epoch = getattr(upstream, "epoch", None)
         self.findings: list[Any] = []
         self._no_save = False
+        #: llama-server alone with the same flags, fed every answered request (ocache/llama/alone.py),
+        #: and what the server prefilled through ocache for them (the answer's prompt_n + ocache's
+        #: own steps for it): the saving against the server alone (report.stats ``alone``)
+        self.alone = AloneModel()
+        self.ocache_prefill = 0
         self.disk_tier: DiskTier | None = None
         self._disk_tier_off = False
         self._session_tier: SessionTier | None = None
@@ -200,6 +206,8 @@ class OCacheLayer:
             reported = argv_from_launch(caps.get("launch")) if isinstance(caps, Mapping) else None
             self.argv = self.configured_argv if self.configured_argv is not None else reported
             self.table.params = params_from_argv(self.argv, props, data, **self.param_overrides)
+            if self._epoch is not None and epoch != self._epoch:
+                self.alone.restart()   # the server alone would have lost every slot too
             if self._epoch is not None and epoch != self._epoch and not self._table_knows_process():
                 self.table.reset_all(epoch)
             self.table.epoch = epoch
@@ -453,6 +461,7 @@ class OCacheLayer:
         table = self.table
         if table is None:
             return
+        self._observe_alone(pctx, obs)
         if isinstance(pctx, AlignContext):
             await self.align.observe(self, req, plan, obs)
             return
@@ -471,6 +480,26 @@ class OCacheLayer:
             self._spawn(self.refresh(pctx.request_id))
         if ok and self.head_tier is not None:
             self._spawn(self.head_tier.maintain_origin())
+
+    def _observe_alone(self, pctx: Any, obs: Observation) -> None:
+        """Feed the server-alone model (``ocache.llama.alone``) an answered request: its prompt
+        tokens (the plan's token view, the aligned request's own render, a server-placed request's
+        tokens) and the server's prefill for it through ocache (the answer's raw ``prompt_n`` plus
+        the tokens ocache prefilled on the slot for it first, ``PlanContext.split``)."""
+        timings = obs.timings or {}
+        if obs.status != 200 or "prompt_n" not in timings or self.table is None:
+            return
+        if isinstance(pctx, PlanContext):
+            tokens, starts, split = pctx.view.tokens, pctx.ctx.user_starts, pctx.split
+        elif isinstance(pctx, (AlignContext, ServerPlaced)):
+            tokens, split = pctx.tokens, 0
+            starts = pctx.ctx.user_starts if isinstance(pctx, ServerPlaced) else ()
+        else:
+            return
+        if not tokens:
+            return
+        self.alone.serve(tokens, self.table.params, starts, int(timings.get("predicted_n") or 0))
+        self.ocache_prefill += int(timings.get("prompt_n") or 0) + int(split or 0)
 
     # -- background ------------------------------------------------------------------------------
 

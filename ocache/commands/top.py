@@ -84,6 +84,16 @@ def tier_lines(v: dict) -> list[str]:
     return ["tiers: not checked yet (llama-server has not been ready since ocache started)"]
 
 
+def alone_lines(t: dict, rate: str) -> list[str]:
+    """The headline: the saving against llama-server alone with the same flags (none without a
+    cache layer)."""
+    if t.get("saved_vs_alone") is None:
+        return []
+    return [f"saved   {n(t['saved_vs_alone'])} tokens = {secs(t.get('saved_vs_alone_s'))} of prefill{rate} "
+            f"against llama-server alone with the same flags (it would have prefilled "
+            f"{n(t['alone_prefill'])}, through ocache it prefilled {n(t['ocache_prefill'])})"]
+
+
 def summary_lines(v: dict, url: str) -> list[str]:
     """``ocache stats``: the view as a few plain lines."""
     t, u, tr, st = v["totals"], v["upstream"], v["tiers"], v["store"]
@@ -94,8 +104,9 @@ def summary_lines(v: dict, url: str) -> list[str]:
         f"ocache {url}: llama-server {u['state']}, epoch {u['epoch']} ({u['restarts']} restarts), "
         f"{term(u['build_info'] or 'build unknown')}; up {secs(v['uptime_s'])}",
         *(term(x) for x in tier_lines(v)),
-        f"saved   {n(t['saved'])} tokens = {secs(t['saved_s'])} of prefill{rate} "
-        f"(reused {n(t['reused'])} minus {n(t['own_prefill'])} ocache prefilled itself)",
+        *alone_lines(t, rate),
+        f"vs cold {n(t['saved'])} tokens = {secs(t['saved_s'])} of prefill saved against a cold prefill "
+        f"of every request (reused {n(t['reused'])} minus {n(t['own_prefill'])} ocache prefilled itself)",
         f"served  {n(t['completions'])} completions: prefilled {n(t['prefilled'])}, reused {n(t['reused'])}"
         f" tokens; reused by source: {by_tier}"
         + (f"; {n(t['unparsed'])} unparsed bodies forwarded as they were (not counted)"
@@ -130,7 +141,9 @@ def top_renderable(v: dict, url: str, rows: int = 12) -> Group:
                          (str(u["state"]), "bold green" if u["state"] == "ready" else "bold red"),
                          f"  epoch {u['epoch']}  restarts {u['restarts']}  up {secs(v['uptime_s'])}")
     totals = Text.assemble(
-        ("saved ", "dim"), (n(t["saved"]), "bold"), " tokens ", ("= ", "dim"), (secs(t["saved_s"]), "bold"),
+        ("saved vs llama-server alone ", "dim"), (n(t.get("saved_vs_alone")), "bold"), " tokens ",
+        ("= ", "dim"), (secs(t.get("saved_vs_alone_s")), "bold"),
+        ("   vs a cold prefill ", "dim"), n(t["saved"]), " = ", secs(t["saved_s"]),
         ("   reused ", "dim"), n(t["reused"]), ("   prefilled ", "dim"), n(t["prefilled"]),
         ("   completions ", "dim"), n(t["completions"]), ("   disk ", "dim"), human_bytes(t["disk_bytes"]),
         ("   fail-open ", "dim"), n(t["fail_open"]))
