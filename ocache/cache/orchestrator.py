@@ -485,12 +485,13 @@ class OCacheLayer:
         """Feed the server-alone model (``ocache.llama.alone``) an answered request: its prompt
         tokens (the plan's token view, the aligned request's own render, a server-placed request's
         tokens) and the server's prefill for it through ocache (the answer's raw ``prompt_n`` plus
-        the tokens ocache prefilled on the slot for it first, ``PlanContext.split``)."""
+        the tokens ocache prefilled on the slot for it first, ``PlanContext.split``). Never raises."""
         timings = obs.timings or {}
         if obs.status != 200 or "prompt_n" not in timings or self.table is None:
             return
         if isinstance(pctx, PlanContext):
-            tokens, starts, split = pctx.view.tokens, pctx.ctx.user_starts, pctx.split
+            view = getattr(pctx, "view", None)
+            tokens, starts, split = getattr(view, "tokens", None), pctx.ctx.user_starts, pctx.split
         elif isinstance(pctx, (AlignContext, ServerPlaced)):
             tokens, split = pctx.tokens, 0
             starts = pctx.ctx.user_starts if isinstance(pctx, ServerPlaced) else ()
@@ -498,7 +499,11 @@ class OCacheLayer:
             return
         if not tokens:
             return
-        self.alone.serve(tokens, self.table.params, starts, int(timings.get("predicted_n") or 0))
+        try:   # a figure for the dashboard: never in the way of the request's own bookkeeping
+            self.alone.serve(tokens, self.table.params, starts or (), int(timings.get("predicted_n") or 0))
+        except Exception:
+            log.debug("server-alone model failed", exc_info=True)
+            return
         self.ocache_prefill += int(timings.get("prompt_n") or 0) + int(split or 0)
 
     # -- background ------------------------------------------------------------------------------
