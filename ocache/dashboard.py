@@ -24,7 +24,11 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
   forwarded byte for byte: not completions, no figures), ``prefilled`` (Σ ``timings.prompt_n``: tokens the server computed),
   ``reused`` (Σ ``timings.cache_n``: tokens it took from the slot's KV cache), ``own_prefill``
   (tokens ocache prefilled itself to warm harness heads, ``layer.warmup_tokens``; they show up
-  in a later ``cache_n``), ``saved`` = ``reused - own_prefill`` (at least 0), ``prefill_tok_s`` (the
+  in a later ``cache_n``), ``saved_vs_alone`` (the headline: ``alone_prefill`` - ``ocache_prefill``,
+  what llama-server alone with the same flags would have prefilled for the same requests,
+  ``ocache.llama.alone``, minus what it prefilled through ocache; can be negative; None without a
+  cache layer), ``saved_vs_alone_s`` (it at the measured rate), ``saved`` = ``reused -
+  own_prefill`` (at least 0: the saving against a cold prefill of every request), ``prefill_tok_s`` (the
   measured prefill rate, ``layer.prefill_tokens_per_s``), ``saved_s`` = ``saved / prefill_tok_s``
   (None before a rate is measured), ``disk_bytes`` (the store's files), ``fail_open``,
   ``mispredictions``, ``reused_by_tier`` (Σ ``cache_n`` per X-OCache-Tier);
@@ -43,6 +47,10 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
   tokens prefilled, ``saved``);
 * ``store``: ``entries``, ``bytes``, ``budget_bytes``, ``by_kind`` (``anchor``/``spill`` →
   entries, bytes, hits), ``next_eviction`` (the entry eviction would take first);
+* ``tiers_off``: the tiers the server's setup turns off (``tier``, ``why``, ``fix``:
+  ``ocache.cache.report.tiers_off``), ``tiers_checked`` (the setup checks ran: false before
+  llama-server was first ready; None without a cache layer, ``--no-cache``), ``tiers_off_lines`` (them as the page's top box, the first lines of
+  ``ocache stats`` and of ``ocache serve``'s log: ``ocache.llama.checks.tiers_off_lines``);
 * ``servers`` (several llama-servers behind one ocache, ocache/router.py; empty with one): per
   server ``url``, ``state``, ``epoch``, ``inflight``, ``routed`` (requests sent there), ``reasons``
   (routed by reason: ``prefix``, ``round robin``, ``only ready server``, ...), ``slots``,
@@ -59,6 +67,8 @@ from importlib import resources
 from typing import Any, Callable
 
 from aiohttp import web
+
+from ocache.llama.checks import tiers_off_lines
 
 #: Lines kept for the page's event list.
 EVENTS_KEPT = 100
@@ -146,6 +156,7 @@ def view(stats: dict, admin: bool = False) -> dict:
             "completions": completions, "unparsed": unparsed, "prefilled": prefilled, "reused": reused,
             "own_prefill": own, "saved": saved, "prefill_tok_s": rate,
             "saved_s": None if rate is None else round(saved / rate, 3),
+            **_alone(layer.get("alone"), rate),
             "disk_bytes": _int(store.get("bytes")),
             "fail_open": _int(stats.get("fail_open")),
             "mispredictions": _int(layer.get("mispredictions")),
@@ -175,6 +186,10 @@ def view(stats: dict, admin: bool = False) -> dict:
                   "next_eviction": store.get("next_eviction")},
         "align": _align(layer),
         "setup_warnings": list(layer.get("setup_warnings") or []),
+        "tiers_off": list(layer.get("tiers_off") or []),
+        "tiers_checked": layer.get("tiers_checked"),
+        # the lines ocache serve's log and ocache stats print first (empty: every tier on)
+        "tiers_off_lines": tiers_off_lines(layer.get("tiers_off") or []) if layer.get("tiers_off") else [],
         "servers": _servers(layer),
     }
 
@@ -187,6 +202,17 @@ def _align(layer: dict) -> dict:
             "requests": [{"request_id": r.get("request_id"), "time": r.get("time"), "slot": r.get("slot"),
                           "kept": _int(r.get("kept")), "new": _int(r.get("new")), "saved": _int(r.get("saved"))}
                          for r in (a.get("last") or []) if isinstance(r, dict)]}
+
+
+def _alone(alone: Any, rate: float | None) -> dict:
+    """The saving against llama-server alone with the same flags (``layer.stats()['alone']``,
+    ``ocache.llama.alone``): None where the layer does not model it (``--no-cache``, a router)."""
+    if not isinstance(alone, dict):
+        return {"saved_vs_alone": None, "saved_vs_alone_s": None, "alone_prefill": None,
+                "ocache_prefill": None}
+    saved = _int(alone.get("prefill")) - _int(alone.get("ocache_prefill"))
+    return {"saved_vs_alone": saved, "saved_vs_alone_s": None if rate is None else round(saved / rate, 3),
+            "alone_prefill": _int(alone.get("prefill")), "ocache_prefill": _int(alone.get("ocache_prefill"))}
 
 
 def _servers(layer: dict) -> list[dict]:

@@ -84,6 +84,35 @@ def folder_of(body: Mapping) -> str | None:
     return None
 
 
+#: Where Claude Code (system: "- Primary working directory: DIR") and Codex (its first user
+#: message's ``<environment_context>``: ``<cwd>DIR</cwd>``) name the folder (tests/fixtures
+#: ``claude_run1_agent_turn1.json``, ``codex_run1_turn1.json``); for display only (``folder_label``):
+#: the journal keeps to ``FOLDER_PATTERNS``, whose heads ``ocache warm`` knows how to render.
+LABEL_PATTERNS = (
+    re.compile(r"^\s*-?\s*Primary working directory:\s*(\S.*?)\s*$", re.M),
+    re.compile(r"<cwd>\s*(\S[^<]*?)\s*</cwd>"),
+)
+
+
+def folder_label(body: Mapping) -> str | None:
+    """The folder a request works in, for display (``cache ls``, the dashboard's folder table):
+    ``folder_of``, else a ``LABEL_PATTERNS`` match in a system/developer message or a user message
+    before the first assistant turn; None when no message names one."""
+    found = folder_of(body)
+    msgs = body.get("messages")
+    if found or not isinstance(msgs, list):
+        return found
+    for m in msgs:
+        if not isinstance(m, dict) or m.get("role") == "assistant":
+            break
+        text = _text(m.get("content"))
+        for pat in LABEL_PATTERNS:
+            hit = pat.search(text)
+            if hit:
+                return hit.group(1)
+    return None
+
+
 def normalize(folder: str) -> str:
     return os.path.normpath(folder)
 

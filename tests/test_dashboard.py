@@ -222,7 +222,11 @@ def test_view_json_stats_and_top_match_the_stats_and_guard_session_ids(running):
 
     t = v["totals"]
     out = cli("stats", "--token", TOKEN)
-    assert f"saved   {t['saved']:,} tokens" in out
+    # the headline: against llama-server alone (ocache/llama/alone.py); the cold-prefill saving labelled so
+    assert t["saved_vs_alone"] == t["alone_prefill"] - t["ocache_prefill"]
+    assert f"saved   {t['saved_vs_alone']:,} tokens" in out and "against llama-server alone" in out
+    assert f"vs cold {t['saved']:,} tokens" in out and "against a cold prefill" in out
+    assert out.splitlines()[1].startswith("tiers"), out
     assert f"prefilled {stats['tokens']['prompt_n']:,}, reused {stats['tokens']['cache_n']:,} tokens" in out
     assert f"head {stats['tokens']['tier.head.cache_n']:,}" in out
     for s in stats["layer"]["slots"]:
@@ -230,7 +234,8 @@ def test_view_json_stats_and_top_match_the_stats_and_guard_session_ids(running):
     assert SESSION in out and SESSION not in cli("stats")
     assert "{" not in out  # not JSON
     top = cli("top", "--once", "--token", TOKEN)
-    assert f"saved {t['saved']:,} tokens" in top and SESSION in top
+    assert f"saved vs llama-server alone {t['saved_vs_alone']:,} tokens" in top and SESSION in top
+    assert f"vs a cold prefill {t['saved']:,}" in top
     for r in stats["last_completions"]:
         assert r["request_id"] in top
     bad = subprocess.run([sys.executable, "-m", "ocache", "stats", "--url", running.url, "--token", "x"],

@@ -764,16 +764,20 @@ def test_doctor_checks_a_command_line_offline(models_tiny, tmp_path):
 
 @pytest.mark.server
 def test_doctor_without_command_line_says_unknown_not_warning(start_server, tmp_path):
-    srv = start_server("dense", n_parallel=2)
+    """A stock server (it does not report its flags; the patched one does, tests/test_tiers_off.py)
+    without the command line: what only the command line can tell is unknown, never a warning;
+    the folder of its slot files is unknown too, which turns the file tiers off (issue 29)."""
+    srv = start_server("dense", stock=True, n_parallel=2)
     p = doctor("--upstream", srv.url, cwd=tmp_path)
     lines = flag_lines(p.stdout)
     for flag in DOCTOR_FLAGS:
         assert len(lines.get(flag, [])) == 1, (flag, p.stdout)
     # what the server reports is checked; what only the command line can tell is unknown
-    assert lines["-np"] == ["ok"] and lines["--slot-save-path"] == ["ok"] and lines["--metrics"] == ["ok"]
+    assert lines["-np"] == ["ok"] and lines["--metrics"] == ["ok"]
+    assert lines["--slot-save-path"] == ["warning"] and lines["build"] == ["warning"]
     for flag in ("-fa", "--cache-ram", "-kvu"):
         assert lines[flag] == ["unknown"], (flag, p.stdout)
-    assert "warning" not in p.stdout
+    assert sum(levels.count("warning") for levels in lines.values()) == 2, p.stdout
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""The prefill oracle: the least prefill any cache could have achieved for each request of a stream.
+"""The grid oracle: the prefill of a cache that resumes each request from the longest prefix it shares
+with anything the server produced before, at the positions a hybrid server can resume from (the
+ubatch grid). Not a lower bound on hybrids: a cache that keeps states off the grid (ocache's head
+anchors) can prefill less; ``grid=None`` gives the LCP bound, which nothing can beat.
 
 For a request with prompt tokens ``T`` (``len(T) = n``), every token sequence the server already
 *produced* before it is a candidate source of reuse: each earlier request's prompt, and each

@@ -7,9 +7,9 @@ machine (never two heavy processes at once), each scenario on freshly started pr
 * **a** - the stock build with stock defaults: only model, address, context size, threads and
   ``--jinja`` are given (so ``-np`` auto = 4 slots with a unified KV cache, ``--cache-ram 8192``,
   ``--ctx-checkpoints 32``, ``-cms 8192``; docs/llama-server.md §9, §10, §14);
-* **b** - the stock build with the flags a careful user sets for agents:
-  ``--ctx-checkpoints 32``, ``--checkpoint-min-step`` 4096 (below the ~7k-token
-  opencode prompt, docs/llama-server.md §14), ``--cache-ram`` scaled to the model's state size, ``-np``
+* **b** - the stock build with the flags the README recommends for agents:
+  ``--ctx-checkpoints 32``, ``--checkpoint-min-step 1024`` (below the ~7k-token
+  opencode prompt, docs/llama-server.md §14), ``--cache-ram 0``, ``-np``
   (2, or the scenario's ``n_parallel``);
 * **c** - ``ocache serve`` with its defaults in front of (b)'s flags on the patched build, plus what
   ocache needs from the server (``--slot-save-path``, ``--metrics``). When ``ocache serve`` cannot
@@ -64,7 +64,7 @@ log = logging.getLogger("ocache.bench.run")
 CONFIGS = ("a", "b", "c")
 CONFIG_TITLES = {
     "a": "stock llama-server, stock defaults",
-    "b": "stock llama-server, seed-recommended flags",
+    "b": "stock llama-server, the README's flags",
     "c": "ocache serve (defaults) in front of (b) on the patched build",
 }
 #: Efficiency goal for (c) (README "Measured": where (c) stays under it, and why).
@@ -77,15 +77,15 @@ RULE2_MAX = 1.00
 @dataclass(frozen=True)
 class Preset:
     """Bench sizes. ``threads``: llama-server ``-t``/``-tb``; ``ctx_per_slot`` tokens;
-    ``cache_ram_mib``: (b)/(c) ``--cache-ram``: a 6000 MiB RAM cache holds ~290k tokens of a 27B
-    model's state (21 KiB/token); these hold a similar number of tokens of our models' state;
+    ``cache_ram_mib``/``checkpoint_min_step``: (b)/(c) ``--cache-ram``/``--checkpoint-min-step``,
+    the README's recommended ``0``/``1024`` (issue 29: they were 256-1024 MiB / 4096);
     ``time_scale`` multiplies the scenario gaps."""
 
     models: tuple[str, ...]
     threads: int
     ctx_per_slot: int
     cache_ram_mib: int
-    checkpoint_min_step: int = 4096
+    checkpoint_min_step: int = 1024
     n_parallel: int = 2
     time_scale: float = 1.0
     #: "per-config": each configuration's requests are run cold on its own llama-server;
@@ -103,7 +103,7 @@ class Preset:
 
 PRESETS = {
     # smoke test: the tiny hybrid model prefills a 7k-token opencode turn in well under a second
-    "tiny": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=256,
+    "tiny": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=0,
                    time_scale=0.2,
                    scenarios=("growth", "restart_mid_session", "new_session_other_folder",
                               "opencode_runs_same_folder"),
@@ -115,7 +115,7 @@ PRESETS = {
     # At -t 1 this model prefills ~185 tokens/s here, so a 7.3k-token opencode turn takes ~40 s
     # and every scenario costs ~6-8 minutes (replays + cold references): the default is the
     # four most telling ones (~30 min); --all-scenarios runs every scenario (12; ~1.5 h on the bench models).
-    "bench": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=1024,
+    "bench": Preset(models=("hybrid",), threads=1, ctx_per_slot=12288, cache_ram_mib=0,
                     scenarios=("growth", "restart_mid_session", "aba_one_slot",
                                "new_session_other_folder")),
 }
@@ -397,6 +397,9 @@ class Bench:
 
     async def run(self) -> None:
         self._prepare()
+        log.info("plan: %d runs (%d model(s) x %d scenario(s) x %d configuration(s))",
+                 len(self.models) * len(self.scenarios) * len(self.configs), len(self.models),
+                 len(self.scenarios), len(self.configs))
         for model in self.models:
             for sc in self.scenarios:
                 per = self.results.setdefault(model, {}).setdefault(sc.name, {})
@@ -420,7 +423,7 @@ class Bench:
     # --- reports ------------------------------------------------------------------------------
     def summary_table(self) -> str:
         lines = ["| model | scenario | config | requests | client prompt_n | server prefill "
-                 "| oracle | efficiency | oracle, no grid | TTFT / cold (median) | exact | notes |",
+                 "| grid oracle | efficiency | LCP bound | TTFT / cold (median) | exact | notes |",
                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for model, per in self.results.items():
             for sc, runs in per.items():
@@ -622,10 +625,10 @@ class Bench:
             "Server prefill = the tokens llama-server itself prefilled (`llamacpp:prompt_tokens_total` "
             "on `/metrics`, counted per step, so a proxy's own warm-ups count; client prompt_n = "
             "`timings.prompt_n` the client saw). "
-            "Efficiency = oracle prefill / server prefill (summed per scenario); the oracle rounds "
-            "reuse inside an earlier sequence down to the ubatch grid on hybrids, so a cache that "
-            "keeps states off the grid (ocache's head anchors) can score above 1; `oracle, no "
-            "grid` is the bound without rounding, which nothing can beat. TTFT / cold "
+            "Efficiency = grid oracle prefill / server prefill (summed per scenario); the grid oracle "
+            "reuses the longest prefix shared with any earlier sequence, rounded down to the ubatch "
+            "grid on hybrids, so a cache that keeps states off the grid (ocache's head anchors) can "
+            "score above 1; the `LCP bound` is that reuse without rounding, which nothing can beat. TTFT / cold "
             "= client TTFT divided by that of a cold run (`cache_prompt: false`) of the same "
             "request; exact = the greedy tokens equal that cold run's (run alone, not streamed) "
             "up to its first near-tie, with every compared token's log-probability within "

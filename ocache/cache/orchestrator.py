@@ -56,6 +56,7 @@ from ocache.cache.routes import known
 from ocache.config import Config
 from ocache.fingerprint import Identity
 from ocache.layer import Observation, ParsedRequest, Plan
+from ocache.llama.alone import AloneModel
 from ocache.llama.flags import argv_from_launch, params_from_argv
 from ocache.slots import SlotError, SlotTable
 from ocache.tiers.base import TierBase
@@ -127,6 +128,11 @@ class OCacheLayer:
         self._epoch = getattr(upstream, "epoch", None)
         self.findings: list[Any] = []
         self._no_save = False
+        #: llama-server alone with the same flags, fed every answered request (ocache/llama/alone.py),
+        #: and what the server prefilled through ocache for them (the answer's prompt_n + ocache's
+        #: own steps for it): the saving against the server alone (report.stats ``alone``)
+        self.alone = AloneModel()
+        self.ocache_prefill = 0
         self.disk_tier: DiskTier | None = None
         self._disk_tier_off = False
         self._session_tier: SessionTier | None = None
@@ -203,6 +209,8 @@ class OCacheLayer:
             reported = argv_from_launch(caps.get("launch")) if isinstance(caps, Mapping) else None
             self.argv = self.configured_argv if self.configured_argv is not None else reported
             self.table.params = params_from_argv(self.argv, props, data, **self.param_overrides)
+            if self._epoch is not None and epoch != self._epoch:
+                self.alone.restart()   # the server alone would have lost every slot too
             if self._epoch is not None and epoch != self._epoch and not self._table_knows_process():
                 self.table.reset_all(epoch)
             self.table.epoch = epoch
@@ -221,12 +229,29 @@ class OCacheLayer:
             # head files through the same verified store (tiers/store.py)
             open_head_store(self.head_tier, self.config, self.table.params, self.identity().key)
             self._ready = True
-            found = await wiring.setup_findings(self.session, self.base_url, self._headers(), self.table.params,
-                                                props, data, self.argv)
+            found = await wiring.setup_findings(self.session, self.base_url, self._headers(),
+                                                self._checked_params(), props, data, self.argv)
             if found is not None:
                 self.findings, actions_ok = found
                 self._no_save = actions_ok is False
                 self.head_tier.no_save = self.head_tier.no_save or self._no_save
+
+    def _checked_params(self) -> Any:
+        """The table's parameters for the setup checks, with the slot-save folder the config gives
+        (``config.slot_save_path``) where the launch flags do not say it: the checks then see the
+        folder the tiers use."""
+        import contextlib
+        import dataclasses
+
+        params = self.ready_table.params
+        if params.slot_save_path is None:
+            from ocache.config import slot_save_path
+
+            with contextlib.suppress(ValueError):
+                known = slot_save_path(self.config, params)
+                if known is not None:
+                    params = dataclasses.replace(params, slot_save_path=str(known))
+        return params
 
     def identity(self) -> Identity:
         """The server's identity (``wiring.server_identity``), computed once per epoch."""
@@ -449,6 +474,7 @@ class OCacheLayer:
         table = self.table
         if table is None:
             return
+        self._observe_alone(pctx, obs)
         if isinstance(pctx, AlignContext):
             await self.align.observe(self, req, plan, obs)
             return
@@ -467,6 +493,31 @@ class OCacheLayer:
             self._spawn(self.refresh(pctx.request_id))
         if ok and self.head_tier is not None:
             self._spawn(self.head_tier.maintain_origin())
+
+    def _observe_alone(self, pctx: Any, obs: Observation) -> None:
+        """Feed the server-alone model (``ocache.llama.alone``) an answered request: its prompt
+        tokens (the plan's token view, the aligned request's own render, a server-placed request's
+        tokens) and the server's prefill for it through ocache (the answer's raw ``prompt_n`` plus
+        the tokens ocache prefilled on the slot for it first, ``PlanContext.split``). Never raises."""
+        timings = obs.timings or {}
+        if obs.status != 200 or "prompt_n" not in timings or self.table is None:
+            return
+        if isinstance(pctx, PlanContext):
+            view = getattr(pctx, "view", None)
+            tokens, starts, split = getattr(view, "tokens", None), pctx.ctx.user_starts, pctx.split
+        elif isinstance(pctx, (AlignContext, ServerPlaced)):
+            tokens, split = pctx.tokens, 0
+            starts = pctx.ctx.user_starts if isinstance(pctx, ServerPlaced) else ()
+        else:
+            return
+        if not tokens:
+            return
+        try:   # a figure for the dashboard: never in the way of the request's own bookkeeping
+            self.alone.serve(tokens, self.table.params, starts or (), int(timings.get("predicted_n") or 0))
+        except Exception:
+            log.debug("server-alone model failed", exc_info=True)
+            return
+        self.ocache_prefill += int(timings.get("prompt_n") or 0) + int(split or 0)
 
     # -- background ------------------------------------------------------------------------------
 

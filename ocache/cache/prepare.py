@@ -124,10 +124,10 @@ def memo_of(req: ParsedRequest) -> dict:
 def labels_of(body: Mapping, headers: Any, kind: str) -> tuple[tuple[str, str | None], ...]:
     """``RequestContext.labels``: folder (agent requests), client, model. Never raises."""
     from ocache.fingerprint import client_of
-    from ocache.warm import folder_of
+    from ocache.warm import folder_label
 
     try:
-        folder = folder_of(body) if kind == "agent" and isinstance(body, dict) else None
+        folder = folder_label(body) if kind == "agent" and isinstance(body, dict) else None
         model = body.get("model") if isinstance(body, Mapping) else None
         return (("folder", folder), ("client", client_of(headers)),
                 ("model", model if isinstance(model, str) else None))

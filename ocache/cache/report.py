@@ -22,6 +22,10 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
                            "prefill_tokens_per_s": layer.prefill_tps,
                            "recent_mispredictions": list(layer.recent_mispredictions),
                            "setup_warnings": [str(f) for f in layer.findings if f.level != "ok"],
+                           "tiers_off": [t.__dict__ for t in tiers_off(layer)],
+                           "tiers_checked": bool(layer.findings),
+                           "alone": {**layer.alone.stats(), "ocache_prefill": layer.ocache_prefill,
+                                     "saved": layer.alone.prefill - layer.ocache_prefill},
                            "align": layer.align.stats(), "continued": layer.continued.stats()}
     if table is not None and layer.head_tier is not None:
         out["slots"] = [{"id": s.id, "tokens": len(s.tokens), "n_total": s.n_total, "kind": s.kind,
@@ -39,6 +43,18 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
         except Exception as exc:  # stats must never break the route
             out[f"tier_{tier.name}"] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def tiers_off(layer: OCacheLayer) -> list[Any]:
+    """The tiers the setup checks turn off (``ocache.llama.checks.tiers_off``: ``TierOff``, with
+    why and the one-line fix) that are off in this layer too (a tier the configuration turned on
+    anyway, e.g. by ``tiers.disk.slot_save_path``, is not listed). Empty before the first checks."""
+    from ocache.llama.checks import tiers_off as off_by_findings
+
+    head = layer.head_tier
+    on = {"disk": layer.disk_tier is not None, "session": layer._session_tier is not None,
+          "head": head is not None and getattr(head, "store", None) is not None and not head.no_save}
+    return [t for t in off_by_findings(layer.findings) if not on.get(t.tier, False)]
 
 
 async def clear(layer: OCacheLayer, tier: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from ocache.llama.checks import ERROR, NotLlamaServer, offline, probe
+from ocache.llama.checks import ERROR, NotLlamaServer, offline, probe, tiers_off, tiers_off_lines
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -50,11 +50,14 @@ def _cmd(args: argparse.Namespace) -> int:
                   "only)", file=sys.stderr)
             findings, info = offline(argv, args.head_tokens)
             where = "command line (offline)"
+    off = tiers_off(findings)
     if args.json:
-        print(json.dumps({"info": info, "findings": [f.__dict__ for f in findings]}, indent=1))
+        print(json.dumps({"info": info, "findings": [f.__dict__ for f in findings],
+                          "tiers_off": [t.__dict__ for t in off]}, indent=1))
     else:
+        print("\n".join(tiers_off_lines(off)))
         print(f"{where}: " + ", ".join(f"{k} {v}" for k, v in info.items()))
-        if argv is None:
+        if info.get("flags") == "unknown":
             print("  (launch flags unknown: pass them after `--` to check them too)")
         for f in findings:
             print(f"  {f}")

@@ -80,21 +80,23 @@ def _open(args: argparse.Namespace, readonly: bool) -> Store | None:
     return s
 
 
-COLUMNS = ("KIND", "FOLDER", "CLIENT", "MODEL", "TOKENS", "SIZE", "HITS", "CREATED", "USED",
+COLUMNS = ("KIND", "FOLDER", "CLIENT", "MODEL", "SERVER", "TOKENS", "SIZE", "HITS", "CREATED", "USED",
            "EVICT", "REASON", "KEY")
-_LEFT = {0, 1, 2, 3, 10, 11}
+_LEFT = {0, 1, 2, 3, 4, 11, 12}
 
 
 def table(entries: list, now: float) -> str:
     """The ``ls`` table: one line per entry, in eviction order (``EVICT`` 1 goes first: lowest
     value, ``ocache.tiers.evict.ValuePolicy``, the store's default policy). FOLDER/CLIENT/MODEL come from the entry's meta (the request that
-    made it; ``-`` for entries written before ocache recorded them); MODEL falls back to the
-    server identity key. Text from requests is escaped for the terminal (``ocache.textsafe.term``)."""
+    made it: MODEL is the name the client asked for; ``-`` where the request named none, or for
+    entries written before ocache recorded them); SERVER is the first 8 hex digits of the server
+    identity the state belongs to (model file, build, template, state flags), on every row. Text
+    from requests is escaped for the terminal (``ocache.textsafe.term``)."""
     rows = [COLUMNS]
     for rank, e in enumerate(ValuePolicy().candidates(entries, now), 1):
         m = e.meta
         rows.append((term(KIND_NAMES.get(e.kind, e.kind)), term(m.get("folder") or "-"),
-                     term(m.get("client") or "-"), term(m.get("model") or f"id {e.identity[:8]}"),
+                     term(m.get("client") or "-"), term(m.get("model") or "-"), term(e.identity[:8] or "-"),
                      f"{e.n_tokens:,}", _human(e.bytes), str(e.hits), _ago(e.created, now),
                      _ago(e.last_used, now), str(rank), term(m.get("reason", "")), term(e.key[:16])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]

@@ -8,10 +8,57 @@ import asyncio
 import logging
 import os
 import sys
+from typing import Any
 
 from ocache import config as config_mod
 from ocache.config import Config
 from ocache.proxy import serve
+
+log = logging.getLogger("ocache.serve")
+
+#: seconds ``announce_tiers`` waits for llama-server to be ready (a large model loads for minutes;
+#: past this the tiers are still checked, at the first request, and logged then)
+ANNOUNCE_WAIT_S = 300.0
+_announcing: set[asyncio.Task] = set()
+
+
+async def announce_tiers(proxy: Any, wait_s: float = ANNOUNCE_WAIT_S) -> list[str]:
+    """Check the server's setup as soon as it is ready, before any request, and log which tiers
+    are off, why and the one-line fix (``ocache.llama.checks.tiers_off_lines``; every tier on: one
+    info line). Returns the lines logged ([] when there is no cache layer to check, e.g.
+    ``--no-cache``, or the server was not ready within ``wait_s`` seconds). Never raises."""
+    from ocache.cache.report import tiers_off
+    from ocache.llama.checks import tiers_off_lines
+
+    layer = proxy.layer
+    layers = [s.layer for s in layer.servers] if hasattr(layer, "servers") else [layer]
+    out: list[str] = []
+    for one in layers:
+        if not hasattr(one, "ensure_ready"):
+            continue
+        up = one.upstream
+        try:
+            if not await up.wait_ready(wait_s):
+                log.warning("llama-server %s not ready after %.0f s: its tiers are checked at the first "
+                            "request", up.base_url, wait_s)
+                continue
+            await one.ensure_ready()
+        except Exception as exc:  # the first request checks again; never stop serving for this
+            log.warning("tiers not checked at start (%s): they are at the first request", exc)
+            continue
+        lines = tiers_off_lines(tiers_off(one))
+        for line in lines:
+            (log.info if line.startswith("tiers: all on") else log.warning)(
+                "%s%s", f"{up.base_url}: " if len(layers) > 1 else "", line)
+        out += lines
+    return out
+
+
+def _announce_when_listening(proxy: Any, port: int) -> None:
+    """``serve``'s ``ready`` callback: ``announce_tiers`` in the background."""
+    task = asyncio.get_running_loop().create_task(announce_tiers(proxy))
+    _announcing.add(task)
+    task.add_done_callback(_announcing.discard)
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -50,7 +97,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if cfg.cache_dir:
         os.environ["OCACHE_STATE_DIR"] = cfg.cache_dir  # ocache.paths.state_root() reads it
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, ready=_announce_when_listening))
     except OSError as exc:
         print(f"ocache serve: cannot listen on {cfg.host}:{cfg.port}: {exc}", file=sys.stderr)
         return 1

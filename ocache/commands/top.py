@@ -72,6 +72,28 @@ def secs(s: float | None) -> str:
     return f"{s / 3600:.1f} h"
 
 
+def tier_lines(v: dict) -> list[str]:
+    """The view's ``tiers_off_lines``; "all on" once checked; "not checked yet" before the layer's
+    first setup checks; nothing without a cache layer (``tiers_checked`` None)."""
+    if v.get("tiers_off_lines"):
+        return list(v["tiers_off_lines"])
+    if v.get("tiers_checked") is None:
+        return []
+    if v["tiers_checked"]:
+        return ["tiers: all on (resident, head, disk, session)"]
+    return ["tiers: not checked yet (llama-server has not been ready since ocache started)"]
+
+
+def alone_lines(t: dict, rate: str) -> list[str]:
+    """The headline: the saving against llama-server alone with the same flags (none without a
+    cache layer)."""
+    if t.get("saved_vs_alone") is None:
+        return []
+    return [f"saved   {n(t['saved_vs_alone'])} tokens = {secs(t.get('saved_vs_alone_s'))} of prefill{rate} "
+            f"against llama-server alone with the same flags (it would have prefilled "
+            f"{n(t['alone_prefill'])}, through ocache it prefilled {n(t['ocache_prefill'])})"]
+
+
 def summary_lines(v: dict, url: str) -> list[str]:
     """``ocache stats``: the view as a few plain lines."""
     t, u, tr, st = v["totals"], v["upstream"], v["tiers"], v["store"]
@@ -81,8 +103,10 @@ def summary_lines(v: dict, url: str) -> list[str]:
     lines = [
         f"ocache {url}: llama-server {u['state']}, epoch {u['epoch']} ({u['restarts']} restarts), "
         f"{term(u['build_info'] or 'build unknown')}; up {secs(v['uptime_s'])}",
-        f"saved   {n(t['saved'])} tokens = {secs(t['saved_s'])} of prefill{rate} "
-        f"(reused {n(t['reused'])} minus {n(t['own_prefill'])} ocache prefilled itself)",
+        *(term(x) for x in tier_lines(v)),
+        *alone_lines(t, rate),
+        f"vs cold {n(t['saved'])} tokens = {secs(t['saved_s'])} of prefill saved against a cold prefill "
+        f"of every request (reused {n(t['reused'])} minus {n(t['own_prefill'])} ocache prefilled itself)",
         f"served  {n(t['completions'])} completions: prefilled {n(t['prefilled'])}, reused {n(t['reused'])}"
         f" tokens; reused by source: {by_tier}"
         + (f"; {n(t['unparsed'])} unparsed bodies forwarded as they were (not counted)"
@@ -117,7 +141,9 @@ def top_renderable(v: dict, url: str, rows: int = 12) -> Group:
                          (str(u["state"]), "bold green" if u["state"] == "ready" else "bold red"),
                          f"  epoch {u['epoch']}  restarts {u['restarts']}  up {secs(v['uptime_s'])}")
     totals = Text.assemble(
-        ("saved ", "dim"), (n(t["saved"]), "bold"), " tokens ", ("= ", "dim"), (secs(t["saved_s"]), "bold"),
+        ("saved vs llama-server alone ", "dim"), (n(t.get("saved_vs_alone")), "bold"), " tokens ",
+        ("= ", "dim"), (secs(t.get("saved_vs_alone_s")), "bold"),
+        ("   vs a cold prefill ", "dim"), n(t["saved"]), " = ", secs(t["saved_s"]),
         ("   reused ", "dim"), n(t["reused"]), ("   prefilled ", "dim"), n(t["prefilled"]),
         ("   completions ", "dim"), n(t["completions"]), ("   disk ", "dim"), human_bytes(t["disk_bytes"]),
         ("   fail-open ", "dim"), n(t["fail_open"]))
@@ -164,6 +190,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def piped_width(console: Console, view: Any, at_least: int = 80) -> int:
+    """The width ``ocache top --once`` prints at when its output is not a terminal: as wide as
+    ``view``'s widest line (rich would cut every line at 80 columns there: its default width
+    without a terminal, unless ``$COLUMNS`` says more), never under ``at_least`` or ``$COLUMNS``."""
+    from rich.measure import Measurement
+
+    widest = Measurement.get(console, console.options.update(max_width=100_000), view).maximum
+    return max(at_least, console.width, widest)
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     from rich.live import Live
 
@@ -175,7 +211,10 @@ def cmd_top(args: argparse.Namespace) -> int:
         print(f"ocache top: {exc}", file=sys.stderr)
         return 1
     if args.once:
-        console.print(top_renderable(v, url))
+        view = top_renderable(v, url)
+        if not console.is_terminal:
+            console = Console(width=piped_width(console, view))
+        console.print(view)
         return 0
     try:
         with Live(top_renderable(v, url), console=console, screen=True, auto_refresh=False) as live:

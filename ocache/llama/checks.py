@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ocache.llama.flags import ServerParams, params_from_argv
+from ocache.llama.flags import ServerParams, argv_from_launch, params_from_argv
 
 OK, INFO, WARN, ERROR, UNKNOWN = "ok", "info", "warning", "error", "unknown"
 
@@ -53,17 +53,68 @@ class NotLlamaServer(RuntimeError):
     """The URL answers HTTP but is not llama-server (the message says what it answered)."""
 
 
+#: The tiers a finding can turn off (``Finding.off``): ``resident`` (slots keep conversations),
+#: ``head`` (harness-head files), ``disk`` (prefix anchors), ``session`` (spilled conversations).
+TIERS = ("resident", "head", "disk", "session")
+_SAVE_TIERS = ("disk", "session", "head")
+
+
 @dataclass(frozen=True)
 class Finding:
     """One check result: ``level`` (ok/info/warning/error/unknown), ``flag`` it is about,
-    ``message`` (why)."""
+    ``message`` (why); ``off``: the tiers of ``TIERS`` it turns off (empty: none), ``fix``: the
+    one-line fix (empty when nothing is to be done)."""
 
     level: str
     flag: str
     message: str
+    off: tuple[str, ...] = ()
+    fix: str = ""
 
     def __str__(self) -> str:
         return f"[{self.level}] {self.flag}: {self.message}"
+
+
+@dataclass(frozen=True)
+class TierOff:
+    """A tier that cannot work with this server: ``tier`` (one of ``TIERS``), ``why`` (the
+    finding's message, with its flag) and ``fix`` (one line)."""
+
+    tier: str
+    why: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.tier} tier off: {self.why}. Fix: {self.fix}"
+
+
+def tiers_off(findings: Sequence[Finding]) -> list[TierOff]:
+    """The tiers ``findings`` turn off, in ``TIERS`` order, each once (the first finding that
+    turns it off gives the reason). Pure."""
+    out: dict[str, TierOff] = {}
+    for f in findings:
+        for tier in f.off:
+            out.setdefault(tier, TierOff(tier, f"{f.flag}: {f.message}", f.fix))
+    return [out[t] for t in TIERS if t in out]
+
+
+def tiers_off_lines(off: Sequence[TierOff | Mapping[str, str]]) -> list[str]:
+    """``tiers_off``'s answer (``TierOff`` or its ``__dict__``, as ``/v1/cache/stats`` carries it)
+    as the lines ``ocache serve``'s log, ``ocache stats`` and ``ocache doctor`` print first: one
+    per reason, naming the tiers it turns off, with the fix; one line saying every tier can work
+    when none is off."""
+    items = [t if isinstance(t, TierOff) else TierOff(str(t.get("tier")), str(t.get("why")), str(t.get("fix")))
+             for t in off]
+    if not items:
+        return ["tiers: all on (resident, head, disk, session): nothing in the server's setup turns one off"]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for t in items:
+        groups.setdefault((t.why, t.fix), []).append(t.tier)
+    out = []
+    for (why, fix), names in groups.items():
+        tiers = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        out.append(f"tiers OFF: {tiers} ({why}). Fix: {fix}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -110,7 +161,8 @@ def _check_np(c: _Seen) -> list[Finding]:
     if c.known and not c.params.n_parallel_explicit:
         return [Finding(ERROR, "-np", "not set: the server runs 4 slots on a unified KV and clears idle "
                         "slots when another request starts (--cache-idle-slots); nothing stays resident. "
-                        "Set -np N (2 or more)")]
+                        "Set -np N (2 or more)", off=("resident",),
+                        fix="restart llama-server with -np 2")]
     if (c.known or c.slots_seen) and c.n_slots < 2:
         return [Finding(WARN, "-np", "1 slot: a guest request (title, tags) replaces the conversation; use "
                         "-np 2 so guests get a side slot, or rely on the session tier to spill and restore it")]
@@ -125,21 +177,34 @@ def _check_kvu(c: _Seen) -> list[Finding]:
         return [Finding(UNKNOWN, "-kvu", "the server does not report it: pass the command line after `--`")]
     if c.params.kv_unified and c.params.cache_idle_slots:
         return [Finding(ERROR, "-kvu", "a unified KV with --cache-idle-slots clears every idle slot when a "
-                        "request starts; use --no-cache-idle-slots or drop -kvu")]
+                        "request starts; use --no-cache-idle-slots or drop -kvu", off=("resident",),
+                        fix="restart llama-server with --no-cache-idle-slots, or without -kvu")]
     return [Finding(OK, "-kvu", "per-slot KV" if not c.params.kv_unified else "unified KV with "
                     "--no-cache-idle-slots")]
 
 
 def _check_slot_save_path(c: _Seen) -> list[Finding]:
+    """``--slot-save-path``: set, a directory here, and known to ocache (a stock server that saves
+    slots does not say where: ocache cannot find the files, so the tiers that need them are off)."""
     p = c.params
     save_ok = c.slot_actions_ok if c.slot_actions_ok is not None else (bool(p.slot_save_path) if c.known else None)
     if save_ok is False:
         return [Finding(WARN, "--slot-save-path", "not set: slot save/restore is off, so the disk and "
-                        "session tiers and the saved harness head are disabled")]
+                        "session tiers and the saved harness head are disabled", off=_SAVE_TIERS,
+                        fix="mkdir -p DIR and restart llama-server with --slot-save-path DIR (an absolute "
+                        "folder this machine sees)")]
     if save_ok and p.slot_save_path and not os.path.isdir(os.path.expanduser(p.slot_save_path)):
         return [Finding(ERROR, "--slot-save-path", f"{p.slot_save_path} is not a directory on this machine: "
                         "ocache must see the directory llama-server writes slot files to (use an absolute "
-                        "path, the same for both); the disk, session and head tiers stay off")]
+                        "path, the same for both); the disk, session and head tiers stay off",
+                        off=_SAVE_TIERS, fix=f"mkdir -p {p.slot_save_path} where ocache runs (an absolute "
+                        "path both processes see) and restart llama-server")]
+    if save_ok and not p.slot_save_path:
+        return [Finding(WARN, "--slot-save-path", "the server saves slots but does not say where (its "
+                        "launch flags are unknown: a stock build does not report them), so ocache cannot "
+                        "find the files: the disk, session and head tiers are off", off=_SAVE_TIERS,
+                        fix="run the patched llama-server (`ocache engine build`; it reports its flags), "
+                        "or set tiers.disk.slot_save_path: DIR in ocache.yaml")]
     if save_ok:
         return [Finding(OK, "--slot-save-path", "slot save/restore enabled")]
     return [Finding(UNKNOWN, "--slot-save-path", "not on the command line and no server to ask")]
@@ -163,7 +228,8 @@ def _check_ctx_checkpoints(c: _Seen) -> Finding:
     p = c.params
     if p.ctx_checkpoints <= 0:
         return Finding(ERROR, "--ctx-checkpoints", f"0 on a {p.arch or 'hybrid'} model: a prompt that "
-                       "does not strictly extend a slot re-prefills from token 0")
+                       "does not strictly extend a slot re-prefills from token 0", off=("resident",),
+                       fix="restart llama-server with --ctx-checkpoints 32")
     if c.known or "ctx_checkpoints" in p.known:
         return Finding(OK, "--ctx-checkpoints", f"{p.ctx_checkpoints} per slot"
                        + ("" if "ctx_checkpoints" in p.known else " (default)"))
@@ -271,7 +337,9 @@ async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None =
                 head_tokens: int | None = None) -> tuple[list[Finding], dict]:
     """Query a running server (``/health``, ``/props``, ``/slots``, ``/metrics``, a harmless
     ``POST /slots/0?action=ocache-probe``: 501 without ``--slot-save-path``, 400 "Invalid action"
-    with it, server-context.cpp:4752-4783) and run ``check``. Raises ``NotLlamaServer`` when the
+    with it, server-context.cpp:4752-4783) and run ``check``. ``argv`` None: the launch flags a
+    patched server reports (``/props`` ``ocache.launch``, patches/0009), else unknown; the info's
+    ``flags`` says which. Raises ``NotLlamaServer`` when the
     URL answers but not as llama-server does (``/health`` 200 ``{"status": "ok"}`` or 503 "Loading
     model", tools/server/server-http.cpp:307-327; ``/props`` with ``build_info``), aiohttp errors
     when it cannot be reached."""
@@ -301,11 +369,16 @@ async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None =
             data = _json_or_none(await r.read()) if r.status == 200 else None
             slots = data if isinstance(data, list) else None
         metrics_ok, actions_ok = await probe_endpoints(s, base)
+    flags_from = "command line" if argv is not None else "unknown"
+    if argv is None:  # a patched server reports its own launch (patches/0009)
+        caps = props.get("ocache")
+        argv = argv_from_launch(caps.get("launch")) if isinstance(caps, Mapping) else None
+        flags_from = "server (/props ocache.launch)" if argv is not None else flags_from
     params = params_from_argv(argv, props, slots)
     findings = check(params, props, slots, argv=argv, metrics_ok=metrics_ok, slot_actions_ok=actions_ok,
                      head_tokens=head_tokens)
     return findings, {"props_build": props.get("build_info"), "slots": len(slots or []),
-                      "arch": params.arch, "checkpoints": params.checkpoints}
+                      "arch": params.arch, "checkpoints": params.checkpoints, "flags": flags_from}
 
 
 def offline(argv: Sequence[str], head_tokens: int | None = None) -> tuple[list[Finding], dict]:
@@ -313,4 +386,5 @@ def offline(argv: Sequence[str], head_tokens: int | None = None) -> tuple[list[F
     ``-m`` GGUF when it is readable here."""
     params = params_from_argv(argv, None, None)
     findings = check(params, None, None, argv=argv, head_tokens=head_tokens)
-    return findings, {"offline": True, "arch": params.arch, "checkpoints": params.checkpoints}
+    return findings, {"offline": True, "arch": params.arch, "checkpoints": params.checkpoints,
+                      "flags": "command line"}

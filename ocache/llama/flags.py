@@ -359,8 +359,9 @@ def argv_from_launch(launch: Mapping[str, Any] | None) -> list[str] | None:
     if not isinstance(launch, Mapping) or not isinstance(launch.get("argv"), list) \
             or not all(isinstance(a, str) for a in launch["argv"]):
         return None
-    env = launch.get("env") if isinstance(launch.get("env"), Mapping) else {}
-    cwd = launch.get("cwd") if isinstance(launch.get("cwd"), str) else ""
+    env_given, cwd_given = launch.get("env"), launch.get("cwd")
+    env: Mapping[str, Any] = env_given if isinstance(env_given, Mapping) else {}
+    cwd: str = cwd_given if isinstance(cwd_given, str) else ""
     out: list[str] = []
     for name, opts, kind, _default, env_name in _FLAG_SPECS:
         if not env_name or not isinstance(env.get(env_name), str):

@@ -86,6 +86,9 @@
     set("up-state", u.state ?? "?"); set("up-epoch", u.epoch ?? "?"); set("up-restarts", int(u.restarts));
     set("up-build", u.build_info ?? ""); set("up-url", u.url ?? "");
     set("uptime", secs(v.uptime_s));
+    set("t-saved-alone", t.saved_vs_alone === null || t.saved_vs_alone === undefined ? "–" : int(t.saved_vs_alone));
+    set("t-saved-alone-s", secs(t.saved_vs_alone_s)); set("t-alone-prefill", int(t.alone_prefill));
+    set("t-ocache-prefill", int(t.ocache_prefill));
     set("t-saved", int(t.saved)); set("t-saved-s", secs(t.saved_s));
     set("t-rate", int(t.prefill_tok_s)); set("t-reused", int(t.reused));
     set("t-prefilled", int(t.prefilled)); set("t-completions", int(t.completions));
@@ -101,6 +104,12 @@
       [r.slot === null ? "–" : String(r.slot), "n"], [int(r.kept), "n kept"],
       [int(r.new), "n new"], [int(r.saved), "n saved"],
     ], {rid: r.request_id})));
+
+    const off = v.tiers_off_lines || [];
+    $("tiers-off").hidden = !off.length;
+    fill($("tiers-off-list"), off.map((w) => {
+      const li = document.createElement("li"); li.textContent = w; return li;
+    }));
 
     $("warnings").hidden = !v.setup_warnings.length;
     fill($("warning-list"), v.setup_warnings.map((w) => {

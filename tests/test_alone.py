@@ -1,0 +1,99 @@
+"""The headline saving is against llama-server alone (issue 29): ``ocache.llama.alone`` models what
+the same server with the same flags would have prefilled without ocache (its own slot choice and
+reuse), the layer feeds it every answered request, and the dashboard / ``ocache stats`` lead with
+that saving and label the one against a cold prefill as such. The model is checked against a real
+stock llama-server sent the same requests directly, and (``scripts/check-alone``) against the
+bench's (b) - (c) for a recorded stream."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from ocache import dashboard
+from ocache.commands import top
+from ocache.config import Config
+from ocache.llama.alone import AloneModel
+from ocache.llama.flags import ServerParams
+
+from test_hardening_cache import A1, A2, B1, CHAT, SERVER, body_of, hdrs, send, through_ocache
+
+DENSE = ServerParams(n_slots=2, checkpoints=False)
+HYBRID = ServerParams(n_slots=2, checkpoints=True, n_ubatch=64, n_batch=256, checkpoint_min_step=64)
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 5000 + 10 for i in range(n)]
+
+
+def test_the_server_alone_keeps_each_conversation_on_its_slot_by_similarity():
+    m = AloneModel()
+    a1, b1 = toks(1000, 1), toks(800, 2)
+    a2, b2 = a1 + toks(200, 3), b1 + toks(50, 4)
+    assert m.serve(a1, DENSE) == 1000
+    assert m.pick(b1, DENSE) == 0          # a1 took slot 1 (LRU ties go to the highest id); b1: slot 0
+    assert m.serve(b1, DENSE) == 800
+    assert m.serve(a2, DENSE) == 200       # back on a1's slot: f_sim 0.83 > 0.1
+    assert m.serve(b2, DENSE) == 50
+    assert (m.prefill, m.requests) == (1050 + 1000, 4)
+
+
+def test_lru_ties_go_to_the_highest_slot_and_a_dissimilar_prompt_evicts_the_oldest():
+    m = AloneModel()
+    assert m.pick(toks(10, 1), DENSE) == 1    # all never used: the last of the equal t_last_used
+    m.serve(toks(500, 1), DENSE)              # slot 1
+    m.serve(toks(500, 2), DENSE)              # slot 0 (LRU)
+    m.serve(toks(500, 1) + [1], DENSE)        # slot 1 again, now the most recent
+    assert m.pick(toks(500, 9), DENSE) == 0   # nothing similar: the least recently used
+
+
+def test_a_restart_empties_every_slot_and_a_hybrid_resumes_only_at_checkpoints():
+    m = AloneModel()
+    a1 = toks(2000, 1)
+    m.serve(a1, DENSE)
+    m.restart()
+    assert m.serve(a1 + toks(10, 2), DENSE) == 2010 and m.restarts == 1
+    h = AloneModel()
+    h.serve(a1, HYBRID, user_starts=(0, 1500), generated=20)
+    # the next turn re-renders the answer differently: it diverges inside what the slot holds, so
+    # the hybrid resumes from the newest checkpoint at or before the divergence, not from token 2000
+    got = h.serve(a1 + toks(300, 5), HYBRID, user_starts=(0, 1500, 2100))
+    assert 300 < got < 2300, got
+
+
+def test_the_view_leads_with_the_saving_against_the_server_alone():
+    stats = {"uptime_s": 1.0, "completions": {}, "tokens": {"cache_n": 9000, "prompt_n": 1000},
+             "layer": {"warmup_tokens": 0, "alone": {"prefill": 4000, "ocache_prefill": 1000, "requests": 3}}}
+    v = dashboard.view(stats)
+    assert v["totals"]["saved_vs_alone"] == 3000 and v["totals"]["saved"] == 9000
+    lines = top.summary_lines(v, "http://x")
+    assert lines[1].startswith("saved   3,000 tokens") and "llama-server alone" in lines[1], lines
+    assert lines[2].startswith("vs cold 9,000 tokens") and "cold prefill" in lines[2], lines
+
+
+@pytest.mark.server
+async def test_the_model_matches_a_real_stock_server_sent_the_same_requests(start_server, tmp_path):
+    """The same turns (opencode turn 1, its follow-up, another project's turn 1, the follow-up again)
+    sent to a stock llama-server directly and through ocache in front of the patched one: the model's
+    prefill for the server alone is the stock server's measured ``prompt_n`` sum, within the answer
+    tokens of each request (the model does not know the generated tokens; the dense model reuses at
+    any token), and the headline is that minus what the server prefilled through ocache."""
+    turns = [A1, A2, B1, A2]
+    alone = start_server("dense", stock=True, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    measured = 0
+    async with aiohttp.ClientSession() as s:
+        for name in turns:
+            async with s.post(alone.url + CHAT, json=body_of(name), timeout=aiohttp.ClientTimeout(total=300)) as r:
+                data = await r.json()
+            measured += int(data["timings"]["prompt_n"])
+    srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    config = Config(upstream=srv.url, cache_dir=str(tmp_path / "state"))
+    async with through_ocache(config) as (base, proxy), aiohttp.ClientSession() as s:
+        through = 0
+        for name in turns:
+            rec = await send(s, base, proxy, body_of(name), hdrs(name))
+            through += int(rec["data"]["timings"]["prompt_n"])
+        st = proxy.layer.stats()["alone"]
+    assert st["requests"] == len(turns)
+    assert abs(st["prefill"] - measured) <= 8 * len(turns), (st, measured)
+    assert st["saved"] == st["prefill"] - st["ocache_prefill"] and st["ocache_prefill"] >= through - 8
