@@ -357,6 +357,7 @@ class TokenViewer:
         # starts with that prefix's render, its length in characters); bounded with the renders
         self.msg_prefixes: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
         self.stubs: dict[bytes, tuple[str, str]] = {}  # delta-body key -> (stub text Q, gen prompt G)
+        self.rewriting: set[bytes] = set()  # delta-body keys whose template is not append-only (_appends)
         self.delta = delta
         self.delta_ok = True
         self.verify_first, self.verify_every = verify_first, verify_every
@@ -440,6 +441,7 @@ class TokenViewer:
         self.heads.clear()
         self.msg_prefixes.clear()
         self.stubs.clear()
+        self.rewriting.clear()
         self.media_positions.clear()
         self.delta_ok = True
         self._n_delta = 0
@@ -520,17 +522,37 @@ class TokenViewer:
         """(key, Q, G) for the delta body's fields ``meta``: Q = the render of the stand-in alone
         without generation prompt, G = what the generation prompt adds to it."""
         skey = _xxh128(_key_bytes(meta))
+        if skey in self.rewriting:
+            raise TokenViewError("the template rewrites earlier turns at a new user message")
         hit = self.stubs.get(skey)
         if hit is None:
             q = await self._render_full({**meta, "messages": [_STUB], "add_generation_prompt": False})
             g = await self._render_full({**meta, "messages": [_STUB], "add_generation_prompt": True})
             if not g.startswith(q):
                 raise TokenViewError("generation prompt is not appended to the render")
+            if not await self._appends(meta):
+                self.rewriting.add(skey)
+                raise TokenViewError("the template rewrites earlier turns at a new user message")
             hit = (q, g[len(q):])
             self.stubs[skey] = hit
             while len(self.stubs) > 64:
                 self.stubs.pop(next(iter(self.stubs)))
         return skey, hit[0], hit[1]
+
+    async def _appends(self, meta: dict) -> bool:
+        """Whether the template renders a conversation's earlier turns the same once a user message
+        follows them: the render of [user, assistant with reasoning] (no generation prompt) is a
+        prefix of the render with one more user message. Qwen3's and Qwen3.5's own templates
+        (``models/templates/Qwen-Qwen3-0.6B.jinja``, ``Qwen3.5-4B.jinja`` of the pinned source) render
+        an assistant turn's ``<think>`` block only after the last user message
+        (``loop.index0 > ns.last_query_index``), so a delta render would keep reasoning the full
+        render drops: delta renders are refused for them (``delta_refused``) and every render is
+        the server's full one. Costs two ``/apply-template`` calls per set of render fields."""
+        turn = [_STUB, {"role": "assistant", "content": "y", "reasoning_content": "z"}]
+        a = await self._render_full({**meta, "messages": turn, "add_generation_prompt": False})
+        b = await self._render_full({**meta, "messages": [*turn, {"role": "user", "content": "w"}],
+                                     "add_generation_prompt": False})
+        return b.startswith(a)
 
     def _delta_meta(self, payload: Mapping) -> dict:
         return {k: v for k, v in payload.items() if k != "messages" and k not in _DELTA_DROP}

@@ -234,3 +234,29 @@ def test_a_streamed_conversation_is_aligned_too(serve_template, tmp_path):
         kept, new = map(int, headers["X-OCache-Aligned"].split("+"))
         assert res["timings"]["prompt_n"] == new == prefilled and res["timings"]["cache_n"] == kept
     assert turns[2][2] <= 40
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", ["hybrid", "dense"])
+async def test_the_token_view_renders_a_rewritten_history_in_full(serve_template, model):
+    """A delta render (the previous turn's text + the new messages alone, ``TokenViewer.render``)
+    is only sound on an append-only template: on Qwen3.5's and Qwen3's own it would keep the
+    reasoning the server's render drops at a new user message, a wrong token view for the very
+    request alignment plans. The viewer probes the template once per set of render fields and
+    renders in full there; on ocache's own template the same turn is still a delta."""
+    from ocache.tokens import TokenViewer
+
+    # the tool turn (ends with the tool result: the server adds the generation prompt), then the
+    # answer and a new user message, which drops the tool turn's reasoning on the real template
+    turns = [CONVERSATION[:4], CONVERSATION + [{"role": "user", "content": "Thanks."}]]
+    for template, deltas in ((None, 0), ("ocache", 1)):
+        srv = serve_template(model, template=template)
+        viewer = TokenViewer(srv.url, verify_first=100)
+        try:
+            for msgs in turns:
+                assert await viewer.render({"messages": msgs}) == _render(srv.url, msgs)
+            await viewer.wait_verified()
+            assert viewer.counters["delta_renders"] == deltas, template
+            assert viewer.counters["delta_mismatch"] == 0
+        finally:
+            await viewer.close()
