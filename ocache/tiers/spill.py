@@ -41,13 +41,24 @@ Session identity
     A *hint*, from what the client sends: opencode's ``x-session-affinity``/``x-session-id`` header
     (``ParsedRequest.session_hint`` → ``RequestContext.session``), else the xxh3 of the request's
     tokens up to the end of its first user turn (harness head + first user message: a function of
-    the harness fingerprint and the first user turn). An entry is offered only to a request with the
-    same identity, and only for the tokens it shares with it (the *tokens are the answer*: the usable
-    prefix is computed from the stored token ids element by element, with the server's own reuse
-    rules, ``ocache.llama.reuse.predict_reuse``). Without any identity (a raw ``/completion`` without
-    ``message_delimiters``) the request must contain the whole prompt the conversation was last sent
-    (within one ubatch), the resident tier's rule for "same conversation". Two sessions therefore never
-    exchange state.
+    the harness fingerprint and the first user turn). It names whose spill an entry is (a session's
+    newer spill supersedes its older ones; a tie between two offers goes to the request's own), not
+    who may read it: the *tokens are the answer*, so a request is offered the entry with the longest
+    usable prefix it shares past the harness head, whichever session spilled it, and only for those
+    shared tokens (computed from the stored token ids element by element, with the server's own
+    reuse rules, ``ocache.llama.reuse.predict_reuse``; the server recomputes everything after them,
+    so nothing of the other conversation reaches the response). A read never consumes: the entry
+    stays in the store under its own session (a restore deletes nothing, and the reader's own spill
+    later carries the reader's identity, so it supersedes only the reader's older spills). Without
+    any identity (a raw ``/completion`` without ``message_delimiters``, whose head end may be
+    unknown) the request must contain the whole prompt the conversation was last sent (within one
+    ubatch), the resident tier's rule for "same conversation".
+
+    Why any session's spill (issue 27, ``ocache bench --preset tiny --scenario
+    opencode_pi_alternating --models hybrid``): two opencode runs sent byte-identical agent turns
+    under two session keys; the server alone reused 7,247 tokens of the first run's slot while
+    ocache, offered the first run's spill only for its own session, restored the 7,234-token disk
+    anchor instead (+13 prefilled tokens on each of two turns, 9,729 vs 9,703, 1.003).
 
 Reads
     ``lookup`` offers the spilled conversation whose usable prefix is longest; the planner takes it
@@ -237,7 +248,7 @@ class SessionTier(TierBase):
         self.verify_rate = Rate(self.cfg.verify_bytes_s)
         self.bytes_per_token: float = 0.0
         self._seen: dict[int, _SlotSeen] = {}
-        self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, n_tokens) to confirm
+        self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, tokens expected reused)
         self._bg: set[asyncio.Task] = set()
         self._recent: list[tuple[float, str, int]] = []  # (time, entry key, slot) of spills this run
         self._memo: tuple[Any, Any, Any] | None = None
@@ -524,13 +535,14 @@ class SessionTier(TierBase):
 
     # ------------------------------------------------------------------ reads
     async def lookup(self, view: Any, ctx: Any) -> Offer | None:
-        """The spilled conversation of this request's session with the longest usable prefix, or None.
+        """The spilled conversation (of any session) with the longest usable prefix, or None.
 
         ``tokens_usable``: what the server will reuse after the restore (``predict_reuse`` on the
         stored tokens and checkpoints: on a hybrid model a prompt that diverges inside the stored
         conversation resumes from a checkpoint). Offered only past the harness head (``view.head_end``:
         a head is the disk/head tiers' business) and, without a session identity, only when the request
-        contains the conversation's last prompt.
+        contains the conversation's last prompt. On equal usable prefixes: the request's own session's
+        entry, then the smaller file (the cheaper read).
         """
         if _get(ctx, "kind") == "guest":
             return None
@@ -544,28 +556,29 @@ class SessionTier(TierBase):
             return self._memo[2]
         skey = session_key(_get(ctx, "session"), view)
         floor = int(_get(view, "head_end") or 0)
-        best: tuple[int, Any, int] | None = None
+        best: tuple[tuple[int, bool, int], Any, int] | None = None
         from ocache.llama.reuse import common_prefix, predict_reuse
 
         for e in entries:
-            es = e.meta.get("session")
-            if skey is not None and es != skey:
-                continue
             try:
                 stored = await asyncio.to_thread(self.store.tokens, e.key)
             except (IntegrityError, KeyError):
                 continue
             lcp = common_prefix(stored, toks)
+            if lcp <= floor:
+                continue
             if skey is None and lcp < int(e.meta.get("prompt_n") or len(stored)) - self.cfg.ubatch:
                 continue
             reuse = predict_reuse(stored, len(stored), self._entry_checkpoints(e), toks, self.params)
             if reuse.cache_n <= floor:
                 continue
-            if best is None or reuse.cache_n > best[0]:
-                best = (reuse.cache_n, e, lcp)
+            # the longest usable prefix; on a tie the request's own session's, then the smaller file
+            rank = (reuse.cache_n, skey is not None and e.meta.get("session") == skey, -e.bytes)
+            if best is None or rank > best[0]:
+                best = (rank, e, lcp)
         offer = None
         if best is not None:
-            usable, e, lcp = best
+            (usable, _own, _nb), e, lcp = best
             self.counters["offers"] += 1
             offer = Offer(tier=self.name, tokens_usable=usable, cost_s=self.read_cost_s(e.bytes),
                           ref=SpillRef(e.key, e.n_tokens, e.bytes, lcp), verified=True)
@@ -576,9 +589,13 @@ class SessionTier(TierBase):
         """Verify and restore the offered conversation into ``slot`` (caller holds its lock). Raises
         SpillError (entry deleted on a failed check or a refused restore)."""
         ref: SpillRef = offer.ref
-        await self._restore(ref.key, slot)
+        await self._restore(ref.key, slot, expect=int(offer.tokens_usable))
 
-    async def _restore(self, key: str, slot: int) -> None:
+    async def _restore(self, key: str, slot: int, expect: int | None = None) -> None:
+        """Verify and restore entry ``key`` into ``slot``; ``admit`` then confirms it when the
+        server reuses ``expect`` tokens (the offer's usable prefix; default the whole entry) within
+        two ubatches. The entry stays in the store whoever reads it (a read never moves a spill
+        from the session that spilled it). Raises SpillError."""
         t0 = time.monotonic()
         try:
             e = await asyncio.to_thread(self.store.verify, key, server_hash=self.table.checks_xxh3)
@@ -615,7 +632,7 @@ class SessionTier(TierBase):
             self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes), time.monotonic() - t1)
         self.restore_s.append(time.monotonic() - t0)
         self.counters["restores"] += 1
-        self._pending[slot] = (key, e.n_tokens)
+        self._pending[slot] = (key, e.n_tokens if expect is None else min(expect, e.n_tokens))
         await asyncio.to_thread(self.store.touch, key, True)
 
     # ------------------------------------------------------------------ after a request
