@@ -6,8 +6,10 @@ under two session keys (``shared/fixtures``: ``opencode_agent_turn1.json`` and
 ``opencode_run2_agent_turn1.json`` have equal messages and tools), so the second run was served from
 the 7,234-token disk anchor while the first run's spill held 7,247 usable tokens, which the server
 alone reuses from its slot (``ocache bench --preset tiny --scenario opencode_pi_alternating --models
-hybrid``: 9,729 vs 9,703 server prefill, +13 tokens on each of two turns). Both tests here fail on
-that code: the unit test gets no offer for the other session, the server test gets ``disk``.
+hybrid``: 9,729 vs 9,703 server prefill, +13 tokens on each of two turns). The offer tests fail on
+that code (the unit test gets no offer for the other session, the server test gets ``disk``); the
+wait test fails without ``SessionTier._await_inflight`` (the lookup ran while the title request's
+eviction was still committing the spill, so it found nothing).
 
 What must stay true: a read never consumes the entry (it stays under its own session and is
 restored again when that session comes back); a request without any session identity still reads
@@ -139,3 +141,55 @@ async def test_a_new_session_with_the_same_first_turn_restores_the_other_session
         sessions = {e.key: e.meta["session"] for e in tier.store.entries("s")}
         assert sessions.get(ea.key) == ea.meta["session"], sessions
         assert spill_mod.hint_key(hc["x-session-affinity"]) in sessions.values(), sessions
+
+
+class SlowSaveTable:
+    """The slot table's surface ``SessionTier`` spills through, with a server save that waits for
+    ``release`` (the file is written in llama-server's layout when it returns)."""
+
+    def __init__(self, store, tokens: list[int]) -> None:
+        import asyncio
+
+        self.params = ServerParams(n_ubatch=128, checkpoints=False)
+        self.restore_rate = None
+        self.store = store
+        self.release = asyncio.Event()
+        self.saving = asyncio.Event()
+        self.slot = SimpleNamespace(id=0, tokens=tokens, n_total=len(tokens), foreign=False, pending=False,
+                                    interrupted=False, kind="agent", origin=None, seq=1, owner="ses_A",
+                                    head_key=None, labels={}, last_used=0.0)
+
+    def __getitem__(self, i: int):
+        return self.slot
+
+    async def save(self, slot: int, name: str) -> dict:
+        self.saving.set()
+        await self.release.wait()
+        write_slot_file(self.store.path(name), self.slot.tokens, 1000)
+        return {"n_written": 1000, "n_saved": len(self.slot.tokens)}
+
+
+async def test_a_lookup_waits_for_the_spill_of_the_conversation_it_continues(tmp_path):
+    """A title request evicts session A's conversation while A's first turn, sent again by a new
+    session 50 ms later, is being planned: its lookup waits for that spill's commit and is offered
+    it; a request sharing only the harness head with it does not wait."""
+    import asyncio
+
+    store = make_store(tmp_path)
+    conv = HEAD + TURN + list(range(900, 1000))
+    table = SlowSaveTable(store, conv)
+    tier = spill_mod.SessionTier(store, table, spill_mod.SpillConfig(min_tokens=10, ubatch=128))
+    await tier.admit(view(conv), 0, SimpleNamespace(timings={}, completed=True, status=200))
+    evict = asyncio.create_task(tier.before_evict(0))
+    await asyncio.wait_for(table.saving.wait(), 10)
+    unrelated = await asyncio.wait_for(tier.lookup(view(HEAD + [42] * 40), SimpleNamespace(session="ses_C", kind="agent")), 10)
+    assert unrelated is None and tier.counters["inflight_waits"] == 0
+    look = asyncio.create_task(tier.lookup(view(HEAD + TURN + [7]), SimpleNamespace(session="ses_B", kind="agent")))
+    await asyncio.sleep(0)          # let the lookup start; the save has not returned
+    assert not look.done()
+    table.release.set()
+    offer = await asyncio.wait_for(look, 10)
+    await asyncio.wait_for(evict, 10)
+    assert offer is not None and offer.tokens_usable == len(HEAD) + len(TURN), offer
+    assert tier.counters["inflight_waits"] >= 1 and tier.counters["spills"] == 1
+    assert not tier._inflight

@@ -58,7 +58,10 @@ Session identity
     opencode_pi_alternating --models hybrid``): two opencode runs sent byte-identical agent turns
     under two session keys; the server alone reused 7,247 tokens of the first run's slot while
     ocache, offered the first run's spill only for its own session, restored the 7,234-token disk
-    anchor instead (+13 prefilled tokens on each of two turns, 9,729 vs 9,703, 1.003).
+    anchor instead (+13 prefilled tokens on each of two turns, 9,729 vs 9,703, 1.003). On the
+    first of them the run's title request, 50 ms ahead, evicted that conversation into the session
+    tier: the agent turn's lookup came while the spill was being committed, hence the wait for
+    in-flight spills (:meth:`SessionTier.before_evict`).
 
 Reads
     ``lookup`` offers the spilled conversation whose usable prefix is longest; the planner takes it
@@ -161,6 +164,9 @@ class SpillConfig:
     restore_bytes_s: float = 5e8     # initial guess until measured (server restore)
     verify_bytes_s: float = 2e9      # initial guess until measured (xxh3 of the files)
     resume: bool = True              # restore the most recent conversation after a drained stop
+    # a lookup waits at most this long for an eviction's spill of tokens it shares (the save plus
+    # the commit: 53-55 ms + 117-128 ms for 16k tokens on the tiny models, measured below)
+    inflight_wait_s: float = 5.0
 
 
 @dataclass
@@ -250,6 +256,7 @@ class SessionTier(TierBase):
         self._seen: dict[int, _SlotSeen] = {}
         self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, tokens expected reused)
         self._bg: set[asyncio.Task] = set()
+        self._inflight: dict[asyncio.Future, list[int]] = {}   # evictions being spilled -> their tokens
         self._recent: list[tuple[float, str, int]] = []  # (time, entry key, slot) of spills this run
         self._memo: tuple[Any, Any, Any] | None = None
         self.counters: dict[str, int] = {
@@ -258,6 +265,7 @@ class SessionTier(TierBase):
             "spill_skipped_short": 0, "spill_skipped_unsafe": 0, "spill_skipped_budget": 0,
             "spill_dedup": 0, "superseded": 0, "resumed": 0, "resume_failed": 0,
             "restore_upstream_failed": 0, "interrupted_seen": 0, "interrupted_spills": 0,
+            "inflight_waits": 0,
         }
         self.spill_s: list[float] = []     # seconds each spill held its request (the server's save)
         self.commit_s: list[float] = []    # seconds of each background commit (fsync + hash + rename)
@@ -308,8 +316,44 @@ class SessionTier(TierBase):
     # ------------------------------------------------------------------ writes
     async def before_evict(self, slot: int) -> None:
         """The slot's conversation is about to be replaced (the caller holds the slot's lock): spill it
-        if it is long enough (``min_tokens``) and safe (see the module docstring). Never raises."""
-        await self._spill(slot, self.cfg.min_tokens, "evict")
+        if it is long enough (``min_tokens``) and safe (see the module docstring). Never raises.
+
+        Until the spill is committed (or skipped) its tokens are *in flight*: a :meth:`lookup` of a
+        request sharing them past its harness head waits for the commit (bounded), so a request
+        that arrives while another one evicts the conversation it continues still finds it."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._inflight[done] = list(self.table[slot].tokens)
+        before = set(self._bg)
+
+        def finish(_: Any = None) -> None:
+            self._inflight.pop(done, None)
+            if not done.done():
+                done.set_result(None)
+
+        try:
+            await self._spill(slot, self.cfg.min_tokens, "evict")
+        finally:
+            commits = [t for t in self._bg - before if not t.done()]
+            if commits:
+                asyncio.gather(*commits, return_exceptions=True).add_done_callback(finish)
+            else:
+                finish()
+
+    async def _await_inflight(self, toks: Sequence[int], floor: int) -> None:
+        """Wait (at most ``inflight_wait_s`` in all) for the in-flight spills that share more than
+        ``floor`` tokens with ``toks`` (see :meth:`before_evict`)."""
+        from ocache.llama.reuse import common_prefix
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.inflight_wait_s
+        while True:
+            waits = [f for f, t in list(self._inflight.items()) if common_prefix(t, toks) > floor]
+            left = deadline - loop.time()
+            if not waits or left <= 0:
+                return
+            self.counters["inflight_waits"] += 1
+            await asyncio.wait(waits, timeout=left)
 
     async def interrupted(self, view: Any, slot: int, obs: Any) -> None:
         """The response on ``slot`` was cut short after it started (see the module docstring):
@@ -542,10 +586,13 @@ class SessionTier(TierBase):
         conversation resumes from a checkpoint). Offered only past the harness head (``view.head_end``:
         a head is the disk/head tiers' business) and, without a session identity, only when the request
         contains the conversation's last prompt. On equal usable prefixes: the request's own session's
-        entry, then the smaller file (the cheaper read).
+        entry, then the smaller file (the cheaper read). An eviction's spill still being saved or
+        committed that shares tokens past the head is waited for first (:meth:`before_evict`).
         """
         if _get(ctx, "kind") == "guest":
             return None
+        if self._inflight:
+            await self._await_inflight(view.tokens, int(_get(view, "head_end") or 0))
         entries = self.store.entries(KIND)
         if not entries:
             return None
