@@ -486,7 +486,7 @@ class Bench:
         answers, and the stock flags' answer may differ at a near-tie (dense *growth*, turn 5:
         7,468 tokens under (a), 7,469 under (b) and (c)), so that row is another request."""
         c = runs.get("c")
-        others = {k: runs[k] for k in ("a", "b") if k in runs}
+        others: dict[str, ConfigRun] = {k: runs[k] for k in ("a", "b") if k in runs}
         if c is None or not others:
             return []
         index: dict[str, dict[tuple[str, int], Row]] = {}
