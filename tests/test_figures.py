@@ -180,13 +180,14 @@ async def test_client_cached_tokens_equal_prompt_minus_server_prefill(start_serv
         assert f"split {int(first.hdr['X-OCache-Split']):,}" in line and f"reused {first.cached:,}" in line, line
 
     # restores after a server restart (a new process, a new /metrics counter): A and B (streamed)
-    # from their spilled conversations, a new session in A's folder from A's disk anchor
+    # from their spilled conversations, a new session in A's folder from A's disk anchor or from
+    # A's spill (its first turn is A's byte for byte: any session's spill is offered, issue 27)
     forget_store(cache)
     srv.restart()
     c1 = body_of("opencode_run2_agent_turn1.json")
     async with through_ocache(config(srv, cache)) as (base, proxy), aiohttp.ClientSession() as s:
         for body, h, tiers in ((a2, ha, ("disk", "session")), (stream(b1), hb, ("disk", "session")),
-                               (c1, session_headers("opencode_run2_agent_turn1.json"), ("disk",))):
+                               (c1, session_headers("opencode_run2_agent_turn1.json"), ("disk", "session"))):
             r = await metered(s, base, proxy, srv, CHAT, body, h)
             assert r.hdr["X-OCache-Tier"] in tiers and r.cached > 0, r.hdr
             check(r)

@@ -992,6 +992,9 @@ class Row:
     error: str | None = None
     note: str | None = None
     oracle_exact: OracleResult | None = None   # no grid rounding: a bound no cache can beat
+    #: sha256 of the prompt's token ids: two configurations' rows of one step are the same request
+    #: only when these agree (a ``turn`` step is built from each configuration's own answers)
+    prompt_key: str | None = None
 
     @property
     def ttft_ratio(self) -> float | None:
@@ -1113,7 +1116,8 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
                         ocache=r.headers,
                         error=r.error or (f"cold run: {cold.error}" if cold.error else None),
                         note=note,
-                        oracle_exact=exact_oracle.min_prefill(tokens) if exact_oracle else verdict))
+                        oracle_exact=exact_oracle.min_prefill(tokens) if exact_oracle else verdict,
+                        prompt_key=hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()))
         slots.record(r.headers, tokens, None if r.error else _generated(s, cold, exact))
         for o in (oracle, exact_oracle):
             if o is not None:

@@ -466,6 +466,8 @@ class Bench:
                     ratio = f"**{ratio}**"
                 over = v["over"]
                 verdict = {None: "-", True: "holds", False: "**fails**"}[v["holds"]]
+                if v["swapped"]:
+                    verdict += f" ({v['swapped']} baseline request(s) of another prompt: counted as (c)'s)"
                 lines.append(f"| {model} | {sc} | {obs.get('a', '-')} | {obs.get('b', '-')} "
                              f"| {obs.get('c', '-')} | {ratio} "
                              f"| {len(over)} (+{sum(o['excess'] for o in over)} tokens) "
@@ -483,9 +485,25 @@ class Bench:
         (c) with the k-th of (a) and of (b): a parallel group may be sent in another order).
         Each entry: ``row`` ((c)'s Row), ``a``/``b`` (their prefill, None when absent), ``c``,
         ``excess`` (tokens over min((a), (b))), ``title`` (ocache classed it a guest: opencode's
-        title request)."""
+        title request). A baseline's row of another prompt (:meth:`_matched`) is left out."""
+        out = []
+        for r, vals, _other in cls._matched(runs):
+            mine = cls._prefill(r)
+            if vals and mine > min(vals.values()):
+                out.append({"row": r, "a": vals.get("a"), "b": vals.get("b"), "c": mine,
+                            "excess": mine - min(vals.values()),
+                            "title": r.ocache.get("X-OCache-Kind") == "guest"})
+        return out
+
+    @classmethod
+    def _matched(cls, runs: dict[str, ConfigRun]) -> list[tuple[Row, dict[str, int], dict[str, int]]]:
+        """(c)'s rows, each with the prefill of (a)'s and (b)'s row of the same request (label and
+        occurrence) where that row's prompt is (c)'s token for token (``Row.prompt_key``), and of
+        those whose prompt differs: a ``turn`` step is built from each configuration's own
+        answers, and the stock flags' answer may differ at a near-tie (dense *growth*, turn 5:
+        7,468 tokens under (a), 7,469 under (b) and (c)), so that row is another request."""
         c = runs.get("c")
-        others = {k: runs[k] for k in ("a", "b") if k in runs}
+        others: dict[str, ConfigRun] = {k: runs[k] for k in ("a", "b") if k in runs}
         if c is None or not others:
             return []
         index: dict[str, dict[tuple[str, int], Row]] = {}
@@ -501,12 +519,10 @@ class Bench:
             n = seen_c.get(r.label, 0)
             seen_c[r.label] = n + 1
             theirs = {k: index.get(k, {}).get((r.label, n)) for k in others}
-            vals = {k: cls._prefill(rr) for k, rr in theirs.items() if rr is not None}
-            mine = cls._prefill(r)
-            if vals and mine > min(vals.values()):
-                out.append({"row": r, "a": vals.get("a"), "b": vals.get("b"), "c": mine,
-                            "excess": mine - min(vals.values()),
-                            "title": r.ocache.get("X-OCache-Kind") == "guest"})
+            same = {k: rr for k, rr in theirs.items() if rr is not None and
+                    (rr.prompt_key is None or r.prompt_key is None or rr.prompt_key == r.prompt_key)}
+            out.append((r, {k: cls._prefill(rr) for k, rr in same.items()},
+                        {k: cls._prefill(rr) for k, rr in theirs.items() if rr is not None and k not in same}))
         return out
 
     def rule2(self, runs: dict[str, ConfigRun]) -> dict:
@@ -514,11 +530,20 @@ class Bench:
         (None without (c) or a baseline), ``over`` = :meth:`over_requests`, ``holds`` = ratio <=
         ``RULE2_MAX`` and no title request in ``over`` (None when there is no ratio)."""
         obs = {c: runs[c].observed for c in ("a", "b", "c") if c in runs}
+        # a baseline's request whose prompt is not (c)'s (its own answers differed, see
+        # :meth:`_matched`) counts with the prefill of the baseline that sent (c)'s prompt, else
+        # with (c)'s own: the totals compare the same requests
+        swapped = 0
+        for r, same, other in self._matched(runs):
+            for k, v in other.items():
+                if k in obs:
+                    obs[k] += (min(same.values()) if same else self._prefill(r)) - v
+                    swapped += 1
         base = min((obs[c] for c in ("a", "b") if c in obs), default=None)
         ratio = obs["c"] / base if base and "c" in obs else None
         over = self.over_requests(runs)
         holds = None if ratio is None else (ratio <= RULE2_MAX and not any(o["title"] for o in over))
-        return {"ratio": ratio, "over": over, "holds": holds}
+        return {"ratio": ratio, "over": over, "holds": holds, "swapped": swapped}
 
     def worse_requests(self) -> str:
         """Per scenario, every request where (c) prefilled more than (a) or (b) (:meth:`over_requests`),

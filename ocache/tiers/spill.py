@@ -41,13 +41,27 @@ Session identity
     A *hint*, from what the client sends: opencode's ``x-session-affinity``/``x-session-id`` header
     (``ParsedRequest.session_hint`` → ``RequestContext.session``), else the xxh3 of the request's
     tokens up to the end of its first user turn (harness head + first user message: a function of
-    the harness fingerprint and the first user turn). An entry is offered only to a request with the
-    same identity, and only for the tokens it shares with it (the *tokens are the answer*: the usable
-    prefix is computed from the stored token ids element by element, with the server's own reuse
-    rules, ``ocache.llama.reuse.predict_reuse``). Without any identity (a raw ``/completion`` without
-    ``message_delimiters``) the request must contain the whole prompt the conversation was last sent
-    (within one ubatch), the resident tier's rule for "same conversation". Two sessions therefore never
-    exchange state.
+    the harness fingerprint and the first user turn). It names whose spill an entry is (a session's
+    newer spill supersedes its older ones; a tie between two offers goes to the request's own), not
+    who may read it: the *tokens are the answer*, so a request is offered the entry with the longest
+    usable prefix it shares past the harness head, whichever session spilled it, and only for those
+    shared tokens (computed from the stored token ids element by element, with the server's own
+    reuse rules, ``ocache.llama.reuse.predict_reuse``; the server recomputes everything after them,
+    so nothing of the other conversation reaches the response). A read never consumes: the entry
+    stays in the store under its own session (a restore deletes nothing, and the reader's own spill
+    later carries the reader's identity, so it supersedes only the reader's older spills). Without
+    any identity (a raw ``/completion`` without ``message_delimiters``, whose head end may be
+    unknown) the request must contain the whole prompt the conversation was last sent (within one
+    ubatch), the resident tier's rule for "same conversation".
+
+    Why any session's spill (issue 27, ``ocache bench --preset tiny --scenario
+    opencode_pi_alternating --models hybrid``): two opencode runs sent byte-identical agent turns
+    under two session keys; the server alone reused 7,247 tokens of the first run's slot while
+    ocache, offered the first run's spill only for its own session, restored the 7,234-token disk
+    anchor instead (+13 prefilled tokens on each of two turns, 9,729 vs 9,703, 1.003). On the
+    first of them the run's title request, 50 ms ahead, evicted that conversation into the session
+    tier: the agent turn's lookup came while the spill was being committed, hence the wait for
+    in-flight spills (:meth:`SessionTier.before_evict`).
 
 Reads
     ``lookup`` offers the spilled conversation whose usable prefix is longest; the planner takes it
@@ -150,6 +164,9 @@ class SpillConfig:
     restore_bytes_s: float = 5e8     # initial guess until measured (server restore)
     verify_bytes_s: float = 2e9      # initial guess until measured (xxh3 of the files)
     resume: bool = True              # restore the most recent conversation after a drained stop
+    # a lookup waits at most this long for an eviction's spill of tokens it shares (the save plus
+    # the commit: 53-55 ms + 117-128 ms for 16k tokens on the tiny models, measured below)
+    inflight_wait_s: float = 5.0
 
 
 @dataclass
@@ -237,8 +254,9 @@ class SessionTier(TierBase):
         self.verify_rate = Rate(self.cfg.verify_bytes_s)
         self.bytes_per_token: float = 0.0
         self._seen: dict[int, _SlotSeen] = {}
-        self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, n_tokens) to confirm
+        self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, tokens expected reused)
         self._bg: set[asyncio.Task] = set()
+        self._inflight: dict[asyncio.Future, list[int]] = {}   # evictions being spilled -> their tokens
         self._recent: list[tuple[float, str, int]] = []  # (time, entry key, slot) of spills this run
         self._memo: tuple[Any, Any, Any] | None = None
         self.counters: dict[str, int] = {
@@ -247,6 +265,7 @@ class SessionTier(TierBase):
             "spill_skipped_short": 0, "spill_skipped_unsafe": 0, "spill_skipped_budget": 0,
             "spill_dedup": 0, "superseded": 0, "resumed": 0, "resume_failed": 0,
             "restore_upstream_failed": 0, "interrupted_seen": 0, "interrupted_spills": 0,
+            "inflight_waits": 0,
         }
         self.spill_s: list[float] = []     # seconds each spill held its request (the server's save)
         self.commit_s: list[float] = []    # seconds of each background commit (fsync + hash + rename)
@@ -297,8 +316,44 @@ class SessionTier(TierBase):
     # ------------------------------------------------------------------ writes
     async def before_evict(self, slot: int) -> None:
         """The slot's conversation is about to be replaced (the caller holds the slot's lock): spill it
-        if it is long enough (``min_tokens``) and safe (see the module docstring). Never raises."""
-        await self._spill(slot, self.cfg.min_tokens, "evict")
+        if it is long enough (``min_tokens``) and safe (see the module docstring). Never raises.
+
+        Until the spill is committed (or skipped) its tokens are *in flight*: a :meth:`lookup` of a
+        request sharing them past its harness head waits for the commit (bounded), so a request
+        that arrives while another one evicts the conversation it continues still finds it."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._inflight[done] = list(self.table[slot].tokens)
+        before = set(self._bg)
+
+        def finish(_: Any = None) -> None:
+            self._inflight.pop(done, None)
+            if not done.done():
+                done.set_result(None)
+
+        try:
+            await self._spill(slot, self.cfg.min_tokens, "evict")
+        finally:
+            commits = [t for t in self._bg - before if not t.done()]
+            if commits:
+                asyncio.gather(*commits, return_exceptions=True).add_done_callback(finish)
+            else:
+                finish()
+
+    async def _await_inflight(self, toks: Sequence[int], floor: int) -> None:
+        """Wait (at most ``inflight_wait_s`` in all) for the in-flight spills that share more than
+        ``floor`` tokens with ``toks`` (see :meth:`before_evict`)."""
+        from ocache.llama.reuse import common_prefix
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.inflight_wait_s
+        while True:
+            waits = [f for f, t in list(self._inflight.items()) if common_prefix(t, toks) > floor]
+            left = deadline - loop.time()
+            if not waits or left <= 0:
+                return
+            self.counters["inflight_waits"] += 1
+            await asyncio.wait(waits, timeout=left)
 
     async def interrupted(self, view: Any, slot: int, obs: Any) -> None:
         """The response on ``slot`` was cut short after it started (see the module docstring):
@@ -524,16 +579,20 @@ class SessionTier(TierBase):
 
     # ------------------------------------------------------------------ reads
     async def lookup(self, view: Any, ctx: Any) -> Offer | None:
-        """The spilled conversation of this request's session with the longest usable prefix, or None.
+        """The spilled conversation (of any session) with the longest usable prefix, or None.
 
         ``tokens_usable``: what the server will reuse after the restore (``predict_reuse`` on the
         stored tokens and checkpoints: on a hybrid model a prompt that diverges inside the stored
         conversation resumes from a checkpoint). Offered only past the harness head (``view.head_end``:
         a head is the disk/head tiers' business) and, without a session identity, only when the request
-        contains the conversation's last prompt.
+        contains the conversation's last prompt. On equal usable prefixes: the request's own session's
+        entry, then the smaller file (the cheaper read). An eviction's spill still being saved or
+        committed that shares tokens past the head is waited for first (:meth:`before_evict`).
         """
         if _get(ctx, "kind") == "guest":
             return None
+        if self._inflight:
+            await self._await_inflight(view.tokens, int(_get(view, "head_end") or 0))
         entries = self.store.entries(KIND)
         if not entries:
             return None
@@ -544,28 +603,29 @@ class SessionTier(TierBase):
             return self._memo[2]
         skey = session_key(_get(ctx, "session"), view)
         floor = int(_get(view, "head_end") or 0)
-        best: tuple[int, Any, int] | None = None
+        best: tuple[tuple[int, bool, int], Any, int] | None = None
         from ocache.llama.reuse import common_prefix, predict_reuse
 
         for e in entries:
-            es = e.meta.get("session")
-            if skey is not None and es != skey:
-                continue
             try:
                 stored = await asyncio.to_thread(self.store.tokens, e.key)
             except (IntegrityError, KeyError):
                 continue
             lcp = common_prefix(stored, toks)
+            if lcp <= floor:
+                continue
             if skey is None and lcp < int(e.meta.get("prompt_n") or len(stored)) - self.cfg.ubatch:
                 continue
             reuse = predict_reuse(stored, len(stored), self._entry_checkpoints(e), toks, self.params)
             if reuse.cache_n <= floor:
                 continue
-            if best is None or reuse.cache_n > best[0]:
-                best = (reuse.cache_n, e, lcp)
+            # the longest usable prefix; on a tie the request's own session's, then the smaller file
+            rank = (reuse.cache_n, skey is not None and e.meta.get("session") == skey, -e.bytes)
+            if best is None or rank > best[0]:
+                best = (rank, e, lcp)
         offer = None
         if best is not None:
-            usable, e, lcp = best
+            (usable, _own, _nb), e, lcp = best
             self.counters["offers"] += 1
             offer = Offer(tier=self.name, tokens_usable=usable, cost_s=self.read_cost_s(e.bytes),
                           ref=SpillRef(e.key, e.n_tokens, e.bytes, lcp), verified=True)
@@ -576,9 +636,13 @@ class SessionTier(TierBase):
         """Verify and restore the offered conversation into ``slot`` (caller holds its lock). Raises
         SpillError (entry deleted on a failed check or a refused restore)."""
         ref: SpillRef = offer.ref
-        await self._restore(ref.key, slot)
+        await self._restore(ref.key, slot, expect=int(offer.tokens_usable))
 
-    async def _restore(self, key: str, slot: int) -> None:
+    async def _restore(self, key: str, slot: int, expect: int | None = None) -> None:
+        """Verify and restore entry ``key`` into ``slot``; ``admit`` then confirms it when the
+        server reuses ``expect`` tokens (the offer's usable prefix; default the whole entry) within
+        two ubatches. The entry stays in the store whoever reads it (a read never moves a spill
+        from the session that spilled it). Raises SpillError."""
         t0 = time.monotonic()
         try:
             e = await asyncio.to_thread(self.store.verify, key, server_hash=self.table.checks_xxh3)
@@ -615,7 +679,7 @@ class SessionTier(TierBase):
             self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes), time.monotonic() - t1)
         self.restore_s.append(time.monotonic() - t0)
         self.counters["restores"] += 1
-        self._pending[slot] = (key, e.n_tokens)
+        self._pending[slot] = (key, e.n_tokens if expect is None else min(expect, e.n_tokens))
         await asyncio.to_thread(self.store.touch, key, True)
 
     # ------------------------------------------------------------------ after a request
