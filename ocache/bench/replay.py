@@ -20,6 +20,8 @@ Scenario file::
                                  #   name, {hybrid: ..., dense: ...}); default its own
     reasoning: keep              # optional: a turn sends the answer's reasoning back as
                                  #   reasoning_content (keep, the default) or drops it (drop)
+    hosts: 2                     # optional: a day over two hosts behind a session-affine
+                                 #   balancer (ocache.bench.hosts; its own runner and report)
     steps:
       - send: opencode_agent_turn1.json   # a fixture (relative to the fixtures folder) or a path
         session: main                     # remember body + answer under this name
@@ -37,6 +39,8 @@ Scenario file::
         tool_result: {file: docs/build.md, chars: 5200}   # stays text); the result's text
         grammar: answer                   #   from a file of the pinned source
       - restart: true                     # stop + start the llama-server process(es)
+      - host_down: b                      # hosts: 2 only: host b stops (a planned stop: its
+                                          #   ocache drains); its sessions move to another host
       - parallel:                         # concurrent steps; each may have `delay_s`
           - {send: opencode_title.json}
           - {send: opencode_agent_turn1.json, session: main, delay_s: 0.05}
@@ -108,7 +112,8 @@ class ReplayError(RuntimeError):
 
 @dataclass
 class Step:
-    """One scenario step (see the module docstring). ``kind`` is send | turn | restart | parallel."""
+    """One scenario step (see the module docstring). ``kind`` is send | turn | restart |
+    host_down | parallel."""
 
     kind: str
     source: str | None = None           # send: fixture name or path
@@ -125,6 +130,7 @@ class Step:
     delay_s: float = 0.0                # parallel children: offset from the group start
     children: list["Step"] = field(default_factory=list)
     label: str | None = None
+    host: str | None = None             # host_down: the host's name (a, b, ...)
 
 
 @dataclass
@@ -138,6 +144,7 @@ class Scenario:
     source: str | None = None
     template: Any = None                # ocache.bench.agent.resolve_template's spec
     reasoning: str = "keep"             # keep | drop
+    hosts: int = 1                      # > 1: ocache.bench.hosts runs it
 
     def n_requests(self) -> int:
         def count(s: Step) -> int:
@@ -224,14 +231,15 @@ def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
     if not isinstance(raw, dict):
         raise ScenarioError(f"{where}: a step must be a mapping, got {raw!r}")
     known = {"send", "turn", "restart", "parallel", "synthetic", "session", "user", "tool_result",
-             "edit", "gap_s", "delay_s", "repeat", "label", "path", "headers", "then", "grammar"}
+             "edit", "gap_s", "delay_s", "repeat", "label", "path", "headers", "then", "grammar",
+             "host_down"}
     unknown = set(raw) - known
     if unknown:
         raise ScenarioError(f"{where}: unknown keys {sorted(unknown)}")
-    kinds = [k for k in ("send", "turn", "restart", "parallel", "synthetic") if k in raw]
+    kinds = [k for k in ("send", "turn", "restart", "parallel", "synthetic", "host_down") if k in raw]
     if len(kinds) != 1:
         raise ScenarioError(f"{where}: a step needs exactly one of "
-                            "send/turn/restart/parallel/synthetic")
+                            "send/turn/restart/parallel/synthetic/host_down")
     kind = kinds[0]
     common = dict(gap_s=raw.get("gap_s"), delay_s=float(raw.get("delay_s", 0.0)),
                   label=raw.get("label"), grammar=_check_grammar(raw.get("grammar"), where))
@@ -282,6 +290,11 @@ def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
         if raw["restart"] is not True:
             raise ScenarioError(f"{where}: restart must be `true`")
         return Step("restart", **common)
+    if kind == "host_down":
+        name = raw["host_down"]
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z]", name):
+            raise ScenarioError(f"{where}: host_down names a host: a, b, ...")
+        return Step("host_down", host=name, **common)
     children = raw["parallel"]
     if not isinstance(children, list) or not children:
         raise ScenarioError(f"{where}: parallel needs a non-empty list of steps")
@@ -305,7 +318,7 @@ def load_scenario(path: str | Path, fixtures: str | Path) -> Scenario:
     if not isinstance(raw, dict) or not isinstance(raw.get("steps"), list):
         raise ScenarioError(f"{path}: a scenario is a mapping with a `steps` list")
     unknown = set(raw) - {"name", "description", "max_tokens", "gap_s", "n_parallel", "steps",
-                          "template", "reasoning"}
+                          "template", "reasoning", "hosts"}
     if unknown:
         raise ScenarioError(f"{path}: unknown keys {sorted(unknown)}")
     steps: list[Step] = []
@@ -330,7 +343,15 @@ def load_scenario(path: str | Path, fixtures: str | Path) -> Scenario:
     sc = Scenario(name=str(raw.get("name") or path.stem), description=str(raw.get("description", "")),
                   max_tokens=int(raw.get("max_tokens", 16)), gap_s=float(raw.get("gap_s", 0.5)),
                   n_parallel=raw.get("n_parallel"), steps=steps, source=str(path),
-                  template=raw.get("template"), reasoning=str(raw.get("reasoning", "keep")))
+                  template=raw.get("template"), reasoning=str(raw.get("reasoning", "keep")),
+                  hosts=int(raw.get("hosts", 1)))
+    if not 1 <= sc.hosts <= 26:
+        raise ScenarioError(f"{path}: hosts must be 1 to 26")
+    downs = [st.host for st in steps if st.kind == "host_down"]
+    if downs and sc.hosts < 2:
+        raise ScenarioError(f"{path}: host_down needs hosts: 2 or more")
+    if any(ord(h or "a") - ord("a") >= sc.hosts for h in downs) or len(set(downs)) >= sc.hosts:
+        raise ScenarioError(f"{path}: host_down names a host beyond `hosts`, or stops every host")
     if sc.reasoning not in ("keep", "drop"):
         raise ScenarioError(f"{path}: reasoning must be keep or drop")
     if sc.max_tokens < 1:
@@ -663,6 +684,7 @@ class Sent:
     step_no: int = 0              # index of the scenario step (parallel children share it)
     prefill_mark: int | None = None   # PrefillMeter total just before the step started
     server_prefill: int | None = None  # tokens the server prefilled for it (assign_server_prefill)
+    host: str | None = None            # the host the balancer sent it to (Target.route)
 
 
 class PrefillMeter:
@@ -745,12 +767,17 @@ class Target:
     """Where requests go (``url``: llama-server or a proxy in front of it) and the hooks the
     harness needs: ``restart`` (stop + start the llama-server process(es); awaited),
     ``upstream_url`` (the llama-server itself, for tokenizing and cold runs) and ``meter`` (its
-    prefill counter, sampled before every step; the caller takes the final sample)."""
+    prefill counter, sampled before every step; the caller takes the final sample; anything with
+    ``sample(http)`` and ``restarted()``). Several hosts (``ocache.bench.hosts``): ``route``
+    (request headers -> (host name, base URL), called once per request in the order they are
+    sent; replaces ``url``) and ``host_down`` (stop one host by name; awaited)."""
 
     url: str
     upstream_url: str
     restart: Callable[[], Awaitable[None]] | None = None
-    meter: PrefillMeter | None = None
+    meter: Any = None
+    route: Callable[[dict], tuple[str, str]] | None = None
+    host_down: Callable[[str], Awaitable[None]] | None = None
 
 
 def _uses_grammars(scenario: Scenario) -> bool:
@@ -820,13 +847,14 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
             if step.grammar:
                 body["grammar"] = grammars[step.grammar]
             path = step.path if step.kind == "send" else sessions[step.session]["path"]
+            host, base = target.route(headers) if target.route is not None else (None, target.url)
             rec = Sent(index=len(sent), label=label, session=step.session, path=path, body=body,
                        headers=headers, t_sent=time.monotonic() - t_start,
                        response=None, restart_before=restarted,  # type: ignore[arg-type]
-                       step_no=step_no, prefill_mark=mark)
+                       step_no=step_no, prefill_mark=mark, host=host)
             restarted = False
             sent.append(rec)
-            rec.response = await post(http, target.url + path, body, headers)
+            rec.response = await post(http, base + path, body, headers)
             if rec.response.error:
                 log.warning("%s #%d %s: %s", scenario.name, rec.index, label, rec.response.error)
             if step.session:
@@ -848,6 +876,10 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
                 if target.meter is not None:
                     target.meter.restarted()
                 restarted = True
+            elif step.kind == "host_down":
+                if target.host_down is None:
+                    raise ReplayError(f"{scenario.name}: the target has no hosts to stop")
+                await target.host_down(step.host or "")
             elif step.kind == "parallel":
                 async def delayed(child: Step) -> None:
                     if child.delay_s > 0:

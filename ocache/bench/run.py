@@ -187,7 +187,8 @@ class OCacheProcess:
     """``ocache serve`` as a child process in front of ``upstream_url`` (fresh cache dir)."""
 
     def __init__(self, upstream_url: str, cache_dir: Path, log_path: Path,
-                 no_cache: bool = False, slot_save_path: Path | None = None) -> None:
+                 no_cache: bool = False, slot_save_path: Path | None = None,
+                 store: dict | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cache_dir = cache_dir
@@ -198,12 +199,18 @@ class OCacheProcess:
             cmd.append("--no-cache")
         self.cmd = cmd
         self.slot_save_path = slot_save_path
+        #: ``store:`` of the configuration (``{"remote": {...}}``: ocache.tiers.remote), and
+        #: environment added to the child's (the bucket's credentials)
+        self.store = store
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> "OCacheProcess":
         """Start and wait until ``GET /v1/cache/stats`` answers 200; raises ServerError."""
         self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        env = {**os.environ, "OCACHE_CACHE_DIR": str(self.cache_dir)}
+        env = {**os.environ, **self.env, "OCACHE_CACHE_DIR": str(self.cache_dir)}
+        if self.store:
+            env["OCACHE_STORE"] = json.dumps(self.store)   # a dict key's env form is YAML (JSON is YAML)
         if self.slot_save_path is not None:
             # the one deployment fact ocache cannot read from the server: where it writes slots
             p = json.dumps(str(self.slot_save_path))
@@ -308,12 +315,15 @@ class Bench:
 
         return resolve_template(self.template if self.template is not None else scenario.template, model)
 
-    def _server(self, config: str, model: str, scenario: Scenario, work: Path) -> LlamaServer:
+    def _server(self, config: str, model: str, scenario: Scenario, work: Path,
+                tag: str | None = None) -> LlamaServer:
+        """``config``'s llama-server (a, b or c: see the module docstring) for ``scenario``; its log
+        is named after ``tag`` (default: ``config``)."""
         from ocache.bench.agent import template_args
 
         p = self.preset
         np_ = scenario.n_parallel or p.n_parallel
-        logf = self.logs / f"{model}-{scenario.name}-{config}-llama.log"
+        logf = self.logs / f"{model}-{scenario.name}-{tag or config}-llama.log"
         logf.unlink(missing_ok=True)
         args = template_args(self.template_of(scenario, model), model)
         if config == "a":
@@ -786,13 +796,25 @@ def _cmd(args: argparse.Namespace) -> int:
         return 2
     models = tuple(m.strip() for m in args.models.split(",")) if args.models else None
     out = Path(args.out)
+    command = "ocache bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
+    # a day over several hosts has its own runner and report (ocache/bench/hosts.py)
+    several = [sc for sc in scenarios if sc.hosts > 1]
+    scenarios = [sc for sc in scenarios if sc.hosts == 1]
+    rc = 0
+    if several:
+        from ocache.bench.hosts import run_hosts
+
+        rc = run_hosts(Bench(args.preset, several, out, configs=("b", "c"), models=models,
+                             time_scale=args.time_scale, threads=args.threads, template=args.template),
+                       several, command.strip())
+        if not scenarios:
+            return rc
     bench = Bench(args.preset, scenarios, out, configs=configs, models=models,
                   time_scale=args.time_scale, threads=args.threads, template=args.template)
     bench.notes.extend(day_notes)
     t0 = time.monotonic()
     asyncio.run(bench.run())
     wall = time.monotonic() - t0
-    command = "ocache bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
     md, pngs = bench.write(wall, command.strip())
     print(bench.summary_table())
     if "c" in configs:
@@ -802,7 +824,7 @@ def _cmd(args: argparse.Namespace) -> int:
     print(f"\nwrote {md}" + "".join(f", {p}" for p in pngs) + f" ({wall / 60:.1f} min)")
     failed = any(run.error for per in bench.results.values() for runs in per.values()
                  for run in runs.values())
-    return 1 if failed else 0
+    return 1 if failed or rc else 0
 
 
 def register(subparsers) -> None:
@@ -819,7 +841,9 @@ def register(subparsers) -> None:
     p.add_argument("--scenarios", default=str(repo_root() / "scenarios"), metavar="DIR",
                    help="folder of scenario YAML files (default: the shipped scenarios/)")
     p.add_argument("--scenario", action="append", metavar="NAME",
-                   help="run only this scenario (file stem); repeatable")
+                   help="run only this scenario (file stem); repeatable. A scenario with `hosts: 2` "
+                   "(two_hosts_day) runs over two hosts with and without the shared tier and on one "
+                   "host (ocache/bench/hosts.py; bench-<preset>-hosts.md)")
     p.add_argument("--all-scenarios", action="store_true",
                    help="run every scenario in the folder (the tiny preset runs three by default)")
     p.add_argument("--recording", action="append", metavar="PATH",

