@@ -366,6 +366,20 @@ class HostsBench:
         if moved:
             parts.append("Sessions moved by the balancer: " + "; ".join(
                 f"{k}: " + ", ".join(f"{s} {a}->{b}" for s, a, b in v) for k, v in moved.items()) + "\n")
+        remote = []
+        for (m, sc, c), f in self.hosts_of.items():
+            for h, st in sorted((f.get("remote") or {}).items()):
+                if st:
+                    remote.append(f"{m}/{sc} host {h}: {st.get('uploads', 0)} uploads "
+                                  f"({st.get('upload_bytes', 0) / 1e6:.1f} MB), {st.get('downloads', 0)} downloads "
+                                  f"({st.get('download_bytes', 0) / 1e6:.1f} MB, longest "
+                                  f"{(st.get('download_s_max') or 0) * 1e3:.0f} ms), {st.get('hits', 0)} hits, "
+                                  f"{st.get('verify_failed', 0)} refused")
+        if remote:
+            parts.append("The shared tier (`layer.tier_remote` of `GET /v1/cache/stats`, read as each host "
+                         "stopped): " + "; ".join(remote) + ".\n")
+        if "one" in self.configs:
+            parts.append("On one host a `host_down` step stops nothing: the one host serves the whole day.\n")
         parts.append("## Per request\n" + self.detail_tables() + "\n")
         return "\n".join(parts)
 

@@ -19,7 +19,9 @@ Presets: ``tiny`` (the smoke run: the tiny hybrid model, four scenarios: growth,
 restart_mid_session, new_session_other_folder, opencode_runs_same_folder, and a day recorded with the
 real opencode through ``ocache serve --record``, made once by ``ocache.toolchain.clients``;
 ``--no-recordings`` leaves it out) and ``bench`` (the README's main command: the
-bench-sized hybrid model, four scenarios, ``-t 1``); ``--all-scenarios`` runs every scenario in ``scenarios/`` (12).
+bench-sized hybrid model, four scenarios, ``-t 1``); ``--all-scenarios`` runs every one-host scenario in ``scenarios/``; a
+scenario with ``hosts: 2`` (``two_hosts_day``) runs only when ``--scenario`` names it, with its own
+runner and report (``ocache.bench.hosts``).
 ``long`` (32k/64k/128k-token conversations, ocache vs llama-server alone) has its own runner and
 report: ``ocache.bench.long``.
 
@@ -784,6 +786,8 @@ def _cmd(args: argparse.Namespace) -> int:
         if names is None and not args.all_scenarios:
             names = list(PRESETS[args.preset].scenarios or []) or None
         scenarios = load_scenarios(Path(args.scenarios), fixtures, names)
+        if names is None:  # a day over several hosts runs only when named (ocache/bench/hosts.py)
+            scenarios = [sc for sc in scenarios if sc.hosts == 1]
         if args.scenario is None and not args.no_recordings:
             days, day_notes = recorded_days(PRESETS[args.preset].recordings)
             scenarios += days
@@ -845,7 +849,8 @@ def register(subparsers) -> None:
                    "(two_hosts_day) runs over two hosts with and without the shared tier and on one "
                    "host (ocache/bench/hosts.py; bench-<preset>-hosts.md)")
     p.add_argument("--all-scenarios", action="store_true",
-                   help="run every scenario in the folder (the tiny preset runs three by default)")
+                   help="run every one-host scenario in the folder (the tiny preset runs four by "
+                   "default; a `hosts: 2` scenario runs only when --scenario names it)")
     p.add_argument("--recording", action="append", metavar="PATH",
                    help="replay a stream recorded by `ocache serve --record` instead of scenarios")
     p.add_argument("--no-recordings", action="store_true",
