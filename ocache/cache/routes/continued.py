@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ocache.align import Aligned, AsSent, Splice, Turn, decide
+from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.align_route import SETTLE_WAIT_S, SPLICE_HEADER, AlignContext
 from ocache.cache.prepare import Prepared, Shape
-from ocache.api.convert import RESPONSES_ROUTES
 from ocache.compaction import Compaction, continuation, matches, parse, without_tools
 from ocache.config import field_of
 from ocache.layer import Observation, ParsedRequest, Plan
@@ -165,8 +165,9 @@ async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction | None,
         dec = Aligned(Splice(turn.n_held, (), tuple(view.tokens[turn.n_held:])), 0)
         return slot, turn, fields, dec, view.tokens, False
     known = turn.known
+    n_ctx = table.params.n_ctx_slot
     if (isinstance(dec, AsSent) and turn.finish_reason is None and known and len(view.tokens) > len(known)
-            and tuple(view.tokens[:len(known)]) == known):
+            and tuple(view.tokens[:len(known)]) == known and (n_ctx is None or len(view.tokens) <= n_ctx)):
         # a Responses answer does not say whether the model ended it (ocache.relay.responses_message):
         # no splice, but the render begins with the slot's known prompt, so the server's own prefix
         # match reuses that much and whatever of the answer its render repeats
