@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -63,6 +63,10 @@ PROMPT_FIELDS: tuple[str, ...] = (
     "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "reasoning_effort",
 )
+
+#: the request fields that say which tools the model may call (a client's compaction may leave
+#: them out: ``ocache.compaction.without_tools``)
+TOOL_FIELDS: tuple[str, ...] = ("tools", "tool_choice", "parallel_tool_calls")
 
 #: message keys that carry reasoning (OpenAI-compatible servers and clients use all three)
 REASONING_KEYS = frozenset({"reasoning_content", "reasoning", "thinking"})
@@ -135,7 +139,9 @@ class Turn:
     after the answer (prompt + generated - 1); ``slot``: its id; ``segments``: the slot's tokens
     ocache knows, as (position, ids) pieces in order (the first prompt sent as is, then each
     aligned request's new part; the generated ids between them are not known), for
-    :func:`upper_lcp` (empty: ``known`` at 0)."""
+    :func:`upper_lcp` (empty: ``known`` at 0); ``raw``: for a request the server converted (a
+    Responses body, ``ocache.api.convert``), the client's own fields among ``TOOL_FIELDS`` as it
+    sent them (a continuation sent on that route carries them back, ``routes/continued.py``)."""
 
     messages: tuple[Mapping, ...]
     fields: Mapping[str, Any]
@@ -147,6 +153,7 @@ class Turn:
     n_held: int
     slot: int
     segments: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    raw: Mapping[str, Any] = field(default_factory=dict)
 
 
 def upper_lcp(tokens: Sequence[int], segments: Sequence[tuple[int, Sequence[int]]], n_held: int) -> int:
@@ -278,11 +285,13 @@ def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
 
 
 def record(body: Mapping, tokens: Sequence[int], eot_id: int, answer: Mapping, finish_reason: str | None,
-           n_held: int, slot: int, decision: Decision | None, previous: Turn | None) -> Turn:
+           n_held: int, slot: int, decision: Decision | None, previous: Turn | None,
+           raw: Mapping[str, Any] | None = None) -> Turn:
     """The :class:`Turn` to keep after ``body`` was answered (``answer``, ``finish_reason``) and the
     slot holds ``n_held`` tokens: ``tokens`` are the request's own prompt tokens; ``decision`` what
     :func:`decide` said for it (an :class:`Aligned` request leaves the slot's first ids as they were
-    known before, ``previous.known``; one sent as is makes them its own prompt)."""
+    known before, ``previous.known``; one sent as is makes them its own prompt); ``raw``: the
+    client's own body when the server converted it (``Turn.raw`` keeps its ``TOOL_FIELDS``)."""
     msgs = body.get("messages") or []
     if isinstance(decision, Aligned) and previous is not None:
         known = previous.known
@@ -297,4 +306,4 @@ def record(body: Mapping, tokens: Sequence[int], eot_id: int, answer: Mapping, f
                 answer={k: answer[k] for k in ("content", "reasoning_content", "tool_calls") if k in answer},
                 finish_reason=finish_reason, stop=bool(body.get("stop")), known=known,
                 n_prompt_eot=sum(1 for t in tokens if t == eot_id), n_held=n_held, slot=slot,
-                segments=segments)
+                segments=segments, raw={k: raw[k] for k in TOOL_FIELDS if k in raw} if raw else {})

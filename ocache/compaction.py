@@ -48,6 +48,17 @@ The guard (:func:`matches`), every condition required, anything else is forwarde
 
 The rest of the decision is the aligned route's: :func:`ocache.align.decide` on the continuation
 (:func:`continuation`), a request that is the recorded conversation plus one new user turn.
+
+Codex 0.169.0 compacts otherwise (its local compaction, ``codex exec`` with
+``model_auto_compact_token_limit`` below the conversation; captured from the real client by
+``tests/test_codex_compaction.py``, its shape in ``tests/data/codex-compaction.json``): it resends the
+conversation's items as they were, the answer, and one user item with its instructions, but with
+``tools: []`` (and ``parallel_tool_calls: false``). On a template that renders the tools first
+(ocache's, Qwen3.5's) that prompt parts from the conversation at its first tokens: a cold prefill of
+it all. :func:`without_tools` is that guard: the request is the recorded conversation, message for
+message (reasoning aside, as the aligned route compares), then the relayed answer, then exactly one
+user message, with no tools where the conversation had some; the served continuation is the
+request's own messages rendered with the conversation's tools (``TOOL_FIELDS``).
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ocache.align import PROMPT_FIELDS, Turn, _text
+from ocache.align import PROMPT_FIELDS, TOOL_FIELDS, Turn, _generated, _text, canonical
 
 #: opencode's history block: what opens and closes it in the user message
 OPENCODE_OPEN = "<conversation>\n"
@@ -203,3 +214,35 @@ def opencode_request(messages: Sequence[Mapping], system: str, after: str, **fie
     text = (f"Here is the conversation so far:\n\n{OPENCODE_OPEN}{opencode_history(messages)}"
             f"{OPENCODE_CLOSE}\n\n{after}")
     return {**fields, "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}]}
+
+
+def without_tools(turn: Turn, body: Mapping) -> list | str:
+    """The continuation's messages when ``body`` (a chat body, or the chat form of a Responses body)
+    is ``turn``'s conversation followed by the relayed answer and exactly one user message, sent
+    without the tools the conversation had (module docstring: Codex's compaction), else why not. An
+    empty answer (no text, no call) may be missing from the request (Codex leaves it out): the
+    continuation then has it where the slot holds it. The fields the prompt is rendered with besides
+    the tools (``PROMPT_FIELDS`` less ``TOOL_FIELDS``) must be the recorded ones."""
+    if body.get("tools"):
+        return "the request has tools"
+    if not turn.fields.get("tools"):
+        return "the conversation had no tools"
+    if any(body.get(k) != turn.fields.get(k) for k in PROMPT_FIELDS if k not in TOOL_FIELDS):
+        return "prompt fields differ"
+    msgs = body.get("messages")
+    n = len(turn.messages)
+    answer = {"role": "assistant", **turn.answer}
+    empty = not _text(answer.get("content")).strip() and not answer.get("tool_calls")
+    if not isinstance(msgs, list) or not (len(msgs) == n + 2 or (empty and len(msgs) == n + 1)):
+        return "not one turn after the answer"
+    try:
+        if any(canonical(a) != canonical(b) for a, b in zip(msgs[:n], turn.messages)):
+            return "history differs"
+        if len(msgs) == n + 2 and _generated(msgs[n]) != _generated(answer):
+            return "answer differs"
+        last = msgs[-1]
+        if last.get("role") != "user" or not _text(last.get("content")).strip():
+            return "not one user turn after the answer"
+    except (AttributeError, TypeError):
+        return "malformed message"
+    return list(msgs) if len(msgs) == n + 2 else [*msgs[:n], answer, last]

@@ -142,6 +142,39 @@ class SSEObserver:
                 self.timings = timings_from_usage({**self._anthropic, **(self.usage or {})})
             if obj.get("type") in ("response.completed", "message_stop"):
                 self.final = True
+            if obj.get("type") == "response.completed" and self.message is not None:
+                self.message = responses_message(obj.get("response"))
+                # a Responses answer does not say whether the model ended it: its status is
+                # "completed" after an end of turn and after a token limit alike
+                # (tools/server/server-task.cpp:689-699 of the pinned source)
+                self.finish_reason = None
+
+
+def responses_message(response: object) -> dict | None:
+    """The chat-shaped assistant message of a Responses answer (``response.output`` of its
+    ``response.completed`` event, tools/server/server-task.cpp:600-686): the ``output_text`` of its
+    ``message`` items as ``content``, its ``function_call`` items as ``tool_calls``, a ``reasoning``
+    item's text as ``reasoning_content``; None when ``response`` has no output list."""
+    out = response.get("output") if isinstance(response, dict) else None
+    if not isinstance(out, list):
+        return None
+    msg: dict = {"role": "assistant", "content": ""}
+    for item in out:
+        if not isinstance(item, dict):
+            return None
+        kind = item.get("type")
+        if kind == "message":
+            msg["content"] += "".join(p.get("text", "") for p in item.get("content") or ()
+                                      if isinstance(p, dict) and p.get("type") == "output_text")
+        elif kind == "function_call":
+            msg.setdefault("tool_calls", []).append({
+                "id": item.get("call_id", ""), "type": "function",
+                "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")}})
+        elif kind == "reasoning":
+            parts = item.get("content") or ()
+            if parts and isinstance(parts[0], dict):
+                msg["reasoning_content"] = parts[0].get("text", "")
+    return msg
 
 
 def content_of(path: str, obj: dict) -> str | None:
@@ -181,12 +214,16 @@ def observe_json(path: str, data: bytes, obs: Observation) -> None:
         choice = choices[0] if isinstance(choices, list) and choices else None
         if isinstance(choice, dict) and isinstance(choice.get("message"), dict):
             obs.message, obs.finish_reason = choice["message"], choice.get("finish_reason")
+        elif obj.get("object") == "response":   # a Responses answer (no finish reason: see SSEObserver)
+            obs.message, obs.finish_reason = responses_message(obj), None
 
 
 def collects(layer: object, path: str) -> bool:
-    """Whether a streamed chat answer's message is collected for the layer (its
-    ``wants_message``: the aligned route is on)."""
-    return bool(getattr(layer, "wants_message", False)) and path in ("/v1/chat/completions", "/chat/completions")
+    """Whether a streamed chat or Responses answer's message is collected for the layer (its
+    ``wants_message``: the aligned route is on; a Responses answer for the continued route's
+    compactions without tools, ocache/cache/routes/continued.py)."""
+    return bool(getattr(layer, "wants_message", False)) and path in (
+        "/v1/chat/completions", "/chat/completions", "/v1/responses", "/responses")
 
 
 async def relay_stream(request: web.Request, up_resp: aiohttp.ClientResponse,

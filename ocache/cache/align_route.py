@@ -45,12 +45,18 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
 from ocache.align import PROBE, Aligned, AsSent, Turn, canonical, decide, record, turn_end_marker
+from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.execute import PlanContext
 from ocache.config import field_of
 from ocache.layer import Observation, Plan, ParsedRequest
 from ocache.slots import SlotTable
 
 log = logging.getLogger("ocache.cache")
+
+#: the routes whose turns are recorded: chat, and Responses (Codex), whose compaction without tools
+#: the continued route serves (``ocache/cache/routes/continued.py``; such a turn is recorded in the
+#: chat form the server renders, ``req.memo["chat"]``, and is never aligned itself)
+RECORDED_PATHS = ("/v1/chat/completions", "/chat/completions", *RESPONSES_ROUTES)
 
 #: the request header an aligned plan adds (ignored by llama-server): it makes a 412 of the
 #: server the plan's, so the proxy plans the request again rather than relaying it
@@ -238,8 +244,11 @@ class AlignRoute:
         self.records.pop(slot, None)
         message = getattr(obs, "message", None)
         body = req.body or {}
+        raw = None
+        if req.path in RESPONSES_ROUTES:   # recorded in the chat form the server rendered
+            raw, body = body, req.memo.get("chat") or {}
         if (obs.status != 200 or not obs.completed or not isinstance(message, Mapping)
-                or req.path not in ("/v1/chat/completions", "/chat/completions")
+                or req.path not in RECORDED_PATHS
                 or await self._eot(layer) is None or self.eot_id is None):
             return
         t = obs.timings or {}
@@ -256,5 +265,5 @@ class AlignRoute:
             if st.pending or st.n_total is None or st.tokens != list(ctx.view.tokens):
                 return
             turn = record(body, ctx.view.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
-                          st.n_total, slot, None, None)
+                          st.n_total, slot, None, None, raw)
         self.records[slot] = (table[slot].seq, turn)

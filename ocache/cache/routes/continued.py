@@ -18,6 +18,14 @@ false``) returns None: the request takes the other routes as sent.
 Headers ``X-OCache-Continued: K+N`` (the slot's K tokens + the N of the instruction turn) and
 ``X-OCache-Path: continued``; stats ``layer.continued`` (:meth:`ContinueRoute.stats`); one log line.
 
+Codex's compaction (``ocache.compaction.without_tools``: the conversation's own items, the answer and
+one user item with its instructions, but ``tools: []``) is served the same way on ``/v1/responses``:
+the request's messages rendered with the conversation's tools, its ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` put back as the conversation sent them (``Turn.raw``). A Responses answer
+does not say whether the model ended it, so there the continuation is sent without a splice, when its
+render begins with the slot's known prompt: the server's own prefix match then reuses the
+conversation (and whatever of the answer the render repeats) and prefills the rest.
+
 Only the resident slot is used: a conversation that left its slot (spilled, evicted) is forwarded
 as sent. After the answer the slot holds the continuation (the table learns its count: prompt +
 generated - 1, docs/llama-server.md §7); the conversation's record stays (its tokens are still the
@@ -33,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ocache.align import Aligned, AsSent, Splice, Turn, decide
+from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.align_route import SETTLE_WAIT_S, SPLICE_HEADER, AlignContext
 from ocache.cache.prepare import Prepared, Shape
-from ocache.compaction import Compaction, continuation, matches, parse
+from ocache.compaction import Compaction, continuation, matches, parse, without_tools
 from ocache.config import field_of
 from ocache.layer import Observation, ParsedRequest, Plan
 from ocache.slots import SlotTable
@@ -59,7 +68,9 @@ class ContinueRoute:
     """The route's switch and counters: ``requests`` (compactions served as a continuation),
     ``saved_tokens`` (the request's own prompt tokens minus the instruction turn's: what it would
     have prefilled as sent, less what it prefilled), ``refused`` (a 412 of the server: planned
-    again, as sent), ``recognised`` (compaction requests seen) and ``as_sent_<reason>``."""
+    again, as sent), ``recognised`` (compaction requests seen), ``recognised_without_tools`` (a
+    recorded conversation continued by one user turn without its tools: Codex's compaction,
+    ``ocache.compaction.without_tools``) and ``as_sent_<reason>``."""
 
     def __init__(self, on: bool = True) -> None:
         self.on = on
@@ -94,15 +105,16 @@ class ContinuedContext(AlignContext):
             align.records[self.slot] = (table[self.slot].seq, self.turn)
 
 
-def _candidate(layer: OCacheLayer, table: SlotTable, comp: Compaction, body: Any) -> tuple[int, Turn] | str:
-    """The slot whose recorded conversation ``comp`` compacts, or why none."""
+def _candidate(layer: OCacheLayer, table: SlotTable, comp: Compaction | None, body: Any) -> tuple[int, Turn] | str:
+    """The slot whose recorded conversation ``comp`` compacts (None: that ``body`` continues without
+    its tools, ``ocache.compaction.without_tools``), or why none."""
     why = "no record"
     for slot, (seq, turn) in list(layer.align.records.items()):
         st = table[slot]
         if st.seq != seq or st.pending:
             continue
-        miss = matches(comp, turn, body)
-        if miss is None:
+        miss = matches(comp, turn, body) if comp is not None else without_tools(turn, body)
+        if not isinstance(miss, str):
             return slot, turn
         why = miss
     return why
@@ -121,21 +133,28 @@ def _as_sent(route: ContinueRoute, rid: str, why: str) -> None:
     log.info("[%s] compaction not continued: %s", rid, why)
 
 
-async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction, body: Any, shape: Shape) -> tuple | str:
+async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction | None, body: Any,
+                  shape: Shape) -> tuple | str:
     """(slot, turn, the continuation's body fields, the decision, its tokens, whether it needs a
-    splice) for a recognised compaction, or why not."""
+    splice) for a recognised compaction (``comp`` None: a conversation continued without its
+    tools), or why not."""
     eot = await layer.align._eot(layer)
     viewer = layer._viewer
     if eot is None or viewer is None:
         return "no splice on this server"
     found = _candidate(layer, table, comp, body)
-    if isinstance(found, str):    # the previous answer may not be recorded yet
-        await _settle(table)
+    if isinstance(found, str) and comp is not None:
+        await _settle(table)      # the previous answer may not be recorded yet
         found = _candidate(layer, table, comp, body)
     if isinstance(found, str):
         return found
     slot, turn = found
-    fields = continuation(turn, comp)
+    if comp is not None:
+        fields = continuation(turn, comp)
+    else:
+        msgs = without_tools(turn, body)
+        assert not isinstance(msgs, str)
+        fields = {**dict(turn.fields), "messages": msgs}
     try:
         view = await viewer.view(shape.path, fields)
     except TokenViewError as exc:
@@ -144,6 +163,15 @@ async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction, body: 
     if isinstance(dec, AsSent) and dec.reason == "extends":
         # the render already begins with what the slot holds: no splice needed
         dec = Aligned(Splice(turn.n_held, (), tuple(view.tokens[turn.n_held:])), 0)
+        return slot, turn, fields, dec, view.tokens, False
+    known = turn.known
+    n_ctx = table.params.n_ctx_slot
+    if (isinstance(dec, AsSent) and turn.finish_reason is None and known and len(view.tokens) > len(known)
+            and tuple(view.tokens[:len(known)]) == known and (n_ctx is None or len(view.tokens) <= n_ctx)):
+        # a Responses answer does not say whether the model ended it (ocache.relay.responses_message):
+        # no splice, but the render begins with the slot's known prompt, so the server's own prefix
+        # match reuses that much and whatever of the answer its render repeats
+        dec = Aligned(Splice(len(known), (), tuple(view.tokens[len(known):])), 0)
         return slot, turn, fields, dec, view.tokens, False
     if isinstance(dec, AsSent):
         return dec.reason
@@ -154,17 +182,36 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     """A continued plan, or None (module docstring: anything else is forwarded as sent)."""
     route: ContinueRoute = layer.continued
     table = layer.table
-    if not (route.on and layer.align.on and shape.chat and req.path in CHAT_PATHS) or table is None:
+    if not (route.on and layer.align.on and shape.chat and req.path in (*CHAT_PATHS, *RESPONSES_ROUTES)) \
+            or table is None:
         return None
-    body = shape.body
-    comp = parse(body)
+    body = shape.body    # a Responses body in the chat form the server renders
+    comp = parse(body) if req.path in CHAT_PATHS else None
     if comp is None:
-        return None
-    route.counters["recognised"] += 1
-    got = await _decide(layer, table, comp, body, shape)
-    if isinstance(got, str):
-        _as_sent(route, req.request_id, got)
-        return None
+        # a conversation continued by one user turn without its tools (Codex's compaction)? The
+        # previous answer may not be recorded yet: wait (bounded) only for a slot whose last request's
+        # messages open this one's (AlignRoute._settle)
+        if body.get("tools") or not isinstance(body.get("messages"), list):
+            return None
+        await layer.align._settle(table, shape.keys)
+        if not any(t.fields.get("tools") and 0 < len(body["messages"]) - len(t.messages) <= 2
+                   for _, t in layer.align.records.values()):
+            return None
+        got = await _decide(layer, table, None, body, shape)
+        if isinstance(got, str):
+            if got not in ("no record", "not one turn after the answer"):
+                _as_sent(route, req.request_id, "without tools: " + got)
+            return None
+        if req.path in RESPONSES_ROUTES and not got[1].raw.get("tools"):
+            _as_sent(route, req.request_id, "without tools: the conversation's tools are not in this API's form")
+            return None
+        route.counters["recognised_without_tools"] += 1
+    else:
+        route.counters["recognised"] += 1
+        got = await _decide(layer, table, comp, body, shape)
+        if isinstance(got, str):
+            _as_sent(route, req.request_id, got)
+            return None
     slot, turn, fields, dec, tokens, splice = got
     prep = await layer.prepare(req, shape)    # the request as sent (kept in req.memo for the next route)
     n_sent = len(prep.view.tokens) if isinstance(prep, Prepared) else 0
@@ -187,7 +234,16 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     async def release() -> None:
         lease.release()
 
-    updates = {**fields, "id_slot": slot}
+    # the continuation's fields; a Responses request takes the conversation's tools back in its own
+    # form (its messages are the request's own already: ocache.compaction.without_tools)
+    updates = {**dict(turn.raw), "id_slot": slot} if req.path in RESPONSES_ROUTES else {**fields, "id_slot": slot}
+    if req.path in RESPONSES_ROUTES and len(fields["messages"]) > len(body["messages"]):
+        # the empty answer the client left out (ocache.compaction.without_tools), as an item before
+        # its last one (the user turn)
+        items = list((req.body or {}).get("input") or [])
+        items.insert(len(items) - 1, {"type": "message", "role": "assistant",
+                                      "content": [{"type": "output_text", "text": ""}]})
+        updates["input"] = items
     if splice:
         updates["ocache_splice"] = sp.field()
     return Plan(body_updates=updates,
