@@ -56,3 +56,73 @@ def test_parts_in_server_order_and_markers_paired():
     with pytest.raises(media.MediaError, match="input_audio"):
         media.media_parts({"messages": [{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": "AA=="}}]}]})
+
+
+# --------------------------------------------------------------------------- slot files with media
+
+def _chunk(image_id: str, *, audio: bool = False, version: int = 2) -> bytes:
+    """A media chunk as ``mtmd_input_chunk_save`` writes it (tools/mtmd/mtmd.cpp:2407-2446, 262-271,
+    311-315, 354-371): version, type, no text tokens, then the image (or audio) tokens with the id
+    and an empty batch."""
+    import struct
+
+    ident = image_id.encode()
+    out = struct.pack("<QIQ", version, 2 if audio else 1, 0)
+    if audio:
+        out += b"\x00" + b"\x01" + struct.pack("<I", 4) + struct.pack("<Q", len(ident)) + ident
+    else:
+        out += b"\x01" + struct.pack("<5I", 2, 2, 0, 0, 1) + struct.pack("<Q", len(ident)) + ident
+    return out + b"\x00" + struct.pack("<Q", 0) + b"\x00"   # batch: not audio, 0 entries; no audio
+
+
+def _slot_file(path, tokens: list[int], media: list[tuple[int, bytes]]) -> None:
+    """A slot file as llama_state_seq_save_file writes it around server_tokens::serialize
+    (server-common.cpp:570-590): magic, version, n_words, then the packed words, padded."""
+    import struct
+
+    packed = struct.pack("<iiI", -1, 1, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens)
+    packed += struct.pack("<I", len(media)) + b"".join(struct.pack("<I", k) for k, _ in media)
+    for _, data in media:
+        packed += struct.pack("<I", len(data)) + data
+    packed += b"\x00" * (-len(packed) % 4)
+    path.write_bytes(struct.pack("<III", 0x67677371, 3, len(packed) // 4) + packed + b"STATE")
+
+
+def test_a_media_slot_file_reads_as_the_token_view(tmp_path):
+    """The header of a slot file of an image prompt reads as ocache's token view of that prompt:
+    each chunk's -1 positions become media_ids of its id (two images side by side split at the
+    second chunk's start); a text-only file reads as before."""
+    from ocache.tiers.slotfile import read_slot_tokens
+
+    a, b = hashlib.sha256(b"one").hexdigest(), hashlib.sha256(b"two").hexdigest()
+    toks = [5, 6, -1, -1, -1, -1, -1, -1, 7]
+    f = tmp_path / "m.bin"
+    _slot_file(f, toks, [(2, _chunk(a)), (5, _chunk(b))])
+    want = [5, 6, *media.media_ids(a, 3), *media.media_ids(b, 3), 7]
+    assert read_slot_tokens(f) == want
+    assert read_slot_tokens(f, limit=4) == want[:4]
+    _slot_file(f, [1, 2, 3], [])
+    assert read_slot_tokens(f) == [1, 2, 3]
+    # an audio chunk is keyed by its id the same way
+    _slot_file(f, [1, -1, -1, 2], [(1, _chunk(a, audio=True))])
+    assert read_slot_tokens(f) == [1, *media.media_ids(a, 2), 2]
+
+
+@pytest.mark.parametrize("damage", ["version", "no chunk", "orphan position", "short"])
+def test_a_media_slot_file_ocache_cannot_read_is_refused(tmp_path, damage):
+    """Never a guessed view: another chunk version, a -1 run without its chunk, a short file."""
+    from ocache.tiers.slotfile import read_slot_tokens
+
+    a = hashlib.sha256(b"one").hexdigest()
+    f = tmp_path / "m.bin"
+    if damage == "version":
+        _slot_file(f, [5, -1, -1, 7], [(1, _chunk(a, version=3))])
+    elif damage == "no chunk":
+        _slot_file(f, [5, -1, -1, 7], [])
+    elif damage == "orphan position":
+        _slot_file(f, [5, -1, -1, 7, -1], [(1, _chunk(a))])
+    else:
+        _slot_file(f, [5, -1, -1, 7], [(1, _chunk(a))])
+        f.write_bytes(f.read_bytes()[:24 + 16 + 6])
+    with pytest.raises(ValueError):
+        read_slot_tokens(f)
