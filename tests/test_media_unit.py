@@ -126,3 +126,34 @@ def test_a_media_slot_file_ocache_cannot_read_is_refused(tmp_path, damage):
         f.write_bytes(f.read_bytes()[:24 + 16 + 6])
     with pytest.raises(ValueError):
         read_slot_tokens(f)
+
+
+# --------------------------------------------------------------------------- checkpoints and media
+
+def test_no_checkpoint_right_after_an_image_and_text_batches_end_at_one():
+    """The sidecar/checkpoint rule for media (server-context.cpp:3509-3511, 3602-3603): a text
+    batch ends where an image starts, the step that encodes it takes no checkpoint, later batches
+    take theirs as for text. A prompt without media is simulated as before."""
+    from ocache.llama.flags import ServerParams
+    from ocache.llama.reuse import media_spans, predict_reuse, simulate_prefill
+
+    p = ServerParams(n_batch=512, n_ubatch=128, ctx_checkpoints=32, checkpoint_min_step=64, checkpoints=True)
+    d = hashlib.sha256(b"img").hexdigest()
+    # user turns at 10 and 200; an image at [201, 217) right after the second user start
+    toks = list(range(1, 202)) + media.media_ids(d, 16) + list(range(300, 600))
+    N = len(toks)
+    spans = media_spans(toks)
+    assert spans == [(201, 217)] and media_spans(list(range(5))) == []
+    text = [c.n_tokens for c in simulate_prefill([], 0, N, (10, 200), p, 1)]
+    with_media = [c.n_tokens for c in simulate_prefill([], 0, N, (10, 200), p, 1, media=spans)]
+    assert 217 not in with_media
+    assert N - 4 in with_media and N - 4 - 128 in with_media   # the checkpoints near the end stay
+    assert text == [c.n_tokens for c in simulate_prefill([], 0, N, (10, 200), p, 1, media=[])]
+    # an image whose text batch would have started a user message: its checkpoint is not taken
+    toks2 = list(range(1, 100)) + media.media_ids(d, 16) + list(range(300, 700))
+    cps = [c.n_tokens for c in simulate_prefill([], 0, len(toks2), (115,), p, 1, media=media_spans(toks2))]
+    assert 115 not in cps, cps
+    assert 115 in [c.n_tokens for c in simulate_prefill([], 0, len(toks2), (115,), p, 1)]
+    # predict_reuse passes the prompt's media to the simulation
+    r = predict_reuse([], 0, [], toks2, p, user_starts=(115,), task=1)
+    assert [c.n_tokens for c in r.checkpoints_after] == cps
