@@ -157,3 +157,38 @@ def test_no_checkpoint_right_after_an_image_and_text_batches_end_at_one():
     # predict_reuse passes the prompt's media to the simulation
     r = predict_reuse([], 0, [], toks2, p, user_starts=(115,), task=1)
     assert [c.n_tokens for c in r.checkpoints_after] == cps
+
+
+def test_token_id_prefills_stop_before_the_first_image():
+    """Anchors and head warm-ups are written by a token-id prefill (``/completion`` of ids), which
+    cannot carry an image: the disk tier's lines stop at the prompt's first image, the plan warms
+    no head holding one, and the slot table refuses such a prefill without asking the server."""
+    from types import SimpleNamespace
+
+    from ocache.cache import RequestContext, plan_request
+    from ocache.llama.flags import ServerParams
+    from ocache.slots import SlotError, SlotState, SlotTable
+    from ocache.tiers.disk import DiskConfig, DiskTier
+
+    d = hashlib.sha256(b"img").hexdigest()
+    toks = list(range(1, 5001)) + media.media_ids(d, 16) + list(range(1, 3001))
+    store = SimpleNamespace(identity="id", get=lambda key: None)
+    tier = DiskTier(store, None, DiskConfig(min_tokens=1024, grid=1024, admit_after=1))
+    view = SimpleNamespace(tokens=toks, head_end=2000, user_starts=[4500])
+    lines = tier.anchor_lines(view)
+    assert lines and all(n <= 5000 for n, _ in lines), lines
+    text_view = SimpleNamespace(tokens=list(range(1, 8017)), head_end=2000, user_starts=[4500])
+    assert max(n for n, _ in tier.anchor_lines(text_view)) > 5000
+
+    params = ServerParams(n_slots=1, n_ctx_slot=16384, cache_ram=0, checkpoints=False)
+    ctx = RequestContext(kind="agent", head_key="h", head_len=5100)
+    img_head = plan_request(toks, [SlotState(0, n_ctx=16384)], [], ctx, params, head_resident=False)
+    assert "warm_head" not in img_head.steps and img_head.predicted == 0
+    ctx = RequestContext(kind="agent", head_key="h", head_len=4000)
+    assert "warm_head" in plan_request(toks, [SlotState(0, n_ctx=16384)], [], ctx, params,
+                                       head_resident=False).steps
+
+    table = SlotTable(None, "http://127.0.0.1:9", params=params)
+    table.slots = [SlotState(0, n_ctx=16384)]
+    with pytest.raises(SlotError):
+        asyncio.run(table.warm(0, toks[:5016]))
