@@ -92,9 +92,13 @@ async def cold(url: str, body: dict) -> dict:
     return data
 
 
-async def exact_vs_cold(url: str, body: dict, rec: dict) -> None:
+async def exact_vs_cold(url: str, body: dict, rec: dict, what: str) -> None:
+    """The response ``rec`` against a cold run of ``body``; prints one line of figures (``-s``)."""
     v = compare(Generation.from_response(await cold(url, body)), Generation.from_response(rec["data"]))
     assert v.exact and v.compared >= 4, (describe(v), rec["tier"], rec["timings"])
+    t = rec["timings"]
+    print(f"[images] {what}: tier {rec['tier']}, prompt {t['cache_n'] + t['prompt_n']}, cache_n {t['cache_n']}, "
+          f"prefilled {t['prompt_n']}, {v.compared} tokens equal to cold")
 
 
 async def view_of(url: str, body: dict) -> list[int]:
@@ -172,7 +176,7 @@ async def test_evicted_image_conversation_is_restored_and_keyed_by_the_image_byt
         assert tier.counters["hits"] == 1 and tier.counters["unconfirmed"] == 0, tier.stats()
         assert proxy.layer.counters["mispredictions"] == 0, proxy.layer.counters
         assert proxy.layer.counters["bring_failures"] == 0
-        await exact_vs_cold(srv.url, a2, rec)
+        await exact_vs_cold(srv.url, a2, rec, f"{model} after an eviction, first image under another URL")
 
         # B again (A is spilled once more), then A's turn with its second image changed: nothing
         # from that image on is reused (a miss there), and the answer is cold's
@@ -183,7 +187,7 @@ async def test_evicted_image_conversation_is_restored_and_keyed_by_the_image_byt
         rec = await send(s, base, proxy, a2x, ha)
         assert rec["timings"]["cache_n"] <= cut, (rec["timings"], cut)
         assert rec["timings"]["cache_n"] == rec["predicted"], rec
-        await exact_vs_cold(srv.url, a2x, rec)
+        await exact_vs_cold(srv.url, a2x, rec, f"{model} second image changed (image at {cut})")
         assert proxy.layer.counters["mispredictions"] == 0, proxy.layer.counters
 
 
@@ -210,4 +214,4 @@ async def test_image_conversation_resumes_after_a_restart(start_server, tmp_path
         assert rec["tier"] == "session", rec
         assert rec["timings"]["cache_n"] >= na2 - UB, (rec["timings"], na2)
         assert proxy.layer.counters["mispredictions"] == 0, proxy.layer.counters
-        await exact_vs_cold(srv.url, a2, rec)
+        await exact_vs_cold(srv.url, a2, rec, f"{model} after a drained restart")
