@@ -765,11 +765,15 @@ class SlotTable(SlotStates):
 
         Returns the response's ``timings`` (``cache_n``/``prompt_n`` tokens, ``prompt_ms``).
         Raises UpstreamError (e.g. 400 ``exceed_context_size_error``) with the slot left as the
-        server left it (content unknown).
+        server left it (content unknown); SlotError, without asking the server, for tokens that hold
+        an image's positions (negative ids of the token view, ``ocache.media``: a token-id prompt
+        cannot carry the image).
         """
         self._check(slot)
         st = self.slots[slot]
         tokens = list(tokens)
+        if tokens and min(tokens) < 0:
+            raise SlotError("a token-id prefill cannot carry an image's positions", slot=slot)
         task = self.next_task()
         pred = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, self.params,
                              user_starts=user_starts if message_delimiters else (), task=task)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from ocache.api import convert
 from ocache.cache.execute import PlanContext, ServerPlaced
 from ocache.layer import Observation, ParsedRequest
-from ocache.llama.reuse import simulate_prefill
+from ocache.llama.reuse import media_spans, simulate_prefill
 from ocache.slots import SlotTable
 from ocache.tiers.base import TierBase
 
@@ -96,7 +96,8 @@ class Observer:
             if cache_n != pctx.predicted and table.params.checkpoints:
                 kept = [c for c in pctx.checkpoints_before if c.n_tokens - 1 <= cache_n + 1]
                 corrected = simulate_prefill(kept, cache_n, pctx.n_prompt, pctx.ctx.user_starts,
-                                             table.params, pctx.ctx.task)
+                                             table.params, pctx.ctx.task,
+                                             media=media_spans(pctx.view.tokens) if pctx.view is not None else ())
             table.finish(pctx.slot, pctx.seq, pctx.n_prompt + max(gen, 1) - 1, corrected)
         for tier in tiers:
             try:
@@ -151,4 +152,4 @@ class Observer:
             return
         table.predict_checkpoints(placed.slot, placed.seq,
                                   simulate_prefill([], int(cache_n), len(placed.tokens), placed.ctx.user_starts,
-                                                   table.params, placed.ctx.task))
+                                                   table.params, placed.ctx.task, media=media_spans(placed.tokens)))

@@ -105,7 +105,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
         tier, predicted = best.tier, best.tokens_usable
         upper = max(upper, predicted)
     elif (ctx.kind == "agent" and ctx.head_len > 0 and not head_resident
-          and predicted < ctx.head_len - ub and len(tokens) > ctx.head_len):
+          and predicted < ctx.head_len - ub and len(tokens) > ctx.head_len
+          and min(tokens[:ctx.head_len]) >= 0):   # an image in the head: a token-id prefill cannot carry it
         steps.append("warm_head")
         tier, predicted = "head", ctx.head_len
         upper = max(upper, predicted)

@@ -128,14 +128,35 @@ def predict_reuse(slot_tokens: Sequence[int], n_total: int | None, checkpoints: 
         upper = max(upper, N - 1)
     upper = max(upper, n_past)
     if params.checkpoints and params.ctx_checkpoints > 0:
-        after = simulate_prefill(ckpts, n_past, N, user_starts, params, task)
+        after = simulate_prefill(ckpts, n_past, N, user_starts, params, task, media=media_spans(new_tokens))
     else:
         after = ckpts
     return Reuse(n_past, upper, lcp, N, used, reason, tuple(after))
 
 
+def media_spans(tokens: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of media positions in a token view (negative ids,
+    ``ocache.media.media_ids``; two images side by side are one run: the server encodes both before
+    the next text batch, server-context.cpp:3458-3499). [] for a text prompt (checked at C speed)."""
+    if not tokens or min(tokens) >= 0:
+        return []
+    out: list[tuple[int, int]] = []
+    i, n = 0, len(tokens)
+    while i < n:
+        if tokens[i] < 0:
+            j = i
+            while j < n and tokens[j] < 0:
+                j += 1
+            out.append((i, j))
+            i = j
+        else:
+            i += 1
+    return out
+
+
 def simulate_prefill(checkpoints: Sequence[Checkpoint], n_past: int, n_prompt: int,
-                     user_starts: Iterable[int], params: ServerParams, task: int = -1) -> list[Checkpoint]:
+                     user_starts: Iterable[int], params: ServerParams, task: int = -1, *,
+                     media: Sequence[tuple[int, int]] = ()) -> list[Checkpoint]:
     """The checkpoint list after prefilling tokens ``[n_past, n_prompt)`` on a hybrid model.
 
     Mirrors the batching loop of server-context.cpp:3504-3616 for one slot with the batch to
@@ -147,6 +168,12 @@ def simulate_prefill(checkpoints: Sequence[Checkpoint], n_past: int, n_prompt: i
     last user message, near the end, or more than ``min_step`` past the last one. The list is
     capped by ``create_checkpoint``'s eviction (:2290-2354). Concurrent prefills on other slots
     share the server batch and can move batch breaks; that is a known source of small error.
+
+    Media (``media``: :func:`media_spans` of the prompt): a text batch ends where a media chunk
+    starts (server-context.cpp:3509-3511); the next step encodes the chunk(s) (:3458-3499) and
+    its text batch takes **no checkpoint** ("do not checkpoint after mtmd chunks", :3602-3603),
+    so no checkpoint is ever at the position right after an image; later batches take theirs as
+    for text.
     """
     cps = list(checkpoints)
     if params.ctx_checkpoints <= 0:
@@ -161,7 +188,15 @@ def simulate_prefill(checkpoints: Sequence[Checkpoint], n_past: int, n_prompt: i
         return cps
     ordered = sorted(starts)
     breaks = sorted({N - off for off in offsets})
+    spans = sorted(m for m in media if m[1] > n_past)
+    media_starts = [m[0] for m in spans]
     while cur < N:
+        after_media = False
+        for m0, m1 in spans:
+            if m0 <= cur < m1:
+                cur, after_media = m1, True
+        if cur >= N:
+            break
         start = cur
         # the server pushes one token at a time and ends the batch at the first position that is
         # a qualifying user start or leaves exactly an offset's worth of tokens; computed directly
@@ -171,6 +206,9 @@ def simulate_prefill(checkpoints: Sequence[Checkpoint], n_past: int, n_prompt: i
             if start < p <= end:
                 end = p
                 break
+        k = bisect.bisect_right(media_starts, start)
+        if k < len(media_starts) and media_starts[k] < end:
+            end = media_starts[k]
         i = bisect.bisect_right(ordered, start)
         while i < len(ordered) and ordered[i] <= end:
             u = ordered[i]
@@ -184,7 +222,7 @@ def simulate_prefill(checkpoints: Sequence[Checkpoint], n_past: int, n_prompt: i
         do = True
         if cur != N and not is_user_start and not near_end:
             do = False
-        if start <= 0:  # pos_min < 0: nothing to checkpoint
+        if start <= 0 or after_media:  # pos_min < 0: nothing to checkpoint; media in this step
             do = False
         do = do and (not cps or start == last_user or near_end or start > cps[-1].n_tokens + min_step)
         if do:

@@ -75,6 +75,7 @@ from ocache.config import field_of as _get, slot_save_path
 from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, reserve_async, shared_store
 from ocache.slots import SlotHashMismatch, file_refused
+from ocache.llama.reuse import media_spans
 
 log = logging.getLogger(__name__)
 
@@ -222,9 +223,14 @@ class DiskTier(TierBase):
                 if self._lines.get(chain[line // g - 1], 0) >= self.cfg.admit_after - 1:
                     want.setdefault(line, "repeat")
                     break
+        # an anchor is written by a token-id prefill, which cannot carry an image: only lines up
+        # to the prompt's first image (ocache.llama.reuse.media_spans; its positions are restored
+        # from the session tier's spills, which the server saves with their media chunks)
+        spans = media_spans(toks)
+        top = spans[0][0] if spans else n
         out = []
         for length, reason in sorted(want.items()):
-            if not (length < n and length >= self.cfg.min_tokens):
+            if not (length < n and length >= self.cfg.min_tokens and length <= top):
                 continue
             if self.store.identity is None or self.store.get(entry_key(self.store.identity, KIND, toks[:length])):
                 continue
