@@ -28,7 +28,8 @@ report: ``ocache.bench.long``.
 Per scenario and configuration: the tokens llama-server prefilled (its ``/metrics`` counter, so
 ocache's own warm-ups count, beside the clients' ``prompt_n``), the oracle's total, prefill
 efficiency (oracle / server prefill), client TTFT per request as a ratio to a cold run of the same
-request, and exactness (greedy output == the cold run's). Output into ``--out`` (default
+request, and exactness (greedy output == the cold run's); where (b) and (c) both ran, the headline
+saving ocache reported at the end of (c) beside the measured (b) - (c) (``Bench.alone_table``). Output into ``--out`` (default
 ``./out``): ``bench-<preset>.md`` (tables), ``prefill-<preset>-<model>.png`` (per-request prefilled
 tokens for a, b, c and the oracle), ``bench-<preset>.json`` (every measured request) and the
 servers' logs under ``logs/``.
