@@ -47,8 +47,31 @@ def private_dir(*parts: str) -> Path:
 
 
 def repo_root() -> Path:
-    """The source checkout this package was imported from (holds ``patches/``)."""
+    """The source checkout this package was imported from (holds ``patches/``); for an installed
+    package (``pip install``, not editable) the ``site-packages`` folder: see :func:`checkout`."""
     return Path(__file__).resolve().parent.parent
+
+
+def checkout() -> Path | None:
+    """The source checkout this package runs from (``pyproject.toml`` beside the ``ocache``
+    package), None for an installed package (a wheel: ``site-packages`` holds no ``pyproject.toml``)."""
+    root = repo_root()
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+#: What a wheel carries of the checkout's top-level folders (``ocache/data/<name>`` is a link to
+#: ``../../<name>`` in the checkout, followed when the wheel is built; pyproject.toml package-data).
+PACKAGED = Path(__file__).resolve().parent / "data"
+
+
+def shipped(name: str) -> Path:
+    """The checkout's top-level folder ``name`` (``patches``, ``scenarios``), else the installed
+    package's copy under ``ocache/data/`` (issue 29: an installed ``ocache bench`` looked for its
+    scenarios beside ``site-packages``). The returned folder may not exist (neither has it)."""
+    root = checkout()
+    if root is not None and (root / name).is_dir():
+        return root / name
+    return PACKAGED / name
 
 
 @contextlib.contextmanager

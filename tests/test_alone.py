@@ -1,9 +1,10 @@
 """The headline saving is against llama-server alone (issue 29): ``ocache.llama.alone`` models what
 the same server with the same flags would have prefilled without ocache (its own slot choice and
 reuse), the layer feeds it every answered request, and the dashboard / ``ocache stats`` lead with
-that saving and label the one against a cold prefill as such. The model is checked against a real
-stock llama-server sent the same requests directly, and (``scripts/check-alone``) against the
-bench's (b) - (c) for a recorded stream."""
+that saving and label the one against a cold prefill as such. The model is checked here against a
+real stock llama-server sent the same requests directly; the figure served at the end of a bench's
+(c) is set beside its measured (b) - (c) by ``ocache bench`` itself (``Bench.alone_table``,
+docs/benchmarks.md F1: equal on a recorded opencode day)."""
 
 from __future__ import annotations
 

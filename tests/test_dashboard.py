@@ -96,11 +96,12 @@ def test_request_line_says_what_was_prefilled_and_reused_from_where():
 class Ocache:
     """``python -m ocache serve --config FILE`` as a child (stopped by PID with SIGTERM)."""
 
-    def __init__(self, srv, workdir: Path):
+    def __init__(self, srv, workdir: Path, server_args: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = {"upstream": srv.url, "port": self.port, "admin_token": TOKEN,
-               "tiers": {"resident": {"server_args": srv.command()[1:]}}}
+        cfg = {"upstream": srv.url, "port": self.port, "admin_token": TOKEN}
+        if server_args:     # else ocache knows what the server reports (a stock one: no flags)
+            cfg["tiers"] = {"resident": {"server_args": srv.command()[1:]}}
         (workdir / "ocache.yaml").write_text(yaml.safe_dump(cfg))
         self.log_path = workdir / "ocache.log"
         self.log = open(self.log_path, "ab")
@@ -327,6 +328,10 @@ def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
         assert num("t-reused") == stats["tokens"]["cache_n"]
         assert num("t-prefilled") == stats["tokens"]["prompt_n"]
         assert num("t-saved") == stats["tokens"]["cache_n"] - layer["warmup_tokens"]
+        # the headline: the saving against llama-server alone with the same flags, as served (issue 29)
+        assert num("t-saved-alone") == layer["alone"]["prefill"] - layer["alone"]["ocache_prefill"]
+        assert num("t-alone-prefill") == layer["alone"]["prefill"] and layer["alone"]["requests"] == 3
+        assert not drv.find_element(By.ID, "tiers-off").is_displayed()      # every tier on
         assert num("t-rate") == int(layer["prefill_tokens_per_s"] + 0.5)  # JS Math.round
         assert text("t-disk-bytes") == _human(layer["tier_disk"]["store"]["bytes"])
         assert num("t-disk-entries") == layer["tier_disk"]["store"]["entries"] > 0
@@ -382,6 +387,29 @@ def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
         assert running.settled_stats()["tokens"] == stats["tokens"]  # nothing moved meanwhile
     finally:
         drv.quit()
+
+
+@server
+def test_dashboard_in_chromium_says_which_tiers_are_off_in_front_of_a_stock_server(start_server, tmp_path,
+                                                                                 browser_paths):
+    """Issue 29: ``ocache serve`` with no flags given in front of the stock server (it does not report
+    its ``--slot-save-path``): the page opens with the "tiers off" box, the line ``ocache stats`` and
+    the log say (before any request)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    srv = start_server("dense", stock=True, n_parallel=2, ctx_size=16384)
+    oc = Ocache(srv, tmp_path, server_args=False)
+    drv = _driver(browser_paths)
+    try:
+        drv.get(f"{oc.url}/ocache/")
+        WebDriverWait(drv, 60).until(lambda d: d.find_element(By.ID, "tiers-off").is_displayed())
+        lines = oc.get("/ocache/api/view", auth=False)["tiers_off_lines"]
+        assert len(lines) == 1 and lines[0].startswith("tiers OFF: head, disk and session"), lines
+        assert drv.find_element(By.ID, "tiers-off-list").text == lines[0]
+    finally:
+        drv.quit()
+        oc.stop()
 
 
 # ---------------------------------------------------------------------- first-hour messages

@@ -42,15 +42,17 @@ from ocache.config import Config  # noqa: E402
 @pytest.mark.server
 @pytest.mark.parametrize("stock", [False, True])
 async def test_serve_upstream_alone_reads_the_patched_servers_flags(start_server, tmp_path, stock):
-    """Issue 29: ``ocache serve --upstream URL`` with no ``server_args`` in front of the patched server
-    reads its launch flags from ``/props`` (patches/0009): the disk tier is on, and after a
-    llama-server restart the next turn of the conversation restores from disk. In front of the stock
-    server the flags stay unknown: no disk tier, the turn is prefilled (as before this patch, and as
-    the first code block of the README gave every user)."""
-    srv = start_server("dense", stock=stock, n_parallel=2, ctx_size=2 * 16384, **SERVER)
-    config = Config(upstream=srv.url, cache_dir=str(tmp_path / "state"), disk_min_tokens=1024)
+    """Issue 29: ``ocache serve --upstream URL`` with no ``ocache.yaml`` (``Config`` defaults but the
+    upstream and the state folder) in front of the patched server reads its launch flags from
+    ``/props`` (patches/0009): the disk tier is on, and after a llama-server restart the next
+    opencode turn (the tiny hybrid: it resumes only where a state was saved) restores at least the
+    harness head from disk. In front of the stock server the flags stay unknown: no disk tier, the
+    turn is prefilled whole (as before this patch, and as the README's first code block gave every
+    user: the issue's 0)."""
+    srv = start_server("hybrid", stock=stock, n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    config = Config(upstream=srv.url, cache_dir=str(tmp_path / "state"))
     async with through_ocache(config) as (base, proxy), aiohttp.ClientSession() as s:
-        await send(s, base, proxy, body_of(A1), hdrs(A1))
+        first = await send(s, base, proxy, body_of(A1), hdrs(A1))
         layer = proxy.layer
         assert (layer.table.params.slot_save_path is not None) is (not stock)
         assert (layer.disk_tier is not None) is (not stock)
@@ -59,3 +61,8 @@ async def test_serve_upstream_alone_reads_the_patched_servers_flags(start_server
         srv.restart()
         rec = await send(s, base, proxy, body_of(A2), hdrs(A2))
         assert (rec["tier"] == "disk") is (not stock), rec["tier"]
+        reused = int(rec["data"]["timings"]["cache_n"])
+        if stock:
+            assert reused == 0, rec["data"]["timings"]
+        else:   # at least the head: opencode's system prompt and tools, 6,942 of turn 1's 7,251 tokens
+            assert reused >= 0.9 * int(first["data"]["timings"]["prompt_n"]), rec["data"]["timings"]

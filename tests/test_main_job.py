@@ -59,3 +59,42 @@ def test_alone_check_compares_the_reported_headline_with_b_minus_c():
     (row,) = verdict.alone_check(DATA)
     assert (row["measured"], row["reported"]) == (300, 290)
     assert abs(row["off"] - 10 / 300) < 1e-9 and abs(row["off_of_b"] - 10 / 5400) < 1e-9
+
+
+def test_the_bench_report_sets_the_reported_headline_beside_b_minus_c(tmp_path):
+    """``Bench.alone_table`` (printed by ``ocache bench`` and in ``bench-<preset>.md``): per scenario
+    the headline ocache reported beside the measured (b) - (c), a miss over 5 % in bold."""
+    from ocache.bench.oracle import OracleResult
+    from ocache.bench.replay import Row
+    from ocache.bench.run import Bench, ConfigRun
+
+    def row(i: int, p: int) -> Row:
+        return Row(index=i, label=f"t{i}", n_tokens=p, prompt_n=p, server_prefill=p, cache_n=0,
+                   oracle=OracleResult(n_tokens=p, reuse=0, prefill=p, lcp=0, source=None), ttft_s=None,
+                   cold_ttft_s=None, exact=None, exact_tokens=None, restart_before=False, ocache={})
+
+    def run(cfg: str, prefill: list[int], alone: dict | None = None) -> ConfigRun:
+        rows = [row(i, p) for i, p in enumerate(prefill)]
+        return ConfigRun(cfg, rows, 1.0, ocache_stats={"layer": {"alone": alone}} if alone else None)
+
+    bench = Bench("tiny", [], tmp_path, configs=("b", "c"))
+    bench.results = {"hybrid": {
+        "day": {"b": run("b", [5000, 400]), "c": run("c", [5000, 100], {"prefill": 5400, "ocache_prefill": 5100, "saved": 290})},
+        "off": {"b": run("b", [1000]), "c": run("c", [500], {"prefill": 1000, "ocache_prefill": 900, "saved": 100})}}}
+    table = bench.alone_table().splitlines()
+    assert table[2] == "| hybrid | day | 5,400 | 5,100 | 300 | 290 | 5,400 / 5,100 | 3.3% | 0.2% |", table
+    assert "| **80.0%** |" in table[3], table
+
+
+def test_the_bench_runs_ocache_with_its_defaults_whatever_the_callers_config(tmp_path, monkeypatch):
+    """(c) is ``ocache serve --upstream URL`` with no YAML: the child runs in its own folder (a
+    caller's ``./ocache.yaml`` is not read) without the caller's ``OCACHE_CONFIG``, on the same code."""
+    from ocache.bench.run import OCacheProcess
+    from ocache.paths import checkout
+
+    monkeypatch.setenv("OCACHE_CONFIG", str(tmp_path / "mine.yaml"))
+    p = OCacheProcess("http://127.0.0.1:1", tmp_path / "cache", tmp_path / "log")
+    env = p.env()
+    assert "OCACHE_CONFIG" not in env and env["OCACHE_CACHE_DIR"] == str(tmp_path / "cache")
+    assert "OCACHE_TIERS" not in env and "--upstream" in p.cmd
+    assert env["PYTHONPATH"].split(":")[0] == str(checkout())

@@ -221,6 +221,11 @@ steps:
     assert (f"| hybrid | smoke | {runs['a'].observed} | {runs['b'].observed} | "
             f"{runs['c'].observed} |") in text and f"{ratio:.3f}" in text
     assert "Requests where (c) prefilled more than (a) or (b)" in text
+    # the headline ocache served beside (b) - (c) (issue 29); (c) was told nothing of the server
+    assert "The headline saving ocache reported, against the measured (b) - (c)" in text
+    alone = runs["c"].ocache_stats["layer"]["alone"]
+    assert f"| {runs['b'].observed - runs['c'].observed:,} | {alone['saved']:,} |" in text
+    assert alone["restarts"] == 1
     assert pngs and pngs[0].stat().st_size > 10_000
     data = json.loads((tmp_path / "out" / "bench-tiny.json").read_text())
     assert set(data["hybrid"]["smoke"]) == {"a", "b", "c"}

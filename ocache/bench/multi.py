@@ -251,12 +251,12 @@ def table(results: list[Result]) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from ocache.bench.run import default_fixtures
+    from ocache.bench.run import default_fixtures, fixtures_missing
     from ocache.toolchain import engine, models
 
     fixtures = Path(args.fixtures) if args.fixtures else default_fixtures()
-    if not fixtures.is_dir():
-        print(f"bench-multi: fixtures folder {fixtures} not found (set OCACHE_SHARED)", file=sys.stderr)
+    if fixtures is None or not fixtures.is_dir():
+        print(fixtures_missing(fixtures, "bench-multi"), file=sys.stderr)
         return 2
     build = engine.find(stock=False) or engine.build(stock=False)
     model = models.make(args.preset)[args.model]

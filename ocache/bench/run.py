@@ -11,8 +11,10 @@ machine (never two heavy processes at once), each scenario on freshly started pr
   ``--ctx-checkpoints 32``, ``--checkpoint-min-step 1024`` (below the ~7k-token
   opencode prompt, docs/llama-server.md §14), ``--cache-ram 0``, ``-np``
   (2, or the scenario's ``n_parallel``);
-* **c** - ``ocache serve`` with its defaults in front of (b)'s flags on the patched build, plus what
-  ocache needs from the server (``--slot-save-path``, ``--metrics``). When ``ocache serve`` cannot
+* **c** - ``ocache serve --upstream URL`` with its defaults and no ``ocache.yaml`` (the README's first
+  code block) in front of (b)'s flags on the patched build, plus what ocache needs from the server
+  (``--slot-save-path``, ``--metrics``), which that build reports in ``/props`` (patches/0009), so
+  ocache is told nothing else (issue 29). When ``ocache serve`` cannot
   run its cache layer, (c) is the proxy with ``--no-cache`` (NullLayer) and the report says so.
 
 Presets: ``tiny`` (the smoke run: the tiny hybrid model, four scenarios: growth,
@@ -28,7 +30,8 @@ report: ``ocache.bench.long``.
 Per scenario and configuration: the tokens llama-server prefilled (its ``/metrics`` counter, so
 ocache's own warm-ups count, beside the clients' ``prompt_n``), the oracle's total, prefill
 efficiency (oracle / server prefill), client TTFT per request as a ratio to a cold run of the same
-request, and exactness (greedy output == the cold run's). Output into ``--out`` (default
+request, and exactness (greedy output == the cold run's); where (b) and (c) both ran, the headline
+saving ocache reported at the end of (c) beside the measured (b) - (c) (``Bench.alone_table``). Output into ``--out`` (default
 ``./out``): ``bench-<preset>.md`` (tables), ``prefill-<preset>-<model>.png`` (per-request prefilled
 tokens for a, b, c and the oracle), ``bench-<preset>.json`` (every measured request) and the
 servers' logs under ``logs/``.
@@ -54,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from ocache.bench.exact import TOL_NATS
-from ocache.paths import repo_root
+from ocache.paths import checkout, repo_root, shipped
 import aiohttp
 
 from ocache.bench.replay import (PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
@@ -123,9 +126,31 @@ PRESETS = {
 }
 
 
-def default_fixtures() -> Path:
+def default_fixtures() -> Path | None:
+    """The client captures the scenarios send: ``$OCACHE_SHARED/fixtures``, else ``../shared/fixtures``
+    beside the checkout; None for an installed package without ``OCACHE_SHARED`` (the captures are
+    third-party text, never in the package: issue 29 saw an installed bench look beside
+    ``site-packages``)."""
     shared = os.environ.get("OCACHE_SHARED")
-    return (Path(shared) if shared else repo_root().parent / "shared") / "fixtures"
+    if shared:
+        return Path(shared) / "fixtures"
+    root = checkout()
+    return root.parent / "shared" / "fixtures" if root is not None else None
+
+
+def fixtures_missing(fixtures: Path | None, who: str = "ocache bench") -> str:
+    """The message for a fixtures folder that is not there (``default_fixtures``' None included)."""
+    if fixtures is None:
+        return (f"{who}: no client captures: this ocache is installed without its checkout; give "
+                "--fixtures DIR or OCACHE_SHARED=DIR (the folder holding fixtures/), or replay a recorded "
+                "stream with --recording FILE")
+    return f"{who}: fixtures folder {fixtures} not found (set OCACHE_SHARED or --fixtures)"
+
+
+def scenarios_dir() -> Path:
+    """The shipped scenarios: the checkout's ``scenarios/``, else the installed package's copy
+    (``ocache/data/scenarios``, ``ocache.paths.shipped``)."""
+    return shipped("scenarios")
 
 
 class StockDefaultsServer(LlamaServer):
@@ -204,22 +229,16 @@ class OCacheProcess:
         #: ``store:`` of the configuration (``{"remote": {...}}``: ocache.tiers.remote), and
         #: environment added to the child's (the bucket's credentials)
         self.store = store
-        self.env = dict(env or {})
+        self.extra_env = dict(env or {})
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> "OCacheProcess":
         """Start and wait until ``GET /v1/cache/stats`` answers 200; raises ServerError."""
         self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        env = {**os.environ, **self.env, "OCACHE_CACHE_DIR": str(self.cache_dir)}
-        if self.store:
-            env["OCACHE_STORE"] = json.dumps(self.store)   # a dict key's env form is YAML (JSON is YAML)
-        if self.slot_save_path is not None:
-            # the one deployment fact ocache cannot read from the server: where it writes slots
-            p = json.dumps(str(self.slot_save_path))
-            env["OCACHE_TIERS"] = f"{{disk: {{slot_save_path: {p}}}, session: {{slot_save_path: {p}}}}}"
+        env = self.env()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(self.cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, cwd=str(repo_root()),
+                                         stdin=subprocess.DEVNULL, env=env, cwd=str(self.cache_dir),
                                          start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -234,6 +253,27 @@ class OCacheProcess:
                 pass
             time.sleep(0.1)  # polling a child's readiness
         raise ServerError(f"ocache serve not ready after {timeout} s\n{self.log_tail()}")
+
+    def env(self) -> dict[str, str]:
+        """The child's environment: the caller's, with ``OCACHE_CACHE_DIR`` this run's folder, no
+        ``OCACHE_CONFIG`` (it also runs in that folder, so no ``ocache.yaml`` of the caller's is read:
+        its configuration is the defaults, the caller's ``OCACHE_<KEY>`` variables and the flags),
+        the caller's extra ``env`` and ``store:`` (``OCACHE_STORE``, the remote tier),
+        ``PYTHONPATH`` led by the checkout this ``ocache`` runs from, if any (the child runs the
+        same code), and ``slot_save_path`` given as ``OCACHE_TIERS`` when
+        set (for a server that does not report it: a stock build; the patched one does, patches/0009)."""
+        env = {k: v for k, v in os.environ.items() if k != "OCACHE_CONFIG"}
+        env.update(self.extra_env)
+        env["OCACHE_CACHE_DIR"] = str(self.cache_dir)
+        if self.store:
+            env["OCACHE_STORE"] = json.dumps(self.store)   # a dict key's env form is YAML (JSON is YAML)
+        root = checkout()
+        if root is not None:   # an installed package is found by the same interpreter anyway
+            env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+        if self.slot_save_path is not None:
+            p = json.dumps(str(self.slot_save_path))
+            env["OCACHE_TIERS"] = f"{{disk: {{slot_save_path: {p}}}, session: {{slot_save_path: {p}}}}}"
+        return env
 
     def stats(self) -> dict | None:
         try:
@@ -392,8 +432,9 @@ class Bench:
                      scenario: Scenario) -> tuple[OCacheProcess, str | None]:
         logf = self.logs / f"{model}-{scenario.name}-c-ocache.log"
         logf.unlink(missing_ok=True)
-        proxy = OCacheProcess(srv.url, work / "ocache-cache", logf,
-                              slot_save_path=srv.slot_save_path)
+        # `ocache serve --upstream URL` alone, the README's first code block: the patched server
+        # reports its --slot-save-path and the rest of its launch (patches/0009)
+        proxy = OCacheProcess(srv.url, work / "ocache-cache", logf)
         try:
             proxy.start()
         except ServerError as exc:
@@ -401,8 +442,7 @@ class Bench:
                     f"`--no-cache` (NullLayer): {str(exc).splitlines()[0]}")
             if note not in self.notes:
                 self.notes.append(note)
-            proxy = OCacheProcess(srv.url, work / "ocache-cache", logf, no_cache=True,
-                                  slot_save_path=srv.slot_save_path)
+            proxy = OCacheProcess(srv.url, work / "ocache-cache", logf, no_cache=True)
             proxy.start()
             return proxy, "NullLayer (fallback)"
         return proxy, layer_name(proxy.stats())
@@ -656,8 +696,8 @@ class Bench:
             f"Servers: `-t {p.threads}`, {p.ctx_per_slot} tokens per slot; (b)/(c): `-np "
             f"{p.n_parallel}` (or the scenario's), `--ctx-checkpoints 32 --checkpoint-min-step "
             f"{min(p.checkpoint_min_step, p.ctx_per_slot // 2)} --cache-ram {p.cache_ram_mib}`; "
-            "(c) adds `--slot-save-path --metrics`, and ocache is told that folder "
-            "(`tiers.disk/session.slot_save_path`), nothing else. Greedy (`temperature 0`), generation capped "
+            "(c) adds `--slot-save-path --metrics` and runs `ocache serve --upstream URL` with no "
+            "`ocache.yaml`: the patched build reports its flags in `/props` (patches/0009). Greedy (`temperature 0`), generation capped "
             "per scenario.\n",
             "Server prefill = the tokens llama-server itself prefilled (`llamacpp:prompt_tokens_total` "
             "on `/metrics`, counted per step, so a proxy's own warm-ups count; client prompt_n = "
@@ -697,11 +737,38 @@ class Bench:
                      + self.never_worse_table() + "\n\nRequests where (c) prefilled more "
                      "than (a) or (b), per scenario (matched by label and occurrence):\n\n"
                      + self.worse_requests() + "\n")
+        if {"b", "c"} <= set(self.configs):
+            parts.append("## The headline saving ocache reported, against the measured (b) - (c)\n\n"
+                         "What the dashboard and `ocache stats` led with at the end of (c) (the saving "
+                         "against llama-server alone with the same flags, `ocache/llama/alone.py`) beside "
+                         "the server prefill of (b) minus that of (c) for the same stream.\n\n"
+                         + self.alone_table() + "\n")
         if "c" in self.configs:
             parts.append(f"## Where (c) is below {GOAL} efficiency or not exact\n\n"
                          + self.shortfalls() + "\n")
         parts.append("## Per request\n" + self.detail_tables() + "\n")
         return "\n".join(parts)
+
+    def alone_table(self) -> str:
+        """Per model and scenario where (b) and (c) both ran: the saving the dashboard and ``ocache
+        stats`` led with at the end of (c) (``/v1/cache/stats`` ``layer.alone``: llama-server alone
+        with the same flags as modelled by ``ocache.llama.alone``, minus what the server prefilled
+        through ocache) beside the bench's measured (b) - (c) (``ocache.bench.verdict.alone_check``;
+        issue 29 asks for them to agree within 5 %)."""
+        from ocache.bench.verdict import alone_check
+
+        rows = alone_check(self.to_json())
+        if not rows:
+            return "(no scenario with both (b) and (c) and ocache's figures)"
+        lines = ["| model | scenario | (b) | (c) | (b) - (c) measured | headline ocache reported "
+                 "| its server-alone model / through ocache | off, of (b) - (c) | off, of (b) |",
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            off = f"{r['off']:.1%}"
+            lines.append(f"| {r['model']} | {r['scenario']} | {r['b']:,} | {r['c']:,} | {r['measured']:,} "
+                         f"| {r['reported']:,} | {r['alone_prefill']:,} / {r['ocache_prefill']:,} "
+                         f"| {off if r['off'] <= 0.05 else f'**{off}**'} | {r['off_of_b']:.1%} |")
+        return "\n".join(lines)
 
     #: legend names of the configurations (CONFIG_TITLES, short)
     def plot(self) -> list[Path]:
@@ -771,17 +838,16 @@ def recorded_days(names: tuple[str, ...]) -> tuple[list[Scenario], list[str]]:
 def _cmd(args: argparse.Namespace) -> int:
     fixtures = Path(args.fixtures) if args.fixtures else default_fixtures()
     day_notes: list[str] = []
-    if args.preset == "long":  # real sizes, ocache vs direct: its own runner and report
+    if args.preset != "long" and args.recording:
+        scenarios = [scenario_from_recording(r) for r in args.recording]
+    elif fixtures is None or not fixtures.is_dir():
+        print(fixtures_missing(fixtures), file=sys.stderr)
+        return 2
+    elif args.preset == "long":  # real sizes, ocache vs direct: its own runner and report
         from ocache.bench.long import run_long
 
         return run_long(args, fixtures)
-    if args.recording:
-        scenarios = [scenario_from_recording(r) for r in args.recording]
     else:
-        if not fixtures.is_dir():
-            print(f"ocache bench: fixtures folder {fixtures} not found (set OCACHE_SHARED or "
-                  "--fixtures)", file=sys.stderr)
-            return 2
         names = args.scenario
         if names is None and not args.all_scenarios:
             names = list(PRESETS[args.preset].scenarios or []) or None
@@ -825,6 +891,8 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"\nNever worse than llama-server alone:\n{bench.never_worse_table()}")
         print(f"\nRequests where (c) prefilled more than (a) or (b):\n{bench.worse_requests()}")
         print(f"\nWhere (c) is below {GOAL} efficiency or not exact:\n{bench.shortfalls()}")
+    if {"b", "c"} <= set(configs):
+        print(f"\nThe headline saving ocache reported against the measured (b) - (c):\n{bench.alone_table()}")
     print(f"\nwrote {md}" + "".join(f", {p}" for p in pngs) + f" ({wall / 60:.1f} min)")
     failed = any(run.error for per in bench.results.values() for runs in per.values()
                  for run in runs.values())
@@ -842,8 +910,8 @@ def register(subparsers) -> None:
                    "(default 32768,65536,126000)")
     p.add_argument("--long-turns", type=int, default=3, help="long: warm next turns after the growth")
     p.add_argument("--long-max-tokens", type=int, default=32, help="long: tokens per answer")
-    p.add_argument("--scenarios", default=str(repo_root() / "scenarios"), metavar="DIR",
-                   help="folder of scenario YAML files (default: the shipped scenarios/)")
+    p.add_argument("--scenarios", default=str(scenarios_dir()), metavar="DIR",
+                   help="folder of scenario YAML files (default: the shipped scenarios/, %(default)s)")
     p.add_argument("--scenario", action="append", metavar="NAME",
                    help="run only this scenario (file stem); repeatable. A scenario with `hosts: 2` "
                    "(two_hosts_day) runs over two hosts with and without the shared tier and on one "
@@ -857,7 +925,7 @@ def register(subparsers) -> None:
                    help="leave out the preset's recorded real-client days (tiny: an opencode day, "
                    "recorded once with the real opencode from npm; `--scenario` leaves them out too)")
     p.add_argument("--fixtures", metavar="DIR", help="client request captures (default "
-                   "$OCACHE_SHARED/fixtures or ../shared/fixtures)")
+                   "$OCACHE_SHARED/fixtures, else ../shared/fixtures beside the checkout)")
     p.add_argument("--configs", default="a,b,c", help="configurations to run (default a,b,c)")
     p.add_argument("--models", help="comma-separated: hybrid,dense (default: the preset's)")
     p.add_argument("--time-scale", type=float, default=None,

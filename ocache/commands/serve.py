@@ -77,8 +77,10 @@ def build_config(args: argparse.Namespace) -> Config:
                                          "(ocache serve --launch -- -m model.gguf ...)")
         overrides["launch"] = list(args.launch_args)
     elif args.launch_args:
-        raise config_mod.ConfigError("llama-server arguments given without --launch "
-                                     "(use: ocache serve --launch -- ARGS)")
+        raise config_mod.ConfigError("llama-server arguments given without --launch (use: ocache serve "
+                                     "--launch -- ARGS; a server you started yourself: the patched build "
+                                     "reports its flags, a stock one's go in ocache.yaml as "
+                                     "tiers.resident.server_args)")
     if getattr(args, "verbose", False):
         overrides["log_level"] = "debug"
     return config_mod.load(args.config, overrides=overrides)

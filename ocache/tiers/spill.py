@@ -744,8 +744,9 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
         return None
     data_dir = slot_save_path(config, _get(table, "params"))
     if data_dir is None:
-        log.info("session tier off: no --slot-save-path known (give llama-server's flags as "
-                 "tiers.resident.server_args in ocache.yaml, or use serve --launch)")
+        log.info("session tier off: no --slot-save-path known (run the patched llama-server, which "
+                 "reports it, or give llama-server's flags as tiers.resident.server_args in ocache.yaml, "
+                 "or use serve --launch)")
         return None
     key = identity if isinstance(identity, str) else getattr(identity, "key", None)
     if not key:
