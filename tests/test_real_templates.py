@@ -327,6 +327,13 @@ async def test_the_bench_reports_requests_the_server_rejects_instead_of_aborting
     for r in rows:
         assert r.error and r.error.startswith("HTTP 500") and "System message must be" in r.error, r.error
         assert r.n_tokens == 0 and r.exact is None and REJECTION in (r.note or ""), r.note
+    # the report's summary says why
+    from ocache.bench.run import Bench, ConfigRun
+
+    bench = Bench.__new__(Bench)
+    bench.results = {"hybrid": {"rejected": {"a": ConfigRun("a", rows, 1.0)}}}
+    assert ("| 2 request errors (2 rejected by the server itself: Error: Jinja Exception: "
+            f"{REJECTION}) |") in bench.summary_table()
 
 
 @pytest.mark.parametrize("name,path", REJECTED)

@@ -1093,6 +1093,11 @@ def _generated(s: Sent, cold: Response, exact: bool | None) -> list[int] | None:
     return list(cold.tokens) if exact and cold.tokens else None
 
 
+#: the note of a request the server rejected before rendering its prompt (:func:`_rejected_row`),
+#: followed by the server's reason
+REJECTED_NOTE = "rejected by the server, not rendered: "
+
+
 def _reason(error: str) -> str:
     """The last line of the server's own message in an error text that ends with its JSON answer
     (``{"error": {"message": ...}}``, ``format_error_response``, tools/server/server-common.cpp:36), e.g.
@@ -1119,7 +1124,7 @@ def _rejected_row(s: Sent, why: str) -> Row:
     return Row(index=s.index, label=s.label, n_tokens=0, prompt_n=None, server_prefill=s.server_prefill,
                cache_n=None, oracle=OracleResult(0, 0, 0, 0, None), ttft_s=r.ttft_s, cold_ttft_s=None,
                exact=None, exact_tokens=None, restart_before=s.restart_before, ocache=r.headers,
-               error=r.error, note=f"rejected by the server, not rendered: {_reason(why)}",
+               error=r.error, note=REJECTED_NOTE + _reason(why),
                oracle_exact=OracleResult(0, 0, 0, 0, None), prompt_key=None)
 
 

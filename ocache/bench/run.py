@@ -55,7 +55,7 @@ from ocache.bench.exact import TOL_NATS
 from ocache.paths import repo_root
 import aiohttp
 
-from ocache.bench.replay import (PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
+from ocache.bench.replay import (REJECTED_NOTE, PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
                      measure, replay, scenario_from_recording)
 from ocache.llama.server import LlamaServer, ServerError, free_port
 
@@ -436,9 +436,13 @@ class Bench:
                         notes.append(f"error: {run.error[:80]}")
                     if cfg == "c" and run.layer:
                         notes.append(f"layer {run.layer}")
-                    errs = sum(1 for r in run.rows if r.error)
+                    errs = [r for r in run.rows if r.error]
                     if errs:
-                        notes.append(f"{errs} request errors")
+                        rejected = [r.note.removeprefix(REJECTED_NOTE) for r in errs
+                                    if r.note and r.note.startswith(REJECTED_NOTE)]
+                        notes.append(f"{len(errs)} request errors" + (
+                            f" ({len(rejected)} rejected by the server itself: {rejected[0][:100]})"
+                            if rejected else ""))
                     lines.append(
                         f"| {model} | {sc} | {cfg} | {len(run.rows)} | {run.total('prompt_n')} "
                         f"| {run.observed} | {run.oracle_total} | {'-' if eff is None else f'{eff:.3f}'} "
