@@ -269,7 +269,7 @@ class Bench:
     def __init__(self, preset: str, scenarios: list[Scenario], out: Path,
                  configs: tuple[str, ...] = CONFIGS, models: tuple[str, ...] | None = None,
                  time_scale: float | None = None, threads: int | None = None,
-                 template: str | None = None) -> None:
+                 template: str | None = None, ctx_per_slot: int | None = None) -> None:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         self.preset_name = preset
@@ -285,6 +285,9 @@ class Bench:
         if threads:
             import dataclasses
             self.preset = dataclasses.replace(self.preset, threads=threads)
+        if ctx_per_slot:  # a template that renders the clients' prompts longer (Qwen3-Coder's tools)
+            import dataclasses
+            self.preset = dataclasses.replace(self.preset, ctx_per_slot=ctx_per_slot)
         self.results: dict[str, dict[str, dict[str, ConfigRun]]] = {}  # model -> scenario -> cfg
         self.notes: list[str] = []
         self._cold: dict[tuple[str, str], dict] = {}  # (config, model) -> body key -> Response
@@ -791,7 +794,8 @@ def _cmd(args: argparse.Namespace) -> int:
     models = tuple(m.strip() for m in args.models.split(",")) if args.models else None
     out = Path(args.out)
     bench = Bench(args.preset, scenarios, out, configs=configs, models=models,
-                  time_scale=args.time_scale, threads=args.threads, template=args.template)
+                  time_scale=args.time_scale, threads=args.threads, template=args.template,
+                  ctx_per_slot=args.ctx_per_slot)
     bench.notes.extend(day_notes)
     t0 = time.monotonic()
     asyncio.run(bench.run())
@@ -845,5 +849,8 @@ def register(subparsers) -> None:
                    "models/templates/ (a file name; 'real': Qwen3.5-4B.jinja on hybrid, "
                    "Qwen-Qwen3-0.6B.jinja on dense; 'ocache': the models' own), for (a), (b) and (c) "
                    "alike; default: each scenario's `template:`, else the models' own")
+    p.add_argument("--ctx-per-slot", type=int, default=None, metavar="N",
+                   help="llama-server context per slot in tokens, every configuration (default: the "
+                   "preset's, 12288)")
     p.add_argument("--out", default="out", metavar="DIR", help="output folder (default ./out)")
     p.set_defaults(func=_cmd)
