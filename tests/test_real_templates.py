@@ -10,6 +10,7 @@ not on ocache's. The measurement of that loop with the server's own generations 
 from __future__ import annotations
 
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -260,3 +261,103 @@ async def test_the_token_view_renders_a_rewritten_history_in_full(serve_template
             assert viewer.counters["delta_mismatch"] == 0
         finally:
             await viewer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Claude Code and Codex on Qwen3.5's template: the server rejects their message order
+
+#: (fixture, route) of one request of each client whose converted messages Qwen3.5's template
+#: rejects: Claude Code 2.1.328 puts a ``system`` message after the user message, Codex 0.169.0
+#: sends two ``developer`` items, which the server maps to ``system`` (common/chat.cpp:1004-1012)
+REJECTED = [("claude_run1_agent_turn1.json", "/v1/messages"), ("codex_run1_turn1.json", "/v1/responses")]
+REJECTION = "System message must be at the beginning."
+
+
+def _raw(url: str, path: str, body: dict) -> tuple[int, bytes]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_claude_code_and_codex_get_the_servers_own_error_through_ocache(serve_template, tmp_path):
+    """On the tiny hybrid with Qwen3.5's template llama-server alone answers every Claude Code
+    and Codex request with HTTP 500, the template's ``raise_exception`` (line 85): nothing is
+    prefilled, so there is nothing for ocache to plan. Through ocache the client gets that answer,
+    status and bytes, streamed or not (fail open: bad input gets the upstream's answer)."""
+    from conftest import load_fixture
+    from ocache.bench.run import OCacheProcess
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384)
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        for name, path in REJECTED:
+            for stream in (False, True):
+                body = {**load_fixture(name), "stream": stream, "max_tokens": 4}
+                alone = _raw(srv.url, path, body)
+                assert alone[0] == 500 and REJECTION in json.loads(alone[1])["error"]["message"], alone
+                assert _raw(prox.url, path, body) == alone, (name, stream)
+    finally:
+        prox.stop()
+
+
+async def test_the_bench_reports_requests_the_server_rejects_instead_of_aborting(serve_template,
+                                                                                tmp_path):
+    """The bench on that setup: every request is answered with the server's 500, and the
+    measurement records each as an error row carrying the server's reason. Before, the
+    measurement tokenized the raw Anthropic body at ``/apply-template`` after the token view failed
+    ("Failed to parse tools: Missing tool type", a message of the bench's own making) and the raw
+    Responses body not at all ("cannot tokenize a body without messages"), and aborted the scenario."""
+    from conftest import FIXTURES
+    from ocache.bench.replay import Target, load_scenario, measure, replay
+
+    (tmp_path / "sc.yaml").write_text("name: rejected\nmax_tokens: 4\ngap_s: 0\nsteps:\n" + "".join(
+        f"  - send: {name}\n    path: {path}\n" for name, path in REJECTED))
+    if not FIXTURES.is_dir():
+        pytest.skip(f"fixtures folder {FIXTURES} not found")
+    sc = load_scenario(tmp_path / "sc.yaml", FIXTURES)
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384)
+    sent = await replay(sc, Target(srv.url, srv.url), time_scale=0)
+    rows = await measure(sent, srv.url, grid=srv.ubatch)
+    assert [r.label for r in rows] == [name.removesuffix(".json") for name, _ in REJECTED]
+    for r in rows:
+        assert r.error and r.error.startswith("HTTP 500") and "System message must be" in r.error, r.error
+        assert r.n_tokens == 0 and r.exact is None and REJECTION in (r.note or ""), r.note
+    # the report's summary says why
+    from ocache.bench.run import Bench, ConfigRun
+
+    bench = Bench.__new__(Bench)
+    bench.results = {"hybrid": {"rejected": {"a": ConfigRun("a", rows, 1.0)}}}
+    assert ("| 2 request errors (2 rejected by the server itself: Error: Jinja Exception: "
+            f"{REJECTION}) |") in bench.summary_table()
+
+
+@pytest.mark.parametrize("name,path", REJECTED)
+async def test_the_bench_tokenizes_anthropic_and_responses_bodies_without_the_viewer(serve_template,
+                                                                                   name, path):
+    """``prompt_tokens`` without a token view (its fallback when the view fails) converts the
+    body as the server does before rendering it: on Qwen3's template, which accepts both
+    clients' message order, it gives the server's own count (``/v1/messages/count_tokens``,
+    ``/v1/responses/input_tokens``) and the view's tokens. Before, it raised."""
+    import aiohttp
+
+    from conftest import load_fixture
+    from ocache.bench.replay import prompt_tokens
+    from ocache.tokens import TokenViewer
+
+    body = load_fixture(name)
+    srv = serve_template("dense")
+    count = "/v1/messages/count_tokens" if path == "/v1/messages" else "/v1/responses/input_tokens"
+    n = _post(srv.url, count, body)["input_tokens"]
+    viewer = TokenViewer(srv.url, delta=False)
+    try:
+        async with aiohttp.ClientSession() as http:
+            tokens = await prompt_tokens(http, srv.url, path, body)
+        assert len(tokens) == n
+        assert tokens == list((await viewer.view(path, body)).tokens)
+    finally:
+        await viewer.close()

@@ -359,3 +359,16 @@ def test_rule2_report_lists_every_request_where_c_prefilled_more_and_judges_the_
     over = bench.over_requests(agent_over)
     assert [(o["row"].index, o["excess"], o["title"]) for o in over] == [(3, 10, False)]
     assert bench.rule2(agent_over)["holds"] is False      # 8,120 > 8,110 * 1.00
+
+
+def test_bench_ctx_per_slot_overrides_the_presets(tmp_path):
+    """``ocache bench --ctx-per-slot N``: every configuration's server gets N tokens per slot (a
+    template that renders the clients' prompts longer: Claude Code's on Qwen3-Coder.jinja are
+    12.3-12.4k tokens, over the tiny preset's 12,288); without it the preset's size stays."""
+    from ocache.bench.run import PRESETS, Bench
+    from ocache.cli import build_parser
+
+    assert Bench("tiny", [], tmp_path, ctx_per_slot=16384).preset.ctx_per_slot == 16384
+    assert Bench("tiny", [], tmp_path).preset.ctx_per_slot == PRESETS["tiny"].ctx_per_slot
+    args = build_parser().parse_args(["bench", "--preset", "tiny", "--ctx-per-slot", "16384"])
+    assert args.ctx_per_slot == 16384

@@ -84,7 +84,7 @@ from typing import Any, Awaitable, Callable, Iterable
 import aiohttp
 import yaml
 
-from ocache.api.convert import timings_from_usage
+from ocache.api.convert import CONVERTED_ROUTES, ConversionError, timings_from_usage, to_chat
 from ocache.bench.exact import PROBS_FIELDS, Generation, compare, describe
 from ocache.bench.oracle import Oracle, OracleResult
 
@@ -899,18 +899,28 @@ async def prompt_tokens(http: aiohttp.ClientSession, base_url: str, path: str, b
                         viewer: Any = None) -> list[int]:
     """The token ids llama-server prefills for ``body``: its own chat template (``/apply-template``)
     then ``/tokenize`` with ``add_special`` and ``parse_special`` (docs/llama-server.md §8); for ``/completion``
-    routes the ``prompt`` field (a string or token ids). Uses ``viewer.view(path, body, None)`` when
-    a ``TokenViewer`` is given. Raises ReplayError on an HTTP error."""
+    routes the ``prompt`` field (a string or token ids). ``/v1/messages`` and ``/v1/responses``
+    bodies are first converted to the chat form the server renders (``ocache.api.convert.to_chat``:
+    the server runs the same conversion before its template, server-chat.cpp:6-306 and 348-619; a
+    raw Anthropic body at ``/apply-template`` fails with the server's "Missing tool type", a
+    Responses body has no ``messages`` at all). Uses ``viewer.view(path, body, None)`` when a
+    ``TokenViewer`` is given. Raises ReplayError on an HTTP error (its message carries the
+    server's own, e.g. the template's ``raise_exception``) or a body the server's converter rejects."""
     if viewer is not None:
         try:
             view = await viewer.view(path, body, None)
             return list(view.tokens)
         except Exception as exc:  # the viewer is another module's; the endpoints are the truth
             log.warning("TokenViewer failed (%s); tokenizing through the endpoints", exc)
+    if path in CONVERTED_ROUTES:
+        try:
+            body = to_chat(path, body)
+        except ConversionError as exc:
+            raise ReplayError(f"the server's converter rejects the body ({path}): {exc}") from exc
     if "messages" in body:
         async with http.post(base_url + "/apply-template", json=body) as r:
             if r.status != 200:
-                raise ReplayError(f"/apply-template: HTTP {r.status} {(await r.text())[:200]}")
+                raise ReplayError(f"/apply-template: HTTP {r.status} {await r.text()}")
             text = (await r.json())["prompt"]
     else:
         prompt = body.get("prompt")
@@ -1115,6 +1125,41 @@ def _generated(s: Sent, cold: Response, exact: bool | None) -> list[int] | None:
     return list(cold.tokens) if exact and cold.tokens else None
 
 
+#: the note of a request the server rejected before rendering its prompt (:func:`_rejected_row`),
+#: followed by the server's reason
+REJECTED_NOTE = "rejected by the server, not rendered: "
+
+
+def _reason(error: str) -> str:
+    """The last line of the server's own message in an error text that ends with its JSON answer
+    (``{"error": {"message": ...}}``, ``format_error_response``, tools/server/server-common.cpp:36), e.g.
+    "Error: Jinja Exception: System message must be at the beginning."; else the text's first
+    200 characters."""
+    i = error.find("{")
+    try:
+        msg = json.loads(error[i:])["error"]["message"] if i >= 0 else None
+    except (ValueError, KeyError, TypeError):
+        msg = None
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()] if isinstance(msg, str) else []
+    return lines[-1][:200] if lines else error[:200]
+
+
+def _rejected_row(s: Sent, why: str) -> Row:
+    """The row of a request the server answered with an error and whose prompt it cannot render
+    either (``why``: the render's error): a body the server rejects before any prefill, e.g. a
+    template's ``raise_exception`` on the client's message order (Qwen3.5's "System message must be
+    at the beginning" on Claude Code's mid-conversation system message and on Codex's two
+    developer items, mapped to system by common/chat.cpp:1004-1012). No prompt, no oracle, no cold
+    run: the request counts as an error with the server's own answer, so a scenario the server
+    cannot serve is reported request by request instead of aborted by the measurement."""
+    r = s.response
+    return Row(index=s.index, label=s.label, n_tokens=0, prompt_n=None, server_prefill=s.server_prefill,
+               cache_n=None, oracle=OracleResult(0, 0, 0, 0, None), ttft_s=r.ttft_s, cold_ttft_s=None,
+               exact=None, exact_tokens=None, restart_before=s.restart_before, ocache=r.headers,
+               error=r.error, note=REJECTED_NOTE + _reason(why),
+               oracle_exact=OracleResult(0, 0, 0, 0, None), prompt_key=None)
+
+
 async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: str,
                    oracle: Oracle, rows: list[Row], cold_cache: dict, viewer: Any,
                    exact_oracle: Oracle | None = None) -> list[Row]:
@@ -1123,7 +1168,13 @@ async def _measure(sent: list[Sent], http: aiohttp.ClientSession, upstream_url: 
     slots = ServedPrompts()
     for s in sent:
         r = s.response
-        rendered = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
+        try:
+            rendered = await prompt_tokens(http, upstream_url, s.path, s.body, viewer)
+        except ReplayError as exc:
+            if not r.error:  # served, yet not renderable here: the bench is wrong, not the server
+                raise
+            rows.append(_rejected_row(s, str(exc)))
+            continue
         served, unknown = slots.served(r.headers, rendered)
         tokens = rendered if served is None else served
         cold = await _cold_run(http, upstream_url, s, served, cold_cache, r)

@@ -60,7 +60,7 @@ from ocache.bench.exact import TOL_NATS
 from ocache.paths import checkout, repo_root, shipped
 import aiohttp
 
-from ocache.bench.replay import (PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
+from ocache.bench.replay import (REJECTED_NOTE, PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
                      measure, replay, scenario_from_recording)
 from ocache.llama.server import LlamaServer, ServerError, free_port
 
@@ -318,7 +318,7 @@ class Bench:
     def __init__(self, preset: str, scenarios: list[Scenario], out: Path,
                  configs: tuple[str, ...] = CONFIGS, models: tuple[str, ...] | None = None,
                  time_scale: float | None = None, threads: int | None = None,
-                 template: str | None = None) -> None:
+                 template: str | None = None, ctx_per_slot: int | None = None) -> None:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         self.preset_name = preset
@@ -334,6 +334,9 @@ class Bench:
         if threads:
             import dataclasses
             self.preset = dataclasses.replace(self.preset, threads=threads)
+        if ctx_per_slot:  # a template that renders the clients' prompts longer (Qwen3-Coder's tools)
+            import dataclasses
+            self.preset = dataclasses.replace(self.preset, ctx_per_slot=ctx_per_slot)
         self.results: dict[str, dict[str, dict[str, ConfigRun]]] = {}  # model -> scenario -> cfg
         self.notes: list[str] = []
         self._cold: dict[tuple[str, str], dict] = {}  # (config, model) -> body key -> Response
@@ -488,9 +491,13 @@ class Bench:
                         notes.append(f"error: {run.error[:80]}")
                     if cfg == "c" and run.layer:
                         notes.append(f"layer {run.layer}")
-                    errs = sum(1 for r in run.rows if r.error)
+                    errs = [r for r in run.rows if r.error]
                     if errs:
-                        notes.append(f"{errs} request errors")
+                        rejected = [r.note.removeprefix(REJECTED_NOTE) for r in errs
+                                    if r.note and r.note.startswith(REJECTED_NOTE)]
+                        notes.append(f"{len(errs)} request errors" + (
+                            f" ({len(rejected)} rejected by the server itself: {rejected[0][:100]})"
+                            if rejected else ""))
                     lines.append(
                         f"| {model} | {sc} | {cfg} | {len(run.rows)} | {run.total('prompt_n')} "
                         f"| {run.observed} | {run.oracle_total} | {'-' if eff is None else f'{eff:.3f}'} "
@@ -880,7 +887,8 @@ def _cmd(args: argparse.Namespace) -> int:
         if not scenarios:
             return rc
     bench = Bench(args.preset, scenarios, out, configs=configs, models=models,
-                  time_scale=args.time_scale, threads=args.threads, template=args.template)
+                  time_scale=args.time_scale, threads=args.threads, template=args.template,
+                  ctx_per_slot=args.ctx_per_slot)
     bench.notes.extend(day_notes)
     t0 = time.monotonic()
     asyncio.run(bench.run())
@@ -938,5 +946,8 @@ def register(subparsers) -> None:
                    "models/templates/ (a file name; 'real': Qwen3.5-4B.jinja on hybrid, "
                    "Qwen-Qwen3-0.6B.jinja on dense; 'ocache': the models' own), for (a), (b) and (c) "
                    "alike; default: each scenario's `template:`, else the models' own")
+    p.add_argument("--ctx-per-slot", type=int, default=None, metavar="N",
+                   help="llama-server context per slot in tokens, every configuration (default: the "
+                   "preset's, 12288)")
     p.add_argument("--out", default="out", metavar="DIR", help="output folder (default ./out)")
     p.set_defaults(func=_cmd)
