@@ -103,6 +103,18 @@ def test_generation_is_byte_deterministic(models_tiny, tmp_path, kind):
     assert _sha256(other) != _sha256(dest)
 
 
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_a_reseeded_model_has_the_same_header_and_size_and_other_weights(models_tiny, tmp_path, kind):
+    """``write_reseeded`` (scripts/faults' replaced-model row): the header bytes (metadata, tensor
+    infos) and the size equal the preset's file, the tensor data does not."""
+    from ocache.llama.gguf import gguf_identity
+
+    other = models.write_reseeded("tiny", kind, tmp_path / "other.gguf", seed=2001)
+    a, b = gguf_identity(models_tiny[kind]), gguf_identity(other)
+    assert (b.size, b.header_bytes, b.header_xxh3_128) == (a.size, a.header_bytes, a.header_xxh3_128)
+    assert b.data_xxh3_128 != a.data_xxh3_128 and _sha256(other) != _sha256(models_tiny[kind])
+
+
 def test_cli_prints_paths(models_tiny, capsys):
     from ocache.cli import main
 

@@ -435,6 +435,21 @@ def make_one(preset: str, kind: str) -> Path:
     return dest
 
 
+def write_reseeded(preset: str, kind: str, dest: Path, seed: int) -> Path:
+    """Write to ``dest`` the preset's model with other weights: the same spec under another
+    ``seed``, the same name, vocab and template. The seed is not in the metadata, so the file's
+    header (every key/value and tensor info) and its size equal ``make_one(preset, kind)``'s and
+    only the tensor data differs: a model "replaced with an equal header and size" (issue 28
+    item 1; ``scripts/faults``). Not cached. Raises ModelError for an unknown preset/kind."""
+    from dataclasses import replace
+
+    spec = replace(_spec(preset, kind), seed=seed)
+    vocab = _vocab_path()
+    _write(spec, dest, f"ocache-{preset}-{kind}", vocab, _vocab_sha256(vocab),
+           template_path().read_bytes().decode("utf-8"))
+    return dest
+
+
 _VOCAB_SHA: dict[tuple[str, int, int], str] = {}
 
 
