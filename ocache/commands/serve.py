@@ -76,12 +76,16 @@ def build_config(args: argparse.Namespace) -> Config:
             raise config_mod.ConfigError("--launch needs the llama-server arguments after `--` "
                                          "(ocache serve --launch -- -m model.gguf ...)")
         overrides["launch"] = list(args.launch_args)
-    elif args.launch_args:
-        raise config_mod.ConfigError("llama-server arguments given without --launch "
-                                     "(use: ocache serve --launch -- ARGS)")
     if getattr(args, "verbose", False):
         overrides["log_level"] = "debug"
-    return config_mod.load(args.config, overrides=overrides)
+    cfg = config_mod.load(args.config, overrides=overrides)
+    if args.launch_args and not args.launch:
+        # a server ocache does not launch: `-- ARGS` are its flags, as tiers.resident.server_args
+        # (this flag wins over the YAML's, like every flag); the other tiers' keys are kept
+        tiers = dict(cfg.tiers or {})
+        tiers["resident"] = {**(tiers.get("resident") or {}), "server_args": list(args.launch_args)}
+        cfg.tiers = tiers
+    return cfg
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -132,10 +136,13 @@ def register(subparsers) -> None:
                    help="with --record: keep structure and counts, drop all text (ocache/record.py)")
     p.add_argument("--no-cache", action="store_true", help="forward everything untouched (NullLayer)")
     p.add_argument("--launch", action="store_true",
-                   help="start llama-server as a child with the arguments after `--`")
+                   help="start llama-server as a child with the arguments after `--` (without "
+                        "--launch, the arguments after `--` are the flags of the server at "
+                        "--upstream: config tiers.resident.server_args)")
     p.add_argument("--help-config", action="store_true", help="print the config schema and exit")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="debug logging")
     p.add_argument("launch_args", nargs="*", metavar="-- LLAMA_SERVER_ARGS",
-                   help="llama-server arguments (with --launch)")
+                   help="llama-server arguments: the child's (--launch), else those the server "
+                        "at --upstream was started with")
     p.set_defaults(func=_cmd_serve)
