@@ -26,7 +26,9 @@ async def announce_tiers(proxy: Any, wait_s: float = ANNOUNCE_WAIT_S) -> list[st
     """Check the server's setup as soon as it is ready, before any request, and log which tiers
     are off, why and the one-line fix (``ocache.llama.checks.tiers_off_lines``; every tier on: one
     info line). Returns the lines logged ([] when there is no cache layer to check, e.g.
-    ``--no-cache``, or the server was not ready within ``wait_s`` seconds). Never raises."""
+    ``--no-cache``, the server was not ready within ``wait_s`` seconds, or a launched child exited
+    at each start until the supervisor gave up: that is logged with its exit status, not as a
+    timeout). Never raises."""
     from ocache.cache.report import tiers_off
     from ocache.llama.checks import tiers_off_lines
 
@@ -39,8 +41,12 @@ async def announce_tiers(proxy: Any, wait_s: float = ANNOUNCE_WAIT_S) -> list[st
         up = one.upstream
         try:
             if not await up.wait_ready(wait_s):
-                log.warning("llama-server %s not ready after %.0f s: its tiers are checked at the first "
-                            "request", up.base_url, wait_s)
+                why = getattr(up, "abandoned_why", None)
+                if why:  # a launched child that cannot start: it exited, no time ran out
+                    log.warning("tiers not checked: %s (%s)", why, up.base_url)
+                else:
+                    log.warning("llama-server %s not ready after %.0f s: its tiers are checked at the "
+                                "first request", up.base_url, wait_s)
                 continue
             await one.ensure_ready()
         except Exception as exc:  # the first request checks again; never stop serving for this
