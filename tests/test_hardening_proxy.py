@@ -764,6 +764,7 @@ def test_doctor_checks_a_command_line_offline(models_tiny, tmp_path):
     assert bad.returncode == 1
     assert lines["-np"] == ["error"] and lines["--metrics"] == ["warning"] and lines["-fa"] == ["warning"]
     assert lines["--slot-save-path"] == ["warning"] and lines["--checkpoint-min-step"] == ["warning"]
+    assert lines["--cache-ram"] == ["warning"]   # the default 8192 MiB: the README wants 0 (D1)
 
 
 @pytest.mark.server

@@ -28,9 +28,10 @@ What ocache needs and why (README "Flags ocache wants on llama-server", turned i
 * ``--metrics``: the ``/metrics`` ``Process-Start-Time-Unix`` header is the restart signal.
 * the patched build (``build_info`` contains ``+ocache.``): a stock server restores a hybrid slot
   without its checkpoints (docs/llama-server.md §6), so only prompts that strictly extend it reuse anything.
-* ``--cache-ram``: with a pinned slot whose content is replaced the server may swap in a RAM entry
-  (docs/llama-server.md §9 step 4); harmless, but predictions get a wider band. With ``-kvu`` and idle-slot
-  caching the idle slots are cleared: warn.
+* ``--cache-ram 0`` (docs/decisions.md D1, as the README's flag list says): with the RAM cache on, a
+  request pinned to a busy slot makes the server save it and swap a RAM entry in (docs/llama-server.md
+  §9 step 4, "Hazard") and ``cache_n`` becomes unpredictable; the session tier does the parking.
+  Any other value, the default 8192 MiB included, is a warning (it turns no tier off).
 * ``-fa auto``: slot files depend on the resolved flash-attention setting (docs/llama-server.md §6); pin it.
 """
 
@@ -283,10 +284,13 @@ def _check_cache_ram(c: _Seen) -> list[Finding]:
     p = c.params
     if not (c.known or "cache_ram" in p.known):
         return [Finding(UNKNOWN, "--cache-ram", f"the server does not report it (default 8192 MiB): {FLAGS_FIX}")]
-    if p.cache_ram and c.n_slots >= 2:
-        return [Finding(INFO, "--cache-ram", f"{p.cache_ram} MiB: the server may swap a RAM entry into a "
-                        "slot ocache replaces; cache_n can then exceed the prediction (0 = off)")]
-    return [Finding(OK, "--cache-ram", "off" if not p.cache_ram else f"{p.cache_ram} MiB, 1 slot")]
+    if p.cache_ram:
+        default = "" if "cache_ram" in p.known else " (the default)"
+        return [Finding(WARN, "--cache-ram", f"{p.cache_ram} MiB{default}: ocache wants --cache-ram 0 "
+                        "(docs/decisions.md D1): with the RAM prompt cache on, a request pinned to a busy "
+                        "slot makes the server swap a RAM entry into it, and cache_n can exceed the "
+                        "prediction; the session tier parks conversations on disk instead")]
+    return [Finding(OK, "--cache-ram", "off")]
 
 
 def _check_fa(c: _Seen) -> list[Finding]:
