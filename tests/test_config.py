@@ -111,6 +111,10 @@ def test_serve_upstream_with_args_takes_them_as_the_servers_flags(tmp_path, monk
                                           "disk: {grid: 512}}\n")
     c = serve_cmd.build_config(parser.parse_args(["serve", "--", *flags]))
     assert c.tiers == {"resident": {"server_args": flags, "warm": False}, "disk": {"grid": 512}}
+    # a config that launches the server: `-- ARGS` without --launch would be ignored, so refused
+    monkeypatch.setenv("OCACHE_LAUNCH", "[-m, x.gguf]")
+    with pytest.raises(cfg.ConfigError, match="--launch -- ARGS"):
+        serve_cmd.build_config(parser.parse_args(["serve", "--", *flags]))
 
 
 def test_describe_documents_every_key():

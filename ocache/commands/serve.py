@@ -86,6 +86,9 @@ def build_config(args: argparse.Namespace) -> Config:
         overrides["log_level"] = "debug"
     cfg = config_mod.load(args.config, overrides=overrides)
     if args.launch_args and not args.launch:
+        if cfg.launch:
+            raise config_mod.ConfigError("the config launches llama-server (`launch`), so the arguments "
+                                         "after `--` would be ignored: use ocache serve --launch -- ARGS")
         # a server ocache does not launch: `-- ARGS` are its flags, as tiers.resident.server_args
         # (this flag wins over the YAML's, like every flag); the other tiers' keys are kept
         tiers = dict(cfg.tiers or {})
