@@ -351,7 +351,8 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
     "resident": {
         "server_args": ("list[str]", "the `launch` argv",
                         "llama-server's argv when ocache did not launch it (the planner reads -np, "
-                        "-ub, the checkpoint flags and --slot-save-path from it)"),
+                        "-ub, the checkpoint flags and --slot-save-path from it); `ocache serve "
+                        "--upstream URL -- ARGS` sets it; unset, a patched server's /props report is read"),
         "warm": ("bool", "true", "prefill the harness head on its own and keep it (head warm-up)"),
         "keep_origin": ("bool", "true", "keep the head origin in a side slot: after a guest "
                         "overwrote it, restore it there from the head's slot file"),

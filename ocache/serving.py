@@ -76,16 +76,16 @@ async def _launch(config: Config, stop: asyncio.Event, supervisors: list[Supervi
 def _wire(proxy: Proxy, supervisors: list[Supervisor], stop: asyncio.Event) -> None:
     """Each child's events to its upstream: a start probes it, an exit holds requests for the next
     child (not 503), a give-up answers the held requests 503 and stops ocache."""
-    def give_up(up: Upstream) -> Callable[[], None]:
+    def give_up(sup: Supervisor, up: Upstream) -> Callable[[], None]:
         def gave_up() -> None:
-            up.restart_abandoned()
+            up.restart_abandoned(sup.gave_up_why or "")
             stop.set()
         return gave_up
 
     for sup, up in zip(supervisors, proxy.upstreams):
         sup.on_start = up.poke
         sup.on_exit = up.expect_restart
-        sup.on_give_up = give_up(up)
+        sup.on_give_up = give_up(sup, up)
         sup.calls_inflight = proxy.calls_inflight   # recorded when SIGTERM is sent
 
 

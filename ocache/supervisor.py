@@ -117,6 +117,8 @@ class Supervisor:
         #: callable(why) run when the child exits and another will be started (Upstream.expect_restart)
         self.on_exit: Callable[[str], None] | None = None
         self.failed: str | None = None  # why it gave up (with the last child's log tail)
+        #: why it gave up, in one line (the exit status and count), for ``Upstream.restart_abandoned``
+        self.gave_up_why: str | None = None
         self._log_offset = 0
         #: callable() -> int: ocache's calls to the server still in flight (``Proxy.calls_inflight``),
         #: read when SIGTERM is sent; ``term_calls_inflight`` keeps that figure (None: not stopped
@@ -204,12 +206,13 @@ class Supervisor:
             quick = quick + 1 if up_s < 5 else 0
             tail = self.log_tail()
             if quick >= self.max_quick_failures:
+                self.gave_up_why = (f"llama-server exited with {rc} {quick} times in a row within 5 s "
+                                    "of starting; not restarting it")
                 self.failed = (f"llama-server exited with {rc} {quick} times in a row within 5 s of "
                                f"starting; not restarting it again (fix its arguments: "
                                f"{self.binary} {' '.join(self.args)}). Last log lines of the last "
                                f"start ({self.log_path}):\n{tail}")
-                log.error("llama-server exited with %s %d times in a row within 5 s of starting; "
-                          "giving up", rc, quick)
+                log.error("%s", self.gave_up_why)
                 if self.on_give_up:
                     self.on_give_up()
                 return

@@ -132,6 +132,9 @@ class Upstream:
         self._ready = asyncio.Event()
         self._down = asyncio.Event()       # set while the state is "down" (unreachable or hung)
         self._abandoned = asyncio.Event()  # set once the supervisor gave up restarting the server
+        #: why the supervisor gave up (``restart_abandoned``; e.g. "llama-server exited with 1 5
+        #: times in a row within 5 s of starting"), None while it has not
+        self.abandoned_why: str | None = None
         self._down.set()
         self._wake = asyncio.Event()
         self.generating = 0                # completions forwarded and not yet fully relayed
@@ -245,14 +248,16 @@ class Upstream:
         or :meth:`restart_abandoned`."""
         self.restarting = True
         self._abandoned.clear()
+        self.abandoned_why = None
         self._set_down(why, False)
         self._wake.set()
 
-    def restart_abandoned(self) -> None:
-        """The supervisor gave up restarting the server: requests are no longer held for it, and
-        those held now (``wait_ready``) are let go at once (they get ocache's 503) instead of
-        waiting out their ``loading_wait_s``."""
+    def restart_abandoned(self, why: str = "") -> None:
+        """The supervisor gave up restarting the server (``why``: the child's exits, kept in
+        ``abandoned_why``): requests are no longer held for it, and those held now (``wait_ready``)
+        are let go at once (they get ocache's 503) instead of waiting out their ``loading_wait_s``."""
         self.restarting = False
+        self.abandoned_why = why or "the supervisor gave up restarting llama-server"
         self._abandoned.set()
 
     def notify_unreachable(self, error: str, hung: bool = False) -> None:
@@ -268,7 +273,8 @@ class Upstream:
         await self._down.wait()
 
     async def wait_ready(self, timeout: float) -> bool:
-        """Wait until the state is ``"ready"``, at most ``timeout`` seconds; True if it is."""
+        """Wait until the state is ``"ready"``, at most ``timeout`` seconds; True if it is. Returns
+        False at once when the supervisor gave up (``abandoned_why`` says why)."""
         if self.state == "ready":
             return True
         if self._abandoned.is_set() and self.state == "down":

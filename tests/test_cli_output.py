@@ -57,3 +57,32 @@ def test_cache_ls_keeps_the_model_name_apart_from_the_server_identity():
     assert out[0].split()[:5] == ["KIND", "FOLDER", "CLIENT", "MODEL", "SERVER"]
     rows = sorted(ln.split()[:5] for ln in out[1:])
     assert rows == [["anchor", "-", "-", "-", "01234567"], ["anchor", "/p", "claude-cli", "qwen", "01234567"]]
+
+
+def test_cache_commands_on_a_fresh_machine_exit_0(tmp_path, capsys):
+    """No store yet (nothing saved) is not an error: ``cache ls`` says so and exits 0 (it exited 1),
+    and so do ``gc`` and ``clear`` (nothing to collect or delete)."""
+    from ocache import cli
+
+    for action in ("ls", "gc", "clear"):
+        assert cli.main(["cache", action, "--cache-dir", str(tmp_path / "fresh")]) == 0, action
+        out = capsys.readouterr().out
+        assert "nothing saved yet" in out and str(tmp_path / "fresh") in out, (action, out)
+    assert not (tmp_path / "fresh").exists()      # looking made nothing
+
+
+def test_cache_ls_labels_an_anchor_at_a_session_start_apart_from_a_spill():
+    """An anchor the disk tier saved at a conversation's first user message records the reason
+    ``session``; ``ls`` showed it as REASON ``session`` beside spill entries (the session tier's).
+    It reads ``session-start``; a spill's reasons and the other anchors' are as recorded."""
+    def entry(kind, reason, key):
+        return SimpleNamespace(kind=kind, meta={"reason": reason}, identity="0123456789abcdef", n_tokens=1200,
+                               bytes=4000, hits=1, created=0.0, last_used=0.0, key=key * 32)
+    out = maintenance.table([entry("a", "session", "a"), entry("a", "head", "b"), entry("s", "evict", "c"),
+                             entry("s", "drain", "d")], now=10.0).splitlines()
+    got = {ln.split()[-1][0]: (ln.split()[0], ln.split()[-2]) for ln in out[1:]}
+    assert got == {"a": ("anchor", "session-start"), "b": ("anchor", "head"), "c": ("spill", "evict"),
+                   "d": ("spill", "drain")}, out
+    # one word: the columns read from the end stay where they were (EVICT third from the end,
+    # as tests/test_dashboard.py reads it)
+    assert sorted(int(ln.split()[-3]) for ln in out[1:]) == [1, 2, 3, 4], out

@@ -87,9 +87,34 @@ def test_launch_args_from_cli_and_env():
                               "--port", "9"])
     c = serve_cmd.build_config(args)
     assert c.port == 9400 and c.launch == ["-m", "x.gguf", "--port", "9"]
-    args = parser.parse_args(["serve", "--", "-m", "x.gguf"])
-    with pytest.raises(cfg.ConfigError, match="without --launch"):
-        serve_cmd.build_config(args)
+
+
+def test_serve_upstream_with_args_takes_them_as_the_servers_flags(tmp_path, monkeypatch):
+    """``ocache serve --upstream URL -- ARGS`` (a server ocache does not launch, e.g. the stock
+    build, which does not report its flags): ARGS are that server's flags, as
+    ``tiers.resident.server_args`` (the fix every "unknown" / "tiers OFF" line gives). The old code
+    refused it ("llama-server arguments given without --launch")."""
+    from ocache.cache.wiring import layer_options
+
+    monkeypatch.chdir(tmp_path)       # no ./ocache.yaml
+    monkeypatch.delenv("OCACHE_CONFIG", raising=False)
+    parser = argparse.ArgumentParser()
+    serve_cmd.register(parser.add_subparsers())
+    flags = ["-np", "2", "--slot-save-path", str(tmp_path), "--cache-ram", "0"]
+    c = serve_cmd.build_config(parser.parse_args(["serve", "--upstream", "http://127.0.0.1:9", "--", *flags]))
+    assert not c.launch and c.upstream == "http://127.0.0.1:9"
+    assert c.tiers["resident"]["server_args"] == flags
+    assert layer_options(c).argv == tuple(flags)
+    assert cfg.slot_save_path(c) == tmp_path
+    # the flag wins over the YAML's server_args; the YAML's other tier keys stay
+    (tmp_path / "ocache.yaml").write_text("tiers: {resident: {server_args: [-np, '4'], warm: false}, "
+                                          "disk: {grid: 512}}\n")
+    c = serve_cmd.build_config(parser.parse_args(["serve", "--", *flags]))
+    assert c.tiers == {"resident": {"server_args": flags, "warm": False}, "disk": {"grid": 512}}
+    # a config that launches the server: `-- ARGS` without --launch would be ignored, so refused
+    monkeypatch.setenv("OCACHE_LAUNCH", "[-m, x.gguf]")
+    with pytest.raises(cfg.ConfigError, match="--launch -- ARGS"):
+        serve_cmd.build_config(parser.parse_args(["serve", "--", *flags]))
 
 
 def test_describe_documents_every_key():

@@ -645,6 +645,10 @@ def test_launch_that_cannot_start_exits_nonzero(engine_patched, tmp_path):
                        timeout=120, cwd=tmp_path)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "2 times in a row" in p.stderr
+    # the tiers' announcement says the child exited, with its status, not a timeout (it said
+    # "not ready after 300 s" when the children had exited within seconds)
+    assert "tiers not checked: llama-server exited with 1 2 times in a row" in p.stderr, p.stderr[-3000:]
+    assert "not ready after" not in p.stderr
     # the last child's log tail, once: each child names the missing model in its own lines
     tail = p.stderr[p.stderr.index("Last log lines"):]
     assert str(missing) in tail
@@ -760,6 +764,7 @@ def test_doctor_checks_a_command_line_offline(models_tiny, tmp_path):
     assert bad.returncode == 1
     assert lines["-np"] == ["error"] and lines["--metrics"] == ["warning"] and lines["-fa"] == ["warning"]
     assert lines["--slot-save-path"] == ["warning"] and lines["--checkpoint-min-step"] == ["warning"]
+    assert lines["--cache-ram"] == ["warning"]   # the default 8192 MiB: the README wants 0 (D1)
 
 
 @pytest.mark.server

@@ -416,6 +416,9 @@ def test_doctor_findings(tmp_path):
     assert f["--checkpoint-min-step"].level == "warning"
     assert f["build"].level == "warning"
     assert f["--metrics"].level == "warning"
+    # the default --cache-ram (8192 MiB) is a warning with its reason (README's flag list, D1), not info
+    assert f["--cache-ram"].level == "warning" and "8192 MiB (the default)" in f["--cache-ram"].message
+    assert "--cache-ram 0 (docs/decisions.md D1)" in f["--cache-ram"].message and not f["--cache-ram"].off
     argv = ["-np", "2", "--slot-save-path", str(tmp_path), "--metrics", "--checkpoint-min-step", "1024", "-fa", "off"]
     p = params_from_argv(argv, {}, None, checkpoints=True, arch="qwen35", cache_ram=0)
     levels = {x.flag: x.level for x in check(p, {"build_info": "b1-0c1e570+ocache.abcd1234"}, None, argv=argv)}

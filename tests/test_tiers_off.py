@@ -42,6 +42,32 @@ def test_a_server_that_saves_slots_without_saying_where_turns_the_file_tiers_off
     assert "Fix: run the patched llama-server (`ocache engine build`" in lines[0]
 
 
+def test_a_stock_server_without_its_flags_gets_one_fix_everywhere(caplog):
+    """In front of a stock server with no flags given, every ``unknown`` line, the "tiers OFF"
+    line and the disk and session tiers' own "off" log lines give the same fix, ``FLAGS_FIX``
+    (``ocache serve --upstream URL -- ARGS``, which ``serve`` accepts: tests/test_config.py).
+    Before, the log said three things: set ``tiers.resident.server_args``, set
+    ``tiers.disk.slot_save_path``, and "pass the command line after `--`", which ``serve`` refused."""
+    from ocache.config import Config
+    from ocache.llama.checks import FLAGS_FIX
+    from ocache.tiers.disk import make_disk_tier
+    from ocache.tiers.spill import make_session_tier
+
+    params = params_from_argv(None, {"total_slots": 2}, None, checkpoints=True, arch="qwen35")
+    found = check(params, {"build_info": "b1-0c1e570"}, [{"id": 0}, {"id": 1}], argv=None,
+                  metrics_ok=True, slot_actions_ok=True)
+    unknown = [f for f in found if f.level == "unknown"]
+    assert len(unknown) == 6 and all(f.message.endswith(FLAGS_FIX) for f in unknown), unknown
+    (line,) = tiers_off_lines(tiers_off(found))
+    assert line.endswith(f"or {FLAGS_FIX}"), line
+    caplog.set_level("INFO")
+    table = type("T", (), {"params": params})()
+    assert make_disk_tier(Config(), table, "key") is None and make_session_tier(Config(), table, "key") is None
+    off = [r.getMessage() for r in caplog.records if "tier off" in r.getMessage()]
+    assert len(off) == 2 and all(FLAGS_FIX in m for m in off), off
+    assert FLAGS_FIX.count("`ocache serve --upstream URL -- ARGS`") == 1
+
+
 def test_each_flag_that_turns_a_tier_off_says_which_and_the_fix(tmp_path):
     argv = ["-m", "x.gguf"]             # no -np, no --slot-save-path
     p = params_from_argv(argv, {}, None, checkpoints=True, arch="qwen35", ctx_checkpoints=0)

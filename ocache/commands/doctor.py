@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from ocache.llama.checks import ERROR, NotLlamaServer, offline, probe, tiers_off, tiers_off_lines
+from ocache.llama.checks import ERROR, FLAGS_FIX, NotLlamaServer, offline, probe, tiers_off, tiers_off_lines
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -58,7 +58,7 @@ def _cmd(args: argparse.Namespace) -> int:
         print("\n".join(tiers_off_lines(off)))
         print(f"{where}: " + ", ".join(f"{k} {v}" for k, v in info.items()))
         if info.get("flags") == "unknown":
-            print("  (launch flags unknown: pass them after `--` to check them too)")
+            print(f"  (launch flags unknown: {FLAGS_FIX}, to check them too)")
         for f in findings:
             print(f"  {f}")
     remote_ok = None if args.json else _remote_check(args)

@@ -9,6 +9,8 @@ These commands work on the files directly (``ocache.tiers.store``), without a ru
   (takes the store's lock: refuses while ocache runs, use the admin route then);
 * ``clear`` delete every entry (or one kind: ``--kind anchors|spills|heads``).
 
+No store yet (a fresh machine: nothing saved) is not an error: each says so and exits 0.
+
 The store lives in ``<cache dir>/store`` (records, index); the slot files in the server's
 ``--slot-save-path``, which the store recorded in ``store.json``.
 """
@@ -27,6 +29,18 @@ from ocache.tiers.store import DAY_S, LockedError, Store, data_dir_of
 
 KINDS = {"anchors": "a", "spills": "s", "heads": "h", "all": None}
 KIND_NAMES = {"a": "anchor", "s": "spill", "h": "head"}
+#: REASON as ``ls`` shows it, where the recorded word reads like something else: an anchor the disk
+#: tier saved at a conversation's first user message records ``session`` (``DiskTier.anchor_lines``,
+#: ocache/tiers/disk.py), which beside the spills (kind ``spill``, the session tier) read as one.
+#: One word, so the columns after it split on whitespace from the end as before.
+REASON_LABELS = {("a", "session"): "session-start"}
+
+
+def reason_label(kind: str, reason: str) -> str:
+    """The REASON column for an entry of ``kind`` (``a``/``s``/``h``) saved for ``reason``: an
+    anchor's ``head`` (the harness head), ``session-start`` (the prefix up to the first user
+    message), ``repeat`` (a repeated grid line); a spill's ``evict`` / ``drain``; a head's ``head``."""
+    return REASON_LABELS.get((kind, reason), reason)
 
 
 def _meta_dir(args: argparse.Namespace) -> Path:
@@ -67,10 +81,12 @@ def _ago(t: float, now: float) -> str:
 
 
 def _open(args: argparse.Namespace, readonly: bool) -> Store | None:
+    """The store of ``args`` opened, or None (the path printed) when there is none yet: a fresh
+    machine, nothing saved; an empty store, not an error (the callers exit 0)."""
     meta = _meta_dir(args)
     data = Path(args.slot_dir) if args.slot_dir else data_dir_of(meta)
     if data is None or not (meta / "records").is_dir():
-        print(f"ocache cache: no store at {meta} (nothing saved yet)", file=sys.stderr)
+        print(f"no store at {term(meta)} (nothing saved yet): 0 entries")
         return None
     budget_gb, ttl_days = getattr(args, "budget_gb", None), getattr(args, "ttl_days", None)
     s = Store(meta, data, None, lock=not readonly,  # 0 is a value here (`gc --ttl-days 0`), not "unset"
@@ -98,7 +114,8 @@ def table(entries: list, now: float) -> str:
         rows.append((term(KIND_NAMES.get(e.kind, e.kind)), term(m.get("folder") or "-"),
                      term(m.get("client") or "-"), term(m.get("model") or "-"), term(e.identity[:8] or "-"),
                      f"{e.n_tokens:,}", _human(e.bytes), str(e.hits), _ago(e.created, now),
-                     _ago(e.last_used, now), str(rank), term(m.get("reason", "")), term(e.key[:16])))
+                     _ago(e.last_used, now), str(rank), term(reason_label(e.kind, str(m.get("reason", "")))),
+                     term(e.key[:16])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) if i in _LEFT else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
@@ -107,7 +124,7 @@ def table(entries: list, now: float) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     s = _open(args, readonly=True)
     if s is None:
-        return 1
+        return 0
     now = time.time()
     entries = s.entries(KINDS[args.kind])
     print(f"store {term(s.meta_dir)}  files {term(s.data_dir)}  index {term(s.report.index)}")
@@ -126,7 +143,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"ocache cache gc: {exc}; a running ocache does this itself", file=sys.stderr)
         return 1
     if s is None:
-        return 1
+        return 0
     rep = s.report
     r = s.gc()
     print(f"gc: index {rep.index}; removed {rep.orphans} orphan files ({_human(rep.orphan_bytes)}), "
@@ -143,7 +160,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
         print(f"ocache cache clear: {exc}; use POST /v1/cache/clear on the running ocache", file=sys.stderr)
         return 1
     if s is None:
-        return 1
+        return 0
     n = s.clear(KINDS[args.kind])
     print(f"clear: deleted {n} entries ({args.kind})")
     s.close()

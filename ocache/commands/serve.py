@@ -26,7 +26,9 @@ async def announce_tiers(proxy: Any, wait_s: float = ANNOUNCE_WAIT_S) -> list[st
     """Check the server's setup as soon as it is ready, before any request, and log which tiers
     are off, why and the one-line fix (``ocache.llama.checks.tiers_off_lines``; every tier on: one
     info line). Returns the lines logged ([] when there is no cache layer to check, e.g.
-    ``--no-cache``, or the server was not ready within ``wait_s`` seconds). Never raises."""
+    ``--no-cache``, the server was not ready within ``wait_s`` seconds, or a launched child exited
+    at each start until the supervisor gave up: that is logged with its exit status, not as a
+    timeout). Never raises."""
     from ocache.cache.report import tiers_off
     from ocache.llama.checks import tiers_off_lines
 
@@ -39,8 +41,12 @@ async def announce_tiers(proxy: Any, wait_s: float = ANNOUNCE_WAIT_S) -> list[st
         up = one.upstream
         try:
             if not await up.wait_ready(wait_s):
-                log.warning("llama-server %s not ready after %.0f s: its tiers are checked at the first "
-                            "request", up.base_url, wait_s)
+                why = getattr(up, "abandoned_why", None)
+                if why:  # a launched child that cannot start: it exited, no time ran out
+                    log.warning("tiers not checked: %s (%s)", why, up.base_url)
+                else:
+                    log.warning("llama-server %s not ready after %.0f s: its tiers are checked at the "
+                                "first request", up.base_url, wait_s)
                 continue
             await one.ensure_ready()
         except Exception as exc:  # the first request checks again; never stop serving for this
@@ -76,14 +82,19 @@ def build_config(args: argparse.Namespace) -> Config:
             raise config_mod.ConfigError("--launch needs the llama-server arguments after `--` "
                                          "(ocache serve --launch -- -m model.gguf ...)")
         overrides["launch"] = list(args.launch_args)
-    elif args.launch_args:
-        raise config_mod.ConfigError("llama-server arguments given without --launch (use: ocache serve "
-                                     "--launch -- ARGS; a server you started yourself: the patched build "
-                                     "reports its flags, a stock one's go in ocache.yaml as "
-                                     "tiers.resident.server_args)")
     if getattr(args, "verbose", False):
         overrides["log_level"] = "debug"
-    return config_mod.load(args.config, overrides=overrides)
+    cfg = config_mod.load(args.config, overrides=overrides)
+    if args.launch_args and not args.launch:
+        if cfg.launch:
+            raise config_mod.ConfigError("the config launches llama-server (`launch`), so the arguments "
+                                         "after `--` would be ignored: use ocache serve --launch -- ARGS")
+        # a server ocache does not launch: `-- ARGS` are its flags, as tiers.resident.server_args
+        # (this flag wins over the YAML's, like every flag); the other tiers' keys are kept
+        tiers = dict(cfg.tiers or {})
+        tiers["resident"] = {**(tiers.get("resident") or {}), "server_args": list(args.launch_args)}
+        cfg.tiers = tiers
+    return cfg
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -134,10 +145,13 @@ def register(subparsers) -> None:
                    help="with --record: keep structure and counts, drop all text (ocache/record.py)")
     p.add_argument("--no-cache", action="store_true", help="forward everything untouched (NullLayer)")
     p.add_argument("--launch", action="store_true",
-                   help="start llama-server as a child with the arguments after `--`")
+                   help="start llama-server as a child with the arguments after `--` (without "
+                        "--launch, the arguments after `--` are the flags of the server at "
+                        "--upstream: config tiers.resident.server_args)")
     p.add_argument("--help-config", action="store_true", help="print the config schema and exit")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="debug logging")
     p.add_argument("launch_args", nargs="*", metavar="-- LLAMA_SERVER_ARGS",
-                   help="llama-server arguments (with --launch)")
+                   help="llama-server arguments: the child's (--launch), else those the server "
+                        "at --upstream was started with")
     p.set_defaults(func=_cmd_serve)

@@ -1,9 +1,10 @@
 """The llama-server settings each cache tier needs, checked, with the reason (``ocache doctor``,
 and the cache layer when it starts).
 
-llama-server does not report its launch flags (``docs/llama-server.md`` §16), so the
-checks read them from the launch argv (``ocache serve --launch`` / the config's ``launch``, or
-``ocache doctor -- ARGS``) and from what the server does report (``/props``, ``/slots``, whether
+The stock llama-server does not report its launch flags (``docs/llama-server.md`` §16; the patched
+one does, ``/props`` ``ocache.launch``, patches/0009), so the checks read them from the launch argv
+(``ocache serve --launch`` / the config's ``launch``, ``tiers.resident.server_args`` or ``ocache
+serve|doctor --upstream URL -- ARGS``), else from ``/props`` ``ocache.launch``, and from what the server does report (``/props``, ``/slots``, whether
 ``/metrics`` answers, whether ``POST /slots/0?action=...`` is enabled). The same ``check`` runs
 when the cache layer starts (its findings are logged as warnings and shown in the stats).
 
@@ -27,9 +28,10 @@ What ocache needs and why (README "Flags ocache wants on llama-server", turned i
 * ``--metrics``: the ``/metrics`` ``Process-Start-Time-Unix`` header is the restart signal.
 * the patched build (``build_info`` contains ``+ocache.``): a stock server restores a hybrid slot
   without its checkpoints (docs/llama-server.md §6), so only prompts that strictly extend it reuse anything.
-* ``--cache-ram``: with a pinned slot whose content is replaced the server may swap in a RAM entry
-  (docs/llama-server.md §9 step 4); harmless, but predictions get a wider band. With ``-kvu`` and idle-slot
-  caching the idle slots are cleared: warn.
+* ``--cache-ram 0`` (docs/decisions.md D1, as the README's flag list says): with the RAM cache on, a
+  request pinned to a busy slot makes the server save it and swap a RAM entry in (docs/llama-server.md
+  §9 step 4, "Hazard") and ``cache_n`` becomes unpredictable; the session tier does the parking.
+  Any other value, the default 8192 MiB included, is a warning (it turns no tier off).
 * ``-fa auto``: slot files depend on the resolved flash-attention setting (docs/llama-server.md §6); pin it.
 """
 
@@ -43,6 +45,14 @@ from typing import Any, Mapping, Sequence
 from ocache.llama.flags import ServerParams, argv_from_launch, params_from_argv
 
 OK, INFO, WARN, ERROR, UNKNOWN = "ok", "info", "warning", "error", "unknown"
+
+#: The one fix for launch flags ocache cannot see (a server it did not launch that does not report
+#: them: the stock build; the patched one does, patches/0009), said alike by every ``unknown``
+#: finding, the ``--slot-save-path`` tier-off line and the disk and session tiers' "off" log lines:
+#: ``ocache serve --upstream URL -- ARGS`` takes ARGS as ``tiers.resident.server_args``
+#: (ocache/commands/serve.py), and ``ocache doctor --upstream URL -- ARGS`` checks them.
+FLAGS_FIX = ("pass llama-server's command line after `--` (`ocache serve --upstream URL -- ARGS`; "
+             "in ocache.yaml: tiers.resident.server_args)")
 
 #: Every flag ``check`` reports on, in print order: each gets exactly one line.
 FLAGS = ("-np", "-kvu", "--slot-save-path", "--ctx-checkpoints", "--checkpoint-min-step", "-ub",
@@ -174,7 +184,7 @@ def _check_np(c: _Seen) -> list[Finding]:
 def _check_kvu(c: _Seen) -> list[Finding]:
     """``-kvu`` with ``--cache-idle-slots``."""
     if not c.known:
-        return [Finding(UNKNOWN, "-kvu", "the server does not report it: pass the command line after `--`")]
+        return [Finding(UNKNOWN, "-kvu", f"the server does not report it: {FLAGS_FIX}")]
     if c.params.kv_unified and c.params.cache_idle_slots:
         return [Finding(ERROR, "-kvu", "a unified KV with --cache-idle-slots clears every idle slot when a "
                         "request starts; use --no-cache-idle-slots or drop -kvu", off=("resident",),
@@ -203,8 +213,8 @@ def _check_slot_save_path(c: _Seen) -> list[Finding]:
         return [Finding(WARN, "--slot-save-path", "the server saves slots but does not say where (its "
                         "launch flags are unknown: a stock build does not report them), so ocache cannot "
                         "find the files: the disk, session and head tiers are off", off=_SAVE_TIERS,
-                        fix="run the patched llama-server (`ocache engine build`; it reports its flags), "
-                        "or set tiers.disk.slot_save_path: DIR in ocache.yaml")]
+                        fix=f"run the patched llama-server (`ocache engine build`; it reports its flags), "
+                        f"or {FLAGS_FIX}")]
     if save_ok:
         return [Finding(OK, "--slot-save-path", "slot save/restore enabled")]
     return [Finding(UNKNOWN, "--slot-save-path", "not on the command line and no server to ask")]
@@ -233,8 +243,7 @@ def _check_ctx_checkpoints(c: _Seen) -> Finding:
     if c.known or "ctx_checkpoints" in p.known:
         return Finding(OK, "--ctx-checkpoints", f"{p.ctx_checkpoints} per slot"
                        + ("" if "ctx_checkpoints" in p.known else " (default)"))
-    return Finding(UNKNOWN, "--ctx-checkpoints", "the server does not report it (default 32): pass "
-                   "the command line after `--`")
+    return Finding(UNKNOWN, "--ctx-checkpoints", f"the server does not report it (default 32): {FLAGS_FIX}")
 
 
 def _check_min_step(c: _Seen) -> Finding:
@@ -242,7 +251,7 @@ def _check_min_step(c: _Seen) -> Finding:
     limit = c.head_tokens if c.head_tokens else 4096
     if not c.known and "checkpoint_min_step" not in p.known:
         return Finding(UNKNOWN, "--checkpoint-min-step", f"the server does not report it (default 8192; "
-                       f"ocache wants <= {limit}): pass the command line after `--`")
+                       f"ocache wants <= {limit}): {FLAGS_FIX}")
     if step > limit:
         return Finding(WARN, "--checkpoint-min-step", f"{step} tokens{'' if 'checkpoint_min_step' in p.known else ' (default)'}: "
                        f"checkpoints at user messages are at least this far apart, so a hybrid resume can "
@@ -254,7 +263,7 @@ def _check_min_step(c: _Seen) -> Finding:
 def _check_ubatch(c: _Seen) -> Finding:
     p = c.params
     if not c.known and "n_ubatch" not in p.known:
-        return Finding(UNKNOWN, "-ub", "the server does not report it (default 512)")
+        return Finding(UNKNOWN, "-ub", f"the server does not report it (default 512): {FLAGS_FIX}")
     if p.n_ubatch > 512:
         return Finding(INFO, "-ub", f"{p.n_ubatch}: a hybrid resume lands on ubatch boundaries; a "
                        "smaller -ub re-reads fewer tokens")
@@ -274,17 +283,19 @@ def _check_metrics(c: _Seen) -> list[Finding]:
 def _check_cache_ram(c: _Seen) -> list[Finding]:
     p = c.params
     if not (c.known or "cache_ram" in p.known):
-        return [Finding(UNKNOWN, "--cache-ram", "the server does not report it (default 8192 MiB): pass the "
-                        "command line after `--`")]
-    if p.cache_ram and c.n_slots >= 2:
-        return [Finding(INFO, "--cache-ram", f"{p.cache_ram} MiB: the server may swap a RAM entry into a "
-                        "slot ocache replaces; cache_n can then exceed the prediction (0 = off)")]
-    return [Finding(OK, "--cache-ram", "off" if not p.cache_ram else f"{p.cache_ram} MiB, 1 slot")]
+        return [Finding(UNKNOWN, "--cache-ram", f"the server does not report it (default 8192 MiB): {FLAGS_FIX}")]
+    if p.cache_ram:
+        default = "" if "cache_ram" in p.known else " (the default)"
+        return [Finding(WARN, "--cache-ram", f"{p.cache_ram} MiB{default}: ocache wants --cache-ram 0 "
+                        "(docs/decisions.md D1): with the RAM prompt cache on, a request pinned to a busy "
+                        "slot makes the server swap a RAM entry into it, and cache_n can exceed the "
+                        "prediction; the session tier parks conversations on disk instead")]
+    return [Finding(OK, "--cache-ram", "off")]
 
 
 def _check_fa(c: _Seen) -> list[Finding]:
     if not c.known:
-        return [Finding(UNKNOWN, "-fa", "the server does not report it: pass the command line after `--`")]
+        return [Finding(UNKNOWN, "-fa", f"the server does not report it: {FLAGS_FIX}")]
     if c.params.flash_attn in (None, "auto"):
         return [Finding(WARN, "-fa", "auto: slot files depend on the resolved flash-attention setting; pin "
                         "-fa on or -fa off")]

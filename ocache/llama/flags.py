@@ -1,9 +1,10 @@
 """llama-server's launch flags as ocache reads them: one table, one parser, the parameters that
 shape reuse (``ServerParams``) and the flags that shape a saved state (the identity's part).
 
-llama-server does not report its launch flags (``docs/llama-server.md`` §16), so they come from the
-argv ocache launched it with or the one the configuration declares (``tiers.resident.server_args``),
-and from ``/props`` / ``/slots`` for the resolved sizes.
+The stock llama-server does not report its launch flags (``docs/llama-server.md`` §16), so they come
+from the argv ocache launched it with, the one the configuration declares (``tiers.resident.server_args``,
+or ``ocache serve --upstream URL -- ARGS``) or the one a patched server reports (``/props``
+``ocache.launch``, patches/0009: ``argv_from_launch``), and from ``/props`` / ``/slots`` for the resolved sizes.
 """
 
 from __future__ import annotations
@@ -170,8 +171,8 @@ def state_flags(argv: Sequence[str] | None = None, props: Mapping | None = None,
     """The flags part of the identity, from the sources that actually know them.
 
     * ``argv``: the launch command line (when ocache launched the server), via ``parse_flags``;
-    * ``config``: values from ocache's configuration for an external server (override argv; /props
-      does not expose launch flags, docs/llama-server.md §16);
+    * ``config``: values from ocache's configuration for an external server (override argv; a
+      stock server's /props does not expose launch flags, docs/llama-server.md §16);
     * ``props``: ``/props`` -> ``n_ctx_slot`` = ``default_generation_settings.n_ctx`` (per-slot
       context, server-context.cpp:4008-4016) and ``total_slots`` (the resolved ``-np``).
     """
@@ -255,8 +256,9 @@ def identity_flags(flags: Mapping[str, Any]) -> dict:
 
 @dataclass(frozen=True)
 class ServerParams:
-    """The llama-server settings that shape reuse. Launch flags are not reported by the server
-    (docs/llama-server.md §16), so they come from the launch argv (``params_from_argv``) and ``/props``/``/slots``.
+    """The llama-server settings that shape reuse. Launch flags are not reported by the stock server
+    (docs/llama-server.md §16; the patched one reports its argv, patches/0009), so they come from the
+    launch argv (``params_from_argv``) and ``/props``/``/slots``.
 
     ``n_batch``/``n_ubatch``: ``-b``/``-ub`` in tokens (checkpoints land on batch breaks; resume
     granularity is one ubatch). ``ctx_checkpoints``/``checkpoint_min_step``: ``--ctx-checkpoints`` /

@@ -72,6 +72,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.config import field_of as _get, slot_save_path
+from ocache.llama.checks import FLAGS_FIX
 from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, reserve_async, shared_store
 from ocache.slots import SlotHashMismatch, file_refused
@@ -574,9 +575,13 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
         return None
     data_dir = slot_save_path(config, _get(slots, "params"))
     if data_dir is None:
+<<<<<<< HEAD
         log.warning("disk tier off: no --slot-save-path known (run the patched llama-server, which "
                     "reports it, or give llama-server's flags as tiers.resident.server_args in ocache.yaml, "
                     "or use serve --launch)")
+=======
+        log.warning("disk tier off: no --slot-save-path known: %s, or use serve --launch", FLAGS_FIX)
+>>>>>>> papercuts
         return None
     ident_fn = identity if callable(identity) else None
     cur = identity() if ident_fn else identity

@@ -126,6 +126,7 @@ import xxhash
 
 from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.config import field_of as _get, slot_save_path
+from ocache.llama.checks import FLAGS_FIX
 from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
                     prefix_hash, read_slot_tokens, reserve_async, shared_store)
@@ -744,9 +745,7 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
         return None
     data_dir = slot_save_path(config, _get(table, "params"))
     if data_dir is None:
-        log.info("session tier off: no --slot-save-path known (run the patched llama-server, which "
-                 "reports it, or give llama-server's flags as tiers.resident.server_args in ocache.yaml, "
-                 "or use serve --launch)")
+        log.info("session tier off: no --slot-save-path known: %s, or use serve --launch", FLAGS_FIX)
         return None
     key = identity if isinstance(identity, str) else getattr(identity, "key", None)
     if not key:
