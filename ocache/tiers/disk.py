@@ -575,13 +575,7 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
         return None
     data_dir = slot_save_path(config, _get(slots, "params"))
     if data_dir is None:
-<<<<<<< HEAD
-        log.warning("disk tier off: no --slot-save-path known (run the patched llama-server, which "
-                    "reports it, or give llama-server's flags as tiers.resident.server_args in ocache.yaml, "
-                    "or use serve --launch)")
-=======
         log.warning("disk tier off: no --slot-save-path known: %s, or use serve --launch", FLAGS_FIX)
->>>>>>> papercuts
         return None
     ident_fn = identity if callable(identity) else None
     cur = identity() if ident_fn else identity
