@@ -109,3 +109,29 @@ def test_every_aligned_answer_equals_a_cold_prefill_of_the_prompt_served(serve_t
     assert al["aligned"] == 2 and [(r["kept"], r["new"]) for r in al["requests"]] == [
         tuple(map(int, h["X-OCache-Aligned"].split("+"))) for _, _, h, _ in turns[1:]]
     assert al["saved"] == sum(r["saved"] for r in al["requests"]) > 0
+
+
+def test_after_an_aligned_answer_the_table_keeps_the_slot_and_plans_new_chats_itself(serve_template, tmp_path):
+    """Issue 26 follow-up (a newcomer's finding): after an aligned answer the slot table showed the
+    slot empty (``tokens 0``, content unknown), so every new conversation went server-placed
+    (``X-OCache-Slot: server``, ``X-OCache-Tier: none``) and two of them ran one after the other
+    on one slot. The table must keep the conversation there: the ids ocache knows (the first
+    prompt sent as is), the server's count, the owner; a new chat is planned by ocache, on the
+    other slot."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log").start()
+    try:
+        turns = list(_play(prox.url, srv, tmp_path, ANSWER))
+        _, res, headers, held = turns[-1]
+        assert "X-OCache-Aligned" in headers
+        slot = int(headers["X-OCache-Slot"])
+        row = next(s for s in prox.stats()["layer"]["slots"] if s["id"] == slot)
+        first = _tokens(srv.url, turns[0][0])
+        assert row["tokens"] == len(first) and held[:len(first)] == first
+        assert row["n_total"] == len(held) and row["kind"] == "agent"
+        other = {"messages": [{"role": "system", "content": "Another session entirely."},
+                              {"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+        _, h = _chat(prox.url, other)
+    finally:
+        prox.stop()
+    assert h["X-OCache-Slot"] == str(1 - slot) and h["X-OCache-Tier"] != "none"

@@ -27,9 +27,11 @@ The record is checked against the slot table before use: the slot's ``seq`` (whi
 server checks the rest (0008's hashes, 412 otherwise: the plan carries the upstream header
 ``X-OCache-Splice``, so the proxy answers the 412 by ending the plan, which marks the slot unknown,
 and planning the request again, ``Proxy._stale_plan``; the record is gone by then and the request
-goes as sent). After an aligned answer the table cannot name the slot's tokens (the generated ids
-are not known): the slot is marked unknown with the count the server reports (prompt + generated - 1,
-docs/llama-server.md §7), and only this route continues the conversation there.
+goes as sent). An aligned plan records in the slot table what the slot will hold as it does for a
+prompt sent as is (``hold_known``: the ids ocache knows begin it, the rest counted when the answer
+comes, prompt + generated - 1, docs/llama-server.md §7); its conversation stays the slot's owner, so
+the planner keeps new conversations off it, and only this route continues the conversation there
+(the table has no message key for it).
 
 Needs the relayed answer: ``Observation.message`` and ``Observation.finish_reason``, set by the
 proxy for a non-streamed chat answer, and for a streamed one from its deltas when the layer's
@@ -74,6 +76,37 @@ class AlignContext:
     turn: Turn
     tokens: list[int]
     body: Mapping
+    #: the slot table's ``seq`` of the content this request leaves (``hold_known``), for ``finish``
+    seq: int = -1
+
+
+def _held(timings: Mapping) -> int | None:
+    """Tokens a slot holds after an answer with these ``timings``: its prompt (``cache_n`` +
+    ``prompt_n``) and every generated token but the last (docs/llama-server.md §7); None when they
+    lack a figure."""
+    try:
+        return int(timings["cache_n"]) + int(timings["prompt_n"]) + max(int(timings["predicted_n"]), 1) - 1
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def hold_known(table: SlotTable, slot: int, known: tuple[int, ...]) -> int:
+    """Record in the slot table (whose lease the caller holds) what an aligned request to ``slot``
+    leaves there: the ids ocache knows begin it (``known``: the first prompt sent as is in this
+    chain, checked by the server's 0008 hash), then tokens it cannot name (the generated turns and
+    the new parts), counted when the response comes (``SlotTable.finish``, pending until then).
+    The owner, kind, labels and head of the conversation stay the slot's. Returns the new ``seq``.
+
+    Not ``mark_unknown``: a slot marked unknown (``foreign``) shows as empty in the stats and makes
+    every new request go server-placed (``tiers/resident.py`` ``server_should_choose``), which
+    then placed two new chats one after the other on one slot while the other sat idle; the table
+    vouches for ``known`` as it does for any prompt it sent (the tokens after a prompt are counted,
+    never named, docs/llama-server.md §7)."""
+    st = table[slot]
+    n = len(known)
+    return table.assign(slot, known, user_starts=[u for u in st.user_starts if u < n], owner=st.owner,
+                        kind=st.kind, labels=st.labels, head_key=st.head_key if st.head_len <= n else None,
+                        head_len=st.head_len if st.head_len <= n else 0)
 
 
 def enabled(config: Any) -> bool:
@@ -201,9 +234,8 @@ class AlignRoute:
                           "kept": sp.n_keep, "new": len(sp.tail), "saved": dec.saved})
         log.info("[%s] aligned on slot %d: the slot's %d tokens + %d new of the request's %d",
                  req.request_id, slot, sp.n_keep, len(sp.tail), len(view.tokens))
-        # what the slot holds is now the aligned route's to name: the table knows only its count
-        table.mark_unknown(slot, None)
-        ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body)
+        ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body,
+                           seq=hold_known(table, slot, turn.known))
         self.records.pop(slot, None)
 
         async def release() -> None:
@@ -213,6 +245,23 @@ class AlignRoute:
                     headers={"X-OCache-Aligned": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Slot": str(slot),
                              "X-OCache-Kind": kind, "X-OCache-Tier": "resident", "X-OCache-Path": "aligned"},
                     context=ctx, release=release, upstream_headers={SPLICE_HEADER: str(sp.n_keep)})
+
+    @staticmethod
+    def _settle_slot(table: SlotTable, ctx: AlignContext, obs: Observation) -> None:
+        """What the aligned response left in its slot, through the table's verbs, while the slot
+        still holds this plan's content (``ctx.seq``) and no request holds it: a complete answer,
+        the count (``SlotTable.finish``: prompt + generated - 1); one cut short, ``interrupted``
+        (``GET /slots`` counts it); a refused or failed one (412: 0008 refused the splice),
+        unknown until ``GET /slots``."""
+        if table.lock(ctx.slot).locked() or table[ctx.slot].seq != ctx.seq:
+            return
+        n_held = _held(obs.timings or {})
+        if obs.status == 200 and obs.completed and n_held is not None:
+            table.finish(ctx.slot, ctx.seq, n_held)
+        elif obs.status == 200:
+            table.interrupted(ctx.slot, ctx.seq)
+        else:
+            table.mark_unknown(ctx.slot)
 
     async def observe(self, layer: Any, req: ParsedRequest, plan: Plan, obs: Observation) -> None:
         """Record the turn a response leaves in its slot (an aligned one or any other chat turn that
@@ -231,6 +280,7 @@ class AlignRoute:
                 return
             if obs.status == 412:
                 self.counters["aligned_refused"] += 1
+            self._settle_slot(table, ctx, obs)
         elif isinstance(ctx, PlanContext):
             slot = ctx.slot
         else:
@@ -244,11 +294,9 @@ class AlignRoute:
             return
         t = obs.timings or {}
         if isinstance(ctx, AlignContext):
-            try:
-                n_held = int(t["cache_n"]) + int(t["prompt_n"]) + int(t["predicted_n"]) - 1
-            except (KeyError, TypeError, ValueError):
-                return
-            table.mark_unknown(slot, n_held)
+            n_held = _held(t)
+            if n_held is None or table[slot].seq != ctx.seq or table[slot].pending:
+                return   # no count, or the slot was planned again meanwhile: its record is that plan's
             turn = record(body, ctx.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
                           n_held, slot, ctx.decision, ctx.turn)
         else:
