@@ -135,3 +135,57 @@ def test_after_an_aligned_answer_the_table_keeps_the_slot_and_plans_new_chats_it
     finally:
         prox.stop()
     assert h["X-OCache-Slot"] == str(1 - slot) and h["X-OCache-Tier"] != "none"
+
+
+def _agent_loop(url: str):
+    """A tool loop as opencode or pi play it, streamed, on the server's own generations: a call,
+    its result, the answer, a new user message, a call, its result, the answer. The client sends
+    each call back parsed (``tool_calls``, the content before the call stripped) with its reasoning
+    (``reasoning_content``). Yields per request (response, headers)."""
+    msgs = [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Read a file, then say what it does."}]
+    tool_text = engine.chat_template_file("Qwen3.5-4B.jinja").read_text()
+    for i, grammar in enumerate((CALL, ANSWER, CALL, ANSWER)):
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "stream": True,
+                "max_tokens": 200, "grammar": grammar}
+        res, headers = _chat(url, body)
+        yield res, headers
+        msg = res["choices"][0]["message"]
+        content = msg["content"]
+        if grammar == CALL:
+            path = content.split("<parameter=filePath>\n", 1)[1].split("\n", 1)[0]
+            msgs = msgs + [{"role": "assistant", "content": content[:content.index("<tool_call>")].strip(),
+                            "reasoning_content": msg.get("reasoning_content", ""),
+                            "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
+                                "name": "read", "arguments": json.dumps({"filePath": path})}}]},
+                           {"role": "tool", "tool_call_id": f"c{i}", "content": tool_text[i * 1500:(i + 1) * 1500]}]
+        else:
+            msgs = msgs + [{"role": "assistant", "content": content,
+                            "reasoning_content": msg.get("reasoning_content", "")}]
+            if i == 1:
+                msgs.append({"role": "user", "content": USER})
+
+
+def test_a_call_sent_back_parsed_after_an_aligned_turn_is_aligned_and_never_above_alone(serve_template, tmp_path):
+    """The newcomer's request 4 (issue 26 follow-up): after an aligned turn (a new user message) the
+    next tool result came with the call the server relayed as text sent back parsed; the guard said
+    "answer differs", the request went server-placed and prefilled 2,620 tokens where the server
+    alone prefilled 858. It is aligned now, prefills only its new part, and the loop prefills no
+    more than llama-server alone with the same flags (``llamacpp:prompt_tokens_total``)."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    alone = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log").start()
+    try:
+        through = list(_agent_loop(prox.url))
+        stats = (prox.stats() or {})["layer"]["align"]
+    finally:
+        prox.stop()
+    direct = list(_agent_loop(alone.url))
+    assert not stats.get("as_sent_answer_differs"), stats
+    _, h3 = through[2]
+    res4, h4 = through[3]
+    assert "X-OCache-Aligned" in h3 and "X-OCache-Aligned" in h4, (h3, h4)
+    assert res4["timings"]["prompt_n"] == int(h4["X-OCache-Aligned"].split("+")[1])
+    oc = sum(r["timings"]["prompt_n"] for r, _ in through)
+    al = sum(r["timings"]["prompt_n"] for r, _ in direct)
+    assert oc <= al, ([r["timings"] for r, _ in through], [r["timings"] for r, _ in direct])
