@@ -94,6 +94,9 @@ def test_every_aligned_answer_equals_a_cold_prefill_of_the_prompt_served(serve_t
         # the prompt served: the slot's previous tokens, then the rendering's new part
         rendered = _tokens(srv.url, body)
         assert n_prompt == kept + new and served == before[:kept] + rendered[-new:]
+        # README's header table: what the server prefilled and reused for it (the answer's timings)
+        assert (int(headers["X-OCache-Prefilled"]), int(headers["X-OCache-Reused"]), headers["X-OCache-Split"]) == (
+            res["timings"]["prompt_n"], res["timings"]["cache_n"], "0") == (new, kept, "0")
         assert served != rendered   # the template rewrote the history: this is not its prompt
         assert len(generated) == res["timings"]["predicted_n"] - 1 >= 8
         slot = int(headers["X-OCache-Slot"])
@@ -109,6 +112,7 @@ def test_every_aligned_answer_equals_a_cold_prefill_of_the_prompt_served(serve_t
     assert al["aligned"] == 2 and [(r["kept"], r["new"]) for r in al["requests"]] == [
         tuple(map(int, h["X-OCache-Aligned"].split("+"))) for _, _, h, _ in turns[1:]]
     assert al["saved"] == sum(r["saved"] for r in al["requests"]) > 0
+    assert al["saved_vs_slot"] == sum(r["saved_vs_slot"] for r in al["requests"]) > 0
 
 
 def test_after_an_aligned_answer_the_table_keeps_the_slot_and_plans_new_chats_itself(serve_template, tmp_path):
