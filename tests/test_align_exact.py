@@ -192,4 +192,6 @@ def test_a_call_sent_back_parsed_after_an_aligned_turn_is_aligned_and_never_abov
     assert res4["timings"]["prompt_n"] == int(h4["X-OCache-Aligned"].split("+")[1])
     oc = sum(r["timings"]["prompt_n"] for r, _ in through)
     al = sum(r["timings"]["prompt_n"] for r, _ in direct)
+    print(f"prefilled per request through ocache {[r['timings']['prompt_n'] for r, _ in through]} = {oc}, "
+          f"alone {[r['timings']['prompt_n'] for r, _ in direct]} = {al}")
     assert oc <= al, ([r["timings"] for r, _ in through], [r["timings"] for r, _ in direct])
