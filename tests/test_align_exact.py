@@ -133,6 +133,15 @@ def test_after_an_aligned_answer_the_table_keeps_the_slot_and_plans_new_chats_it
         first = _tokens(srv.url, turns[0][0])
         assert row["tokens"] == len(first) and held[:len(first)] == first
         assert row["n_total"] == len(held) and row["kind"] == "agent"
+        # refused on the aligned slot (the answer edited): the usual route plans it, on that slot,
+        # not the server-placed route (which it took while the table had the slot unknown)
+        body = dict(turns[-1][0], grammar=ANSWER, messages=turns[-1][0]["messages"] + [
+            {"role": "assistant", "content": "Edited by the client."}, {"role": "user", "content": "And?"}])
+        r, h = _chat(prox.url, body)
+        assert "X-OCache-Aligned" not in h and (h["X-OCache-Slot"], h["X-OCache-Tier"]) == (str(slot), "resident")
+        # what it reuses there, the first prompt's checkpoint, predicted (it was predicted 0: no checkpoints kept)
+        assert int(h["X-OCache-Reused"]) == r["timings"]["cache_n"] > 0
+        assert prox.stats()["layer"]["align"]["as_sent_answer_differs"] == 1
         other = {"messages": [{"role": "system", "content": "Another session entirely."},
                               {"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
         _, h = _chat(prox.url, other)

@@ -95,7 +95,8 @@ def hold_known(table: SlotTable, slot: int, known: tuple[int, ...]) -> int:
     leaves there: the ids ocache knows begin it (``known``: the first prompt sent as is in this
     chain, checked by the server's 0008 hash), then tokens it cannot name (the generated turns and
     the new parts), counted when the response comes (``SlotTable.finish``, pending until then).
-    The owner, kind, labels and head of the conversation stay the slot's. Returns the new ``seq``.
+    The owner, kind, labels, head and the checkpoints inside ``known`` stay the slot's. Returns the
+    new ``seq``.
 
     Not ``mark_unknown``: a slot marked unknown (``foreign``) shows as empty in the stats and makes
     every new request go server-placed (``tiers/resident.py`` ``server_should_choose``), which
@@ -104,7 +105,10 @@ def hold_known(table: SlotTable, slot: int, known: tuple[int, ...]) -> int:
     never named, docs/llama-server.md §7)."""
     st = table[slot]
     n = len(known)
-    return table.assign(slot, known, user_starts=[u for u in st.user_starts if u < n], owner=st.owner,
+    # the checkpoints predicted inside ``known`` stay (the splice keeps the slot's first n_keep >=
+    # len(known) tokens); those the aligned prefills make are not predicted (a reuse predicted low)
+    return table.assign(slot, known, checkpoints=[c for c in st.checkpoints if c.n_tokens <= n],
+                        user_starts=[u for u in st.user_starts if u < n], owner=st.owner,
                         kind=st.kind, labels=st.labels, head_key=st.head_key if st.head_len <= n else None,
                         head_len=st.head_len if st.head_len <= n else 0)
 
@@ -145,7 +149,11 @@ class AlignRoute:
 
     def saved_vs_alone(self, ctx: AlignContext, tokens: int) -> None:
         """Count an answered aligned request's saving against the server alone (``tokens``: the
-        server-alone model's prefill for its render minus the server's ``prompt_n`` for it)."""
+        server-alone model's prefill for its render minus the server's ``prompt_n`` for it). A
+        continued compaction's context (``routes/continued.py``, an ``AlignContext`` with
+        ``on_observed``) is not an aligned request: not counted."""
+        if getattr(ctx, "on_observed", None) is not None:
+            return
         self.counters["aligned_saved_vs_alone"] += tokens
         for row in reversed(self.last):
             if row["request_id"] == ctx.request_id:
