@@ -28,7 +28,8 @@ The guard, every condition required (anything else is forwarded as sent):
 * the request's messages begin with the recorded request's messages and then the relayed answer,
   each equal *reasoning aside* (:func:`canonical`: ``reasoning_content`` / ``reasoning`` /
   ``thinking`` dropped, a leading ``<think>...</think>`` block taken out of an assistant's content,
-  an assistant's content compared stripped, tool calls by name and parsed arguments, not by id),
+  an assistant's content compared stripped, tool calls by name and parsed arguments, not by id,
+  calls the server relayed as text in the template's form the same as those calls sent back parsed),
   and at least one message follows them (the new part);
 * the relayed answer ended with the model's end of turn (``finish_reason`` ``stop`` or
   ``tool_calls``, no client stop strings): the slot then holds the prompt and every generated token
@@ -101,19 +102,92 @@ def _args(arguments: Any) -> Any:
     return arguments
 
 
+_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>\s*(.*?)\s*</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _value(text: str) -> Any:
+    """An XML call's parameter value: JSON when it parses as a number, object, array, bool or null
+    (what the client then sends back as that JSON value), else the text itself."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return text
+    return text if isinstance(v, str) else v
+
+
+def _one_call(inner: str) -> list | None:
+    """[name, arguments] of one ``<tool_call>`` block's inside, in the JSON form (Qwen3, Hermes:
+    ``{"name": ..., "arguments": {...}}``) or the XML one (Qwen3.5, Qwen3-Coder: ``<function=NAME>``
+    with ``<parameter=KEY>`` value ``</parameter>`` lines); None when it is neither, whole."""
+    if inner.startswith("{"):
+        try:
+            obj = json.loads(inner)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        return [obj["name"], _args(obj.get("arguments", {}))]
+    m = _XML_FUNCTION.fullmatch(inner)
+    if m is None:
+        return None
+    args = {}
+    pos = 0
+    for p in _XML_PARAMETER.finditer(m.group(2)):
+        if m.group(2)[pos:p.start()].strip():
+            return None
+        args[p.group(1)] = _value(p.group(2))
+        pos = p.end()
+    if m.group(2)[pos:].strip():
+        return None
+    return [m.group(1), args]
+
+
+def text_calls(text: str) -> tuple[str, list] | None:
+    """An answer whose text ends with tool calls in the template's own form (what the server
+    relays when it does not parse them: ``tool_choice: none``, a client grammar; the text of
+    ``ocache.bench.agent.CALL_GRAMMAR``) as (the text before the first ``<tool_call>``, the calls as
+    [name, arguments]); None when the text holds no call or anything but calls follows the first.
+    A client sends such an answer back parsed, as ``tool_calls`` (the newcomer's loop, /tmp/nc
+    ``loop.py``), and the template renders that entry as the same text (Qwen3.5-4B.jinja,
+    Qwen-Qwen3-0.6B.jinja of the pinned source)."""
+    at = text.find("<tool_call>")
+    if at < 0:
+        return None
+    rest = text[at:]
+    calls = []
+    pos = 0
+    for m in _CALL_BLOCK.finditer(rest):
+        call = _one_call(m.group(1)) if not rest[pos:m.start()].strip() else None
+        if call is None:
+            return None
+        calls.append(call)
+        pos = m.end()
+    if not calls or rest[pos:].strip():
+        return None
+    return text[:at], calls
+
+
 def canonical(message: Mapping) -> dict:
     """``message`` with what a template or client rewrites taken out, for comparison: the reasoning
     keys dropped; for an assistant, the content as text without a leading ``<think>...</think>``
-    block, stripped, and tool calls as (name, parsed arguments) without ids. Other roles keep their
-    content exactly (as text)."""
+    block, stripped, and tool calls as (name, parsed arguments) without ids; calls written in the
+    content in the template's form (:func:`text_calls`, a message without ``tool_calls``) count as
+    its tool calls, the text before them as its content. Other roles keep their content exactly
+    (as text)."""
     role = message.get("role")
     out: dict = {k: v for k, v in message.items() if k not in REASONING_KEYS and k not in ("content", "tool_calls")}
     if role == "assistant":
-        out["content"] = _THINK.sub("", _text(message.get("content")), count=1).strip()
+        content = _THINK.sub("", _text(message.get("content")), count=1)
         calls = []
         for c in message.get("tool_calls") or ():
             fn = c.get("function") or c
             calls.append([fn.get("name"), _args(fn.get("arguments"))])
+        in_text = None if calls else text_calls(content)
+        if in_text is not None:
+            content, calls = in_text
+        out["content"] = content.strip()
         out["tool_calls"] = calls
     else:
         out["content"] = _text(message.get("content"))

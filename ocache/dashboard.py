@@ -40,11 +40,13 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
 * ``tiers``: ``head`` (saves, restores), ``disk`` (anchors, restores, hits, save/restore p50 s),
   ``session`` (spills, restores, hits, spill/restore p50 s, entries, bytes);
 * ``align`` (issue 26, ``layer.align``: ocache/cache/align_route.py): ``enabled``, ``aligned``
-  (requests served from the slot's own tokens after a history rewrite), ``saved`` (tokens those
-  requests sent as is would have prefilled again at least, ``aligned_saved_tokens``),
+  (requests served from the slot's own tokens after a history rewrite), ``saved`` (their saving
+  against llama-server alone, ``aligned_saved_vs_alone``), ``saved_vs_slot`` (tokens those
+  requests sent as is to their slot would have prefilled again at least, ``aligned_saved_tokens``:
+  not a saving against the server alone),
   ``refused`` (splices the server refused: planned again as sent), ``requests``: the latest
   aligned ones (``request_id``, ``time``, ``slot``, ``kept``: the slot's tokens served, ``new``:
-  tokens prefilled, ``saved``);
+  tokens prefilled, ``saved``: against the server alone, ``saved_vs_slot``);
 * ``store``: ``entries``, ``bytes``, ``budget_bytes``, ``by_kind`` (``anchor``/``spill`` →
   entries, bytes, hits), ``next_eviction`` (the entry eviction would take first);
 * ``tiers_off``: the tiers the server's setup turns off (``tier``, ``why``, ``fix``:
@@ -198,9 +200,11 @@ def _align(layer: dict) -> dict:
     """The aligned route's figures (``layer.align``, see the module docstring)."""
     a = layer.get("align") if isinstance(layer.get("align"), dict) else {}
     return {"enabled": bool(a.get("enabled")), "aligned": _int(a.get("aligned")),
-            "saved": _int(a.get("aligned_saved_tokens")), "refused": _int(a.get("aligned_refused")),
+            "saved": _int(a.get("aligned_saved_vs_alone")), "saved_vs_slot": _int(a.get("aligned_saved_tokens")),
+            "refused": _int(a.get("aligned_refused")),
             "requests": [{"request_id": r.get("request_id"), "time": r.get("time"), "slot": r.get("slot"),
-                          "kept": _int(r.get("kept")), "new": _int(r.get("new")), "saved": _int(r.get("saved"))}
+                          "kept": _int(r.get("kept")), "new": _int(r.get("new")),
+                          "saved": _int(r.get("saved_vs_alone")), "saved_vs_slot": _int(r.get("saved"))}
                          for r in (a.get("last") or []) if isinstance(r, dict)]}
 
 

@@ -195,3 +195,38 @@ def test_saved_counts_only_what_differs_from_a_token_known_in_the_slot():
     # a next prompt that holds every known prompt token and parts inside the last new part
     toks = list(PREV_TOKENS) + [6] * (N_GEN - 1) + [d1.splice.tail[0], 4, 4, 4]
     assert upper_lcp(toks, r1.segments, r1.n_held) == N_HELD + 1
+
+
+XML_CALL = "<tool_call>\n<function=read>\n<parameter=filePath>\na.py\n</parameter>\n</function>\n</tool_call>"
+JSON_CALL = "<tool_call>\n{\"name\": \"read\", \"arguments\": {\"filePath\": \"a.py\"}}\n</tool_call>"
+
+
+@pytest.mark.parametrize("text", [XML_CALL, JSON_CALL])
+def test_a_call_relayed_as_text_and_sent_back_parsed_is_the_same_answer(text):
+    """The server relays a call it did not parse (``tool_choice: none`` beside a grammar) as the
+    turn's text; a client sends it back as ``tool_calls`` (content stripped, reasoning kept). The
+    guard answered "answer differs" and the request went server-placed (the newcomer's loop, issue
+    26 follow-up: 2,620 prefilled where the server alone prefilled 858)."""
+    relayed = {"content": text, "reasoning_content": "read it", "tool_calls": []}
+    sent = {"content": "", "reasoning_content": "read it", "tool_calls": [CALL]}
+    msgs = [*PREV_MSGS, {"role": "assistant", **sent}, TOOL_RESULT]
+    d = decide(turn(answer=relayed), body(msgs), new_prompt(), EOT)
+    assert isinstance(d, Aligned)
+    # and the other way round: a call relayed parsed, sent back as the template's text
+    d = decide(turn(answer=sent), body([*PREV_MSGS, {"role": "assistant", "content": text}, TOOL_RESULT]),
+               new_prompt(), EOT)
+    assert isinstance(d, Aligned)
+
+
+@pytest.mark.parametrize("content", [
+    XML_CALL.replace("a.py", "b.py"),                     # another argument
+    XML_CALL.replace("read", "write"),                    # another tool
+    XML_CALL + "\nand then some text",                    # text after the call
+    XML_CALL.replace("</parameter>", ""),                 # not a whole call
+    "Let me read it.\n" + XML_CALL,                       # text before the call the client dropped
+])
+def test_a_call_in_the_text_that_is_not_the_one_sent_back_differs(content):
+    relayed = {"content": content, "tool_calls": []}
+    sent = {"content": "", "tool_calls": [CALL]}
+    d = decide(turn(answer=relayed), body([*PREV_MSGS, {"role": "assistant", **sent}, TOOL_RESULT]), new_prompt(), EOT)
+    assert d == AsSent("answer differs")

@@ -94,6 +94,9 @@ def test_every_aligned_answer_equals_a_cold_prefill_of_the_prompt_served(serve_t
         # the prompt served: the slot's previous tokens, then the rendering's new part
         rendered = _tokens(srv.url, body)
         assert n_prompt == kept + new and served == before[:kept] + rendered[-new:]
+        # README's header table: what the server prefilled and reused for it (the answer's timings)
+        assert (int(headers["X-OCache-Prefilled"]), int(headers["X-OCache-Reused"]), headers["X-OCache-Split"]) == (
+            res["timings"]["prompt_n"], res["timings"]["cache_n"], "0") == (new, kept, "0")
         assert served != rendered   # the template rewrote the history: this is not its prompt
         assert len(generated) == res["timings"]["predicted_n"] - 1 >= 8
         slot = int(headers["X-OCache-Slot"])
@@ -109,3 +112,95 @@ def test_every_aligned_answer_equals_a_cold_prefill_of_the_prompt_served(serve_t
     assert al["aligned"] == 2 and [(r["kept"], r["new"]) for r in al["requests"]] == [
         tuple(map(int, h["X-OCache-Aligned"].split("+"))) for _, _, h, _ in turns[1:]]
     assert al["saved"] == sum(r["saved"] for r in al["requests"]) > 0
+    assert al["saved_vs_slot"] == sum(r["saved_vs_slot"] for r in al["requests"]) > 0
+
+
+def test_after_an_aligned_answer_the_table_keeps_the_slot_and_plans_new_chats_itself(serve_template, tmp_path):
+    """Issue 26 follow-up (a newcomer's finding): after an aligned answer the slot table showed the
+    slot empty (``tokens 0``, content unknown), so every new conversation went server-placed
+    (``X-OCache-Slot: server``, ``X-OCache-Tier: none``) and two of them ran one after the other
+    on one slot. The table must keep the conversation there: the ids ocache knows (the first
+    prompt sent as is), the server's count, the owner; a new chat is planned by ocache, on the
+    other slot."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log").start()
+    try:
+        turns = list(_play(prox.url, srv, tmp_path, ANSWER))
+        _, res, headers, held = turns[-1]
+        assert "X-OCache-Aligned" in headers
+        slot = int(headers["X-OCache-Slot"])
+        row = next(s for s in prox.stats()["layer"]["slots"] if s["id"] == slot)
+        first = _tokens(srv.url, turns[0][0])
+        assert row["tokens"] == len(first) and held[:len(first)] == first
+        assert row["n_total"] == len(held) and row["kind"] == "agent"
+        # refused on the aligned slot (the answer edited): the usual route plans it, on that slot,
+        # not the server-placed route (which it took while the table had the slot unknown)
+        body = dict(turns[-1][0], grammar=ANSWER, messages=turns[-1][0]["messages"] + [
+            {"role": "assistant", "content": "Edited by the client."}, {"role": "user", "content": "And?"}])
+        r, h = _chat(prox.url, body)
+        assert "X-OCache-Aligned" not in h and (h["X-OCache-Slot"], h["X-OCache-Tier"]) == (str(slot), "resident")
+        # what it reuses there, the first prompt's checkpoint, predicted (it was predicted 0: no checkpoints kept)
+        assert int(h["X-OCache-Reused"]) == r["timings"]["cache_n"] > 0
+        assert prox.stats()["layer"]["align"]["as_sent_answer_differs"] == 1
+        other = {"messages": [{"role": "system", "content": "Another session entirely."},
+                              {"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+        _, h = _chat(prox.url, other)
+    finally:
+        prox.stop()
+    assert h["X-OCache-Slot"] == str(1 - slot) and h["X-OCache-Tier"] != "none"
+
+
+def _agent_loop(url: str):
+    """A tool loop as opencode or pi play it, streamed, on the server's own generations: a call,
+    its result, the answer, a new user message, a call, its result, the answer. The client sends
+    each call back parsed (``tool_calls``, the content before the call stripped) with its reasoning
+    (``reasoning_content``). Yields per request (response, headers)."""
+    msgs = [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Read a file, then say what it does."}]
+    tool_text = engine.chat_template_file("Qwen3.5-4B.jinja").read_text()
+    for i, grammar in enumerate((CALL, ANSWER, CALL, ANSWER)):
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "stream": True,
+                "max_tokens": 200, "grammar": grammar}
+        res, headers = _chat(url, body)
+        yield res, headers
+        msg = res["choices"][0]["message"]
+        content = msg["content"]
+        if grammar == CALL:
+            path = content.split("<parameter=filePath>\n", 1)[1].split("\n", 1)[0]
+            msgs = msgs + [{"role": "assistant", "content": content[:content.index("<tool_call>")].strip(),
+                            "reasoning_content": msg.get("reasoning_content", ""),
+                            "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
+                                "name": "read", "arguments": json.dumps({"filePath": path})}}]},
+                           {"role": "tool", "tool_call_id": f"c{i}", "content": tool_text[i * 1500:(i + 1) * 1500]}]
+        else:
+            msgs = msgs + [{"role": "assistant", "content": content,
+                            "reasoning_content": msg.get("reasoning_content", "")}]
+            if i == 1:
+                msgs.append({"role": "user", "content": USER})
+
+
+def test_a_call_sent_back_parsed_after_an_aligned_turn_is_aligned_and_never_above_alone(serve_template, tmp_path):
+    """The newcomer's request 4 (issue 26 follow-up): after an aligned turn (a new user message) the
+    next tool result came with the call the server relayed as text sent back parsed; the guard said
+    "answer differs", the request went server-placed and prefilled 2,620 tokens where the server
+    alone prefilled 858. It is aligned now, prefills only its new part, and the loop prefills no
+    more than llama-server alone with the same flags (``llamacpp:prompt_tokens_total``)."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    alone = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log").start()
+    try:
+        through = list(_agent_loop(prox.url))
+        stats = (prox.stats() or {})["layer"]["align"]
+    finally:
+        prox.stop()
+    direct = list(_agent_loop(alone.url))
+    assert not stats.get("as_sent_answer_differs"), stats
+    _, h3 = through[2]
+    res4, h4 = through[3]
+    assert "X-OCache-Aligned" in h3 and "X-OCache-Aligned" in h4, (h3, h4)
+    assert res4["timings"]["prompt_n"] == int(h4["X-OCache-Aligned"].split("+")[1])
+    oc = sum(r["timings"]["prompt_n"] for r, _ in through)
+    al = sum(r["timings"]["prompt_n"] for r, _ in direct)
+    print(f"prefilled per request through ocache {[r['timings']['prompt_n'] for r, _ in through]} = {oc}, "
+          f"alone {[r['timings']['prompt_n'] for r, _ in direct]} = {al}")
+    assert oc <= al, ([r["timings"] for r, _ in through], [r["timings"] for r, _ in direct])

@@ -93,12 +93,15 @@ def test_the_prompt_an_aligned_request_was_served_is_the_slots_tokens_then_the_n
 
 
 def test_the_dashboard_view_shows_aligned_requests_and_the_tokens_each_saved():
-    last = [{"request_id": "r7", "time": 1.0, "slot": 0, "kept": 5663, "new": 38, "saved": 4700}]
+    last = [{"request_id": "r7", "time": 1.0, "slot": 0, "kept": 5663, "new": 38, "saved": 4700,
+             "saved_vs_alone": 1500}]
     v = dashboard.view({"layer": {"align": {"enabled": True, "records": 1, "aligned": 3,
-                                            "aligned_saved_tokens": 9000, "aligned_refused": 1,
-                                            "as_sent_extends": 4, "last": last}}})
-    assert v["align"] == {"enabled": True, "aligned": 3, "saved": 9000, "refused": 1,
+                                            "aligned_saved_tokens": 9000, "aligned_saved_vs_alone": 2866,
+                                            "aligned_refused": 1, "as_sent_extends": 4, "last": last}}})
+    # "saved" is against llama-server alone; the counterfactual of each request sent as is to its
+    # slot is kept apart, named as what it is (the newcomer's loop: 6,800 for a saving of 2,866)
+    assert v["align"] == {"enabled": True, "aligned": 3, "saved": 2866, "saved_vs_slot": 9000, "refused": 1,
                           "requests": [{"request_id": "r7", "time": 1.0, "slot": 0, "kept": 5663,
-                                        "new": 38, "saved": 4700}]}
-    assert dashboard.view({})["align"] == {"enabled": False, "aligned": 0, "saved": 0, "refused": 0,
-                                           "requests": []}
+                                        "new": 38, "saved": 1500, "saved_vs_slot": 4700}]}
+    assert dashboard.view({})["align"] == {"enabled": False, "aligned": 0, "saved": 0, "saved_vs_slot": 0,
+                                           "refused": 0, "requests": []}

@@ -27,9 +27,11 @@ The record is checked against the slot table before use: the slot's ``seq`` (whi
 server checks the rest (0008's hashes, 412 otherwise: the plan carries the upstream header
 ``X-OCache-Splice``, so the proxy answers the 412 by ending the plan, which marks the slot unknown,
 and planning the request again, ``Proxy._stale_plan``; the record is gone by then and the request
-goes as sent). After an aligned answer the table cannot name the slot's tokens (the generated ids
-are not known): the slot is marked unknown with the count the server reports (prompt + generated - 1,
-docs/llama-server.md §7), and only this route continues the conversation there.
+goes as sent). An aligned plan records in the slot table what the slot will hold as it does for a
+prompt sent as is (``hold_known``: the ids ocache knows begin it, the rest counted when the answer
+comes, prompt + generated - 1, docs/llama-server.md §7); its conversation stays the slot's owner, so
+the planner keeps new conversations off it, and only this route continues the conversation there
+(the table has no message key for it).
 
 Needs the relayed answer: ``Observation.message`` and ``Observation.finish_reason``, set by the
 proxy for a non-streamed chat answer, and for a streamed one from its deltas when the layer's
@@ -80,6 +82,41 @@ class AlignContext:
     turn: Turn
     tokens: list[int]
     body: Mapping
+    #: the slot table's ``seq`` of the content this request leaves (``hold_known``), for ``finish``
+    seq: int = -1
+
+
+def _held(timings: Mapping) -> int | None:
+    """Tokens a slot holds after an answer with these ``timings``: its prompt (``cache_n`` +
+    ``prompt_n``) and every generated token but the last (docs/llama-server.md §7); None when they
+    lack a figure."""
+    try:
+        return int(timings["cache_n"]) + int(timings["prompt_n"]) + max(int(timings["predicted_n"]), 1) - 1
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def hold_known(table: SlotTable, slot: int, known: tuple[int, ...]) -> int:
+    """Record in the slot table (whose lease the caller holds) what an aligned request to ``slot``
+    leaves there: the ids ocache knows begin it (``known``: the first prompt sent as is in this
+    chain, checked by the server's 0008 hash), then tokens it cannot name (the generated turns and
+    the new parts), counted when the response comes (``SlotTable.finish``, pending until then).
+    The owner, kind, labels, head and the checkpoints inside ``known`` stay the slot's. Returns the
+    new ``seq``.
+
+    Not ``mark_unknown``: a slot marked unknown (``foreign``) shows as empty in the stats and makes
+    every new request go server-placed (``tiers/resident.py`` ``server_should_choose``), which
+    then placed two new chats one after the other on one slot while the other sat idle; the table
+    vouches for ``known`` as it does for any prompt it sent (the tokens after a prompt are counted,
+    never named, docs/llama-server.md §7)."""
+    st = table[slot]
+    n = len(known)
+    # the checkpoints predicted inside ``known`` stay (the splice keeps the slot's first n_keep >=
+    # len(known) tokens); those the aligned prefills make are not predicted (a reuse predicted low)
+    return table.assign(slot, known, checkpoints=[c for c in st.checkpoints if c.n_tokens <= n],
+                        user_starts=[u for u in st.user_starts if u < n], owner=st.owner,
+                        kind=st.kind, labels=st.labels, head_key=st.head_key if st.head_len <= n else None,
+                        head_len=st.head_len if st.head_len <= n else 0)
 
 
 def enabled(config: Any) -> bool:
@@ -91,11 +128,17 @@ def enabled(config: Any) -> bool:
 class AlignRoute:
     """Per-slot records and the aligned plans (module docstring). ``counters``: ``aligned``
     (requests served with a splice), ``aligned_saved_tokens`` (``Aligned.saved`` summed: what those
-    requests sent as is would have prefilled again at least), ``aligned_refused`` (a 412 of the
+    requests sent as is *to the slot they were aligned on* would have prefilled again at least; not a
+    saving against llama-server alone, whose slot holds the template's own rendering: the newcomer's
+    loop counted 6,800 here for a real saving of 2,866), ``aligned_saved_vs_alone`` (the saving
+    against llama-server alone with the same flags: per aligned request, what the server-alone model
+    ``ocache.llama.alone`` prefills for its own render minus what the server prefilled for it,
+    summed; may be negative), ``aligned_refused`` (a 412 of the
     server: the request was planned again), and ``as_sent_<reason>`` for a record that matched the
     history but not the guard. ``last``: the latest aligned requests (at most ``LAST_KEPT``, oldest
     first), each ``request_id``, ``time`` (epoch seconds), ``slot``, ``kept`` (the slot's tokens
-    served), ``new`` (tokens prefilled: the request's new part), ``saved`` (its ``Aligned.saved``)."""
+    served), ``new`` (tokens prefilled: the request's new part), ``saved`` (its ``Aligned.saved``),
+    ``saved_vs_alone`` (once answered)."""
 
     def __init__(self, on: bool = True) -> None:
         self.on = on
@@ -109,6 +152,19 @@ class AlignRoute:
         self.records.clear()
         self._probed = False
         self.eot_id = None
+
+    def saved_vs_alone(self, ctx: AlignContext, tokens: int) -> None:
+        """Count an answered aligned request's saving against the server alone (``tokens``: the
+        server-alone model's prefill for its render minus the server's ``prompt_n`` for it). A
+        continued compaction's context (``routes/continued.py``, an ``AlignContext`` with
+        ``on_observed``) is not an aligned request: not counted."""
+        if getattr(ctx, "on_observed", None) is not None:
+            return
+        self.counters["aligned_saved_vs_alone"] += tokens
+        for row in reversed(self.last):
+            if row["request_id"] == ctx.request_id:
+                row["saved_vs_alone"] = tokens
+                break
 
     def stats(self) -> dict:
         return {"enabled": self.on, "records": len(self.records), **self.counters, "last": list(self.last)}
@@ -207,18 +263,39 @@ class AlignRoute:
                           "kept": sp.n_keep, "new": len(sp.tail), "saved": dec.saved})
         log.info("[%s] aligned on slot %d: the slot's %d tokens + %d new of the request's %d",
                  req.request_id, slot, sp.n_keep, len(sp.tail), len(view.tokens))
-        # what the slot holds is now the aligned route's to name: the table knows only its count
-        table.mark_unknown(slot, None)
-        ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body)
+        ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body,
+                           seq=hold_known(table, slot, turn.known))
         self.records.pop(slot, None)
 
         async def release() -> None:
             lease.release()
 
+        # the figures of README's header table: the server serves the slot's n_keep tokens and
+        # prefills the tail, nothing else (0008: cache_n = n_keep, prompt_n = len(tail);
+        # tests/test_align_exact.py checks them against the answer's timings)
         return Plan(body_updates={"id_slot": slot, "ocache_splice": sp.field()},
                     headers={"X-OCache-Aligned": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Slot": str(slot),
-                             "X-OCache-Kind": kind, "X-OCache-Tier": "resident", "X-OCache-Path": "aligned"},
+                             "X-OCache-Kind": kind, "X-OCache-Tier": "resident", "X-OCache-Path": "aligned",
+                             "X-OCache-Split": "0", "X-OCache-Prefilled": str(len(sp.tail)),
+                             "X-OCache-Reused": str(sp.n_keep), "X-OCache-Predicted-Cache": str(sp.n_keep)},
                     context=ctx, release=release, upstream_headers={SPLICE_HEADER: str(sp.n_keep)})
+
+    @staticmethod
+    def _settle_slot(table: SlotTable, ctx: AlignContext, obs: Observation) -> None:
+        """What the aligned response left in its slot, through the table's verbs, while the slot
+        still holds this plan's content (``ctx.seq``) and no request holds it: a complete answer,
+        the count (``SlotTable.finish``: prompt + generated - 1); one cut short, ``interrupted``
+        (``GET /slots`` counts it); a refused or failed one (412: 0008 refused the splice),
+        unknown until ``GET /slots``."""
+        if table.lock(ctx.slot).locked() or table[ctx.slot].seq != ctx.seq:
+            return
+        n_held = _held(obs.timings or {})
+        if obs.status == 200 and obs.completed and n_held is not None:
+            table.finish(ctx.slot, ctx.seq, n_held)
+        elif obs.status == 200:
+            table.interrupted(ctx.slot, ctx.seq)
+        else:
+            table.mark_unknown(ctx.slot)
 
     async def observe(self, layer: Any, req: ParsedRequest, plan: Plan, obs: Observation) -> None:
         """Record the turn a response leaves in its slot (an aligned one or any other chat turn that
@@ -237,6 +314,7 @@ class AlignRoute:
                 return
             if obs.status == 412:
                 self.counters["aligned_refused"] += 1
+            self._settle_slot(table, ctx, obs)
         elif isinstance(ctx, PlanContext):
             slot = ctx.slot
         else:
@@ -253,11 +331,9 @@ class AlignRoute:
             return
         t = obs.timings or {}
         if isinstance(ctx, AlignContext):
-            try:
-                n_held = int(t["cache_n"]) + int(t["prompt_n"]) + int(t["predicted_n"]) - 1
-            except (KeyError, TypeError, ValueError):
-                return
-            table.mark_unknown(slot, n_held)
+            n_held = _held(t)
+            if n_held is None or table[slot].seq != ctx.seq or table[slot].pending:
+                return   # no count, or the slot was planned again meanwhile: its record is that plan's
             turn = record(body, ctx.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
                           n_held, slot, ctx.decision, ctx.turn)
         else:

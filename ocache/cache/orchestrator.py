@@ -474,8 +474,10 @@ class OCacheLayer:
         table = self.table
         if table is None:
             return
-        self._observe_alone(pctx, obs)
+        alone_n = self._observe_alone(pctx, obs)
         if isinstance(pctx, AlignContext):
+            if alone_n is not None:   # [align] its saving against the server alone, measured
+                self.align.saved_vs_alone(pctx, alone_n - int((obs.timings or {}).get("prompt_n") or 0))
             await self.align.observe(self, req, plan, obs)
             return
         if isinstance(pctx, ServerPlaced):
@@ -494,14 +496,15 @@ class OCacheLayer:
         if ok and self.head_tier is not None:
             self._spawn(self.head_tier.maintain_origin())
 
-    def _observe_alone(self, pctx: Any, obs: Observation) -> None:
+    def _observe_alone(self, pctx: Any, obs: Observation) -> int | None:
         """Feed the server-alone model (``ocache.llama.alone``) an answered request: its prompt
         tokens (the plan's token view, the aligned request's own render, a server-placed request's
         tokens) and the server's prefill for it through ocache (the answer's raw ``prompt_n`` plus
-        the tokens ocache prefilled on the slot for it first, ``PlanContext.split``). Never raises."""
+        the tokens ocache prefilled on the slot for it first, ``PlanContext.split``). Returns the
+        tokens the server alone would have prefilled for it (None: not modelled). Never raises."""
         timings = obs.timings or {}
         if obs.status != 200 or "prompt_n" not in timings or self.table is None:
-            return
+            return None
         if isinstance(pctx, PlanContext):
             view = getattr(pctx, "view", None)
             tokens, starts, split = getattr(view, "tokens", None), pctx.ctx.user_starts, pctx.split
@@ -509,15 +512,16 @@ class OCacheLayer:
             tokens, split = pctx.tokens, 0
             starts = pctx.ctx.user_starts if isinstance(pctx, ServerPlaced) else ()
         else:
-            return
+            return None
         if not tokens:
-            return
+            return None
         try:   # a figure for the dashboard: never in the way of the request's own bookkeeping
-            self.alone.serve(tokens, self.table.params, starts or (), int(timings.get("predicted_n") or 0))
+            alone = self.alone.serve(tokens, self.table.params, starts or (), int(timings.get("predicted_n") or 0))
         except Exception:
             log.debug("server-alone model failed", exc_info=True)
-            return
+            return None
         self.ocache_prefill += int(timings.get("prompt_n") or 0) + int(split or 0)
+        return alone
 
     # -- background ------------------------------------------------------------------------------
 
