@@ -250,3 +250,24 @@ async def test_the_second_runs_title_restores_the_first_runs_title(start_server,
         kinds = sorted(e.meta["kind"] for e in tier.store.entries("s")
                        if e.meta["session"] == spill_mod.hint_key(h1["x-session-affinity"]))
         assert kinds == ["agent", "guest"], kinds
+
+
+@pytest.mark.parametrize("params", [HYBRID, DENSE], ids=["hybrid", "dense"])
+def test_on_a_tie_the_slot_holding_the_prefix_beats_a_restore_over_a_kept_title(params):
+    """Run 2's agent turn: slot 0 holds run 1's agent turn (7,234 shared, spillable), slot 1 run 2's
+    title (spillable now). A session offer would restore the same 7,234 into the title's slot.
+    Equal prefill either way: the slot that holds the prefix is taken (no read; the title stays
+    for run 3's title), as llama-server alone chooses. On the first guest-spilling code the title
+    was spilled and the offer restored over it (``ocache bench --preset tiny --template real
+    --scenario opencode_runs_same_folder``: a spill and a restore more on every request)."""
+    from test_guest_placement import ANCHOR, SYSTEM_END, agent_turn
+
+    slots = [agent_slot(1, params, last=1.0), title_slot(2, busy=False, last=2.0)]
+    ctx = RequestContext(kind="agent", session="ses_run2")
+    offer = ANCHOR.__class__("session", SYSTEM_END, cost_s=0.02, verified=True)
+    d = plan_request(agent_turn(2), slots, [offer], ctx, params, can_spill=frozenset({0, 1}))
+    assert d.slot == 0 and d.tier == "resident" and d.steps == ("before_evict",) and d.evicts, d
+    # an offer that brings more than the slot holds still goes over the kept title
+    longer = ANCHOR.__class__("session", SYSTEM_END + 17, cost_s=0.02, verified=True)
+    d = plan_request(agent_turn(2), slots, [longer], ctx, params, can_spill=frozenset({0, 1}))
+    assert d.slot == 1 and d.steps == ("before_evict", "bring") and not d.evicts, d

@@ -73,7 +73,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
         ranked = [c for c in ranked if c.slot == forced_slot] or ranked
     choice = ranked[0]
     if forced_slot is None and not choice.protected:
-        choice = overwrite_choice(ranked, slots, offers, can_spill, guest_loss(slots, can_spill)) or choice
+        choice = overwrite_choice(ranked, slots, offers, can_spill, guest_loss(slots, can_spill),
+                                  kept=lambda c: guest_spilled(c, slots, can_spill)) or choice
     elif forced_slot is None:
         choice = eviction_choice(ranked, slots, can_spill) or choice
     warnings: list[str] = []
