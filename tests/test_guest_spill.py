@@ -245,6 +245,11 @@ async def test_the_second_runs_title_restores_the_first_runs_title(start_server,
         t = rec["timings"]
         assert rec["tier"] == "session" and t["cache_n"] >= nt2 - SUB, (rec["tier"], t, nt2)
         assert tier.counters["guest_spills"] == 1, tier.stats()
+        print(f"\n{model}: run 1's title prefilled {first['timings']['prompt_n']} tokens cold in "
+              f"{first['timings']['prompt_ms']:.0f} ms; its spill (pi's eviction) held pi "
+              f"{tier.spill_s[0] * 1e3:.0f} ms (the server's save); run 2's title: verify + restore "
+              f"{tier.restore_s[0] * 1e3:.0f} ms, prefilled {t['prompt_n']} ({t['prompt_ms']:.0f} ms), "
+              f"reused {t['cache_n']} of {nt2}")
         assert tier.counters["hits"] >= 1 and tier.counters["unconfirmed"] == 0, tier.stats()
         # the guest's spill and run 1's agent spill both stand, under the same session key
         kinds = sorted(e.meta["kind"] for e in tier.store.entries("s")
