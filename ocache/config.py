@@ -390,6 +390,9 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
         "enabled": ("bool", "true", "false: no session tier (no spills, no restores)"),
         "slot_save_path": ("str", "--slot-save-path of the argv", "as tiers.disk.slot_save_path"),
         "drain_min_tokens": ("int", "1024", "on a planned stop, shortest conversation (tokens) spilled"),
+        "guest_min_tokens": ("int", "256", "shortest guest (a title request; tokens) spilled when a "
+                             "request overwrites its slot: the next title restores its prompt, as "
+                             "llama-server alone restores it from its RAM cache"),
         "resume": ("bool", "true", "after a drain, restore the last conversation at the next start"),
     },
 }

@@ -542,6 +542,11 @@ async def p_session_drain_min_tokens(tmp_path, mp):
     assert _session(tmp_path, tiers={"session": {"drain_min_tokens": 10}}).cfg.drain_min_tokens == 10
 
 
+async def p_session_guest_min_tokens(tmp_path, mp):
+    tier = _session(tmp_path, tiers={"session": {"guest_min_tokens": 600}})
+    assert tier.cfg.guest_min_tokens == 600 and tier.cfg.min_tokens == 1024
+
+
 async def p_session_resume(tmp_path, mp):
     assert _session(tmp_path, tiers={"session": {"resume": False}}).cfg.resume is False
 
@@ -716,6 +721,7 @@ PROBES = {
     "tiers.disk.admit_after": p_disk_admit_after, "tiers.head.budget_gb": p_head_budget_gb, "tiers.session.enabled": p_session_enabled,
     "tiers.session.slot_save_path": p_session_slot_save_path,
     "tiers.session.drain_min_tokens": p_session_drain_min_tokens,
+    "tiers.session.guest_min_tokens": p_session_guest_min_tokens,
     "tiers.session.resume": p_session_resume,
     "upstreams": p_upstreams, "route_policy": p_route_policy, "route_load_weight": p_route_load_weight,
     "launch_replicas": p_launch_replicas, "launch_devices": p_launch_devices,

@@ -48,3 +48,22 @@ def test_a_baselines_request_of_another_prompt_is_not_compared():
     same = bench.rule2(runs)
     assert [(o["row"].index, o["excess"]) for o in same["over"]] == [(4, 9)]
     assert same["holds"] is False and same["swapped"] == 0
+
+
+def test_a_baselines_request_without_an_answer_is_not_compared():
+    """``ocache bench --preset tiny --template real --scenario opencode_runs_same_folder --models
+    dense``: (a)'s 8th request ended in ``ClientOSError: Can not write request body`` (server
+    prefill 0) where (b) and (c) prefilled its 13 new tokens; the report listed (c) +13 over (a) and
+    failed the scenario at 1.002. Not compared now, and (a)'s total counts (b)'s 13 for it. Fails
+    on the code before ``Row.error`` was read by ``Bench._matched``."""
+    bench = Bench.__new__(Bench)
+    firsts = [row(0, 7258, "k0"), row(1, 11, "k1")]
+    failed = row(2, 0, "k2")
+    failed.error = "ClientOSError: [Errno None] Can not write request body"
+    runs = {"a": ConfigRun("a", firsts + [failed], 1.0),
+            "b": ConfigRun("b", firsts + [row(2, 13, "k2")], 1.0),
+            "c": ConfigRun("c", firsts + [row(2, 13, "k2")], 1.0)}
+    bench.results = {"dense": {"opencode_runs_same_folder": runs}}
+    v = bench.rule2(runs)
+    assert bench.over_requests(runs) == [] and v["swapped"] == 1
+    assert v["ratio"] == pytest.approx(1.0) and v["holds"] is True

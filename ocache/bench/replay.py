@@ -598,6 +598,22 @@ def _json_answer(data: dict, answer: Answer) -> tuple[dict | None, dict | None, 
     return timings, usage, tokens, Generation.from_response(data)
 
 
+#: seconds a pooled connection of the replay stays open unused: under llama-server's own keep-alive
+#: timeout (``CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND`` 5, vendor/cpp-httplib/httplib.h:26 of the pinned
+#: source), as ocache's own connector (``ocache.upstream.Upstream.start``, 4 s). aiohttp's default (15
+#: s) reused a connection the server was closing: the baselines' second request of a ``parallel``
+#: step failed with ``ClientOSError: Can not write request body`` (``ocache bench --preset tiny
+#: --template real --scenario opencode_runs_same_folder --models dense``: (a)'s #7; with
+#: ``everyday_day_no_restart --models hybrid``: (b)'s #4 and #9), while ocache's own server, in front
+#: of (c), keeps connections longer (``client_keepalive_s``)
+REPLAY_KEEPALIVE_S = 4.0
+
+
+def replay_connector() -> aiohttp.TCPConnector:
+    """The replay's connection pool (see ``REPLAY_KEEPALIVE_S``)."""
+    return aiohttp.TCPConnector(keepalive_timeout=REPLAY_KEEPALIVE_S)
+
+
 async def post(session: aiohttp.ClientSession, url: str, body: dict,
                headers: dict | None = None) -> Response:
     """POST a completion body; read an SSE stream or a JSON answer. TTFT = time to the first event
@@ -819,7 +835,7 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
     t_start = time.monotonic()
     restarted = False
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_read=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    async with aiohttp.ClientSession(timeout=timeout, connector=replay_connector()) as http:
 
         step_no = 0
         mark: int | None = None
@@ -1069,7 +1085,7 @@ async def measure(sent: list[Sent], upstream_url: str, grid: int | None,
     rows: list[Row] = []
     own_viewer = None
     exact_oracle = Oracle(None) if grid is not None else None
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    async with aiohttp.ClientSession(timeout=timeout, connector=replay_connector()) as http:
         if viewer is None:
             viewer = own_viewer = _token_viewer(upstream_url)
         try:

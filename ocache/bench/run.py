@@ -526,7 +526,8 @@ class Bench:
                 over = v["over"]
                 verdict = {None: "-", True: "holds", False: "**fails**"}[v["holds"]]
                 if v["swapped"]:
-                    verdict += f" ({v['swapped']} baseline request(s) of another prompt: counted as (c)'s)"
+                    verdict += (f" ({v['swapped']} baseline request(s) of another prompt or without an "
+                                f"answer: counted as (c)'s)")
                 lines.append(f"| {model} | {sc} | {obs.get('a', '-')} | {obs.get('b', '-')} "
                              f"| {obs.get('c', '-')} | {ratio} "
                              f"| {len(over)} (+{sum(o['excess'] for o in over)} tokens) "
@@ -560,7 +561,13 @@ class Bench:
         occurrence) where that row's prompt is (c)'s token for token (``Row.prompt_key``), and of
         those whose prompt differs: a ``turn`` step is built from each configuration's own
         answers, and the stock flags' answer may differ at a near-tie (dense *growth*, turn 5:
-        7,468 tokens under (a), 7,469 under (b) and (c)), so that row is another request."""
+        7,468 tokens under (a), 7,469 under (b) and (c)), so that row is another request. A
+        baseline's row that failed (``Row.error``: no answer) is not compared either: the server
+        prefilled nothing of it, or an unknown part (``ocache bench --preset tiny --template real
+        --scenario opencode_runs_same_folder --models dense``: (a)'s request #7 ended in
+        ``ClientOSError: Can not write request body``, server prefill 0, and (c) was listed +13
+        over it, 1.002 for the scenario, where (b) and (c) prefilled the 13 new tokens the grid
+        oracle asks for)."""
         c = runs.get("c")
         others: dict[str, ConfigRun] = {k: runs[k] for k in ("a", "b") if k in runs}
         if c is None or not others:
@@ -578,7 +585,7 @@ class Bench:
             n = seen_c.get(r.label, 0)
             seen_c[r.label] = n + 1
             theirs = {k: index.get(k, {}).get((r.label, n)) for k in others}
-            same = {k: rr for k, rr in theirs.items() if rr is not None and
+            same = {k: rr for k, rr in theirs.items() if rr is not None and rr.error is None and
                     (rr.prompt_key is None or r.prompt_key is None or rr.prompt_key == r.prompt_key)}
             out.append((r, {k: cls._prefill(rr) for k, rr in same.items()},
                         {k: cls._prefill(rr) for k, rr in theirs.items() if rr is not None and k not in same}))

@@ -91,10 +91,13 @@ def source_tier(restored_from: str | None, origin: bool) -> str | None:
 
 async def _evict(table: SlotTable, tiers: Sequence[TierBase], counters: dict[str, int], rid: str,
                  dec: Decision) -> None:
-    """The ``before_evict`` step: the slot ``dec.slot`` holds another live conversation; every tier's
-    ``before_evict`` runs (the session tier spills it; a failure is logged)."""
+    """The ``before_evict`` step: the slot ``dec.slot`` holds another live conversation
+    (``dec.evicts``, counted ``evictions``) or a guest the session tier keeps
+    (``ocache.cache.plan.guest_spilled``); every tier's ``before_evict`` runs (the session tier
+    spills it; a failure is logged)."""
     slot = dec.slot
-    counters["evictions"] += 1
+    if dec.evicts:
+        counters["evictions"] += 1
     if "guest_on_agent_slot" in dec.warnings:
         counters["guest_on_agent_slot"] += 1
         log.warning("[%s] guest request on slot %d replaces an agent conversation (only %d slot(s); "
@@ -118,7 +121,7 @@ async def execute(table: SlotTable, head: HeadTier, tiers: Sequence[TierBase], d
     own0 = table.own_prefill.get(slot, (0, 0.0))     # ocache's own prefill (figures.py)
     source = source_tier(table[slot].restored_from, table[slot].origin)
     brought: str | None = None
-    if dec.evicts:
+    if "before_evict" in dec.steps:
         await _evict(table, tiers, counters, rid, dec)
     restore_s = None
     if "bring" in dec.steps and dec.offer is not None:

@@ -73,7 +73,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
         ranked = [c for c in ranked if c.slot == forced_slot] or ranked
     choice = ranked[0]
     if forced_slot is None and not choice.protected:
-        choice = overwrite_choice(ranked, slots, offers, can_spill, guest_loss(slots)) or choice
+        choice = overwrite_choice(ranked, slots, offers, can_spill, guest_loss(slots, can_spill),
+                                  kept=lambda c: guest_spilled(c, slots, can_spill)) or choice
     elif forced_slot is None:
         choice = eviction_choice(ranked, slots, can_spill) or choice
     warnings: list[str] = []
@@ -84,7 +85,8 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
         warnings.append("conversation_evicted")
     reuse = choice.reuse
     steps: list[str] = []
-    if evicts:
+    if evicts or guest_spilled(choice, slots, can_spill):
+        # another live conversation, or a guest the session tier keeps (guest_loss priced it free)
         steps.append("before_evict")
     tier = "resident" if reuse.cache_n > 0 else "cold"
     predicted, upper = reuse.cache_n, reuse.upper
@@ -116,14 +118,41 @@ def plan_request(tokens: Sequence[int], slots: Sequence[Any], offers: Sequence[O
                     best if take_offer else None, tuple(warnings), tuple(anchors or ()))
 
 
-def guest_loss(slots: Sequence[Any]) -> Callable[[SlotChoice], int]:
+def _guest_held(slots: Sequence[Any]) -> dict[int, int]:
+    """Slot id -> tokens held (the server's count when known, so the answer counts too) of every
+    slot holding a guest's prompt (not a kept head, not foreign content)."""
+    return {s.id: (s.n_total if s.n_total is not None else len(s.tokens))
+            for s in slots if s.kind == "guest" and not s.origin and not s.foreign}
+
+
+def _spills(can_spill: bool | Collection[int], slot: int) -> bool:
+    return can_spill if isinstance(can_spill, bool) else slot in can_spill
+
+
+def guest_spilled(choice: SlotChoice, slots: Sequence[Any], can_spill: bool | Collection[int]) -> bool:
+    """Whether taking ``choice``'s slot spills the guest it holds first (the plan's
+    ``before_evict`` step on an unprotected slot). Pure.
+
+    When the slot holds another guest's prompt (role ``guest``: not the request's own), the session
+    tier would save it (``can_spill``, ``SessionTier.will_spill``: at least ``guest_min_tokens``,
+    its response seen complete), and the overwrite destroys at least ``choice.min_useful`` (64)
+    tokens of it: a guest that repeats the title's prompt and differs only in its user message or
+    answer keeps the prompt in the slot, and a spill of it would keep nothing more worth a restore.
+    """
+    held = _guest_held(slots).get(choice.slot)
+    return (held is not None and choice.role == "guest" and not choice.protected
+            and _spills(can_spill, choice.slot) and held - choice.reuse.lcp >= choice.min_useful)
+
+
+def guest_loss(slots: Sequence[Any], can_spill: bool | Collection[int] = False) -> Callable[[SlotChoice], int]:
     """``loss(choice)``: tokens an overwrite of an unprotected slot destroys that no tier keeps, for
     the protection rule's other side (``overwrite_choice``'s ``free_loss``). Pure.
 
     A slot holding a guest (``kind == "guest"``: opencode's title request, Open WebUI's title/tags)
     loses its tokens beyond the common prefix with the request (``held - lcp``, ``held`` = the
-    server's count when known, so the answer counts too): the session tier never spills a guest
-    (``SessionTier._spillable``: kind), and the next guest of the same client repeats that prompt
+    server's count when known, so the answer counts too), unless the session tier spills it first
+    (:func:`guest_spilled`, ``can_spill`` as in :func:`plan_request`): then nothing, as for a
+    protected conversation it spills. The next guest of the same client repeats that prompt
     (opencode sends a byte-identical title system prompt every run; shared/fixtures README). Any
     other unprotected slot loses nothing here (empty, unknown, a kept head the head tier restores;
     a harness head's own loss is already in the ranking's score).
@@ -135,10 +164,11 @@ def guest_loss(slots: Sequence[Any]) -> Callable[[SlotChoice], int]:
     and every later title was prefilled in full (10,076 tokens against 7,980 for the server alone,
     1.263). Priced, the previous run's slot wins: 7,234 against 7,234 - 558.
     """
-    held = {s.id: (s.n_total if s.n_total is not None else len(s.tokens))
-            for s in slots if s.kind == "guest" and not s.origin and not s.foreign}
+    held = _guest_held(slots)
 
     def loss(c: SlotChoice) -> int:
+        if guest_spilled(c, slots, can_spill):
+            return 0
         return max(held.get(c.slot, 0) - c.reuse.lcp, 0)
 
     return loss

@@ -239,7 +239,7 @@ class RemoteTier(TierBase):
         if _get(ctx, "kind") == "guest":
             return None
         from ocache.llama.reuse import Checkpoint, predict_reuse
-        from ocache.tiers.spill import session_key
+        from ocache.tiers.spill import is_guest, session_key
 
         skey = session_key(_get(ctx, "session"), view)
         if skey is None:
@@ -247,7 +247,9 @@ class RemoteTier(TierBase):
         best: tuple[int, RemoteEntry] | None = None
         for r in list(self.bucket.index.values()):
             e = r.entry
-            if e.kind != SESSION_KIND or e.identity != ident or e.meta.get("session") != skey:
+            # a guest's spill shares the session key of opencode's agent turns: not theirs to read
+            if (e.kind != SESSION_KIND or e.identity != ident or e.meta.get("session") != skey
+                    or is_guest(e.meta)):
                 continue
             if self._candidate(e.key) is None:
                 continue

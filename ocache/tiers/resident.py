@@ -161,7 +161,8 @@ def eviction_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
 
 def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
                      offers: Sequence[Any], can_spill: bool | Collection[int],
-                     free_loss: Callable[[SlotChoice], int] | None = None) -> SlotChoice | None:
+                     free_loss: Callable[[SlotChoice], int] | None = None,
+                     kept: Callable[[SlotChoice], bool] | None = None) -> SlotChoice | None:
     """The protection rule: the protected slot (another live conversation) worth overwriting for
     this request, or None. Pure.
 
@@ -187,6 +188,17 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
     its reach minus that, and a protected slot its reach too (what an offer could bring into it),
     so both sides of the comparison are priced alike (None: nothing, as before). Offers fit any
     slot (``slot`` None), so without a guest's loss this takes no other slot than before.
+
+    ``kept(choice)``: the unprotected slot loses nothing only because a tier saves what it holds
+    first (a guest the session tier spills: ``ocache.cache.plan.guest_spilled``). On a tie with
+    such slots, reached there only through an offer's restore, a protected slot whose own content
+    reaches as far (nothing to restore) and whose loss is nothing too is taken: llama-server's own
+    choice (the slot sharing the longest prefix), no read, and the guest stays for the next guest.
+    Measured (``ocache bench --preset tiny --template real --scenario opencode_runs_same_folder
+    --models hybrid,dense``): without it, each run's agent turn spilled the new title and restored
+    the previous run's 7,350-token spill into its slot, beside the previous run's slot that held
+    those 7,350 tokens, and the next title was restored in turn (the same prefill, a spill and a
+    restore of 9-51 ms more per request).
     """
     loss = _loss_fn(slots, can_spill)
 
@@ -195,15 +207,26 @@ def overwrite_choice(ranked: Sequence[SlotChoice], slots: Sequence[SlotState],
                    if o is not None and (o.slot is None or o.slot == c.slot)]
         return max([c.reuse.cache_n, *brought])
 
-    best_free = max((reach(c) - (free_loss(c) if free_loss is not None else 0)
-                     for c in ranked if not c.protected), default=0)
+    def free_reach(c: SlotChoice) -> int:
+        return reach(c) - (free_loss(c) if free_loss is not None else 0)
+
+    free = [c for c in ranked if not c.protected]
+    best_free = max((free_reach(c) for c in free), default=0)
+    # the tie rule (``kept``): every unprotected slot that reaches best_free keeps its content only
+    # through a tier's save and gets the prefix only through an offer
+    tie_to_resident = kept is not None and any(free_reach(c) == best_free for c in free) and all(
+        kept(c) and c.reuse.cache_n < best_free for c in free if free_reach(c) == best_free)
 
     def gain(c: SlotChoice) -> int:
         return reach(c) if free_loss is not None else c.reuse.cache_n
 
+    def wins(c: SlotChoice) -> bool:
+        margin = gain(c) - best_free - loss(c)
+        return margin > 0 or (tie_to_resident and margin == 0 and loss(c) == 0
+                              and c.reuse.cache_n >= gain(c))
+
     # a reuse below ``min_useful`` (a shared ``<|im_start|>system`` line) is none, as in the ranking
-    taken = [c for c in ranked if c.protected and not c.busy and gain(c) >= c.min_useful
-             and gain(c) - best_free > loss(c)]
+    taken = [c for c in ranked if c.protected and not c.busy and gain(c) >= c.min_useful and wins(c)]
     if not taken:
         return None
     return max(taken, key=lambda c: (gain(c) - loss(c), -c.last_used))

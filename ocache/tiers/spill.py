@@ -10,7 +10,10 @@ the disk tier (``ocache.tiers.store``, kind ``"s"``, its own byte budget) at exa
 * **eviction** (``before_evict``; the cache layer holds the slot's lock and calls it when a request
   of another conversation is about to replace this one and no other slot can take it): the slot is
   spilled when it holds at least ``min_tokens`` tokens (default 1,024, ``spill_min_tokens``), then
-  the request is served. The request waits for the server's save only; hashing and the commit run
+  the request is served. A **guest** (opencode's title request) is spilled when a request
+  overwrites its slot (the planner's ``before_evict`` step on an unprotected slot:
+  ``ocache.cache.plan.guest_spilled``) and it holds at least ``guest_min_tokens`` (256); see
+  "Guests" below. The request waits for the server's save only; hashing and the commit run
   in the background (the file is complete when the save returns).
 * **planned stop** (``ocache serve`` receiving SIGTERM, or ``ocache drain``): the proxy stops
   accepting, finishes in-flight requests, then ``OCacheLayer.drain`` calls ``before_evict`` on every
@@ -32,7 +35,7 @@ restores at least the prompt part. Measured: ``pytest -s tests/test_spill.py -k 
 What is never spilled: a slot whose last response was rejected (non-200: the cache layer marks it
 unknown), a cut answer whose prefill had not finished (``GET /slots`` counts fewer tokens than the
 prompt: content unknown) or whose count cannot be read, a slot whose content ocache cannot name
-(``foreign``), guests, warmed heads, and a slot the tier did not see finish or get cut (its ``seq``
+(``foreign``), guests on a planned stop, warmed heads, and a slot the tier did not see finish or get cut (its ``seq``
 differs from the one ``admit``/``interrupted`` recorded). The saved file's token header is compared
 with what ocache sent the slot before the entry is committed: a mismatch is discarded, never
 attributed to a session.
@@ -62,6 +65,23 @@ Session identity
     first of them the run's title request, 50 ms ahead, evicted that conversation into the session
     tier: the agent turn's lookup came while the spill was being committed, hence the wait for
     in-flight spills (:meth:`SessionTier.before_evict`).
+
+Guests
+    A guest's slot is overwritten without a spill by llama-server too, but the server alone keeps
+    the old prompt in its RAM cache (``--cache-ram``, default 8 GiB, docs/llama-server.md §10) and the
+    next title, byte for byte the same system prompt every run, restores it there; ocache runs the
+    server with ``--cache-ram 0`` (below), so without this tier's spill the next title was prefilled
+    whole: issue 27, ``ocache bench --preset tiny --template real --scenario opencode_pi_alternating
+    --models hybrid,dense``, request #5 ``opencode_run2_title``: 4 tokens prefilled alone (cache_n
+    537), 541 through ocache (1.031 over the scenario). So a guest is spilled like a conversation,
+    apart from it: its entry's ``kind`` is ``guest`` (:func:`is_guest`); guests read only guests'
+    entries, of any session, from a useful reuse on (64 tokens: a guest has no harness head the
+    disk/head tiers keep), and the others never read them; a guest's spill supersedes only the
+    same session's older guest spill (opencode's title shares its session key with the agent
+    turns), an identical guest entry of any session is reused (two runs' titles leave the same
+    state), and at most ``guest_max_entries`` (8) guest entries are kept (the least recently used
+    goes). Like every spill, a guest entry never restored halves in value every hour and expires
+    after 2 h (``ocache.tiers.evict.ValuePolicy``). A planned stop does not spill guests.
 
 Reads
     ``lookup`` offers the spilled conversation whose usable prefix is longest; the planner takes it
@@ -161,6 +181,19 @@ class SpillConfig:
     # round trip. Was 16,384: cache-pressure's 8k contexts were then lost (docs/decisions.md D3).
     min_tokens: int = 1024
     drain_min_tokens: int = 1024     # planned stop: shortest conversation worth a spill
+    # a guest's slot (opencode's title request: 541 tokens on the tiny models, 524 of them its
+    # fixed system prompt) is spilled when a request overwrites it and it holds at least this many
+    # tokens. Not ``min_tokens``: a guest comes back byte for byte (the same title prompt every
+    # run), and llama-server alone keeps it in its RAM cache when its slot is overwritten
+    # (``--cache-ram``, default 8 GiB; docs/llama-server.md §10): without the spill the next title
+    # prefilled 541 tokens where the server alone prefilled 4 (issue 27, ``ocache bench --preset
+    # tiny --template real --scenario opencode_pi_alternating --models hybrid``). 256 lets a title
+    # in and keeps out the few-dozen-token guests a prefill serves as fast as a restore.
+    guest_min_tokens: int = 256
+    # guests' entries: one per session and guest (a session's newer guest spill supersedes its
+    # older one, never its agent spill), at most this many in all (the least recently used goes):
+    # a client's guests share their system prompt, so a few entries serve every later one
+    guest_max_entries: int = 8
     ubatch: int = 512                # server -ub: tolerance when confirming a restore by cache_n
     restore_bytes_s: float = 5e8     # initial guess until measured (server restore)
     verify_bytes_s: float = 2e9      # initial guess until measured (xxh3 of the files)
@@ -194,6 +227,13 @@ class _SlotSeen:
     #: the response was cut short (``SessionTier.interrupted``): the slot holds the prompt plus a
     #: partial answer
     partial: bool = False
+
+
+def is_guest(meta: Any) -> bool:
+    """Whether a session entry's record (``Entry.meta``) is a guest's spill (``kind`` ``guest``):
+    guests' entries are read by guests only and the others' by the others (``SessionTier.lookup``),
+    and each class supersedes only its own (``SessionTier._commit``)."""
+    return isinstance(meta, dict) and meta.get("kind") == "guest"
 
 
 def hint_key(hint: str | None) -> str | None:
@@ -257,7 +297,8 @@ class SessionTier(TierBase):
         self._seen: dict[int, _SlotSeen] = {}
         self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, tokens expected reused)
         self._bg: set[asyncio.Task] = set()
-        self._inflight: dict[asyncio.Future, list[int]] = {}   # evictions being spilled -> their tokens
+        # evictions being spilled -> (their tokens, a guest's)
+        self._inflight: dict[asyncio.Future, tuple[list[int], bool]] = {}
         self._recent: list[tuple[float, str, int]] = []  # (time, entry key, slot) of spills this run
         self._memo: tuple[Any, Any, Any] | None = None
         self.counters: dict[str, int] = {
@@ -266,7 +307,7 @@ class SessionTier(TierBase):
             "spill_skipped_short": 0, "spill_skipped_unsafe": 0, "spill_skipped_budget": 0,
             "spill_dedup": 0, "superseded": 0, "resumed": 0, "resume_failed": 0,
             "restore_upstream_failed": 0, "interrupted_seen": 0, "interrupted_spills": 0,
-            "inflight_waits": 0,
+            "inflight_waits": 0, "guest_spills": 0, "guest_dropped": 0,
         }
         self.spill_s: list[float] = []     # seconds each spill held its request (the server's save)
         self.commit_s: list[float] = []    # seconds of each background commit (fsync + hash + rename)
@@ -297,20 +338,29 @@ class SessionTier(TierBase):
             if st.interrupted and seen is not None and seen.partial and seen.seq == st.seq:
                 return False, "answer cut short, its length not read yet (GET /slots)"
             return False, "response not finished"
-        if st.kind not in ("agent", "other") or st.origin:
+        if st.kind not in ("agent", "other", "guest") or st.origin:
             return False, f"kind {st.kind}"
         if seen is None or seen.seq != st.seq:
             return False, "not seen complete"
         return True, ""
 
+    def _min_tokens(self, kind: str | None, reason: str) -> int | None:
+        """The shortest slot of ``kind`` worth a spill for ``reason`` (``evict``/``drain``), or None
+        when it is never spilled then: a guest only on eviction, from ``guest_min_tokens`` (a
+        planned stop loses the guest as it loses the server's own RAM cache)."""
+        if kind == "guest":
+            return self.cfg.guest_min_tokens if reason == "evict" else None
+        return self.cfg.min_tokens if reason == "evict" else self.cfg.drain_min_tokens
+
     def will_spill(self, slot: int) -> bool:
         """Whether :meth:`before_evict` would save ``slot``'s conversation if it were evicted now
-        (safe to spill and at least ``min_tokens`` long), so the planner can count an overwrite of
-        it as free. Pure (reads the table); never raises."""
+        (safe to spill and at least ``min_tokens`` long, ``guest_min_tokens`` for a guest), so the
+        planner can count an overwrite of it as free. Pure (reads the table); never raises."""
         try:
             ok, _why = self._spillable(slot)
             st = self.table[slot]
-            return ok and max(int(st.n_total or 0), len(st.tokens)) >= self.cfg.min_tokens
+            least = self._min_tokens(st.kind, "evict")
+            return ok and least is not None and max(int(st.n_total or 0), len(st.tokens)) >= least
         except Exception:  # noqa: BLE001 - an unknown slot is one we would not spill
             return False
 
@@ -324,7 +374,8 @@ class SessionTier(TierBase):
         that arrives while another one evicts the conversation it continues still finds it."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._inflight[done] = list(self.table[slot].tokens)
+        st = self.table[slot]
+        self._inflight[done] = (list(st.tokens), st.kind == "guest")
         before = set(self._bg)
 
         def finish(_: Any = None) -> None:
@@ -333,7 +384,7 @@ class SessionTier(TierBase):
                 done.set_result(None)
 
         try:
-            await self._spill(slot, self.cfg.min_tokens, "evict")
+            await self._spill(slot, "evict")
         finally:
             commits = [t for t in self._bg - before if not t.done()]
             if commits:
@@ -341,15 +392,17 @@ class SessionTier(TierBase):
             else:
                 finish()
 
-    async def _await_inflight(self, toks: Sequence[int], floor: int) -> None:
-        """Wait (at most ``inflight_wait_s`` in all) for the in-flight spills that share more than
-        ``floor`` tokens with ``toks`` (see :meth:`before_evict`)."""
+    async def _await_inflight(self, toks: Sequence[int], floor: int, guest: bool = False) -> None:
+        """Wait (at most ``inflight_wait_s`` in all) for the in-flight spills of the request's
+        class (``guest`` or not: the entries :meth:`lookup` reads) that share more than ``floor``
+        tokens with ``toks`` (see :meth:`before_evict`)."""
         from ocache.llama.reuse import common_prefix
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.inflight_wait_s
         while True:
-            waits = [f for f, t in list(self._inflight.items()) if common_prefix(t, toks) > floor]
+            waits = [f for f, (t, g) in list(self._inflight.items())
+                     if g == guest and common_prefix(t, toks) > floor]
             left = deadline - loop.time()
             if not waits or left <= 0:
                 return
@@ -381,8 +434,9 @@ class SessionTier(TierBase):
         except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - then it is not spilled
             log.info("session: slot %d: the cut answer's length could not be read (%s)", slot, exc)
 
-    async def _spill(self, slot: int, min_tokens: int, reason: str) -> str | None:
-        """Save ``slot`` as a session entry. Returns the entry key (also when already stored), or None
+    async def _spill(self, slot: int, reason: str) -> str | None:
+        """Save ``slot`` as a session entry (``reason``: ``evict`` or ``drain``; the shortest slot
+        spilled: :meth:`_min_tokens`). Returns the entry key (also when already stored), or None
         when skipped or failed. The commit runs in the background (:meth:`flush` waits for it)."""
         await self._settle(slot)
         ok, why = self._spillable(slot)
@@ -393,7 +447,8 @@ class SessionTier(TierBase):
         st = self.table[slot]
         seen = self._seen[slot]
         n = max(int(st.n_total or 0), len(st.tokens))
-        if n < min_tokens:
+        min_tokens = self._min_tokens(seen.kind, reason)
+        if min_tokens is None or n < min_tokens:
             self.counters["spill_skipped_short"] += 1
             return None
         # the same content already stored (a restored slot not used since, a repeated drain)
@@ -455,8 +510,13 @@ class SessionTier(TierBase):
         return key
 
     def _dedup(self, slot_tokens: Sequence[int], n: int, seen: _SlotSeen) -> str | None:
+        """An entry holding exactly this content: the same session's (same class), or for a guest
+        any guest's (two runs' identical title requests leave the same state)."""
+        guest = seen.kind == "guest"
         for e in self.store.entries(KIND):
-            if e.n_tokens != n or e.meta.get("session") != seen.session:
+            if e.n_tokens != n or is_guest(e.meta) != guest:
+                continue
+            if not guest and e.meta.get("session") != seen.session:
                 continue
             try:
                 toks = self.store.tokens(e.key)
@@ -490,9 +550,12 @@ class SessionTier(TierBase):
         log.info("session: spilled slot %d (%s, %d tokens, %d bytes, %s)", slot, meta["reason"],
                  e.n_tokens, e.bytes, (meta.get("session") or "-")[:12])
         # a session's newer state supersedes its older spills (same identity; without one, only an
-        # older spill whose tokens are a prefix of this one)
+        # older spill whose tokens are a prefix of this one), within its class: a guest's spill
+        # (opencode's title shares its session key with the agent turns) never supersedes the
+        # session's agent spill, nor the other way round
+        guest = is_guest(meta)
         for old in self.store.entries(KIND):
-            if old.key == e.key:
+            if old.key == e.key or is_guest(old.meta) != guest:
                 continue
             same = meta.get("session") is not None and old.meta.get("session") == meta.get("session")
             if not same and old.meta.get("session") is None and meta.get("session") is None:
@@ -501,6 +564,13 @@ class SessionTier(TierBase):
             if same:
                 self.counters["superseded"] += 1
                 await asyncio.to_thread(self.store.delete, old.key, "superseded by a newer spill")
+        if guest:
+            self.counters["guest_spills"] += 1
+            guests = sorted((x for x in self.store.entries(KIND) if is_guest(x.meta) and x.key != e.key),
+                            key=lambda x: x.last_used)
+            for old in guests[:max(0, len(guests) + 1 - self.cfg.guest_max_entries)]:
+                self.counters["guest_dropped"] += 1
+                await asyncio.to_thread(self.store.delete, old.key, "more guest spills than guest_max_entries")
 
     async def flush(self) -> None:
         """Wait for background commits."""
@@ -515,14 +585,16 @@ class SessionTier(TierBase):
         keys: list[str] = []
         for st in list(self.table.slots):
             async with self.table.lock(st.id):
-                k = await self._spill(st.id, self.cfg.drain_min_tokens, "drain")
+                k = await self._spill(st.id, "drain")
             if k:
                 keys.append(k)
         await self.flush()
         # what was kept, not what was attempted: a spill the commit refused (budget, header) is gone
         kept = [k for k in keys if self.store.get(k) is not None]
         lost = len(keys) - len(kept)
-        committed = [(t, k, s) for t, k, s in self._recent if self.store.get(k) is not None]
+        # the conversation to resume is an agent's or another's, never a guest's spill
+        committed = [(t, k, s) for t, k, s in self._recent
+                     if (e := self.store.get(k)) is not None and not is_guest(e.meta)]
         resume = None
         if committed:
             # the most recent conversation: the slot used last, else the latest spill
@@ -580,7 +652,9 @@ class SessionTier(TierBase):
 
     # ------------------------------------------------------------------ reads
     async def lookup(self, view: Any, ctx: Any) -> Offer | None:
-        """The spilled conversation (of any session) with the longest usable prefix, or None.
+        """The spilled conversation (of any session) with the longest usable prefix, or None. A
+        guest reads guests' entries only, from 64 tokens on; every other request the others'
+        (module docstring, "Guests").
 
         ``tokens_usable``: what the server will reuse after the restore (``predict_reuse`` on the
         stored tokens and checkpoints: on a hybrid model a prompt that diverges inside the stored
@@ -590,11 +664,14 @@ class SessionTier(TierBase):
         entry, then the smaller file (the cheaper read). An eviction's spill still being saved or
         committed that shares tokens past the head is waited for first (:meth:`before_evict`).
         """
-        if _get(ctx, "kind") == "guest":
-            return None
+        guest = _get(ctx, "kind") == "guest"
+        # a guest has no harness head the disk/head tiers keep: its floor is a useful reuse (the
+        # resident ranking's ``SlotChoice.min_useful``), below which a shared ``<|im_start|>system``
+        # line would be offered
+        floor = min(64, self.cfg.ubatch) if guest else int(_get(view, "head_end") or 0)
         if self._inflight:
-            await self._await_inflight(view.tokens, int(_get(view, "head_end") or 0))
-        entries = self.store.entries(KIND)
+            await self._await_inflight(view.tokens, floor, guest)
+        entries = [e for e in self.store.entries(KIND) if is_guest(e.meta) == guest]
         if not entries:
             return None
         self.counters["lookups"] += 1
@@ -603,7 +680,6 @@ class SessionTier(TierBase):
         if self._memo is not None and self._memo[0] is view and self._memo[1] == keyset:
             return self._memo[2]
         skey = session_key(_get(ctx, "session"), view)
-        floor = int(_get(view, "head_end") or 0)
         best: tuple[tuple[int, bool, int], Any, int] | None = None
         from ocache.llama.reuse import common_prefix, predict_reuse
 
@@ -737,7 +813,7 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
     Off when ``tiers.session.enabled`` is false, when no ``--slot-save-path`` is known (the server
     cannot save slots, docs/llama-server.md §3), without a server identity, or when the store is locked by another
     process. Settings: ``spill_budget_gb``, ``spill_min_tokens`` and ``tiers.session`` keys
-    ``drain_min_tokens``, ``resume``. The store is the one the disk tier uses (``shared_store``).
+    ``drain_min_tokens``, ``guest_min_tokens``, ``resume``. The store is the one the disk tier uses (``shared_store``).
     """
     tiers = _get(config, "tiers") or {}
     scfg = dict(tiers.get("session") or {}) if isinstance(tiers, dict) else {}
@@ -767,6 +843,7 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
         store.gc()  # TTL and budgets, as at every start
     cfg = SpillConfig(min_tokens=int(_get(config, "spill_min_tokens", 1024)),
                       drain_min_tokens=int(scfg.get("drain_min_tokens", 1024)),
+                      guest_min_tokens=int(scfg.get("guest_min_tokens", SpillConfig.guest_min_tokens)),
                       ubatch=int(_get(_get(table, "params"), "n_ubatch", 512) or 512),
                       resume=bool(scfg.get("resume", True)))
     return SessionTier(store, table, cfg)
