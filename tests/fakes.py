@@ -206,3 +206,17 @@ async def until(cond: Callable[[], object], what: str, bound: int = 10_000) -> N
             return
         await asyncio.sleep(0)
     raise AssertionError(f"never happened: {what}")
+
+
+async def cold_chat(url: str, body: dict) -> dict:
+    """The real server's own answer to a chat ``body`` without any cache: a cold prefill in slot 0
+    (``cache_prompt: false``), asserted 200 with ``cache_n`` 0; the reference an exactness check
+    compares a cached answer with."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/chat/completions", json=dict(body, cache_prompt=False, id_slot=0)) as r:
+            data = await r.json()
+            assert r.status == 200, data
+    assert data["timings"]["cache_n"] == 0
+    return data

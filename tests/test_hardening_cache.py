@@ -37,6 +37,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from fakes import cold_chat as cold
 from ocache.cache import OCacheLayer, plan_request
 from ocache.config import Config
 from ocache.layer import ParsedRequest
@@ -118,14 +119,6 @@ async def send(s: aiohttp.ClientSession, base: str, proxy, body: dict, headers: 
     return rec
 
 
-async def cold(url: str, body: dict) -> dict:
-    """The server's own answer without any cache (a cold prefill in slot 0)."""
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url + CHAT, json=dict(body, cache_prompt=False, id_slot=0)) as r:
-            data = await r.json()
-            assert r.status == 200, data
-    assert data["timings"]["cache_n"] == 0
-    return data
 
 
 async def settle(url: str, tries: int = 10) -> None:

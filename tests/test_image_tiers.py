@@ -34,6 +34,7 @@ import random
 import aiohttp
 import pytest
 
+from fakes import cold_chat as cold
 from ocache.bench.exact import PROBS_FIELDS, Generation, compare, describe
 from ocache.media import digest
 from ocache.toolchain.vision import TINY, make_projector
@@ -82,14 +83,6 @@ def with_images(body: dict, first: str, second: str) -> dict:
     return out
 
 
-async def cold(url: str, body: dict) -> dict:
-    """The same request alone on the server without its prompt cache (slot 0)."""
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url + CHAT, json=dict(body, cache_prompt=False, id_slot=0)) as r:
-            data = await r.json()
-            assert r.status == 200, data
-    assert data["timings"]["cache_n"] == 0
-    return data
 
 
 async def exact_vs_cold(url: str, body: dict, rec: dict, what: str) -> None:
