@@ -77,9 +77,14 @@ def test_a_compaction_is_served_as_the_conversations_continuation(serve_template
     try:
         got, _ = _conversation(prox.url, srv.url)     # its answer is aligned: the model saw its reasoning
         res, headers, prefilled, n_sent = _compaction(prox.url, srv.url, got)
-        stats = (prox.stats() or {})["layer"]["continued"]
+        layer = (prox.stats() or {})["layer"]
+        stats = layer["continued"]
     finally:
         prox.stop()
+    # the table keeps the conversation in its slot (not marked unknown: that showed it empty and
+    # sent every new request server-placed, as after an aligned answer before)
+    row = next(s for s in layer["slots"] if str(s["id"]) == headers.get("X-OCache-Slot"))
+    assert row["tokens"] > 0 and row["kind"] == "agent" and row["n_total"] >= n_sent - 600, row
     assert headers.get("X-OCache-Path") == "continued", (headers, open(tmp_path / "ocache.log").read()[-3000:])
     kept, new = map(int, headers["X-OCache-Continued"].split("+"))
     t = res["timings"]

@@ -86,7 +86,7 @@ class AlignContext:
     seq: int = -1
 
 
-def _held(timings: Mapping) -> int | None:
+def held_after(timings: Mapping) -> int | None:
     """Tokens a slot holds after an answer with these ``timings``: its prompt (``cache_n`` +
     ``prompt_n``) and every generated token but the last (docs/llama-server.md §7); None when they
     lack a figure."""
@@ -289,7 +289,7 @@ class AlignRoute:
         unknown until ``GET /slots``."""
         if table.lock(ctx.slot).locked() or table[ctx.slot].seq != ctx.seq:
             return
-        n_held = _held(obs.timings or {})
+        n_held = held_after(obs.timings or {})
         if obs.status == 200 and obs.completed and n_held is not None:
             table.finish(ctx.slot, ctx.seq, n_held)
         elif obs.status == 200:
@@ -331,7 +331,7 @@ class AlignRoute:
             return
         t = obs.timings or {}
         if isinstance(ctx, AlignContext):
-            n_held = _held(t)
+            n_held = held_after(t)
             if n_held is None or table[slot].seq != ctx.seq or table[slot].pending:
                 return   # no count, or the slot was planned again meanwhile: its record is that plan's
             turn = record(body, ctx.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from ocache.align import Aligned, AsSent, Splice, Turn, decide
 from ocache.api.convert import RESPONSES_ROUTES
-from ocache.cache.align_route import SETTLE_WAIT_S, SPLICE_HEADER, AlignContext
+from ocache.cache.align_route import SETTLE_WAIT_S, SPLICE_HEADER, AlignContext, held_after, hold_known
 from ocache.cache.prepare import Prepared, Shape
 from ocache.compaction import Compaction, continuation, matches, parse, without_tools
 from ocache.config import field_of
@@ -95,12 +95,13 @@ class ContinuedContext(AlignContext):
         if obs.status == 412:
             self.route.counters["refused"] += 1
             return
-        t = obs.timings or {}
-        try:
-            n_held = int(t["cache_n"]) + int(t["prompt_n"]) + int(t["predicted_n"]) - 1
-        except (KeyError, TypeError, ValueError):
+        # the slot keeps the conversation's known first prompt and its owner (``hold_known`` at plan
+        # time), now with the server's count; not marked unknown, which would show it empty and
+        # send every new request server-placed (as after an aligned answer, align_route.hold_known)
+        align._settle_slot(table, self, obs)
+        n_held = held_after(obs.timings or {})
+        if n_held is None or table[self.slot].seq != self.seq or table[self.slot].pending:
             return
-        table.mark_unknown(self.slot, n_held)
         if obs.status == 200 and obs.completed and n_held >= self.turn.n_held:
             align.records[self.slot] = (table[self.slot].seq, self.turn)
 
@@ -227,9 +228,9 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     route.counters["saved_tokens"] += saved
     log.info("[%s] compaction continued on slot %d: the conversation's %d tokens + %d of the "
              "instruction turn (as sent: %d tokens)", req.request_id, slot, sp.n_keep, len(sp.tail), n_sent)
-    table.mark_unknown(slot, None)
+    seq = hold_known(table, slot, turn.known)
     layer.align.records.pop(slot, None)
-    ctx = ContinuedContext(req.request_id, slot, dec, turn, list(tokens), fields, route=route, saved=saved)
+    ctx = ContinuedContext(req.request_id, slot, dec, turn, list(tokens), fields, seq=seq, route=route, saved=saved)
 
     async def release() -> None:
         lease.release()
