@@ -244,7 +244,7 @@ class Attempts:
             headers = up_headers(att.plan)
             if resp.status != 412 or not headers or att.preq is None:
                 break
-            if any(k in att.request.headers for k in headers):
+            if any(k in att.request.headers for k in headers if not k.lower().startswith("x-ocache-")):
                 # the client's own precondition refused (it was forwarded as the client sent it,
                 # Forwards._send): the server's 412 is the answer, as without ocache; the plan is
                 # ended (the server did no work: its slot marked unknown)

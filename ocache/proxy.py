@@ -131,7 +131,7 @@ from ocache.serving import RUNNER_KWARGS, serve
 from ocache.stats import Stats
 from ocache.upstream import Upstream
 from ocache.wire import (HOP_BY_HOP, Unparseable, forward_request_headers, forward_response_headers,
-                         host_name, parse_body, with_fields)
+                         host_name, parse_body, with_fields, STEERING, NULL_DROPS)
 
 if TYPE_CHECKING:
     from ocache.record import Recorder
@@ -400,9 +400,12 @@ class Proxy(Lifecycle):
         plan = await self.layer.plan(preq)
         self.receipts.take(plan)
         out_body = body
-        if plan.body_updates:
+        # a client's own steering fields never pass (wire.STEERING): without a cache layer only
+        # ocache_splice is ours to drop, id_slot reaches the server as it would without ocache
+        drop = NULL_DROPS if isinstance(self.layer, NullLayer) else STEERING
+        if plan.body_updates or (preq.body is not None and any(k in preq.body for k in drop)):
             try:
-                out_body = with_fields(body, preq.body if preq.body is not None else {}, plan.body_updates)
+                out_body = with_fields(body, preq.body if preq.body is not None else {}, plan.body_updates, drop)
             except BaseException:
                 self._spawn(self.finisher.release(preq.request_id, plan))
                 raise

@@ -58,14 +58,30 @@ def parse_body(body: bytes) -> dict | None:
     return obj
 
 
-def with_fields(raw: bytes, obj: dict, updates: dict) -> bytes:
+#: top-level body fields that steer which tokens llama-server serves: ``id_slot`` pins a slot
+#: (tools/server/server-context.cpp reads it for every completion and a pinned slot keeps its
+#: prompt cache), ``ocache_splice`` (patches/0008) serves a slot's first tokens in place of the
+#: prompt's. Only a plan of ocache's sets them: a client's own never reaches the server
+#: (:func:`with_fields` drops those a plan does not set, :func:`unplanned_body` all of them), since
+#: they would serve one session another's slot (docs/usage.md "Substitutions").
+STEERING: tuple[str, ...] = ("id_slot", "ocache_splice")
+#: the steering fields dropped without a cache layer (``no_cache``): patch 0008's alone
+NULL_DROPS: tuple[str, ...] = ("ocache_splice",)
+
+
+def with_fields(raw: bytes, obj: dict, updates: dict, drop: tuple[str, ...] = STEERING) -> bytes:
     """The body ``raw`` (whose parsed object is ``obj``, ``parse_body``) with the top-level fields of
-    ``updates`` added (``id_slot``). When none of them is in ``obj`` they are spliced in after the
-    opening brace: the client's bytes stay as sent and the cost does not grow with the prompt
-    (re-encoding a 126k-token body took ~3 ms). A field the client set itself is replaced by
-    re-encoding the whole object (a duplicate key would leave the choice to the server's parser)."""
-    if any(k in obj for k in updates):
-        return json.dumps({**obj, **updates}, ensure_ascii=False, separators=(",", ":")).encode()
+    ``updates`` added (``id_slot``) and the client's fields named in ``drop`` removed (every
+    ``STEERING`` field; without a cache layer only ``ocache_splice``, llama-server's own
+    ``id_slot`` then reaching it as without ocache). When ``obj`` holds neither they are spliced in after the opening brace: the client's bytes stay as
+    sent and the cost does not grow with the prompt (re-encoding a 126k-token body took ~3 ms). A
+    field the client set itself is replaced or removed by re-encoding the whole object (a duplicate
+    key would leave the choice to the server's parser)."""
+    if not updates and not any(k in obj for k in drop):
+        return raw
+    if any(k in obj for k in updates) or any(k in obj for k in drop):
+        kept = {k: v for k, v in obj.items() if k not in drop}
+        return json.dumps({**kept, **updates}, ensure_ascii=False, separators=(",", ":")).encode()
     i = raw.index(b"{") + 1      # parse_body accepted a JSON object (no BOM): "{" comes first
     fields = ",".join(json.dumps(k) + ":" + json.dumps(v, ensure_ascii=False, separators=(",", ":"))
                       for k, v in updates.items()).encode()
@@ -73,26 +89,27 @@ def with_fields(raw: bytes, obj: dict, updates: dict) -> bytes:
     return raw[:i] + fields + sep + raw[i:]
 
 
-#: bytes that can spell the key ``id_slot`` in a JSON text: the key itself, or a ``\\u`` escape of
-#: one of its letters (``"\\u0069d_slot"``): a body ocache did not parse and holds neither cannot
-#: name a slot
-_SLOT_SPELLING = re.compile(rb"id_slot|\\u00(?:69|64|5[fF]|73|6[cC]|6[fF]|74)")
+#: bytes that can spell a ``STEERING`` key in a JSON text: the keys themselves, or a ``\\u``
+#: escape of any ASCII character (``"\\u0069d_slot"``): a body ocache did not parse and holds
+#: none of them cannot steer the server
+_STEERING_SPELLING = re.compile(rb"id_slot|ocache_splice|\\u00[0-7][0-9a-fA-F]")
 
 
 def unplanned_body(raw: bytes, obj: dict | None) -> bytes | None:
     """The body to forward for a completion ocache did not plan (``raw`` as sent; ``obj``: its
-    parsed object, None when ``parse_body`` refused it): ``raw`` when it cannot name a slot, ``raw``
-    re-encoded without a top-level ``id_slot`` when ``obj`` has one, and None (answer 400) when it
-    may name one and cannot be rewritten: an unparsed body (UTF-8 BOM, deep nesting: llama-server
-    parses both, nlohmann's ``parse`` skips a BOM and has no depth limit, and would honour the
-    ``id_slot``) whose bytes can spell the key, or an object too deep to encode again. A client's
-    ``id_slot`` outside a plan would overwrite another session's live slot (issue 28 item 5)."""
+    parsed object, None when ``parse_body`` refused it): ``raw`` when it cannot steer the server,
+    ``raw`` re-encoded without its top-level ``STEERING`` fields when ``obj`` has one, and None
+    (answer 400) when it may hold one and cannot be rewritten: an unparsed body (UTF-8 BOM, deep
+    nesting: llama-server parses both, nlohmann's ``parse`` skips a BOM and has no depth limit, and
+    would honour the field) whose bytes can spell a key, or an object too deep to encode again. A
+    client's ``id_slot`` outside a plan would overwrite another session's live slot; its
+    ``ocache_splice`` would serve another session's tokens."""
     if obj is None:
-        return None if _SLOT_SPELLING.search(raw) else raw
-    if "id_slot" not in obj:
+        return None if _STEERING_SPELLING.search(raw) else raw
+    if not any(k in obj for k in STEERING):
         return raw
     try:
-        return json.dumps({k: v for k, v in obj.items() if k != "id_slot"}, ensure_ascii=False,
+        return json.dumps({k: v for k, v in obj.items() if k not in STEERING}, ensure_ascii=False,
                           separators=(",", ":")).encode()
     except (RecursionError, ValueError):
         return None
@@ -137,8 +154,13 @@ def _end_to_end(headers: Headers, extra_drop: set[str] | frozenset[str]) -> CIMu
 
 
 def forward_request_headers(headers: Headers) -> CIMultiDict[str]:
-    """Client request headers to send upstream."""
-    return _end_to_end(headers, _REQ_DROP)
+    """Client request headers to send upstream: end to end ones, but none named ``X-OCache-*``
+    (ocache's own to the server, such as the aligned route's ``X-OCache-Splice``, are added by the
+    plan after this; a client's own never pass)."""
+    out = _end_to_end(headers, _REQ_DROP)
+    for k in [k for k in out if k.lower().startswith("x-ocache-")]:
+        out.popall(k, None)
+    return out
 
 
 def forward_response_headers(headers: Headers) -> CIMultiDict[str]:
