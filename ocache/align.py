@@ -57,6 +57,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import xxhash
 
+from ocache.substitute import Proof, Refused, Region, check, compare, owned
+
 #: request fields besides ``messages`` that change the rendered prompt (a subset of
 #: ``ocache.tokens.RENDER_FIELDS``: grammar, json_schema, response_format and reasoning_format
 #: only constrain or parse the output)
@@ -228,6 +230,13 @@ class Turn:
     slot: int
     segments: tuple[tuple[int, tuple[int, ...]], ...] = ()
     raw: Mapping[str, Any] = field(default_factory=dict)
+    #: every id the slot holds (``n_held`` of them: the prompts served, then the ids the server
+    #: reported it sampled, patches/0010), () when the server did not report them
+    ids: tuple[int, ...] = ()
+    #: the generated spans inside ``ids`` (``ocache.substitute.Region``), in order
+    regions: tuple[Region, ...] = ()
+    #: who the conversation belongs to (``ocache.substitute.owner_of`` of its requests' headers)
+    owner: str | None = None
 
 
 def upper_lcp(tokens: Sequence[int], segments: Sequence[tuple[int, Sequence[int]]], n_held: int) -> int:
@@ -274,6 +283,8 @@ class Aligned:
 
     splice: Splice
     saved: int
+    #: the gate's proof (``ocache.substitute.compare``): the answer's end and the declared spans
+    proof: Proof | None = None
 
 
 @dataclass(frozen=True)
@@ -308,11 +319,15 @@ def fields_of(body: Mapping) -> dict:
 
 
 def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
-           n_ctx: int | None = None) -> Decision:
+           n_ctx: int | None = None, owner: str | None = None) -> Decision:
     """Whether ``body`` (its prompt tokenized as ``tokens``) is ``turn``'s conversation, rewritten,
     plus a new part, and if so the splice (module docstring: the guard). ``eot_id``: the template's
     end-of-turn token (:func:`turn_end_marker`, tokenized: ``<|im_end|>`` for ChatML); ``n_ctx``: the slot's context in
-    tokens, if known (a splice that would not fit is not made)."""
+    tokens, if known (a splice that would not fit is not made); ``owner``: the requester
+    (``ocache.substitute.owner_of``; None: not checked, the caller proves it otherwise). The
+    token-level proof is ``ocache.substitute.compare`` on the slot's ids (``Turn.ids``): where the
+    answer ends is read from the generated span, never counted; the spans it declares are checked
+    on their text by the caller (``ocache.substitute.declared_text``)."""
     if turn is None:
         return AsSent("no record")
     if turn.finish_reason not in ENDED or turn.stop:
@@ -332,40 +347,65 @@ def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
             return AsSent("answer differs")
     except (AttributeError, TypeError):
         return AsSent("malformed message")
-    if not turn.known or turn.n_held < len(turn.known):
+    if owner is not None and not owned(turn.owner, owner):
+        return AsSent("not the requester's conversation")
+    ids = turn.ids
+    if not ids or len(ids) != turn.n_held or not turn.regions:
         return AsSent("slot tokens unknown")
-    k = turn.n_prompt_eot + 1
-    seen = 0
-    end = -1
-    for i, t in enumerate(tokens):
-        if t == eot_id:
-            seen += 1
-            if seen == k:
-                end = i
-                break
-    if end < 0:
-        return AsSent("answer end not found")
-    tail = tuple(tokens[end:])
+    if len(tokens) > len(ids) and tuple(tokens[:len(ids)]) == ids:
+        return AsSent("extends")
+    ends = frozenset(t for t in (eot_id, turn.regions[-1].eog) if t >= 0)
+    proof = compare(ids, turn.regions, tokens, ends)
+    if isinstance(proof, Refused):
+        return AsSent(proof.reason)
+    if not check(ids, tokens, proof):
+        return AsSent("invariant not verified")
+    tail = tuple(tokens[proof.end:])
     if len(tail) < 2:
         return AsSent("nothing new after the answer")
-    known = turn.known
-    if end == turn.n_held and len(tokens) >= len(known) and tuple(tokens[:len(known)]) == known:
-        return AsSent("extends")
-    splice = Splice(n_keep=turn.n_held, checked=known, tail=tail)
+    splice = Splice(n_keep=len(ids), checked=ids, tail=tail)
     if n_ctx is not None and splice.n_prompt > n_ctx:
         return AsSent("splice exceeds the context")
-    lcp = upper_lcp(tokens, turn.segments or ((0, known),), turn.n_held)
-    return Aligned(splice, saved=max(0, end - lcp))
+    lcp = 0
+    for a, b in zip(ids, tokens):
+        if a != b:
+            break
+        lcp += 1
+    return Aligned(splice, saved=max(0, proof.end - lcp), proof=proof)
+
+
+def generated_region(start: int, generated: Sequence[int], think_close: int | None) -> Region:
+    """The :class:`~ocache.substitute.Region` of ``generated`` (the ids the server sampled, the end
+    of generation last) sampled into a slot from position ``start``: its content starts after the
+    last ``think_close`` id (``</think>``) among them, at ``start`` when there is none."""
+    held = list(generated[:-1])
+    content = start
+    if think_close is not None and think_close in held:
+        content = start + len(held) - held[::-1].index(think_close)
+    return Region(start, start + len(held), content, int(generated[-1]) if generated else -1)
+
+
+def sampled_ids(timings: Mapping | None) -> list[int] | None:
+    """The ids the server reported it sampled for a response (``timings.ocache_generated``,
+    patches/0010), None when absent or not a non-empty list of ints."""
+    ids = (timings or {}).get("ocache_generated")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return None
+    return ids
 
 
 def record(body: Mapping, tokens: Sequence[int], eot_id: int, answer: Mapping, finish_reason: str | None,
            n_held: int, slot: int, decision: Decision | None, previous: Turn | None,
-           raw: Mapping[str, Any] | None = None) -> Turn:
+           raw: Mapping[str, Any] | None = None, generated: Sequence[int] | None = None,
+           think_close: int | None = None, owner: str | None = None) -> Turn:
     """The :class:`Turn` to keep after ``body`` was answered (``answer``, ``finish_reason``) and the
     slot holds ``n_held`` tokens: ``tokens`` are the request's own prompt tokens; ``decision`` what
     :func:`decide` said for it (an :class:`Aligned` request leaves the slot's first ids as they were
     known before, ``previous.known``; one sent as is makes them its own prompt); ``raw``: the
-    client's own body when the server converted it (``Turn.raw`` keeps its ``TOOL_FIELDS``)."""
+    client's own body when the server converted it (``Turn.raw`` keeps its ``TOOL_FIELDS``);
+    ``generated``: the ids the server sampled (:func:`sampled_ids`): with them the turn knows every
+    id of the slot (``Turn.ids``: the prompt served, then those ids but the last) when their count
+    agrees with ``n_held``; ``owner``: the requester (``ocache.substitute.owner_of``)."""
     msgs = body.get("messages") or []
     if isinstance(decision, Aligned) and previous is not None:
         known = previous.known
@@ -373,11 +413,23 @@ def record(body: Mapping, tokens: Sequence[int], eot_id: int, answer: Mapping, f
         kept = tuple((start, ids[:sp.n_keep - start]) for start, ids in (previous.segments or ((0, known),))
                      if start < sp.n_keep)
         segments = kept + ((sp.n_keep, sp.tail),)
+        prompt = tuple(previous.ids[:sp.n_keep]) + tuple(sp.tail) if len(previous.ids) >= sp.n_keep else ()
+        regions = previous.regions
     else:
         known = tuple(tokens)
         segments = ((0, known),)
+        prompt = tuple(tokens)
+        regions = ()
+    ids: tuple[int, ...] = ()
+    if prompt and generated and len(prompt) + len(generated) - 1 == n_held:
+        region = generated_region(len(prompt), generated, think_close)
+        ids = prompt + tuple(int(t) for t in generated[:-1])
+        regions = tuple(regions) + (region,)
+    else:
+        regions = ()
     return Turn(messages=tuple(msgs), fields=fields_of(body),
                 answer={k: answer[k] for k in ("content", "reasoning_content", "tool_calls") if k in answer},
                 finish_reason=finish_reason, stop=bool(body.get("stop")), known=known,
                 n_prompt_eot=sum(1 for t in tokens if t == eot_id), n_held=n_held, slot=slot,
-                segments=segments, raw={k: raw[k] for k in TOOL_FIELDS if k in raw} if raw else {})
+                segments=segments, raw={k: raw[k] for k in TOOL_FIELDS if k in raw} if raw else {},
+                ids=ids, regions=regions, owner=owner)

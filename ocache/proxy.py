@@ -453,6 +453,8 @@ class Proxy(Lifecycle):
         if up_resp.status == 503 and self.upstream.state == "loading":
             headers["Retry-After"] = str(self.config.retry_after_s)
         split = plan.split_tokens if plan is not None and up_resp.status == 200 else 0
+        # the sampled ids the plan asked for (patches/0010) never reach the client
+        rewrite = split > 0 or (plan is not None and bool(plan.body_updates.get("ocache_generated")))
         if up_resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             idle = self.config.stream_idle_timeout_s
             return await relay_stream(att.request, up_resp, headers, obs, att.t0,
@@ -460,11 +462,11 @@ class Proxy(Lifecycle):
                                       if att.preq is not None else None,
                                       idle_s=idle if att.timeout.sock_read != idle else None,
                                       rewriter=figures.LineRewriter(split, plan.split_ms)
-                                      if plan is not None and split > 0 else None,
+                                      if plan is not None and rewrite else None,
                                       on_upstream_failed=self.upstream.poke)
         if (att.request.method == "POST" and att.path in COMPLETION_ROUTES) or att.request.method == "HEAD" \
                 or (up_resp.content_length is not None and up_resp.content_length <= _READ_WHOLE_MAX):
-            return await self._relay_whole(att, up_resp, headers, split)
+            return await self._relay_whole(att, up_resp, headers, split, rewrite)
         return await relay_stream(att.request, up_resp, headers, obs, att.t0, None,
                                   on_upstream_failed=self.upstream.poke)
 
@@ -485,7 +487,7 @@ class Proxy(Lifecycle):
             self.stats.figures_late()
 
     async def _relay_whole(self, att: Attempt, up_resp: aiohttp.ClientResponse, headers: Any,
-                           split: int) -> web.StreamResponse:
+                           split: int, rewrite: bool = False) -> web.StreamResponse:
         """Read the answer whole (observed: ``timings``, ``usage``, content; its reuse figures
         corrected for ``split``), then send it with one write; ocache's 502/504 when the upstream
         fails before its whole answer arrived (nothing sent yet)."""
@@ -501,7 +503,7 @@ class Proxy(Lifecycle):
             observe_json(att.path, data, obs)
         if att.keep is not None:
             att.keep += data      # the response cache's record (ocache/response_cache.py)
-        if split > 0 and data and att.plan is not None:
+        if rewrite and data and att.plan is not None:
             data = figures.rewrite(data, split, att.plan.split_ms)
         att.sent = web.Response(status=up_resp.status, reason=up_resp.reason, headers=headers, body=data)
         await att.sent.prepare(att.request)

@@ -43,6 +43,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from ocache.fingerprint import session_key
 
 #: the most tokens a template writes in place of a dropped reasoning block (Qwen3.5's
@@ -94,22 +96,27 @@ class Region:
 
 @dataclass(frozen=True)
 class Span:
-    """One declared difference: the slot's ``S[slot_from, slot_to)`` (a generated turn's reasoning
-    block) stands where the rendering has ``R[render_from, render_to)``; ``region``: the index of
-    the generated span in the slot's regions."""
+    """One difference between the slot's ids and the rendering: the slot's ``S[slot_from, slot_to)``
+    stands where the rendering has ``R[render_from, render_to)``; ``window_slot`` and
+    ``window_render``: the same span widened by up to ``CONTEXT`` equal ids on both sides, whose
+    text (``/detokenize``) :func:`declared` judges."""
 
-    region: int
     slot_from: int
     slot_to: int
     render_from: int
     render_to: int
+    window_slot: tuple[int, int]
+    window_render: tuple[int, int]
+    #: the slot's side lies inside a generated turn (ids the model sampled, which may split a text
+    #: otherwise than the tokenizer does: a grammar's output, a re-tokenised answer)
+    generated: bool = False
 
 
 @dataclass(frozen=True)
 class Proof:
-    """What :func:`compare` found: the rendering's answer end ``end`` (``R[end]`` is the token
-    that follows the slot's last generated one), the declared ``spans`` (those whose two sides
-    differ), and ``n_keep`` = ``len(S)``."""
+    """What :func:`compare` found: the rendering's answer end ``end`` (``R[end]`` is the end of turn
+    that follows the slot's last generated id), the ``spans`` where the two differ (each still to be
+    :func:`declared`), and ``n_keep`` = ``len(S)``."""
 
     end: int
     spans: tuple[Span, ...]
@@ -121,58 +128,110 @@ class Refused:
     reason: str
 
 
-def _common_suffix(a: Sequence[int], a_from: int, a_to: int, b: Sequence[int], b_from: int, b_to: int) -> int:
-    n = 0
-    while a_to - n > a_from and b_to - n > b_from and a[a_to - n - 1] == b[b_to - n - 1]:
-        n += 1
-    return n
+#: ids of equal run that end a difference (a shorter run only at the end of the slot, followed by
+#: an end of turn in the rendering)
+RUN = 8
+#: equal ids kept on each side of a span for its text check (a think tag is at most a few ids)
+CONTEXT = 8
+
+
+def _find(hay: bytes, needle: bytes, start: int, stop: int) -> int:
+    """The first id position in [``start``, ``stop``] where ``needle`` (int32 ids) begins in
+    ``hay``, -1."""
+    at = start * 4
+    end = min(len(hay), stop * 4 + len(needle))
+    while True:
+        at = hay.find(needle, at, end)
+        if at < 0:
+            return -1
+        if at % 4 == 0:
+            return at // 4
+        at += 4 - at % 4
+
+
+def _opened(slot: Sequence[int], reg: Region, ends: frozenset[int]) -> int:
+    """The last position before ``reg`` that cannot belong to its turn: its slot's last end-of-turn
+    id within ``CONTEXT`` ids before it (a generation prompt follows it), or ``CONTEXT`` + 1 back."""
+    for p in range(reg.start - 1, max(-1, reg.start - CONTEXT - 1), -1):
+        if slot[p] in ends:
+            return p
+    return reg.start - CONTEXT - 1
+
+
+def _resync(slot: Sequence[int], r: list[int], hay: bytes, regions: Sequence[Region], reg: Region | None,
+            ends: frozenset[int], i: int, j: int, j_max: int, s_hi: int) -> tuple[int, int] | None:
+    """Where the slot and the rendering agree again after parting at (``i``, ``j``): the first
+    rendering position up to ``j_max`` whose ``RUN`` ids occur in the slot at ``i..s_hi``; failing
+    that, a shorter run that reaches the next generated turn's start; failing that, inside the last
+    generated turn, its last ids then an end of turn. Weaker evidence only where the stronger finds
+    nothing (a one-id run matches almost anywhere). (slot position, rendering position) or None."""
+    n = len(slot)
+    stop = min(len(r), j_max + 1)
+    for j2 in range(j, stop):
+        gram = r[j2:j2 + RUN]
+        if len(gram) < RUN:
+            break
+        i2 = _find(hay, np.asarray(gram, dtype="<i4").tobytes(), i, s_hi)
+        if i2 >= 0:
+            return i2, j2
+    nxt = next((g.start for g in regions if g.start > i and g is not reg), None)
+    if nxt is not None:
+        for m in range(min(RUN - 1, nxt - i), 0, -1):
+            for j2 in range(j, stop):
+                if list(slot[nxt - m:nxt]) == r[j2:j2 + m]:
+                    return nxt - m, j2
+    if reg is regions[-1]:
+        for j2 in range(j, stop):
+            for k in range(min(RUN - 1, n - i), -1, -1):
+                if j2 + k < len(r) and r[j2 + k] in ends and list(slot[n - k:n]) == r[j2:j2 + k]:
+                    return n - k, j2
+    return None
 
 
 def compare(slot: Sequence[int], regions: Sequence[Region], render: Sequence[int],
             ends: frozenset[int]) -> Proof | Refused:
-    """Walk the slot's ids ``slot`` and the rendering ``render`` (module docstring). ``regions``:
-    the slot's generated spans, in order, inside ``slot``; ``ends``: the ids that may follow the
-    last generated span in the rendering (the template's end of turn, the id that ended that
-    generation). A difference may start before a generated span only inside its generation prompt
-    (after the slot's last end-of-turn id, at most ``MAX_FILLER`` tokens back: Qwen3.5's prompt ends
-    with ``<think>\\n``, its render of a past turn has ``<think>\\n\\n``) and must end at that span's
-    content, which is the rendering's token for token up to the turn's end. Returns the
-    :class:`Proof` or why not."""
+    """Walk the slot's ids ``slot`` (``S``) and the rendering ``render`` (``R``) token by token.
+    Where they part, the next point where they agree again is the first rendering position ``j2``
+    (at most ``MAX_FILLER`` ids on: a template's markup; inside a generated turn, as far as the
+    turn's own length more) from which ``RUN`` ids occur in the slot at ``i2`` >= the parting point,
+    or a shorter run that reaches the next generated turn's start, or (inside the last generated
+    turn) the slot's last ids up to its end and then an end-of-turn id of ``ends``; the two sides
+    between are a :class:`Span`. The slot must end with
+    its last generated span (``regions[-1]``, ids the server reported it sampled) and the rendering
+    continue there with an id of ``ends``: that is where the answer ends, read from the generated
+    ids, never counted. Returns the :class:`Proof` (its spans still to be :func:`declared`) or why
+    not."""
     n = len(slot)
+    if not regions or regions[-1].end != n:
+        return Refused("the slot does not end with a generated turn")
+    hay = np.asarray(slot, dtype="<i4").tobytes()
+    r = list(render)
     i = j = 0
     spans: list[Span] = []
-    for k, reg in enumerate(regions):
-        if not (i <= reg.start <= reg.content <= reg.end <= n):
-            return Refused("slot record inconsistent")
-        while i < reg.start and j < len(render) and slot[i] == render[j]:
+    while True:
+        while i < n and j < len(r) and slot[i] == r[j]:
             i += 1
             j += 1
-        # before the span only the generation prompt's own tail may differ: past the turn's opening,
-        # after the last end-of-turn id of the slot (the user's and tools' turns are never in a span)
-        opened = max((p for p in range(max(0, reg.start - MAX_FILLER), reg.start) if slot[p] in ends),
-                     default=reg.start - MAX_FILLER - 1)
-        if i < reg.start and i <= opened:
-            return Refused("differs outside a generated turn")
-        last = k == len(regions) - 1
-        follow = frozenset((slot[reg.end],)) if reg.end < n else ends
-        need = reg.end - reg.content           # the content's ids, compared whole
-        lo = j + need
-        hi = min(len(render) - 1, j + (reg.content - i) + MAX_FILLER + need)
-        found = -1
-        for e in range(lo, hi + 1):
-            if render[e] in follow and _common_suffix(slot, i, reg.end, render, j, e) >= need:
-                found = e
+        if i == n:
+            if j < len(r) and r[j] in ends:
                 break
-        if found < 0:
-            return Refused("answer end not found" if last else "a generated turn differs")
-        f = found - need
-        if tuple(slot[i:reg.content]) != tuple(render[j:f]):
-            spans.append(Span(k, i, reg.content, j, f))
-        i, j = reg.end, found
-    m = n - i
-    if tuple(render[j:j + m]) != tuple(slot[i:n]):
-        return Refused("differs outside a generated turn")
-    return Proof(end=j + m, spans=tuple(spans), n_keep=n)
+            return Refused("answer end not found")
+        # inside a generated turn (or its generation prompt) the rendering may write the turn's
+        # text in other ids all along it; elsewhere only a template's markup stands in between
+        reg = next((g for g in regions if _opened(slot, g, ends) < i < g.end), None)
+        j_max, s_hi = (j + (reg.end - i) + MAX_FILLER, reg.end) if reg is not None else (j + MAX_FILLER, n)
+        got = _resync(slot, r, hay, regions, reg, ends, i, j, j_max, s_hi)
+        if got is None:
+            return Refused("no agreement after a difference")
+        i2, j2 = got
+        before = min(CONTEXT, i, j)
+        after = 0
+        while after < CONTEXT and i2 + after < n and j2 + after < len(r) and slot[i2 + after] == r[j2 + after]:
+            after += 1
+        spans.append(Span(i, i2, j, j2, (i - before, i2 + after), (j - before, j2 + after),
+                          generated=reg is not None and i2 <= reg.end))
+        i, j = i2, j2
+    return Proof(end=j, spans=tuple(spans), n_keep=n)
 
 
 def served(slot: Sequence[int], render: Sequence[int], proof: Proof) -> list[int]:
@@ -181,8 +240,8 @@ def served(slot: Sequence[int], render: Sequence[int], proof: Proof) -> list[int
 
 
 def check(slot: Sequence[int], render: Sequence[int], proof: Proof) -> bool:
-    """The invariant, verified on the ids: ``S`` with each declared span's slot side replaced by
-    its rendering side is ``R[0, end)``, token for token."""
+    """The invariant, verified on the ids: ``S`` with each span's slot side replaced by its
+    rendering side is ``R[0, end)``, token for token."""
     out: list[int] = []
     pos = 0
     for sp in proof.spans:
@@ -195,27 +254,34 @@ def check(slot: Sequence[int], render: Sequence[int], proof: Proof) -> bool:
     return out == list(render[:proof.end])
 
 
-_TAGS = re.compile(r"</?think>")
+_BLOCK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)
 
 
-def declared_text(slot_text: str, render_text: str) -> str | None:
-    """Why a span's two sides (their detokenized text) are a declared difference, or None when they
-    are not: the slot's side must be (the rest of) one reasoning block, ending with ``</think>``
-    and whitespace, or whitespace alone; the rendering's side either think tags and whitespace alone
-    (``"reasoning dropped"``) or the same reasoning text, whitespace aside (``"reasoning
-    re-rendered"``). Anything else, reasoning the client altered included, is not declared."""
-    if "</think>" in slot_text:
-        before, _, after = slot_text.rpartition("</think>")
-        if after.strip():
-            return None
-        reasoning = _TAGS.sub(" ", before)
-    elif slot_text.strip():
+def declared(slot_text: str, render_text: str, generated: bool = False) -> str | None:
+    """Why a span's two windows (the text of ``Span.window_slot`` and ``Span.window_render``) are a
+    declared difference, or None when they are not. Both are cut into their ``<think>`` ...
+    ``</think>`` blocks (a tag without its partner: not declared) and the rest; declared when at
+    least one block is involved, the rest is the same text on both sides (each block with the
+    whitespace around it counting as one line break), and every block of the rendering is empty
+    (``"reasoning dropped"``, a template's empty markup) or the same text, whitespace aside, as a
+    block of the slot (``"reasoning re-rendered"``). So a content that differs, an answer's text
+    re-tokenised or quoting a template's marker, and reasoning the client altered are not; except,
+    for a span inside a generated turn (``generated``), the same text split into other ids
+    (``"answer re-tokenised"``: the model's own ids for the text the template renders; a grammar
+    samples text piece by piece)."""
+    blocks_s = [m.group(1) for m in _BLOCK.finditer(slot_text)]
+    blocks_r = [m.group(1) for m in _BLOCK.finditer(render_text)]
+    rest_s = _BLOCK.sub("\n", slot_text)
+    rest_r = _BLOCK.sub("\n", render_text)
+    if not blocks_s and not blocks_r:
+        return "answer re-tokenised" if generated and slot_text == render_text else None
+    if any(t in rest for rest in (rest_s, rest_r) for t in ("<think>", "</think>")):
         return None
-    else:
-        reasoning = ""
-    rendered = _TAGS.sub(" ", render_text)
-    if not rendered.strip():
+    if rest_s != rest_r:
+        return None
+    kept = [b.split() for b in blocks_s]
+    if all(not b.strip() for b in blocks_r):
         return "reasoning dropped"
-    if rendered.split() == reasoning.split():
+    if all(not b.strip() or b.split() in kept for b in blocks_r):
         return "reasoning re-rendered"
     return None

@@ -8,6 +8,7 @@ import pytest
 import xxhash
 
 from ocache.align import Aligned, AsSent, Splice, Turn, canonical, decide, record, xxh3
+from ocache.substitute import Region, check
 
 EOT = 9  # the end-of-turn token id of these token lists
 
@@ -22,21 +23,24 @@ TOOL_RESULT = {"role": "tool", "tool_call_id": "c1", "content": "import asyncio\
 PREV_MSGS = (SYSTEM, USER, {"role": "assistant", "content": "", "reasoning_content": "read it", "tool_calls": [CALL]},
              TOOL_RESULT)
 PREV_TOKENS = (1, 2, EOT, 3, 4, EOT, 5, 6, 7, EOT, 8, 8, EOT, 1, 5)   # 4 end-of-turn tokens, then the generation prompt
-N_GEN = 6                                                              # the answer: 6 tokens generated (the last is the end of turn)
-N_HELD = len(PREV_TOKENS) + N_GEN - 1
+GENERATED = (20, 21, 22, 6, 6, EOT)                                    # reasoning, the answer's 2 ids, the end
+N_GEN = len(GENERATED)
+IDS = PREV_TOKENS + GENERATED[:-1]                                     # every id the slot holds
+N_HELD = len(IDS)
+REGION = Region(len(PREV_TOKENS), N_HELD, len(PREV_TOKENS) + 3, EOT)
 
 
 def turn(**kw) -> Turn:
     base = dict(messages=PREV_MSGS, fields={"tools": TOOLS}, answer=ANSWER, finish_reason="stop", stop=False,
-                known=PREV_TOKENS, n_prompt_eot=4, n_held=N_HELD, slot=0)
+                known=PREV_TOKENS, n_prompt_eot=4, n_held=N_HELD, slot=0, ids=IDS, regions=(REGION,))
     return Turn(**{**base, **kw})
 
 
 def new_prompt(rewritten_answer: int = 2) -> list[int]:
-    """The next request's prompt as the template renders it: the history rewritten (shorter: the
-    reasoning dropped), the answer in ``rewritten_answer`` tokens, its end of turn, a new user turn
-    and the generation prompt."""
-    return [1, 2, EOT, 3, 4, EOT, 5, 7, EOT, 8, 8, EOT] + [6] * rewritten_answer + [EOT, 3, 4, 4, EOT, 1, 5]
+    """The next request's prompt as the template renders it: the history rewritten (the past turn's
+    reasoning id 6 dropped), the answer in ``rewritten_answer`` ids without its reasoning, its end of
+    turn, a new user turn and the generation prompt."""
+    return [1, 2, EOT, 3, 4, EOT, 5, 7, EOT, 8, 8, EOT, 1, 5] + [6] * rewritten_answer + [EOT, 3, 4, 4, EOT, 1, 5]
 
 
 def body(messages, **kw) -> dict:
@@ -52,10 +56,13 @@ def test_a_client_that_drops_the_reasoning_is_served_the_slots_tokens_then_the_n
     toks = new_prompt()
     d = decide(turn(), body(follow_up()), toks, EOT)
     assert isinstance(d, Aligned), d
-    end = toks.index(EOT, 12)                      # the fifth end of turn closes the answer
-    assert d.splice == Splice(n_keep=N_HELD, checked=PREV_TOKENS, tail=tuple(toks[end:]))
+    end = toks.index(EOT, 14)                      # the end of turn after the answer's ids
+    assert d.splice == Splice(n_keep=N_HELD, checked=IDS, tail=tuple(toks[end:]))   # every kept id checked
     assert d.splice.tail[0] == EOT and d.splice.n_prompt == N_HELD + len(toks) - end
-    assert d.saved == end - 7                     # the prompt parts from the known ids at token 7
+    assert d.saved == end - 7                     # the prompt parts from the slot's ids at token 7
+    # the proof: two spans (the past turn's reasoning, the answer's), the rest token for token
+    assert d.proof is not None and d.proof.end == end and len(d.proof.spans) == 2
+    assert check(IDS, toks, d.proof)
 
 
 @pytest.mark.parametrize("answer", [
@@ -95,10 +102,13 @@ def test_the_splice_field_is_patch_0008s():
     ("a message dropped", {}, [SYSTEM, USER, *follow_up()[3:], {"role": "user", "content": "And?"}],
      "history differs"),
     ("nothing after the answer", {}, follow_up()[:-1], "nothing new after the answer"),
-    ("no ids known", {"known": ()}, follow_up(), "slot tokens unknown"),
+    ("no ids known", {"ids": ()}, follow_up(), "slot tokens unknown"),
+    ("ids that do not add up", {"n_held": N_HELD + 1}, follow_up(), "slot tokens unknown"),
+    ("another session's conversation", {"owner": "ses_b|x"}, follow_up(), "not the requester's conversation"),
 ])
 def test_the_guard_forwards_anything_else_as_sent(why, kw, msgs, expect):
-    d = decide(None if kw is None else turn(**kw), body(msgs), new_prompt(), EOT)
+    d = decide(None if kw is None else turn(**{"owner": "ses_a|x", **kw}), body(msgs), new_prompt(), EOT,
+               owner="ses_a|x")
     assert d == AsSent(expect), why
 
 
@@ -112,8 +122,8 @@ def test_other_tools_or_template_arguments_are_forwarded_as_sent():
 
 
 def test_the_answers_end_must_be_in_the_prompt_and_the_splice_fit():
-    short = [1, 2, EOT, 3, 4, EOT, 5, 7, EOT, 8, 8]          # fewer turns closed than the record says
-    assert decide(turn(), body(follow_up()), short, EOT) == AsSent("answer end not found")
+    short = [1, 2, EOT, 3, 4, EOT, 5, 7, EOT, 8, 8]          # the answer's turn is not in the prompt
+    assert isinstance(decide(turn(), body(follow_up()), short, EOT), AsSent)
     toks = new_prompt()
     assert decide(turn(), body(follow_up()), toks, EOT, n_ctx=N_HELD + 3) == AsSent("splice exceeds the context")
     assert isinstance(decide(turn(), body(follow_up()), toks, EOT, n_ctx=N_HELD + 8), Aligned)
@@ -122,12 +132,13 @@ def test_the_answers_end_must_be_in_the_prompt_and_the_splice_fit():
 def test_a_prompt_that_already_extends_the_slot_needs_no_splice():
     """ocache's own template: the history renders as it was served, the answer to as many tokens as
     were generated: the server's prefix match serves it, no splice."""
-    toks = list(PREV_TOKENS) + [6] * (N_GEN - 1) + [EOT, 3, 4, EOT, 1, 5]
+    toks = list(IDS) + [EOT, 3, 4, EOT, 1, 5]
     assert decide(turn(), body(follow_up()), toks, EOT) == AsSent("extends")
-    toks[N_HELD - 1] = 7                                    # the answer re-tokenized otherwise: same count
-    assert decide(turn(), body(follow_up()), toks, EOT) == AsSent("extends")
-    toks = list(PREV_TOKENS) + [6] * (N_GEN - 2) + [EOT, 3, 4, EOT, 1, 5]   # one token fewer: aligned
-    assert isinstance(decide(turn(), body(follow_up()), toks, EOT), Aligned)
+    toks[N_HELD - 1] = 7          # the answer's last id otherwise: not the slot's, compared (was counted equal)
+    d = decide(turn(), body(follow_up()), toks, EOT)
+    assert d != AsSent("extends")
+    if isinstance(d, Aligned):    # a span the route judges on its text (ocache.substitute.declared)
+        assert d.proof is not None and any(sp.slot_to == N_HELD for sp in d.proof.spans)
 
 
 def test_record_keeps_what_the_next_decision_needs_through_a_chain():
@@ -137,18 +148,24 @@ def test_record_keeps_what_the_next_decision_needs_through_a_chain():
     assert isinstance(d1, Aligned)
     served = d1.splice.n_prompt
     r1 = record(b1, t1, EOT, {"content": "Sure.", "reasoning_content": "ok", "id": "x"}, "stop",
-                n_held=served + 3, slot=0, decision=d1, previous=turn())
+                n_held=served + 3, slot=0, decision=d1, previous=turn(), generated=(30, 31, 6, EOT))
     assert r1.known == PREV_TOKENS                          # the slot's first ids are still these
     assert r1.n_prompt_eot == t1.count(EOT) and r1.n_held == served + 3
+    # every id the slot holds: what it held, the tail served, the ids sampled but the end
+    assert r1.ids == IDS + d1.splice.tail + (30, 31, 6) and len(r1.ids) == r1.n_held
+    assert r1.regions == (REGION, Region(served, served + 3, served, EOT))
+    # the sampled ids must add up to the server's count, else nothing is known
+    assert record(b1, t1, EOT, {"content": "Sure."}, "stop", n_held=served + 4, slot=0, decision=d1,
+                  previous=turn(), generated=(30, 31, 6, EOT)).ids == ()
     assert r1.answer == {"content": "Sure.", "reasoning_content": "ok"}
     assert r1.messages == tuple(b1["messages"]) and r1.fields == {"tools": TOOLS}
     # the next request: the same history (reasoning dropped again), the new answer, one more message
     b2 = body([*b1["messages"], {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "More."}])
-    t2 = t1[:-2] + [6, EOT, 3, 3, EOT, 1, 5]
+    t2 = t1 + [6, EOT, 3, 3, EOT, 1, 5]
     d2 = decide(r1, b2, t2, EOT)
     assert isinstance(d2, Aligned), d2
-    assert d2.splice.n_keep == served + 3 and d2.splice.checked == PREV_TOKENS
-    assert d2.splice.tail == tuple(t2[len(t1) - 2 + 1:])
+    assert d2.splice.n_keep == served + 3 and d2.splice.checked == r1.ids
+    assert d2.splice.tail == tuple(t2[len(t1) + 1:])
     # a request sent as is makes its own prompt the known ids
     r2 = record(b2, t2, EOT, {"content": "x"}, "stop", n_held=40, slot=1, decision=AsSent("extends"), previous=r1)
     assert r2.known == tuple(t2) and r2.slot == 1

@@ -119,9 +119,9 @@ def test_after_an_aligned_answer_the_table_keeps_the_slot_and_plans_new_chats_it
     """Issue 26 follow-up (a newcomer's finding): after an aligned answer the slot table showed the
     slot empty (``tokens 0``, content unknown), so every new conversation went server-placed
     (``X-OCache-Slot: server``, ``X-OCache-Tier: none``) and two of them ran one after the other
-    on one slot. The table must keep the conversation there: the ids ocache knows (the first
-    prompt sent as is), the server's count, the owner; a new chat is planned by ocache, on the
-    other slot."""
+    on one slot. The table must keep the conversation there: the ids ocache knows (the whole
+    prompt served), the server's count, the owner; a new chat is planned by ocache, on the other
+    slot."""
     srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
     prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log").start()
     try:
@@ -130,8 +130,9 @@ def test_after_an_aligned_answer_the_table_keeps_the_slot_and_plans_new_chats_it
         assert "X-OCache-Aligned" in headers
         slot = int(headers["X-OCache-Slot"])
         row = next(s for s in prox.stats()["layer"]["slots"] if s["id"] == slot)
-        first = _tokens(srv.url, turns[0][0])
-        assert row["tokens"] == len(first) and held[:len(first)] == first
+        # every id of the prompt served is known (the slot's ids, then the request's new part)
+        assert row["tokens"] == res["usage"]["prompt_tokens"] == int(headers["X-OCache-Reused"]) + int(
+            headers["X-OCache-Prefilled"])
         assert row["n_total"] == len(held) and row["kind"] == "agent"
         # refused on the aligned slot (the answer edited): the usual route plans it, on that slot,
         # not the server-placed route (which it took while the table had the slot unknown)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ocache.align import Aligned, Turn, decide
+from ocache.substitute import Region
 from ocache.compaction import (OPENCODE_CLOSE, OPENCODE_OPEN, continuation, instruction, matches,
                                opencode_history, opencode_request, parse)
 
@@ -120,7 +121,10 @@ def test_the_continuation_is_the_recorded_conversation_then_the_instruction():
     # the render: 6 turns closed as the recorded prompt's were (reasoning dropped: shorter), the
     # answer closed by the 7th end of turn, the instruction turn, the generation prompt
     render = [1, 2, 3] + [5, eot] * 6 + [6, 6, eot, 4, 4, 4, eot, 7]
-    d = decide(turn(), fields, render, eot)
+    # the slot: the same prompt, then the answer as generated (reasoning 30, 31, then its two ids)
+    ids = (1, 2, 3) + (5, eot) * 6 + (30, 31, 6, 6)
+    t = turn(ids=ids, n_held=len(ids), regions=(Region(15, len(ids), 17, eot),))
+    d = decide(t, fields, render, eot)
     assert isinstance(d, Aligned)
     end = len(render) - 6
-    assert d.splice.n_keep == 40 and d.splice.tail == tuple(render[end:]) and d.splice.checked == (1, 2, 3)
+    assert d.splice.n_keep == len(ids) and d.splice.tail == tuple(render[end:]) and d.splice.checked == ids

@@ -716,7 +716,7 @@ def _splice(n_keep: int, checked: list[int], tail: list[int]) -> dict:
 def test_0008_a_prompt_begins_with_the_slots_own_tokens(start_server, corpus, tmp_path, model):
     """patches/0008: slot 0 holds a prompt and its generation; a request whose own prompt is a
     rewrite of that history (other tokens) plus a new part, with ``ocache_splice`` naming the slot's
-    tokens (all of them, the prompt's part checked by hash) and the new part (its last tokens,
+    tokens (all of them, every one checked by hash) and the new part (its last tokens,
     hashed), is served as the slot's tokens + the new part: only the new part is prefilled (the
     server's counter moves by it), the prompt is that long, and the greedy output equals a cold
     prefill of that prompt. The stock build ignores the field and serves the prompt as sent."""
@@ -726,7 +726,7 @@ def test_0008_a_prompt_begins_with_the_slots_own_tokens(start_server, corpus, tm
     stock = start_server(model, stock=True, n_parallel=2, **SRV)
     ok(stock, "/completion", {"prompt": head, "n_predict": 8, "id_slot": 0, **GREEDY})
     res = ok(stock, "/completion", {"prompt": rewritten, "n_predict": 4, "id_slot": 0, **GREEDY,
-                                    "ocache_splice": _splice(1507, head, tail)})
+                                    "ocache_splice": _splice(1500, head, tail)})
     assert res["tokens_evaluated"] == len(rewritten), res      # served as sent
     assert "ocache" not in ok(stock, "/props")
     stock.stop()
@@ -742,7 +742,7 @@ def test_0008_a_prompt_begins_with_the_slots_own_tokens(start_server, corpus, tm
 
     before = _prompt_tokens_total(srv)
     got = ok(srv, "/completion", {"prompt": rewritten, "n_predict": 16, "id_slot": 0, "return_tokens": True,
-                                  "n_probs": 2, **GREEDY, "ocache_splice": _splice(n_held, head, tail)})
+                                  "n_probs": 2, **GREEDY, "ocache_splice": _splice(n_held, held, tail)})
     assert got["tokens_evaluated"] == n_held + len(tail), got
     assert got["timings"]["cache_n"] == n_held and got["timings"]["prompt_n"] == len(tail), got["timings"]
     assert _prompt_tokens_total(srv) - before == len(tail)
@@ -758,21 +758,28 @@ def test_0008_a_prompt_begins_with_the_slots_own_tokens(start_server, corpus, tm
 
 def test_0008_a_splice_the_slot_does_not_hold_is_refused_and_the_slot_kept(start_server, corpus):
     """patches/0008's refusals, with no prompt token counted and the slot untouched (the next request
-    that extends it reuses all of it): 412 ``precondition_failed_error`` when the slot's checked
-    tokens hash otherwise (another conversation is there), it holds fewer tokens than named, or the
-    new part's hash is not the prompt's last tokens' (the proxy then plans the request again, as for
-    0007's 412); 400 for a malformed field or no ``id_slot``. Every message starts ``ocache_splice``."""
+    that extends it reuses all of it): 412 ``precondition_failed_error`` when the slot's tokens
+    hash otherwise (another conversation is there), it holds fewer tokens than named, or the new
+    part's hash is not the prompt's last tokens' (the proxy then plans the request again, as for
+    0007's 412); 400 for a malformed field, ``n_check`` other than ``n_keep`` (every kept token is
+    checked) or no ``id_slot``. Every message starts ``ocache_splice``."""
     srv = start_server("hybrid", n_parallel=1, **SRV)
     head, tail = corpus[:1200], corpus[N_PROMPT + 300:N_PROMPT + 350]
     first = ok(srv, "/completion", {"prompt": head, "n_predict": 4, "id_slot": 0, "return_tokens": True, **GREEDY})
     n_held = first["tokens_cached"]
     prompt = corpus[5:900] + tail
-    good = _splice(n_held, head, tail)
+    held = head + first["tokens"][:-1]           # the prompt, then every generated id but the last
+    assert len(held) == n_held
+    good = _splice(n_held, held, tail)
     refused = {
         "other conversation": ({**good, "xxh3": _xxh3(corpus[1:1201])}, 412),
-        "longer than held": ({**good, "n_keep": n_held + 1}, 412),
+        "longer than held": ({**good, "n_keep": n_held + 1, "n_check": n_held + 1, "xxh3": _xxh3(held + [0])}, 412),
         "tail not the prompt's": ({**good, "tail_xxh3": _xxh3(corpus[:50])}, 412),
         "check past keep": ({**good, "n_check": n_held + 1}, 400),
+        # every kept token is checked: a proxy (or a client reaching the server directly) cannot
+        # name slot tokens it does not know
+        "check short of keep": ({**good, "n_check": n_held - 1, "xxh3": _xxh3(held[:-1])}, 400),
+        "nothing checked": ({**good, "n_check": 0, "xxh3": _xxh3([])}, 400),
         "tail past prompt": ({**good, "n_tail": len(prompt) + 1}, 400),
         "hash not hex": ({**good, "xxh3": "z" * 16}, 400),
         "missing key": ({k: v for k, v in good.items() if k != "n_tail"}, 400),
@@ -795,6 +802,44 @@ def test_0008_a_splice_the_slot_does_not_hold_is_refused_and_the_slot_kept(start
     res = ok(srv, "/completion", {"prompt": head + first["tokens"][:3] + tail, "n_predict": 1, "id_slot": 0,
                                   **GREEDY, "return_tokens": True})
     assert res["timings"]["cache_n"] == n_held, res["timings"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 0010: the sampled ids in a chat answer's timings ("ocache_generated")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_0010_a_chat_answer_reports_the_ids_it_sampled(start_server, stream):
+    """patches/0010: a chat request with ``"ocache_generated": true`` gets the ids the slot sampled
+    (the end of generation last) in its final ``timings``: the slot then holds its prompt and all of
+    them but the last (docs/llama-server.md §7), every id known. Without the field nothing is added;
+    a non-boolean is a 400; the stock build ignores the field."""
+    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12, "stream": stream,
+            "id_slot": 0, **GREEDY}
+
+    def final_timings(srv: LlamaServer, extra: dict) -> dict:
+        req = urllib.request.Request(srv.url + "/v1/chat/completions", data=json.dumps({**body, **extra}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        raw = urllib.request.urlopen(req, timeout=120).read().decode()
+        if not stream:
+            return json.loads(raw)["timings"]
+        events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+        return [e for e in events if "timings" in e][-1]["timings"]
+
+    stock = start_server("dense", stock=True, n_parallel=1, **SRV)
+    assert "ocache_generated" not in final_timings(stock, {"ocache_generated": True})
+    stock.stop()
+    srv = start_server("dense", n_parallel=1, **SRV)
+    assert ok(srv, "/props")["ocache"]["generated_ids"] is True
+    plain = final_timings(srv, {})
+    assert "ocache_generated" not in plain
+    t = final_timings(srv, {"ocache_generated": True})
+    ids = t["ocache_generated"]
+    assert len(ids) == t["predicted_n"] and all(isinstance(i, int) for i in ids)
+    slots = ok(srv, "/slots")   # the slot's tokens: the prompt, then the sampled ids but the last
+    assert slots[0]["n_prompt_tokens"] == t["cache_n"] + t["prompt_n"] + len(ids) - 1
+    status, res = call(srv, "/v1/chat/completions", {**body, "stream": False, "ocache_generated": "yes"})
+    assert status == 400 and "ocache_generated" in res["error"]["message"], res
 
 
 def _props(srv: LlamaServer, key: str | None = None) -> tuple[dict, str]:

@@ -3,7 +3,7 @@ templates lay them out: the walk finds the answer's end from the generated span,
 end-of-turn ids, and refuses every difference it cannot name."""
 
 from ocache.substitute import (MAX_FILLER, Proof, Refused, Region, check, compare, credentials_of,
-                               declared_text, owned, owner_of, served)
+                               declared, owned, owner_of, served)
 
 THINK, ENDTHINK, EOT, START, NL, NN, ASSIST = 100, 101, 102, 103, 10, 11, 3
 IM_END_TEXT = [60, 61, 62, 63]          # "<|im_end|>" written as text: four ordinary ids
@@ -29,7 +29,7 @@ def rendered_turn(content):
     return [START, ASSIST, NL, THINK, NN, ENDTHINK, NN, *content, EOT, NL]
 
 
-def test_dropped_reasoning_is_one_declared_span_and_the_end_comes_from_the_generated_ids():
+def test_dropped_reasoning_is_one_span_and_the_end_comes_from_the_generated_ids():
     prompt = user(5) + gen_prompt()
     slot, reg = slot_of(prompt, [200, 201, NL, ENDTHINK, NN, 300, 301, EOT])
     render = user(5) + rendered_turn([300, 301]) + user(6) + gen_prompt()
@@ -37,7 +37,7 @@ def test_dropped_reasoning_is_one_declared_span_and_the_end_comes_from_the_gener
     assert isinstance(proof, Proof)
     assert len(proof.spans) == 1
     sp = proof.spans[0]
-    assert slot[sp.slot_from:sp.slot_to][-1] == ENDTHINK and 300 not in slot[sp.slot_from:sp.slot_to]
+    assert slot[sp.slot_from:sp.slot_to] == [NL, 200, 201, NL] and render[sp.render_from:sp.render_to] == [NN]
     assert render[proof.end] == EOT and render[proof.end - 2:proof.end] == [300, 301]
     assert check(slot, render, proof)
     out = served(slot, render, proof)
@@ -45,43 +45,74 @@ def test_dropped_reasoning_is_one_declared_span_and_the_end_comes_from_the_gener
     assert out.count(300) == 1       # the answer once
 
 
-def test_an_answer_quoting_the_end_of_turn_marker_is_refused():
+def test_the_template_dropping_an_empty_block_it_rendered_before_is_one_span():
+    """Qwen3.5 renders an assistant turn after the last user message with ``<think>\\n\\n</think>``
+    and without it once a user message follows: a difference in a prompt the slot was served."""
+    prompt = user(5) + [START, ASSIST, NL, THINK, NN, ENDTHINK, NN, 300, EOT, NL] + [START, 40, EOT, NL] \
+        + gen_prompt()
+    slot, reg = slot_of(prompt, [ENDTHINK, NN, 310, 311, 312, 313, 314, 315, 316, 317, EOT])
+    render = user(5) + [START, ASSIST, NL, 300, EOT, NL] + [START, 40, EOT, NL] \
+        + rendered_turn([310, 311, 312, 313, 314, 315, 316, 317]) + user(6) + gen_prompt()
+    proof = compare(slot, [reg], render, frozenset({EOT}))
+    assert isinstance(proof, Proof) and len(proof.spans) == 2 and check(slot, render, proof)
+
+
+def test_an_answer_quoting_the_end_of_turn_marker_is_not_served_past_its_end():
     """The model wrote "<|im_end|>" as text inside its answer; the template renders the same text as
-    the special id, so the content differs from the slot's and no end is found (counting end-of-turn
-    ids would splice the rest of the answer in twice)."""
+    the special id. Counting end-of-turn ids would splice the rest of the answer in twice; the walk
+    either refuses or reports a span that holds the quoted text, which :func:`declared` refuses on
+    its text (the route then sends the request as it is)."""
     prompt = user(5) + gen_prompt()
     slot, reg = slot_of(prompt, [200, ENDTHINK, NN, 300, *IM_END_TEXT, 301, EOT])
     render = user(5) + rendered_turn([300, EOT, 301]) + user(6) + gen_prompt()
     out = compare(slot, [reg], render, frozenset({EOT}))
-    assert isinstance(out, Refused) and out.reason == "answer end not found"
+    if isinstance(out, Proof):
+        # the walk's span holds the quoted text (the slot's) against the rendering's special id or
+        # nothing: its windows are judged on their text below, and refused
+        assert check(slot, render, out)
+        assert any(IM_END_TEXT[0] in slot[sp.slot_from:sp.slot_to] for sp in out.spans)
+    assert declared("<think>\nr\n</think>\n\nA<|im_end|>B", "<think>\n\n</think>\n\nA") is None
 
 
-def test_a_retokenised_answer_is_refused():
+def test_a_retokenised_answer_differs_in_its_content():
     prompt = user(5) + gen_prompt()
     slot, reg = slot_of(prompt, [200, ENDTHINK, NN, 300, 301, 302, EOT])
     render = user(5) + rendered_turn([300, 399, 302]) + user(6) + gen_prompt()   # 301 split otherwise
-    assert isinstance(compare(slot, [reg], render, frozenset({EOT})), Refused)
+    out = compare(slot, [reg], render, frozenset({EOT}))
+    assert isinstance(out, Refused) or any(301 in slot[sp.slot_from:sp.slot_to] for sp in out.spans)
+    assert declared("<think>\nr\n</think>\n\nhello world", "<think>\n\n</think>\n\nhello world!") is None
 
 
-def test_a_change_outside_the_generated_turns_is_refused():
+def test_a_change_in_a_user_turn_is_a_span_that_is_not_declared():
     prompt = user(5) + gen_prompt()
     slot, reg = slot_of(prompt, [200, ENDTHINK, NN, 300, EOT])
     render = user(7) + rendered_turn([300]) + user(6) + gen_prompt()
     out = compare(slot, [reg], render, frozenset({EOT}))
-    assert isinstance(out, Refused) and out.reason == "differs outside a generated turn"
+    assert isinstance(out, Refused) or out.spans[0].slot_from < len(user(5))
+    assert declared("<|im_start|>user\nfix a\n<|im_end|>", "<|im_start|>user\nfix b\n<|im_end|>") is None
+    assert declared("user\na\n\nb", "user\na\nb") is None     # whitespace alone is no reasoning
 
 
-def test_a_tool_loop_of_two_generations_gives_two_spans():
+def test_the_slot_must_end_with_a_generated_turn_followed_by_an_end_of_turn():
+    prompt = user(5) + gen_prompt()
+    slot, reg = slot_of(prompt, [200, ENDTHINK, NN, 300, EOT])
+    render = user(5) + rendered_turn([300])
+    assert isinstance(compare(slot, [reg], render + user(6), frozenset({EOT})), Proof)
+    assert compare(slot, [Region(0, len(slot) - 1, 0)], render + user(6), frozenset({EOT})) == \
+        Refused("the slot does not end with a generated turn")
+    assert compare(slot, [reg], render[:-2] + [77, 78], frozenset({EOT})) == Refused("no agreement after a difference")
+
+
+def test_a_tool_loop_of_two_generations_gives_a_span_each():
     p1 = user(5) + gen_prompt()
-    slot, r1 = slot_of(p1, [200, ENDTHINK, NN, 300, EOT])
+    slot, r1 = slot_of(p1, [200, ENDTHINK, NN, 300, 301, 302, 303, 304, 305, 306, 307, EOT])
     tail = [EOT, NL, START, 40, 41, EOT, NL] + gen_prompt()          # the tool result, served as a tail
-    p2 = slot + tail
-    slot, r2 = slot_of(p2, [210, 211, ENDTHINK, NN, 310, EOT])
-    render = user(5) + rendered_turn([300])[:-2] + tail + rendered_turn([310])[3:] + user(6) + gen_prompt()
-    render = user(5) + [START, ASSIST, NL, THINK, NN, ENDTHINK, NN, 300] + tail[:-2] + \
-        [THINK, NN, ENDTHINK, NN, 310, EOT, NL] + user(6) + gen_prompt()
+    slot, r2 = slot_of(slot + tail, [210, 211, ENDTHINK, NN, 310, EOT])
+    render = user(5) + [START, ASSIST, NL, THINK, NN, ENDTHINK, NN, 300, 301, 302, 303, 304, 305, 306, 307] \
+        + tail[:-2] + [THINK, NN, ENDTHINK, NN, 310, EOT, NL] + user(6) + gen_prompt()
     proof = compare(slot, [r1, r2], render, frozenset({EOT}))
     assert isinstance(proof, Proof) and len(proof.spans) == 2 and check(slot, render, proof)
+    assert render[proof.end - 1] == 310
 
 
 def test_the_filler_is_bounded():
@@ -102,14 +133,17 @@ def test_check_fails_on_a_wrong_proof():
     assert not check(slot, render, Proof(proof.end, (), proof.n_keep))
 
 
-def test_declared_text_names_dropped_and_rerendered_reasoning_and_refuses_altered():
-    assert declared_text("\nI should list files\n</think>", "\n\n</think>") == "reasoning dropped"
-    assert declared_text("\nI should list files\n</think>", "") == "reasoning dropped"
-    assert declared_text("<think>\nI should  list files\n</think>\n\n",
-                         "<think>\nI should list files\n</think>\n\n") == "reasoning re-rendered"
-    assert declared_text("\nI should list files\n</think>", "\nI should delete files\n</think>") is None
-    assert declared_text("\nreasoning\n</think>\n\nHello", "") is None       # content on the slot side
-    assert declared_text("", "<think>\n\n</think>\n\n") == "reasoning dropped"
+def test_declared_names_dropped_and_rerendered_reasoning_and_refuses_altered():
+    w = "<|im_start|>assistant\n"
+    assert declared(w + "<think>\nI should list files\n</think>\n\nok", w + "<think>\n\n</think>\n\nok") \
+        == "reasoning dropped"
+    assert declared(w + "<think>\n\n</think>\n\n<tool_call>", w + "<tool_call>") == "reasoning dropped"
+    assert declared(w + "<think>\nI should  list files\n</think>\n\nok",
+                    w + "<think>\nI should list files\n</think>\n\nok") == "reasoning re-rendered"
+    assert declared(w + "<think>\nI should list files\n</think>\n\nok",
+                    w + "<think>\nI should delete files\n</think>\n\nok") is None
+    assert declared(w + "<think>\nr\n</think>\n\nok", w + "<think>\n\n</think>\n\nnot ok") is None
+    assert declared(w + "<think>\nr\n</think>\n\nok", w + "</think>\n\nok") is None       # a lone tag
 
 
 def test_owner_is_session_and_credentials():

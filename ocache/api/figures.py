@@ -89,9 +89,23 @@ def correct_usage(usage: Mapping | None, split: int) -> dict | None:
     return u
 
 
+#: the sampled ids ocache asked for (``"ocache_generated": [...]`` inside ``timings``,
+#: patches/0010), with the comma that joins them to the object; a ``"`` inside a JSON string is
+#: always escaped, so generated text cannot match
+_GENERATED = re.compile(rb',"ocache_generated":\[[0-9,]*\]|"ocache_generated":\[[0-9,]*\],?')
+
+
+def strip_generated(data: bytes) -> bytes:
+    """``data`` without the sampled ids the server added for ocache (patches/0010): the client
+    reads the server's answer as it would without ocache."""
+    return _GENERATED.sub(b"", data) if b'"ocache_generated"' in data else data
+
+
 def rewrite(data: bytes, split: int, split_ms: float = 0.0) -> bytes:
-    """A response body or one SSE line with the correction applied (see the module docstring);
-    ``data`` unchanged when ``split <= 0`` or no figure occurs in it."""
+    """A response body or one SSE line with the correction applied (see the module docstring) and
+    the sampled ids taken out (:func:`strip_generated`); ``data`` unchanged when ``split <= 0`` or
+    no figure occurs in it."""
+    data = strip_generated(data)
     if split <= 0 or (b'"cache_n"' not in data and b'"cached_tokens"' not in data
                       and b'"cache_read_input_tokens"' not in data):
         return data

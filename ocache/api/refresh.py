@@ -62,7 +62,7 @@ class Fresh:
 
     def timings(self, t: dict) -> dict:
         """A ``timings`` object as the replay reports it (a new dict)."""
-        out = dict(t)
+        out = {k: v for k, v in t.items() if k != "ocache_generated"}   # ocache's own (patches/0010)
         for k, v in (("prompt_n", 0), ("prompt_ms", 0.0), ("cache_n", self.n_prompt),
                      ("predicted_n", 0), ("predicted_ms", 0.0)):
             if k in out:

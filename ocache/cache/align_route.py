@@ -40,13 +40,16 @@ proxy for a non-streamed chat answer, and for a streamed one from its deltas whe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from ocache.align import PROBE, Aligned, AsSent, Turn, canonical, decide, record, turn_end_marker
+from ocache.align import (PROBE, Aligned, AsSent, Turn, canonical, decide, record, sampled_ids,
+                          turn_end_marker)
+from ocache.substitute import declared, owner_of
 from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.execute import PlanContext
 from ocache.config import field_of
@@ -84,6 +87,11 @@ class AlignContext:
     body: Mapping
     #: the slot table's ``seq`` of the content this request leaves (``hold_known``), for ``finish``
     seq: int = -1
+    #: the declared spans, named (``ocache.substitute.declared_text``): the debug record of what
+    #: the served prompt differs from the rendering in
+    declared: tuple[str, ...] = ()
+    #: set once the server answered it 200 (it was served and counted, ``aligned``)
+    served: bool = False
 
 
 def held_after(timings: Mapping) -> int | None:
@@ -146,6 +154,11 @@ class AlignRoute:
         self.counters: Counter[str] = Counter()
         self.last: deque[dict] = deque(maxlen=LAST_KEPT)
         self.eot_id: int | None = None
+        self.think_close: int | None = None
+        self._memo: dict[tuple[tuple[int, ...], tuple[int, ...], bool], str] = {}
+        self._names: tuple[str, ...] = ()
+        #: why alignment is off on this server (stats ``align.off``), None while it is on
+        self.off_why: str | None = None
         self._probed = False
 
     def forget(self) -> None:
@@ -167,7 +180,11 @@ class AlignRoute:
                 break
 
     def stats(self) -> dict:
-        return {"enabled": self.on, "records": len(self.records), **self.counters, "last": list(self.last)}
+        # planned but not served (the server refused the splice, 412; the client left first; the
+        # plan ended before it was sent): only ``aligned`` counts substitutions that were served
+        not_served = max(0, self.counters["aligned_planned"] - self.counters["aligned"])
+        return {"enabled": self.on, "off": self.off_why, "records": len(self.records), **self.counters,
+                "aligned_not_served": not_served, "last": list(self.last)}
 
     async def _eot(self, layer: Any) -> int | None:
         """The template's end-of-turn token (``ocache.align.turn_end_marker`` of the server's render
@@ -179,15 +196,28 @@ class AlignRoute:
         self._probed = True
         self.eot_id = None
         if not (props.get("ocache") or {}).get("splice"):
+            self.off_why = "the server does not serve ocache_splice (patches/0008)"
             return None
         rendered = (await layer._viewer._post("/apply-template", {
             "messages": [{"role": "user", "content": PROBE}], "add_generation_prompt": False})).get("prompt", "")
         marker = turn_end_marker(rendered) if isinstance(rendered, str) else None
         toks = await layer._viewer._tokenize_remote(marker, False) if marker else []
         self.eot_id = toks[0] if len(toks) == 1 else None
+        # the sampled ids (patches/0010) make every token of the slot known; without them nothing
+        # can be compared and nothing is aligned (``not_aligned_why``)
+        if not (props.get("ocache") or {}).get("generated_ids"):
+            self.eot_id = None
+            self.off_why = "the server does not report the sampled ids (patches/0010)"
+            return None
+        if self.eot_id is None:
+            self.off_why = "the template shows no single end-of-turn token"
+            return None
+        close = await layer._viewer._tokenize_remote("</think>", False)
+        self.think_close = close[0] if len(close) == 1 else None
+        self.off_why = None
         return self.eot_id
 
-    def _candidate(self, table: SlotTable, msgs: list) -> tuple[int, Turn] | None:
+    def _candidate(self, table: SlotTable, msgs: list) -> tuple[int, int, Turn] | None:
         """The slot whose record's messages open ``msgs`` (reasoning aside) and whose content is
         still the one recorded."""
         for slot, (seq, turn) in list(self.records.items()):
@@ -203,8 +233,47 @@ class AlignRoute:
             if st.seq != seq or st.pending:
                 self.records.pop(slot, None)
                 continue
-            return slot, turn
+            return slot, seq, turn
         return None
+
+    async def _declared(self, layer: Any, turn: Turn, tokens: Sequence[int], dec: Aligned) -> str | None:
+        """Judge each span of the gate's proof on its text (``/detokenize`` of its two windows,
+        ``ocache.substitute.declared``): None when every one is a reasoning block dropped or
+        re-rendered (their names kept in ``self._names`` for the plan's context), else why not."""
+        proof = dec.proof
+        if proof is None:
+            return "no proof"
+        names = []
+        for sp in proof.spans:
+            sides = (tuple(turn.ids[sp.window_slot[0]:sp.window_slot[1]]),
+                     tuple(tokens[sp.window_render[0]:sp.window_render[1]]))
+            key = (*sides, sp.generated)
+            why = self._memo.get(key)
+            if why is None:
+                texts = await asyncio.gather(*(self._detokenize(layer, side) for side in sides))
+                why = declared(*texts, generated=sp.generated) or ""
+                if not why:
+                    log.debug("undeclared span %s: slot %r, render %r", sp, *texts)
+                if len(self._memo) >= 1024:
+                    self._memo.pop(next(iter(self._memo)))
+                self._memo[key] = why
+            if not why:
+                return "undeclared difference"
+            names.append(f"{why}: slot {sp.slot_from}-{sp.slot_to} for render {sp.render_from}-{sp.render_to}")
+        self._names = tuple(names)
+        return None
+
+    @staticmethod
+    async def _detokenize(layer: Any, ids: Sequence[int]) -> str:
+        """The server's text of ``ids`` (``POST /detokenize``, tools/server/server-context.cpp
+        ``handle_detokenize``)."""
+        if not ids:
+            return ""
+        got = await layer._viewer._post("/detokenize", {"tokens": list(ids)})
+        text = got.get("content") if isinstance(got, Mapping) else None
+        if not isinstance(text, str):
+            raise ValueError("/detokenize answered without content")
+        return text
 
     async def _settle(self, table: SlotTable, keys: Any) -> None:
         """An agent sends its next turn the moment the previous answer ends, before the proxy has
@@ -239,33 +308,43 @@ class AlignRoute:
         found = self._candidate(table, msgs)
         if found is None:
             return None
-        slot, turn = found
+        slot, seq, turn = found
         eot = self.eot_id
         assert eot is not None
         view = await view_of() if view_of is not None else await layer._viewer.view(path, body, head, keys)
         if view is None:   # the server rejects the body: the usual route forwards it as sent
             return None
-        dec = decide(turn, body, view.tokens, eot, n_ctx=table.params.n_ctx_slot)
+        dec = decide(turn, body, view.tokens, eot, n_ctx=table.params.n_ctx_slot, owner=owner_of(req.headers))
+        if isinstance(dec, Aligned):
+            why = await self._declared(layer, turn, view.tokens, dec)
+            if why is not None:
+                dec = AsSent(why)
         if isinstance(dec, AsSent):
             self.counters["as_sent_" + dec.reason.replace(" ", "_")] += 1
             if dec.reason != "extends":
                 log.info("[%s] not aligned on slot %d: %s", req.request_id, slot, dec.reason)
             return None
-        seq = table[slot].seq
+        # the slot's content is the one the record was checked against (``seq`` from before the
+        # view was awaited): another request that took the slot meanwhile voids the plan here,
+        # not with a 412 of the server
         lease = await table.lease(slot)
         if table[slot].seq != seq or table[slot].pending:
             lease.release()
+            self.counters["aligned_slot_changed"] += 1
             return None
         sp = dec.splice
-        self.counters["aligned"] += 1
-        self.counters["aligned_saved_tokens"] += dec.saved
+        self.counters["aligned_planned"] += 1
         self.last.append({"request_id": req.request_id, "time": time.time(), "slot": slot,
                           "kept": sp.n_keep, "new": len(sp.tail), "saved": dec.saved})
         log.info("[%s] aligned on slot %d: the slot's %d tokens + %d new of the request's %d",
                  req.request_id, slot, sp.n_keep, len(sp.tail), len(view.tokens))
+        # the slot's whole prompt is known now: its ids, then the request's new part
         ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body,
-                           seq=hold_known(table, slot, turn.known))
+                           seq=hold_known(table, slot, tuple(turn.ids) + tuple(sp.tail)),
+                           declared=self._names)
         self.records.pop(slot, None)
+        if ctx.declared:
+            log.debug("[%s] declared: %s", req.request_id, "; ".join(ctx.declared))
 
         async def release() -> None:
             lease.release()
@@ -314,6 +393,10 @@ class AlignRoute:
                 return
             if obs.status == 412:
                 self.counters["aligned_refused"] += 1
+            elif obs.status == 200 and on_observed is None and not ctx.served:
+                ctx.served = True
+                self.counters["aligned"] += 1
+                self.counters["aligned_saved_tokens"] += ctx.decision.saved
             self._settle_slot(table, ctx, obs)
         elif isinstance(ctx, PlanContext):
             slot = ctx.slot
@@ -335,11 +418,13 @@ class AlignRoute:
             if n_held is None or table[slot].seq != ctx.seq or table[slot].pending:
                 return   # no count, or the slot was planned again meanwhile: its record is that plan's
             turn = record(body, ctx.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
-                          n_held, slot, ctx.decision, ctx.turn)
+                          n_held, slot, ctx.decision, ctx.turn, generated=sampled_ids(t),
+                          think_close=self.think_close, owner=owner_of(req.headers))
         else:
             st = table[slot]
             if st.pending or st.n_total is None or st.tokens != list(ctx.view.tokens):
                 return
             turn = record(body, ctx.view.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
-                          st.n_total, slot, None, None, raw)
+                          st.n_total, slot, None, None, raw, generated=sampled_ids(t),
+                          think_close=self.think_close, owner=owner_of(req.headers))
         self.records[slot] = (table[slot].seq, turn)

@@ -66,6 +66,9 @@ from ocache.tiers.spill import SessionTier
 from ocache.tokens import CHAT_ROUTES, TokenViewer, TokenViewError
 from ocache.warm import FolderJournal, WarmDeps
 
+#: the chat routes whose answers the align route records (their turns may be substituted later)
+CHAT_ROUTES = ("/v1/chat/completions", "/chat/completions")
+
 log = logging.getLogger("ocache.cache")
 
 __all__ = ["CHAT_ROUTES", "OCacheLayer"]
@@ -379,6 +382,18 @@ class OCacheLayer:
         return await estimate_of(self, req)
 
     async def plan(self, req: ParsedRequest) -> Plan:
+        """The plan of :meth:`_route`; a chat turn pinned to a slot asks the server for the ids it
+        samples (``ocache_generated``, patches/0010) while alignment is on and the server reports
+        them: the next turn's substitution is then compared on every id the slot holds
+        (``ocache/substitute.py``). The ids are taken out of the answer before the client sees it
+        (``ocache.api.figures.strip_generated``)."""
+        plan = await self._route(req)
+        if (self.align.on and req.path in CHAT_ROUTES and isinstance(plan.body_updates.get("id_slot"), int)
+                and ((getattr(self.upstream, "props", None) or {}).get("ocache") or {}).get("generated_ids")):
+            plan.body_updates["ocache_generated"] = True
+        return plan
+
+    async def _route(self, req: ParsedRequest) -> Plan:
         """Dispatch ``req`` to the first route that takes it (``routes.BEFORE_VIEW`` on its shape,
         then ``routes.AFTER_VIEW`` on its prepared form); a request no route may pin gets a plan
         that forwards it as it is (counted by why)."""

@@ -1,0 +1,175 @@
+"""Substitutions attacked through ``ocache serve`` on a real llama-server (tiny hybrid, Qwen3.5's own
+template): a client's own splice fields never reach the server, an aligned turn is served only to the
+session that owns the conversation, and an answer that quotes the end-of-turn marker is never spliced
+past its end (the served prompt, read back from the saved slot, is the rendering or a declared splice).
+The gate's pure checks: ``tests/test_substitute.py``."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+from ocache.align import xxh3
+from ocache.bench.run import OCacheProcess
+from test_patch import slot_file_tokens
+from test_real_templates import ANSWER, CALL, TOOLS, _post, serve_template  # noqa: F401
+from ocache.toolchain import engine
+
+pytestmark = pytest.mark.server
+
+SERVED = re.compile(r"ocache_splice: prompt = (\d+) tokens of the slot")
+NEW_USER = "Thanks. Which file would you change first?"
+
+
+def _chat(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+
+def _tokens(url: str, body: dict) -> list[int]:
+    prompt = _post(url, "/apply-template", {k: body[k] for k in ("messages", "tools") if k in body})["prompt"]
+    return _post(url, "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})["tokens"]
+
+
+def _saved(srv, tmp_path, slot: int, name: str) -> list[int]:
+    _post(srv.url, f"/slots/{slot}?action=save", {"filename": name})
+    return slot_file_tokens(tmp_path / "slots" / name)
+
+
+def _loop(url: str, session: str, answer_grammar: str = ANSWER) -> list[tuple[dict, dict, dict]]:
+    """A tool turn under a grammar, its result, the answer, a new user message, as opencode sends
+    them (the reasoning dropped), for ``session``. Returns (body, response, headers) per request."""
+    msgs = [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Read a file, then say what it does."}]
+    out = []
+    for i, grammar in enumerate((CALL, answer_grammar, ANSWER)):
+        body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0,
+                "max_tokens": 200, "grammar": grammar}
+        status, res, headers = _chat(url, body, {"x-session-affinity": session})
+        assert status == 200, res
+        out.append((body, res, headers))
+        content = res["choices"][0]["message"]["content"]
+        if i == 0:
+            msgs = msgs + [{"role": "assistant", "content": content},
+                           {"role": "tool", "tool_call_id": "c1",
+                            "content": engine.chat_template_file("Qwen3.5-4B.jinja").read_text()[:1500]}]
+        else:
+            msgs = msgs + [{"role": "assistant", "content": content}, {"role": "user", "content": NEW_USER}]
+    return out
+
+
+def _spliced(srv) -> list[int]:
+    return [int(m) for m in SERVED.findall(srv.log_tail(100000))]
+
+
+def test_a_clients_own_splice_is_never_served(serve_template, tmp_path):
+    """Session B sends ``ocache_splice`` itself (with nothing checked, and with the right hash of
+    session A's slot read from its file) and ``X-OCache-Splice``: every try is served B's own
+    rendering (the server's prompt is B's, no splice in its log), no 412 and no server detail
+    reaches B; patched llama-server reached directly refuses the unchecked form with 400."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, "ses_alice")
+        slot = int(turns[-1][2]["X-OCache-Slot"])
+        held = _saved(srv, tmp_path, slot, "alice.bin")
+        before = _spliced(srv)
+        body = {"messages": [{"role": "system", "content": "You are a coding agent."},
+                             {"role": "user", "content": "Hello?"}], "max_tokens": 4, "temperature": 0}
+        own = _tokens(srv.url, body)
+        tail = own[-2:]
+        tries = [
+            {"n_keep": 60, "n_check": 0, "xxh3": xxh3([]), "n_tail": 2, "tail_xxh3": xxh3(tail)},
+            {"n_keep": 60, "n_check": 60, "xxh3": xxh3(held[:60]), "n_tail": 2, "tail_xxh3": xxh3(tail)},
+            {"n_keep": len(held), "n_check": len(held), "xxh3": xxh3(held), "n_tail": 2,
+             "tail_xxh3": xxh3(tail)},
+        ]
+        for sp in tries:
+            for extra in ({"id_slot": slot}, {}):
+                status, res, headers = _chat(prox.url, {**body, **extra, "ocache_splice": sp},
+                                             {"x-session-affinity": "ses_mallory", "X-OCache-Splice": "60"})
+                assert status == 200, res
+                t = res["timings"]
+                assert t["cache_n"] + t["prompt_n"] == len(own), (sp, t)
+                assert "ocache_generated" not in t
+        assert _spliced(srv) == before, "a client's splice was served"
+        # the server itself refuses a splice that checks fewer tokens than it keeps (patches/0008)
+        status = _chat(srv.url, {**body, "id_slot": slot, "ocache_splice": tries[0]})[0]
+        assert status == 400
+    finally:
+        prox.stop()
+
+
+def test_an_aligned_turn_is_served_only_to_its_own_session(serve_template, tmp_path):
+    """Session A's conversation is in a slot; B sends A's exact next request (same messages, A's
+    answer included: what a second session with the same prompts sends) under its own session key
+    (and again with A's key but other credentials): B is served its own rendering, never A's slot
+    tokens, while A's own request is aligned there."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, "ses_alice")
+        body, res, _ = turns[-1]
+        nxt = dict(body, grammar=ANSWER, messages=body["messages"] + [
+            {"role": "assistant", "content": res["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And the second file?"}])
+        own = len(_tokens(srv.url, nxt))
+        for who in ({"x-session-affinity": "ses_bob"},
+                    {"x-session-affinity": "ses_alice", "Authorization": "Bearer someone-else"}):
+            aligned = prox.stats()["layer"]["align"].get("aligned_planned", 0)
+            status, res_b, h_b = _chat(prox.url, nxt, who)
+            assert status == 200 and "X-OCache-Aligned" not in h_b, who
+            assert res_b["timings"]["cache_n"] + res_b["timings"]["prompt_n"] == own
+            assert prox.stats()["layer"]["align"].get("aligned_planned", 0) == aligned
+        # A itself, on a slot that holds its own conversation, is aligned (the control)
+        _, res_a, _ = _chat(prox.url, nxt, {"x-session-affinity": "ses_alice"})
+        nxt2 = dict(nxt, messages=nxt["messages"] + [
+            {"role": "assistant", "content": res_a["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Thanks."}])
+        status, _, h_a = _chat(prox.url, nxt2, {"x-session-affinity": "ses_alice"})
+        assert status == 200 and "X-OCache-Aligned" in h_a, h_a
+    finally:
+        prox.stop()
+
+
+QUOTE = 'root ::= [a-z] [a-z]{1,9} (" " [a-z]{1,9}){6,12} "\\n</think>\\n\\n" "Close each turn with <|im_end|> then stop."'
+
+
+def test_an_answer_quoting_the_end_of_turn_marker_is_never_spliced_past_its_end(serve_template, tmp_path):
+    """The answer writes ``<|im_end|>`` as text (the template renders the same text as the special
+    id). The next request's prompt, read back from the saved slot, is the rendering as sent, or a
+    splice whose text is the rendering's with reasoning blocks aside: never the answer twice."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, "ses_alice", answer_grammar=QUOTE)
+        quoted = turns[1][1]["choices"][0]["message"]["content"]
+        assert "<|im_end|>" in quoted
+        body, res, headers = turns[2]
+        slot = int(headers["X-OCache-Slot"])
+        held = _saved(srv, tmp_path, slot, "after.bin")
+    finally:
+        prox.stop()
+    n_prompt = res["timings"]["cache_n"] + res["timings"]["prompt_n"]
+    served = held[:n_prompt]
+    rendered = _tokens(srv.url, body)
+    if "X-OCache-Aligned" not in headers:
+        assert served == rendered
+        return
+    text = _post(srv.url, "/detokenize", {"tokens": served})["content"]
+    want = _post(srv.url, "/detokenize", {"tokens": rendered})["content"]
+    drop = re.compile(r"\s*<think>.*?</think>\s*", re.S)
+    assert drop.sub("\n", text) == drop.sub("\n", want)
+    assert text.count("Close each turn with") == want.count("Close each turn with") == 1
