@@ -15,7 +15,9 @@ the server's default, read from ``GET /props`` ``default_generation_settings.par
 count (``temperature``, ``top_p``, ``top_k``: server-chat.cpp:592-597), the rest is the server's
 default. No props: no request is cached. The seed is not asked for: a greedy chain never draws.
 
-**The key** (:func:`key_of`), a SHA-256 of: the server's identity (``fingerprint.Identity.key``:
+**The key** (:func:`key_of`), a SHA-256 of: the requester's credentials (:func:`credentials_of`:
+a SHA-256 of the request's ``Authorization`` and ``X-Api-Key`` headers, every value, in order; the
+raw header values are kept nowhere), the server's identity (``fingerprint.Identity.key``:
 model file, build, chat templates, state flags), its default sampling parameters (the props
 above: a restart with ``--repeat-penalty 1.1`` is another key), the route, the rendered prompt
 tokens (the request's token view, ``ocache/cache/prepare.py``, built once per request and shared
@@ -25,6 +27,16 @@ prompt fields themselves (``messages``; Anthropic ``system``; Responses ``input`
 ``instructions``) are left to the tokens, unless a message has a part that is not text (an image:
 its rows are placeholder tokens, the same for every image, seed §13.11), when they are keyed as
 JSON too; ``/completion`` and ``/v1/completions`` key their ``prompt`` as JSON as well.
+
+**Why the credentials.** llama-server started with ``--api-key`` answers 401 to a request whose
+key it does not accept (server-http.cpp:260-305: the ``Authorization`` header, ``Bearer ``
+stripped, else ``X-Api-Key``; every route but ``/health``, ``/v1/health`` and the web UI's files,
+251-258). An entry is stored only from the server's 200 answer, so an entry keyed with
+credentials C exists only if the server accepted C; a request with other credentials (none, a
+wrong key, the right key in the other header) never matches it, nor waits on a request answering
+it (coalescing goes by the key), and goes upstream for the server's own answer. ocache does not know which keys the server accepts (or
+whether it checks any), so clients with different credentials never share an entry, even on a
+server without ``--api-key``.
 
 **Stored**: only a complete 200 answer (a JSON object without ``error``; a stream whose final
 event arrived and with no ``error`` object), at most ``max_mb`` MiB in all (least recently used
@@ -36,9 +48,9 @@ with fresh ids and timestamps and figures that say so (``ocache/api/refresh.py``
 whole prompt, 0 prefilled, 0 decoded; ``cached_tokens`` the prompt), headers ``X-OCache-Tier:
 response``, ``X-OCache-Prefilled: 0``, ``X-OCache-Reused``: the prompt, ``X-OCache-Split: 0``.
 
-**Coalesced**: a request whose key is being answered upstream waits for that answer (at most the
-read timeout of its own forward) and is replayed from it; when that answer is not stored (an
-error, the client gone) it goes upstream itself.
+**Coalesced**: a request whose key (credentials included) is being answered upstream waits for
+that answer (at most the read timeout of its own forward) and is replayed from it; when that
+answer is not stored (an error, a 401, the client gone) it goes upstream itself.
 
 **Its cost**: a greedy request's token view is built before it is planned (the known route,
 which otherwise forwards a conversation's next turn before its view, then waits for it); the plan
@@ -88,6 +100,9 @@ TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "reasoni
                         "function_call_output", "message", "summary_text", "reasoning_text"})
 #: the sampling fields the Anthropic converter carries (server-chat.cpp:592-597)
 ANTHROPIC_SAMPLING = frozenset({"temperature", "top_p", "top_k"})
+#: the request headers llama-server reads a client's key from (server-http.cpp:271-276), keyed
+#: by their hash (:func:`credentials_of`)
+CREDENTIAL_HEADERS = ("Authorization", "X-Api-Key")
 #: final events of a stream (relay.SSEObserver): chat/text ``[DONE]``, Anthropic, Responses
 FINAL_MARKERS = (b"data: [DONE]", b"message_stop", b"response.completed")
 
@@ -152,15 +167,32 @@ def _has_media(value: Any) -> bool:
     return False
 
 
+def credentials_of(headers: Mapping[str, str]) -> str:
+    """The requester's credentials as a hex SHA-256: every value of each of ``CREDENTIAL_HEADERS``
+    in ``headers`` (an aiohttp ``CIMultiDictProxy``, or any mapping: names matched without case),
+    in order, the header's name with them. No credential header gives one fixed digest. The values
+    are hashed as sent (``Bearer K`` and ``X-Api-Key: K`` are two digests, as are two spellings of
+    one key): a request only matches entries stored for exactly its own headers."""
+    getall = getattr(headers, "getall", None)
+    parts = []
+    for name in CREDENTIAL_HEADERS:
+        values = (list(getall(name, [])) if getall is not None
+                  else [v for k, v in headers.items() if k.lower() == name.lower()])
+        parts.append([name.lower(), values])
+    raw = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))   # lone surrogates escaped
+    return hashlib.sha256(b"ocache-credentials\0" + raw.encode("ascii")).hexdigest()
+
+
 def key_of(identity: str, defaults: Mapping[str, Any] | None, path: str, tokens: Sequence[int],
-           body: Mapping[str, Any]) -> str:
-    """The response cache key (hex SHA-256) of a request: see the module docstring."""
+           body: Mapping[str, Any], *, credentials: str) -> str:
+    """The response cache key (hex SHA-256) of a request: see the module docstring.
+    ``credentials``: :func:`credentials_of` the request's headers."""
     prompt = PROMPT_FIELDS.get(path, frozenset())
     rest = {k: v for k, v in body.items() if k not in prompt}
     if prompt and any(_has_media(body.get(k)) for k in prompt):
         rest = dict(body)   # placeholder tokens do not name an image: the prompt is keyed as JSON
-    head = json.dumps([identity, dict(defaults or {}), path, rest], sort_keys=True, ensure_ascii=False,
-                      separators=(",", ":"), default=str)
+    head = json.dumps([credentials, identity, dict(defaults or {}), path, rest], sort_keys=True,
+                      ensure_ascii=False, separators=(",", ":"), default=str)
     h = hashlib.sha256(head.encode("utf-8", "surrogatepass"))
     h.update(b"\0tokens\0")
     h.update(array("q", tokens).tobytes())
@@ -289,7 +321,8 @@ class ResponseCache:
         if prep is None:
             self.counters["not_keyed"] += 1
             return None
-        key = key_of(prep.identity, defaults, preq.path, prep.tokens, body)
+        key = key_of(prep.identity, defaults, preq.path, prep.tokens, body,
+                     credentials=credentials_of(att.request.headers))
         wait_s = att.timeout.sock_read or proxy.config.upstream_read_timeout_s
         while True:
             entry = self.get(key)
@@ -450,4 +483,4 @@ async def _prepared(layer: Any, preq: Any) -> Any:
         return None
 
 
-__all__ = ["Entry", "Lead", "ResponseCache", "greedy", "key_of", "RESPONSES_ROUTES"]
+__all__ = ["Entry", "Lead", "ResponseCache", "credentials_of", "greedy", "key_of", "RESPONSES_ROUTES"]

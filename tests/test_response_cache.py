@@ -14,6 +14,10 @@ prefilled, ``llamacpp:tokens_predicted_total``: tokens decoded), before and afte
   test until one of them waits for the other's answer (``ResponseCache.followed``), so they overlap
   by construction, not by timing.
 * A non-greedy request is never served from it, and an error answer is never stored.
+* Behind llama-server's ``--api-key``: an answer stored for a valid key is replayed only to that
+  key; a request with no key, a wrong key, or the key in another header goes to the server and gets
+  its 401 (or its 200: a valid key in ``X-Api-Key``), also while the valid request is in flight
+  (it does not wait on it); an identical request with the valid key does.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ocache.api.refresh import ID_KEYS, TIME_KEYS
 from ocache.cache import OCacheLayer
 from ocache.config import Config
 from ocache.proxy import RUNNER_KWARGS, Proxy
+from ocache.response_cache import Lead
 
 pytestmark = pytest.mark.server
 
@@ -47,9 +52,9 @@ CASES = [
 
 
 @asynccontextmanager
-async def proxy_for(srv, tmp_path, admin_token=None, **rc):
+async def proxy_for(srv, tmp_path, admin_token=None, upstream_api_key=None, **rc):
     cfg = Config(upstream=srv.url, cache_dir=str(tmp_path / "cache"), admin_token=admin_token,
-                 response_cache={"enabled": True, **rc},
+                 upstream_api_key=upstream_api_key, response_cache={"enabled": True, **rc},
                  tiers={"resident": {"server_args": srv.command()[1:]}})
     proxy = Proxy(cfg, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
     server = TestServer(proxy.make_app(), host="127.0.0.1")
@@ -73,10 +78,11 @@ async def work(s: aiohttp.ClientSession, url: str) -> tuple[int, int]:
     return got["llamacpp:prompt_tokens_total"], got["llamacpp:tokens_predicted_total"]
 
 
-async def ask(s: aiohttp.ClientSession, base: str, path: str, body: dict) -> tuple[int, dict, list]:
+async def ask(s: aiohttp.ClientSession, base: str, path: str, body: dict,
+              headers: dict | None = None) -> tuple[int, dict, list]:
     """(status, X-OCache-* headers, the answer as a list of JSON objects: the body, or each SSE
     ``data:`` object in order, ``"[DONE]"`` kept as a string)."""
-    async with s.post(base + path, json=body) as r:
+    async with s.post(base + path, json=body, headers=headers) as r:
         hdr = {k: v for k, v in r.headers.items() if k.startswith("X-OCache")}
         raw = await r.read()
         if not r.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -262,3 +268,85 @@ async def test_non_greedy_never_served_and_errors_never_stored(start_server, tmp
             assert st >= 400 and hdr.get("X-OCache-Tier") != "response", (st, answer)
         rc = proxy.responses.stats()
         assert rc["misses"] == 2 and rc["not_stored"] == 2 and rc["entries"] == 0, rc
+
+
+KEY = "rc-sekret"
+VALID = {"Authorization": f"Bearer {KEY}"}
+
+
+async def test_a_stored_answer_is_replayed_only_to_its_credentials(start_server, tmp_path):
+    srv = start_server("dense", n_parallel=1, ctx_size=4096, api_key=KEY)
+    path, body = CASES[0]
+    async with proxy_for(srv, tmp_path, upstream_api_key=KEY) as (base, proxy, s):
+        st, hdr, _ = await ask(s, base, path, body, VALID)
+        assert st == 200 and hdr["X-OCache-Tier"] != "response", hdr
+        assert proxy.responses.stats()["stored"] == 1
+        refused = [{}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "wrong"},
+                   {"Authorization": KEY[::-1], "X-Api-Key": KEY}]   # Authorization is read first
+        for headers in refused:
+            st, hdr, answer = await ask(s, base, path, body, headers)
+            async with s.post(srv.url + path, json=body, headers=headers) as r:  # the server's own
+                direct = r.status, await r.json()
+            assert direct[0] == 401, (headers, direct)
+            assert (st, answer) == (401, [direct[1]]) and hdr.get("X-OCache-Tier") != "response", \
+                (headers, st, hdr, answer)
+        st, hdr, _ = await ask(s, base, path, body, VALID)
+        assert st == 200 and hdr["X-OCache-Tier"] == "response", hdr
+        # the valid key in the other header: the server accepts it; another entry, then replayed
+        for tier in ("upstream", "response"):
+            st, hdr, _ = await ask(s, base, path, body, {"X-Api-Key": KEY})
+            assert st == 200 and (hdr["X-OCache-Tier"] == "response") == (tier == "response"), (tier, hdr)
+        rc = proxy.responses.stats()
+        assert (rc["hits"], rc["stored"], rc["entries"]) == (2, 2, 2), rc
+        assert rc["not_stored"] == len(refused), rc
+
+
+async def test_a_request_without_the_key_never_waits_on_one_with_it(start_server, tmp_path):
+    srv = start_server("dense", n_parallel=1, ctx_size=4096, api_key=KEY)
+    path, body = CASES[0]
+    async with proxy_for(srv, tmp_path, upstream_api_key=KEY) as (base, proxy, s):
+        st, _, _ = await ask(s, base, path, {**body, "messages": [{"role": "user", "content": "hello"}]},
+                             VALID)
+        assert st == 200
+        await proxy.wait_background()
+        await proxy.layer.idle()
+        # each request's way out of the response cache: a Lead (it answers its key upstream)
+        out: asyncio.Queue = asyncio.Queue()
+        serve = proxy.responses.serve
+
+        async def spy(p, att):
+            got = await serve(p, att)
+            out.put_nowait(got)
+            return got
+
+        proxy.responses.serve = spy
+        followed = proxy.responses.followed
+        lock = proxy.layer.table.lock(0)      # -np 1: no plan gets past the lease while held
+        await lock.acquire()
+        tasks = []
+        try:
+            tasks.append(asyncio.create_task(ask(s, base, path, body, VALID)))
+            leader = await asyncio.wait_for(out.get(), 60)
+            assert isinstance(leader, Lead), leader
+            followed.clear()
+            waits = asyncio.create_task(followed.wait())
+            tasks.append(asyncio.create_task(ask(s, base, path, body)))         # no key
+            nokey = asyncio.create_task(out.get())
+            done, _ = await asyncio.wait({nokey, waits}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            assert nokey in done and waits not in done, "the key-less request waited on the valid one"
+            assert isinstance(nokey.result(), Lead) and nokey.result().key != leader.key
+            assert proxy.responses.stats()["answering"] == 2
+            tasks.append(asyncio.create_task(ask(s, base, path, body, VALID)))  # the valid key again
+            await asyncio.wait_for(waits, 60)
+            assert proxy.responses.counters["coalesced"] == 1
+        finally:
+            lock.release()
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
+        (st1, h1, _), (st2, h2, a2), (st3, h3, _) = results
+        assert st1 == 200 and h1["X-OCache-Tier"] != "response", h1
+        assert st2 == 401 and h2.get("X-OCache-Tier") != "response", (st2, h2, a2)
+        assert a2[0]["error"]["type"] == "authentication_error", a2
+        assert st3 == 200 and h3["X-OCache-Tier"] == "response", h3
+        rc = proxy.responses.stats()
+        # stored: the first request ("hello") and the valid one; not stored: the 401
+        assert (rc["coalesced"], rc["stored"], rc["not_stored"], rc["answering"]) == (1, 2, 1, 0), rc

@@ -10,7 +10,7 @@ import pytest
 
 from ocache import config as cfg_mod
 from ocache.api.refresh import Fresh
-from ocache.response_cache import Entry, ResponseCache, greedy, key_of
+from ocache.response_cache import Entry, ResponseCache, credentials_of, greedy, key_of
 
 #: the pinned server's default sampling parameters as /props reports them (the parts the gate reads)
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "dynatemp_range": 0.0, "mirostat": 0,
@@ -18,6 +18,8 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "dynatemp_range": 0.0, "mirostat": 
             "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
                          "temperature"]}
 CHAT = "/v1/chat/completions"
+#: the credentials of a request without any key
+NOKEY = credentials_of({})
 
 
 @pytest.mark.parametrize("body,expected", [
@@ -54,17 +56,17 @@ def test_greedy_needs_the_server_defaults_and_reads_them():
 def test_key_covers_identity_defaults_tokens_and_every_field():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
             "max_tokens": 8}
-    k = key_of("id1", DEFAULTS, CHAT, [1, 2, 3], body)
-    assert k == key_of("id1", DEFAULTS, CHAT, [1, 2, 3], dict(reversed(list(body.items()))))
+    k = key_of("id1", DEFAULTS, CHAT, [1, 2, 3], body, credentials=NOKEY)
+    assert k == key_of("id1", DEFAULTS, CHAT, [1, 2, 3], dict(reversed(list(body.items()))), credentials=NOKEY)
     # the prompt is keyed by its tokens: the messages' JSON itself is not in the key
-    assert k == key_of("id1", DEFAULTS, CHAT, [1, 2, 3], {**body, "messages": []})
-    others = [key_of("id2", DEFAULTS, CHAT, [1, 2, 3], body),
-              key_of("id1", {**DEFAULTS, "repeat_penalty": 1.1}, CHAT, [1, 2, 3], body),
-              key_of("id1", DEFAULTS, "/chat/completions", [1, 2, 3], body),
-              key_of("id1", DEFAULTS, CHAT, [1, 2, 4], body)]
+    assert k == key_of("id1", DEFAULTS, CHAT, [1, 2, 3], {**body, "messages": []}, credentials=NOKEY)
+    others = [key_of("id2", DEFAULTS, CHAT, [1, 2, 3], body, credentials=NOKEY),
+              key_of("id1", {**DEFAULTS, "repeat_penalty": 1.1}, CHAT, [1, 2, 3], body, credentials=NOKEY),
+              key_of("id1", DEFAULTS, "/chat/completions", [1, 2, 3], body, credentials=NOKEY),
+              key_of("id1", DEFAULTS, CHAT, [1, 2, 4], body, credentials=NOKEY)]
     for field, value in [("max_tokens", 9), ("stream", True), ("n_probs", 2), ("stop", ["x"]),
                          ("grammar", "root ::= \"a\""), ("tools", [{"type": "function"}]), ("seed", 1)]:
-        others.append(key_of("id1", DEFAULTS, CHAT, [1, 2, 3], {**body, field: value}))
+        others.append(key_of("id1", DEFAULTS, CHAT, [1, 2, 3], {**body, field: value}, credentials=NOKEY))
     assert len({k, *others}) == len(others) + 1
 
 
@@ -74,7 +76,79 @@ def test_an_image_keys_the_prompt_as_json():
     def body(url: str) -> dict:
         return {"temperature": 0, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": url}}]}]}
-    assert key_of("i", DEFAULTS, CHAT, [5], body("data:a")) != key_of("i", DEFAULTS, CHAT, [5], body("data:b"))
+    assert key_of("i", DEFAULTS, CHAT, [5], body("data:a"), credentials=NOKEY) != \
+        key_of("i", DEFAULTS, CHAT, [5], body("data:b"), credentials=NOKEY)
+
+
+def test_key_differs_with_the_credentials():
+    """The requester's ``Authorization`` and ``X-Api-Key`` (llama-server's ``--api-key`` headers)
+    are in the key: no key, a wrong key, the key in the other header, and the key sent in both are
+    each another key; header names match without case; the digest does not hold the key."""
+    from multidict import CIMultiDict
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+    def key(headers) -> str:
+        return key_of("id1", DEFAULTS, CHAT, [1, 2, 3], body, credentials=credentials_of(headers))
+
+    valid = key({"Authorization": "Bearer K"})
+    assert valid == key({"authorization": "Bearer K"}) == key(CIMultiDict({"AUTHORIZATION": "Bearer K"}))
+    assert valid == key(CIMultiDict([("Authorization", "Bearer K"), ("Content-Type", "application/json")]))
+    others = [key({}), key({"Authorization": "Bearer wrong"}), key({"Authorization": "K"}),
+              key({"X-Api-Key": "K"}), key({"Authorization": "Bearer wrong", "X-Api-Key": "K"}),
+              key({"Authorization": "Bearer K", "X-Api-Key": "K"}),
+              key(CIMultiDict([("Authorization", "Bearer K"), ("Authorization", "Bearer x")])),
+              key({"Authorization": ""})]
+    assert len({valid, *others}) == len(others) + 1
+    digest = credentials_of({"Authorization": "Bearer sekret-value"})
+    assert len(digest) == 64 and "sekret" not in digest
+    assert credentials_of({"X-Api-Key": "K"}) == credentials_of(CIMultiDict({"x-api-key": "K"}))
+
+
+async def test_a_follower_waits_only_on_a_leader_with_its_credentials():
+    """Coalescing goes by the key: while a request with key K answers upstream (its ``Lead``
+    registered), an identical request without a key does not wait for it (it answers its own key
+    upstream: a ``Lead`` of its own, at once), and one with K does (``followed``, ``coalesced``)."""
+    import asyncio
+    import types
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from ocache.response_cache import Lead
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    prepared = types.SimpleNamespace(identity="id1", tokens=[1, 2, 3])
+
+    async def prepare_request(preq):
+        return prepared
+
+    proxy = types.SimpleNamespace(
+        upstream=types.SimpleNamespace(state="ready", props={"default_generation_settings": {"params": DEFAULTS}}),
+        layer=types.SimpleNamespace(prepare_request=prepare_request),
+        config=types.SimpleNamespace(upstream_read_timeout_s=60.0))
+
+    def att(headers: dict):
+        return types.SimpleNamespace(
+            preq=types.SimpleNamespace(path=CHAT, body=body, request_id="r"),
+            request=make_mocked_request("POST", CHAT, headers=headers),
+            timeout=types.SimpleNamespace(sock_read=60.0), keep=None)
+
+    cache = ResponseCache()
+    leader = await cache.serve(proxy, att({"Authorization": "Bearer K"}))
+    assert isinstance(leader, Lead) and cache.stats()["answering"] == 1
+    followed = asyncio.create_task(cache.followed.wait())
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Api-Key": "K"}):
+        other = asyncio.create_task(cache.serve(proxy, att(headers)))
+        done, _ = await asyncio.wait({other, followed}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        assert other in done and followed not in done, (headers, "waited on the K request's answer")
+        lead = other.result()
+        assert isinstance(lead, Lead) and lead.key != leader.key, headers
+    assert cache.counters["coalesced"] == 0 and cache.stats()["answering"] == 4
+    same = asyncio.create_task(cache.serve(proxy, att({"Authorization": "Bearer K"})))
+    await asyncio.wait_for(followed, 30)          # the request with K waits on the K answer
+    assert cache.counters["coalesced"] == 1 and not same.done()
+    leader.done.set_result(None)                  # not stored: the follower goes upstream itself
+    assert await asyncio.wait_for(same, 30) is None
 
 
 def _entry(size: int, at: float = 0.0) -> Entry:
