@@ -22,13 +22,18 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
 
 * ``totals``: ``completions``, ``unparsed`` (answers to completion bodies ocache could not parse,
   forwarded byte for byte: not completions, no figures), ``prefilled`` (Σ ``timings.prompt_n``: tokens the server computed),
-  ``reused`` (Σ ``timings.cache_n``: tokens it took from the slot's KV cache), ``own_prefill``
-  (tokens ocache prefilled itself to warm harness heads, ``layer.warmup_tokens``; they show up
-  in a later ``cache_n``), ``saved_vs_alone`` (the headline: ``alone_prefill`` - ``ocache_prefill``,
+  ``reused`` (Σ ``timings.cache_n`` as corrected, ocache/api/figures.py: tokens reused from
+  before each request, so already without the tokens ocache prefilled itself for it),
+  ``split`` (Σ of those: each request's own split prefill, ``tokens.split``; it is in
+  ``prefilled``), ``own_prefill`` (every token ocache prefilled itself: head warm-ups, anchor and
+  user splits, ``ocache warm``; the slot table's ``own_prefill_tokens``, summed over the servers,
+  else ``layer.warmup_tokens``), ``own_outside`` = ``own_prefill - split`` (at least 0: what ocache
+  prefilled outside the counted requests), ``saved_vs_alone`` (the headline: ``alone_prefill`` - ``ocache_prefill``,
   what llama-server alone with the same flags would have prefilled for the same requests,
   ``ocache.llama.alone``, minus what it prefilled through ocache; can be negative; None without a
   cache layer), ``saved_vs_alone_s`` (it at the measured rate), ``saved`` = ``reused -
-  own_prefill`` (at least 0: the saving against a cold prefill of every request), ``prefill_tok_s`` (the
+  own_outside`` (at least 0: the saving against a cold prefill of every request, which is
+  Σ prompt tokens minus the server's prefill counter; the split counted once), ``prefill_tok_s`` (the
   measured prefill rate, ``layer.prefill_tokens_per_s``), ``saved_s`` = ``saved / prefill_tok_s``
   (None before a rate is measured), ``disk_bytes`` (the store's files), ``fail_open``,
   ``mispredictions``, ``reused_by_tier`` (Σ ``cache_n`` per X-OCache-Tier);
@@ -108,6 +113,17 @@ def _int(v: Any) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
 
 
+def _own_prefill(layer: dict) -> int:
+    """Every token ocache prefilled itself (``SlotTable.counters["own_prefill_tokens"]``, in
+    ``layer.table``; with several servers, ``layer.router.servers[].layer.table``, summed), else
+    (a layer that does not report it) its head warm-ups, ``layer.warmup_tokens``."""
+    rows = (layer.get("router") or {}).get("servers") if isinstance(layer.get("router"), dict) else None
+    tables = ([((r or {}).get("layer") or {}).get("table") for r in rows] if rows
+              else [layer.get("table")])
+    found = [t["own_prefill_tokens"] for t in tables if isinstance(t, dict) and "own_prefill_tokens" in t]
+    return sum(_int(n) for n in found) if found else _int(layer.get("warmup_tokens"))
+
+
 def view(stats: dict, admin: bool = False) -> dict:
     """The dashboard's figures from a ``/v1/cache/stats`` body (see the module docstring).
     ``admin``: show slot owners (session ids)."""
@@ -121,8 +137,10 @@ def view(stats: dict, admin: bool = False) -> dict:
                  "budget_bytes": sess.get("budget_bytes"),
                  "by_kind": {"s": {"entries": sess.get("entries", 0), "bytes": sess.get("bytes", 0)}}}
     reused, prefilled = _int(tok.get("cache_n")), _int(tok.get("prompt_n"))
-    own = _int(layer.get("warmup_tokens"))
-    saved = max(0, reused - own)
+    split = _int(tok.get("split"))
+    own = _own_prefill(layer)
+    outside = max(0, own - split)
+    saved = max(0, reused - outside)
     rate = layer.get("prefill_tokens_per_s")
     rate = float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
     completions = sum(_int(n) for by_tier in (stats.get("completions") or {}).values()
@@ -156,7 +174,7 @@ def view(stats: dict, admin: bool = False) -> dict:
         "admin": admin,
         "totals": {
             "completions": completions, "unparsed": unparsed, "prefilled": prefilled, "reused": reused,
-            "own_prefill": own, "saved": saved, "prefill_tok_s": rate,
+            "split": split, "own_prefill": own, "own_outside": outside, "saved": saved, "prefill_tok_s": rate,
             "saved_s": None if rate is None else round(saved / rate, 3),
             **_alone(layer.get("alone"), rate),
             "disk_bytes": _int(store.get("bytes")),
