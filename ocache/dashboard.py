@@ -12,7 +12,7 @@ Routes (all GET, loopback like the rest of ocache):
 | ``/ocache`` | 308 to ``/ocache/`` |
 | ``/ocache/`` | ``index.html`` |
 | ``/ocache/static/NAME`` | a file of ``ocache/data/dashboard/`` (only names listed there) |
-| ``/ocache/api/view`` | JSON: :func:`view` of the current stats; session ids (slot owners) only with ``Authorization: Bearer <admin_token>`` (as ``GET /v1/cache/stats``: without it, or with a wrong one, redacted and ``token_rejected`` true when one was sent; no token configured: always hidden) |
+| ``/ocache/api/view`` | JSON: :func:`view` of the current stats; session ids (slot owners) and file-system paths only with ``Authorization: Bearer <admin_token>`` (as ``GET /v1/cache/stats``: without it, or with a wrong one, redacted, events included, and ``token_rejected`` true when one was sent; no token configured: always hidden) |
 
 Events: :func:`install_event_log` keeps the last :data:`EVENTS_KEPT` INFO+ lines of the ``ocache``
 loggers (anchors, spills, restores, evictions, restarts) for the page's event list; it is process
@@ -272,10 +272,12 @@ def _static(name: str) -> web.Response:
                         headers={"Cache-Control": "no-cache"})
 
 
-async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bool) -> web.StreamResponse:
+async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bool,
+                 private_paths: Callable[[], list] = list) -> web.StreamResponse:
     """Answer a request under ``/ocache`` (see the module docstring). ``admin``: the request carried
-    the admin token (the proxy's guard decided, ocache/admin.py); without it the view is redacted
-    (``admin.redact``: slot owners and session strings dropped; ``owner_hidden`` stays), and
+    the admin token (the proxy's guard decided, ocache/admin.py); without it the view, its events
+    included, is redacted (``admin.redact``: slot owners and session strings dropped, ``owner_hidden``
+    stays; the paths of ``private_paths()`` and any other absolute path shown as placeholders), and
     ``token_rejected`` says whether a (wrong) token was sent."""
     from ocache import admin as admin_mod
 
@@ -292,10 +294,10 @@ async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bo
             return _static(path.removeprefix("/ocache/static/"))
         if path == "/ocache/api/view":
             body = view(stats_body(), admin=admin)
-            if not admin:  # view() already drops owners; redact() also drops any session string
-                body = admin_mod.redact(body)
-            body["token_rejected"] = not admin and request.headers.get("Authorization", "").startswith("Bearer ")
             body["events"] = events()
+            if not admin:  # view() already drops owners; redact() also drops any session string and path
+                body = admin_mod.redact(body, private_paths())
+            body["token_rejected"] = not admin and request.headers.get("Authorization", "").startswith("Bearer ")
             return web.json_response(body, headers={"Cache-Control": "no-store"})
         raise web.HTTPNotFound(text=f"no dashboard route {path}")
     except web.HTTPException as exc:
