@@ -101,7 +101,7 @@ async def test_stats_and_view_hold_no_path_without_the_token(tmp_path, caplog):
 
 
 @pytest.mark.server
-async def test_no_path_in_the_routes_of_a_real_ocache(start_server, tmp_path):
+async def test_no_path_in_the_routes_of_a_real_ocache(start_server, tmp_path, caplog):
     """ocache in front of the real tiny server, its slot folder known (``server_args``), after an
     opencode turn and its follow-up (anchors written, the store opened: log lines that name the
     state folder): neither route names the state or slot folder without the token."""
@@ -112,6 +112,7 @@ async def test_no_path_in_the_routes_of_a_real_ocache(start_server, tmp_path):
     config = Config(upstream=srv.url, cache_dir=str(state), admin_token=TOKEN, disk_min_tokens=1024,
                     tiers={"resident": {"server_args": srv.command()[1:]}})
     dashboard.install_event_log()
+    caplog.set_level(logging.INFO, logger="ocache")   # as `ocache serve` logs: INFO lines are events
     async with through_ocache(config) as (base, proxy), aiohttp.ClientSession() as s:
         for name in (A1, A2):
             await send(s, base, proxy, body_of(name), hdrs(name))
