@@ -12,6 +12,8 @@ would be, the requests counted by the real ``Stats`` with the real correction.""
 
 from __future__ import annotations
 
+import pytest
+
 from ocache import dashboard
 from ocache.api.figures import correct_timings
 from ocache.commands import top
@@ -69,3 +71,37 @@ async def test_vs_cold_counts_the_split_once_and_what_ocache_prefilled_outside_r
     rows = [{"layer": {"table": {"own_prefill_tokens": 6000}}}, {"layer": {"table": {"own_prefill_tokens": 3500}}}]
     routed = {**stats.to_dict(), "layer": {"table": {"own_prefill_tokens": 6000}, "router": {"servers": rows}}}
     assert dashboard.view(routed)["totals"]["saved"] == true_vs_cold
+
+
+@pytest.mark.server
+async def test_vs_cold_equals_the_server_counter_on_a_day_of_splits_and_restores(start_server, tmp_path):
+    """The real server (hybrid, ``-np 1``: each prefill belongs to a request or to ocache's own
+    steps), through the in-process ocache: a head warm-up with an anchor split, a resident turn,
+    another session (the first is spilled), the first again (restored from the session tier). The
+    view's "vs cold" is Σ prompt tokens minus the growth of llama-server's own
+    ``llamacpp:prompt_tokens_total`` over the day."""
+    import copy
+
+    import aiohttp
+
+    from test_figures import config, metered, prompt_total, stream
+    from test_spill import CHAT, SERVER, body_of, session_headers, through_ocache
+
+    srv = start_server("hybrid", n_parallel=1, ctx_size=16384, **SERVER)
+    a1, a2 = body_of("opencode_agent_turn1.json"), body_of("opencode_agent_turn1_after_tool.json")
+    b1 = body_of("opencode_run3_proj2_agent_turn1.json")
+    ha, hb = session_headers("opencode_agent_turn1.json"), session_headers("opencode_run3_proj2_agent_turn1.json")
+    a3 = copy.deepcopy(a2)
+    a3["messages"].append({"role": "user", "content": "and one more thing"})
+    async with through_ocache(config(srv, tmp_path / "cache")) as (base, proxy), aiohttp.ClientSession() as s:
+        day0 = await prompt_total(s, srv.url)
+        recs = [await metered(s, base, proxy, srv, CHAT, body, h)
+                for body, h in ((a1, ha), (stream(a2), ha), (stream(b1), hb), (a3, ha))]
+        day = await prompt_total(s, srv.url) - day0
+        async with s.get(base + "/v1/cache/stats") as r:
+            body = await r.json()
+    tiers = [r.hdr["X-OCache-Tier"] for r in recs]
+    assert int(recs[0].hdr["X-OCache-Split"]) > 0 and tiers[3] == "session", [r.hdr for r in recs]
+    t = dashboard.view(body)["totals"]
+    assert t["saved"] == sum(r.n_prompt for r in recs) - day, (t, day, [r.n_prompt for r in recs])
+    assert t["split"] > 0 and t["own_prefill"] >= t["split"], t
