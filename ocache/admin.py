@@ -12,7 +12,11 @@ Routes and who may use them (``Config.admin_token``; ``Authorization: Bearer <ad
 
 *Redacted* stats drop every value that names a client: the slot ``owner`` (the client's session id,
 ``x-session-affinity``/``x-session-id``) and any string ``session``/``session_id``/``session_hint``
-field, at any depth.
+field, at any depth; and no text in them names a file-system path: the folders ocache knows
+(``AdminRoutes.private_paths``) read ``<state>`` (its state directory), ``<cache>`` (the build and
+model cache), ``<slots>`` (llama-server's ``--slot-save-path``) and ``<model>`` (the GGUF), and any
+other absolute path in a string (an event's message, an error) reads ``<path>``. The same holds for
+the dashboard's JSON, events included.
 
 Slot actions from clients are refused, not forwarded: ocache's slot table (``ocache/slots.py``) is
 the one owner of what each slot holds; a client's save/restore/erase behind its back would make
@@ -34,7 +38,7 @@ import asyncio
 import hmac
 import logging
 import re
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence
 
 from aiohttp import web
 
@@ -122,22 +126,115 @@ def slot_action_refused(request: web.BaseRequest, upstream_url: str, rid: str | 
                  "forbidden_error", rid)
 
 
-def redact(obj: Any) -> Any:
-    """A copy of ``obj`` without the values of ``PRIVATE_KEYS`` at any depth (iterative: no
-    recursion limit)."""
+#: an absolute (or ``~/``) path in a text: a ``/`` that does not follow a word character, ``:``,
+#: ``/``, ``.``, ``-`` or ``>`` (so not a URL's path, ``tokens/s`` or what follows a placeholder),
+#: then characters up to a space, a quote or a bracket
+_ABS_PATH = re.compile(r"(?<![\w:/.>-])~?/[^\s'\"`,;:()\[\]{}<>|]+")
+#: first components of the HTTP routes messages name (``POST /v1/chat/completions``, ``/slots/0``):
+#: not file-system paths
+_ROUTE_ROOTS = frozenset({"v1", "slots", "ocache", "props", "metrics", "health", "tokenize", "detokenize",
+                          "completion", "completions", "chat", "apply-template", "infill", "embedding",
+                          "embeddings", "rerank", "reranking", "lora-adapters", "api"})
+#: what a path ``_ABS_PATH`` finds reads as without the token
+PATH_PLACEHOLDER = "<path>"
+
+
+def scrub_text(text: str, paths: Sequence[tuple[str, str]] = ()) -> str:
+    """``text`` with each of ``paths`` (``(path, placeholder)``, longest first) replaced by its
+    placeholder, then every other absolute path of two or more components by ``PATH_PLACEHOLDER``
+    (an HTTP route such as ``/v1/chat/completions`` or ``/slots/0`` stays). Pure."""
+    for path, name in paths:
+        if path in text:
+            text = text.replace(path, name)
+
+    def one(m: re.Match) -> str:
+        parts = [x for x in m.group(0).lstrip("~").split("/") if x]
+        return m.group(0) if len(parts) < 2 or parts[0] in _ROUTE_ROOTS else PATH_PLACEHOLDER
+
+    return _ABS_PATH.sub(one, text) if "/" in text else text
+
+
+def redact(obj: Any, paths: Sequence[tuple[str, str]] = ()) -> Any:
+    """A copy of ``obj`` without the values of ``PRIVATE_KEYS`` at any depth, and every other
+    string (keys too) through :func:`scrub_text` with ``paths`` (iterative: no recursion limit)."""
+    paths = sorted(paths, key=lambda p: -len(p[0]))
     out: Any = _shallow(obj)
-    stack = [out]
+    if isinstance(out, str):
+        return scrub_text(out, paths)
+    stack = [out] if isinstance(out, (dict, list)) else []
     while stack:
         node = stack.pop()
+        if isinstance(node, dict) and any(isinstance(k, str) and "/" in k for k in node):
+            renamed = {(scrub_text(k, paths) if isinstance(k, str) else k): v for k, v in node.items()}
+            node.clear()
+            node.update(renamed)
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, v in list(items):
             if isinstance(node, dict) and k in PRIVATE_KEYS and (k == "owner" or isinstance(v, str)):
                 del node[k]  # "session" is also a tier's name (a counter key): only string values go
                 continue
-            if isinstance(v, (dict, list)):
+            if isinstance(v, str):
+                node[k] = scrub_text(v, paths)
+            elif isinstance(v, (dict, list, tuple)):
                 node[k] = _shallow(v)
                 stack.append(node[k])
     return out
+
+
+def known_paths(configs: Iterable[Any], params: Iterable[Any] = ()) -> list[tuple[str, str]]:
+    """The folders and files ocache knows, each as ``(path, placeholder)`` in every spelling a
+    text may carry (as given, ``~`` expanded, resolved): the state directory (``cache_dir``, else
+    ``paths.state_root``) ``<state>``, the cache root ``<cache>``, each ``--slot-save-path``
+    (``tiers.session|disk.slot_save_path``, the ``launch`` or ``tiers.resident.server_args`` argv,
+    the servers' ``ServerParams``) ``<slots>`` and each ``-m`` model ``<model>``. ``configs``:
+    ``Config`` objects; ``params``: ``ServerParams`` (or None). A path without a ``/`` or that is
+    ``/`` itself is left out (replacing it would rewrite ordinary words)."""
+    import os
+
+    from ocache.config import field_of
+    from ocache.llama.flags import given_flags
+    from ocache.paths import cache_root, state_root
+
+    found: dict[str, str] = {}
+
+    def add(raw: Any, name: str) -> None:
+        if not raw or not isinstance(raw, (str, os.PathLike)):
+            return
+        raw = str(raw)
+        forms = {raw, os.path.expanduser(raw)}
+        try:
+            forms |= {os.path.abspath(os.path.expanduser(raw)), os.path.realpath(os.path.expanduser(raw))}
+        except (OSError, ValueError):
+            pass
+        for f in forms:
+            f = f.rstrip("/") if len(f) > 1 else f
+            if "/" in f and f.strip("/") and f not in found:
+                found[f] = name
+
+    for cfg in configs:
+        tiers = field_of(cfg, "tiers") or {}
+        tiers = tiers if isinstance(tiers, dict) else {}
+        for name in ("session", "disk"):
+            t = tiers.get(name)
+            add(t.get("slot_save_path") if isinstance(t, dict) else None, "<slots>")
+        res = tiers.get("resident")
+        for argv in (field_of(cfg, "launch"), res.get("server_args") if isinstance(res, dict) else None):
+            try:
+                given = given_flags([str(a) for a in argv]) if argv else {}
+            except ValueError:
+                given = {}
+            add(given.get("slot_save_path"), "<slots>")
+            add(given.get("model_path"), "<model>")
+        add(field_of(cfg, "cache_dir"), "<state>")
+    for p in params:
+        add(field_of(p, "slot_save_path"), "<slots>")
+        add(field_of(p, "model_path"), "<model>")
+    for root, name in ((state_root, "<state>"), (cache_root, "<cache>")):
+        try:
+            add(root(), name)
+        except OSError:
+            pass
+    return list(found.items())
 
 
 def _shallow(v: Any) -> Any:
@@ -256,7 +353,7 @@ class AdminRoutes:
         elif _is_dashboard(path):  # the dashboard (ocache/dashboard.py)
             from ocache.dashboard import handle as dashboard
 
-            resp = await dashboard(request, self.stats_body, bool(request.get(ADMIN)))
+            resp = await dashboard(request, self.stats_body, bool(request.get(ADMIN)), self.private_paths)
         elif path in self._extra:
             resp = await self._extra[path](request)
         else:
@@ -264,6 +361,15 @@ class AdminRoutes:
         resp.headers.setdefault("X-OCache-Request-Id", rid)
         self.proxy.stats.request(path, resp.status)
         return resp
+
+    def private_paths(self) -> list[tuple[str, str]]:
+        """``known_paths`` of this proxy: its config, each server's, and the parameters of each
+        server's slot table (what ``--slot-save-path`` and ``-m`` the server reported)."""
+        proxy = self.proxy
+        layer = proxy.layer
+        layers = [s.layer for s in getattr(layer, "servers", None) or []] or [layer]
+        params = [getattr(getattr(x, "table", None), "params", None) for x in layers]
+        return known_paths([proxy.config, *(proxy.server_configs or [])], params)
 
     def stats_body(self) -> dict[str, Any]:
         """The ``GET /v1/cache/stats`` JSON (also what the dashboard, ocache/dashboard.py, reads):
@@ -290,9 +396,9 @@ class AdminRoutes:
         if path == "/v1/cache/stats":
             body = self.stats_body()
             if not request.get(ADMIN):
-                body = redact(body)
-                body["redacted"] = ("session ids and slot owners hidden: send Authorization: "
-                                    "Bearer <admin_token>")
+                body = redact(body, self.private_paths())
+                body["redacted"] = ("session ids, slot owners and file-system paths hidden: send "
+                                    "Authorization: Bearer <admin_token>")
             resp = web.json_response(body)
         elif path == "/v1/cache/metrics":
             resp = web.Response(body=proxy.stats.prometheus(),

@@ -12,7 +12,7 @@ Routes (all GET, loopback like the rest of ocache):
 | ``/ocache`` | 308 to ``/ocache/`` |
 | ``/ocache/`` | ``index.html`` |
 | ``/ocache/static/NAME`` | a file of ``ocache/data/dashboard/`` (only names listed there) |
-| ``/ocache/api/view`` | JSON: :func:`view` of the current stats; session ids (slot owners) only with ``Authorization: Bearer <admin_token>`` (as ``GET /v1/cache/stats``: without it, or with a wrong one, redacted and ``token_rejected`` true when one was sent; no token configured: always hidden) |
+| ``/ocache/api/view`` | JSON: :func:`view` of the current stats; session ids (slot owners) and file-system paths only with ``Authorization: Bearer <admin_token>`` (as ``GET /v1/cache/stats``: without it, or with a wrong one, redacted, events included, and ``token_rejected`` true when one was sent; no token configured: always hidden) |
 
 Events: :func:`install_event_log` keeps the last :data:`EVENTS_KEPT` INFO+ lines of the ``ocache``
 loggers (anchors, spills, restores, evictions, restarts) for the page's event list; it is process
@@ -22,13 +22,18 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
 
 * ``totals``: ``completions``, ``unparsed`` (answers to completion bodies ocache could not parse,
   forwarded byte for byte: not completions, no figures), ``prefilled`` (Σ ``timings.prompt_n``: tokens the server computed),
-  ``reused`` (Σ ``timings.cache_n``: tokens it took from the slot's KV cache), ``own_prefill``
-  (tokens ocache prefilled itself to warm harness heads, ``layer.warmup_tokens``; they show up
-  in a later ``cache_n``), ``saved_vs_alone`` (the headline: ``alone_prefill`` - ``ocache_prefill``,
+  ``reused`` (Σ ``timings.cache_n`` as corrected, ocache/api/figures.py: tokens reused from
+  before each request, so already without the tokens ocache prefilled itself for it),
+  ``split`` (Σ of those: each request's own split prefill, ``tokens.split``; it is in
+  ``prefilled``), ``own_prefill`` (every token ocache prefilled itself: head warm-ups, anchor and
+  user splits, ``ocache warm``; the slot table's ``own_prefill_tokens``, summed over the servers,
+  else ``layer.warmup_tokens``), ``own_outside`` = ``own_prefill - split`` (at least 0: what ocache
+  prefilled outside the counted requests), ``saved_vs_alone`` (the headline: ``alone_prefill`` - ``ocache_prefill``,
   what llama-server alone with the same flags would have prefilled for the same requests,
   ``ocache.llama.alone``, minus what it prefilled through ocache; can be negative; None without a
   cache layer), ``saved_vs_alone_s`` (it at the measured rate), ``saved`` = ``reused -
-  own_prefill`` (at least 0: the saving against a cold prefill of every request), ``prefill_tok_s`` (the
+  own_outside`` (at least 0: the saving against a cold prefill of every request, which is
+  Σ prompt tokens minus the server's prefill counter; the split counted once), ``prefill_tok_s`` (the
   measured prefill rate, ``layer.prefill_tokens_per_s``), ``saved_s`` = ``saved / prefill_tok_s``
   (None before a rate is measured), ``disk_bytes`` (the store's files), ``fail_open``,
   ``mispredictions``, ``reused_by_tier`` (Σ ``cache_n`` per X-OCache-Tier);
@@ -108,6 +113,17 @@ def _int(v: Any) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
 
 
+def _own_prefill(layer: dict) -> int:
+    """Every token ocache prefilled itself (``SlotTable.counters["own_prefill_tokens"]``, in
+    ``layer.table``; with several servers, ``layer.router.servers[].layer.table``, summed), else
+    (a layer that does not report it) its head warm-ups, ``layer.warmup_tokens``."""
+    rows = (layer.get("router") or {}).get("servers") if isinstance(layer.get("router"), dict) else None
+    tables = ([((r or {}).get("layer") or {}).get("table") for r in rows] if rows
+              else [layer.get("table")])
+    found = [t["own_prefill_tokens"] for t in tables if isinstance(t, dict) and "own_prefill_tokens" in t]
+    return sum(_int(n) for n in found) if found else _int(layer.get("warmup_tokens"))
+
+
 def view(stats: dict, admin: bool = False) -> dict:
     """The dashboard's figures from a ``/v1/cache/stats`` body (see the module docstring).
     ``admin``: show slot owners (session ids)."""
@@ -121,8 +137,10 @@ def view(stats: dict, admin: bool = False) -> dict:
                  "budget_bytes": sess.get("budget_bytes"),
                  "by_kind": {"s": {"entries": sess.get("entries", 0), "bytes": sess.get("bytes", 0)}}}
     reused, prefilled = _int(tok.get("cache_n")), _int(tok.get("prompt_n"))
-    own = _int(layer.get("warmup_tokens"))
-    saved = max(0, reused - own)
+    split = _int(tok.get("split"))
+    own = _own_prefill(layer)
+    outside = max(0, own - split)
+    saved = max(0, reused - outside)
     rate = layer.get("prefill_tokens_per_s")
     rate = float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
     completions = sum(_int(n) for by_tier in (stats.get("completions") or {}).values()
@@ -156,7 +174,7 @@ def view(stats: dict, admin: bool = False) -> dict:
         "admin": admin,
         "totals": {
             "completions": completions, "unparsed": unparsed, "prefilled": prefilled, "reused": reused,
-            "own_prefill": own, "saved": saved, "prefill_tok_s": rate,
+            "split": split, "own_prefill": own, "own_outside": outside, "saved": saved, "prefill_tok_s": rate,
             "saved_s": None if rate is None else round(saved / rate, 3),
             **_alone(layer.get("alone"), rate),
             "disk_bytes": _int(store.get("bytes")),
@@ -254,10 +272,12 @@ def _static(name: str) -> web.Response:
                         headers={"Cache-Control": "no-cache"})
 
 
-async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bool) -> web.StreamResponse:
+async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bool,
+                 private_paths: Callable[[], list] = list) -> web.StreamResponse:
     """Answer a request under ``/ocache`` (see the module docstring). ``admin``: the request carried
-    the admin token (the proxy's guard decided, ocache/admin.py); without it the view is redacted
-    (``admin.redact``: slot owners and session strings dropped; ``owner_hidden`` stays), and
+    the admin token (the proxy's guard decided, ocache/admin.py); without it the view, its events
+    included, is redacted (``admin.redact``: slot owners and session strings dropped, ``owner_hidden``
+    stays; the paths of ``private_paths()`` and any other absolute path shown as placeholders), and
     ``token_rejected`` says whether a (wrong) token was sent."""
     from ocache import admin as admin_mod
 
@@ -274,10 +294,10 @@ async def handle(request: web.Request, stats_body: Callable[[], dict], admin: bo
             return _static(path.removeprefix("/ocache/static/"))
         if path == "/ocache/api/view":
             body = view(stats_body(), admin=admin)
-            if not admin:  # view() already drops owners; redact() also drops any session string
-                body = admin_mod.redact(body)
-            body["token_rejected"] = not admin and request.headers.get("Authorization", "").startswith("Bearer ")
             body["events"] = events()
+            if not admin:  # view() already drops owners; redact() also drops any session string and path
+                body = admin_mod.redact(body, private_paths())
+            body["token_rejected"] = not admin and request.headers.get("Authorization", "").startswith("Bearer ")
             return web.json_response(body, headers={"Cache-Control": "no-store"})
         raise web.HTTPNotFound(text=f"no dashboard route {path}")
     except web.HTTPException as exc:

@@ -269,7 +269,11 @@ class SlotStates:
                                          "restarts_seen_in_slots": 0, "interrupted_busy": 0,
                                          "boot_checks": 0, "boot_changed": 0,
                                          # live: SlotLeases held now (0 when idle)
-                                         "leases_held": 0}
+                                         "leases_held": 0,
+                                         # every token ocache itself prefilled (:meth:`warm`): head
+                                         # warm-ups, anchor and user splits, `ocache warm`; those of
+                                         # a request are its split too (the dashboard's "vs cold")
+                                         "own_prefill_tokens": 0}
         #: the highest ``id_task`` each slot reported (``GET /slots``): a restart shows in it
         self._tasks = TaskIds()
         self._task_seq = 0
@@ -791,6 +795,7 @@ class SlotTable(SlotStates):
         timings = dict(data.get("timings") or {})
         n0, ms0 = self.own_prefill.get(slot, (0, 0.0))
         self.own_prefill[slot] = (n0 + int(timings.get("prompt_n") or 0), ms0 + float(timings.get("prompt_ms") or 0.0))
+        self.counters["own_prefill_tokens"] += int(timings.get("prompt_n") or 0)
         timings["predicted_cache_n"] = pred.cache_n
         cached = data.get("tokens_cached")
         if cached is not None and int(cached) != len(tokens):

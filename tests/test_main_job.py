@@ -47,12 +47,63 @@ DATA = {"hybrid": {"growth": {"b": _run([5000, 400], [10.0, 1.0]),
 
 def test_the_verdict_says_tokens_and_seconds_against_the_server_alone():
     s = verdict.verdict(DATA)
-    assert s == ("Verdict: over 2 requests, ocache (c) prefilled 300 fewer tokens than tuned llama-server "
-                 "alone (b) (6% less), and clients waited 0.5 s less for their first tokens "
-                 "(10.5 s against 11.0 s)."), s
+    assert s == ("Verdict: over 2 requests in 1 scenario, ocache (c) prefilled 300 fewer tokens than "
+                 "llama-server alone, vs tuned (b) (6% less; 5,100 against 5,400), and clients waited "
+                 "0.5 s less for their first tokens (10.5 s against 11.0 s)."), s
     worse = {"m": {"s": {"b": _run([100], [1.0]), "c": _run([150], [2.0])}}}
     assert "50 MORE tokens" in verdict.verdict(worse) and "1.0 s MORE" in verdict.verdict(worse)
     assert verdict.verdict({"m": {"s": {"b": _run([1], [1.0])}}}).startswith("No verdict")
+
+
+def test_the_verdict_is_against_min_of_stock_and_tuned_per_scenario():
+    """The issue's A/B/A: (b) with ``--cache-ram 0`` prefilled 17,416 tokens where stock (a)
+    prefilled 8,760; (c) 7,000. Against (b) alone that read "60% less"; against min((a), (b)) it is
+    20 %. In the other scenario (b) is the lower one. Seconds: the lower of the two per scenario."""
+    data = {"hybrid": {
+        "aba_one_slot": {"a": _run([8760], [9.0]), "b": _run([17416], [20.0]), "c": _run([7000], [7.0])},
+        "growth": {"a": _run([6000, 900], [6.0, 1.0]), "b": _run([5000, 400], [4.0, 2.0]),
+                   "c": _run([5000, 100], [4.0, 0.5])},
+        "broken": {"a": _run([1], [1.0]), "b": {"rows": [], "error": "server died"}, "c": _run([9], [1.0])}}}
+    s = verdict.verdict(data)
+    base, c = 8760 + 5400, 7000 + 5100
+    assert s == (f"Verdict: over 3 requests in 2 scenarios, ocache (c) prefilled {base - c:,} fewer tokens "
+                 f"than llama-server alone, vs min(stock, tuned) per scenario ({(base - c) / base:.0%} less; "
+                 f"{c:,} against {base:,}), and clients waited 3.5 s less for their first tokens "
+                 "(11.5 s against 15.0 s)."), s
+    assert "15% less" in s           # against (b) alone: (22,816 - 12,100) / 22,816 = 47%
+    stock_only = {"m": {"s": {"a": _run([100], [1.0]), "c": _run([80], [1.0])}}}
+    assert "than llama-server alone, vs stock (a) (20% less;" in verdict.verdict(stock_only)
+
+
+def test_tuned_b_and_c_run_the_readmes_flags(tmp_path):
+    """(b)'s and (c)'s llama-server argv carries each flag the README's own command lines give
+    (``-fa on``, not the ``LlamaServer`` default ``-fa off``); (a) stays on stock defaults."""
+    import re
+    import shlex
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ocache.bench.run import Bench
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if "ocache serve --port 8081 --launch -- -m model.gguf" in ln)
+    cont = readme.split(line, 1)[1].splitlines()[1]
+    given = shlex.split(line.split(" -- ", 1)[1].rstrip("\\") + " " + cont)
+    wanted = {(f, given[i + 1]) for i, f in enumerate(given)
+              if f in ("-fa", "--ctx-checkpoints", "--checkpoint-min-step", "--cache-ram")}
+    assert ("-fa", "on") in wanted and len(wanted) == 4, given
+    bench = Bench("tiny", [], tmp_path, configs=("a", "b", "c"))
+    bench.builds = {"stock": SimpleNamespace(binary=Path("/x/stock")),
+                    "patched": SimpleNamespace(binary=Path("/x/patched"))}
+    bench.model_paths = {"hybrid": Path("/x/m.gguf")}
+    bench.logs = tmp_path
+    sc = SimpleNamespace(name="s", n_parallel=None, template=None)
+    for cfg in ("b", "c"):
+        argv = bench._server(cfg, "hybrid", sc, tmp_path).command()
+        pairs = set(zip(argv, argv[1:]))
+        assert wanted <= pairs, (cfg, sorted(wanted - pairs))
+    assert "-fa" not in bench._server("a", "hybrid", sc, tmp_path).command()
+    assert re.search(r"-fa on", bench.markdown(1.0, "x")), "the report names (b)'s -fa"
 
 
 def test_alone_check_compares_the_reported_headline_with_b_minus_c():

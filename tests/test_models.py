@@ -122,6 +122,9 @@ def test_cli_prints_paths(models_tiny, capsys):
     out = capsys.readouterr().out
     for path in models_tiny.values():
         assert str(path) in out
+    # the template line says it is in the models already (users passed it as a flag)
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("template\t")]
+    assert line.split("\t")[1] == str(models.template_path()) and "already embedded" in line, line
     assert main(["models", "path", "--template"]) == 0
     assert capsys.readouterr().out.strip() == str(models.template_path())
     assert main(["models", "path", "--preset", "tiny", "--kind", "hybrid"]) == 0

@@ -125,9 +125,13 @@ def test_doctor_reads_the_patched_servers_flags_and_leads_with_the_tiers_off(sta
     first = p.stdout.splitlines()[0]
     assert first.startswith("tiers OFF: head, disk and session (--slot-save-path: "), p.stdout
     assert "[warning] --slot-save-path" in p.stdout and "flags unknown" in p.stdout
+    # a script can use it as a check: exit 1, and the last line says why
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stdout.splitlines()[-1] == "doctor: FAIL (tiers off: head, disk, session): exit 1", p.stdout
     patched = start_server("dense", n_parallel=2, ctx_size=2 * 8192, metrics=True, **SERVER)
     p = _doctor(patched.url, "--json")
     out = json.loads(p.stdout)
     assert out["info"]["flags"] == "server (/props ocache.launch)" and out["tiers_off"] == [], out
     levels = {f["flag"]: f["level"] for f in out["findings"]}
     assert "unknown" not in levels.values() and levels["--slot-save-path"] == "ok", levels
+    assert p.returncode == 0 and out["ok"] is True, p.stdout

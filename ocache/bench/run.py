@@ -8,7 +8,7 @@ machine (never two heavy processes at once), each scenario on freshly started pr
   ``--jinja`` are given (so ``-np`` auto = 4 slots with a unified KV cache, ``--cache-ram 8192``,
   ``--ctx-checkpoints 32``, ``-cms 8192``; docs/llama-server.md §9, §10, §14);
 * **b** - the stock build with the flags the README recommends for agents:
-  ``--ctx-checkpoints 32``, ``--checkpoint-min-step 1024`` (below the ~7k-token
+  ``-fa on``, ``--ctx-checkpoints 32``, ``--checkpoint-min-step 1024`` (below the ~7k-token
   opencode prompt, docs/llama-server.md §14), ``--cache-ram 0``, ``-np``
   (2, or the scenario's ``n_parallel``);
 * **c** - ``ocache serve --upstream URL`` with its defaults and no ``ocache.yaml`` (the README's first
@@ -379,7 +379,7 @@ class Bench:
         cms = min(p.checkpoint_min_step, p.ctx_per_slot // 2)
         kw: dict[str, Any] = dict(model=self.model_paths[model], n_parallel=np_,
                                   ctx_size=p.ctx_per_slot * np_, threads=p.threads,
-                                  ctx_checkpoints=32, checkpoint_min_step=cms,
+                                  ctx_checkpoints=32, checkpoint_min_step=cms, flash_attn="on",
                                   cache_ram=p.cache_ram_mib, log_path=logf, args=args)
         if config == "b":
             return LlamaServer(binary=self.builds["stock"].binary, metrics=True, **kw)
@@ -708,7 +708,7 @@ class Bench:
             "Configurations: " + "; ".join(f"**{c}** {CONFIG_TITLES[c]}" for c in self.configs)
             + ".\n",
             f"Servers: `-t {p.threads}`, {p.ctx_per_slot} tokens per slot; (b)/(c): `-np "
-            f"{p.n_parallel}` (or the scenario's), `--ctx-checkpoints 32 --checkpoint-min-step "
+            f"{p.n_parallel}` (or the scenario's), `-fa on --ctx-checkpoints 32 --checkpoint-min-step "
             f"{min(p.checkpoint_min_step, p.ctx_per_slot // 2)} --cache-ram {p.cache_ram_mib}`; "
             "(c) adds `--slot-save-path --metrics` and runs `ocache serve --upstream URL` with no "
             "`ocache.yaml`: the patched build reports its flags in `/props` (patches/0009). Greedy (`temperature 0`), generation capped "

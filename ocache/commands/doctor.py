@@ -1,5 +1,11 @@
 """``ocache doctor``: print the checks of ``ocache/llama/checks.py`` for a running server or a
-command line (README "Commands")."""
+command line (README "Commands").
+
+Exit status (``ocache.llama.checks.verdict``, said again in the last line, so a script can use
+doctor as a check): 0 when every tier can work and no flag is an error; 1 when a tier is off, a flag
+is an error, or the configured remote store failed its check; 2 when there is nothing to check (no
+server and no command line, or the URL is not llama-server). With ``--json`` the same status, and
+the JSON carries ``ok`` and ``verdict`` (the last line's text)."""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ import json
 import sys
 from typing import Any
 
-from ocache.llama.checks import ERROR, FLAGS_FIX, NotLlamaServer, offline, probe, tiers_off, tiers_off_lines
+from ocache.llama.checks import FLAGS_FIX, NotLlamaServer, offline, probe, tiers_off, tiers_off_lines, verdict
+from ocache.textsafe import term
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -40,29 +47,32 @@ def _cmd(args: argparse.Namespace) -> int:
         try:
             findings, info = asyncio.run(probe(upstream, argv, args.api_key, args.head_tokens))
         except NotLlamaServer as exc:
-            print(f"[error] upstream: {upstream} is not llama-server ({exc})")
+            print(term(f"[error] upstream: {upstream} is not llama-server ({exc})"))
             return 2
         except Exception as exc:
             if argv is None:
-                print(f"cannot query llama-server at {upstream}: {exc}", file=sys.stderr)
+                print(term(f"cannot query llama-server at {upstream}: {exc}"), file=sys.stderr)
                 return 2
-            print(f"(cannot query llama-server at {upstream}: {exc}; checking the command line "
-                  "only)", file=sys.stderr)
+            print(term(f"(cannot query llama-server at {upstream}: {exc}; checking the command line "
+                       "only)"), file=sys.stderr)
             findings, info = offline(argv, args.head_tokens)
             where = "command line (offline)"
     off = tiers_off(findings)
     if args.json:
+        code, last = verdict(findings)
         print(json.dumps({"info": info, "findings": [f.__dict__ for f in findings],
-                          "tiers_off": [t.__dict__ for t in off]}, indent=1))
-    else:
-        print("\n".join(tiers_off_lines(off)))
-        print(f"{where}: " + ", ".join(f"{k} {v}" for k, v in info.items()))
-        if info.get("flags") == "unknown":
-            print(f"  (launch flags unknown: {FLAGS_FIX}, to check them too)")
-        for f in findings:
-            print(f"  {f}")
-    remote_ok = None if args.json else _remote_check(args)
-    return 1 if any(f.level == ERROR for f in findings) or remote_ok is False else 0
+                          "tiers_off": [t.__dict__ for t in off], "ok": code == 0, "verdict": last},
+                         indent=1))
+        return code
+    print("\n".join(term(x) for x in tiers_off_lines(off)))
+    print(term(f"{where}: " + ", ".join(f"{k} {v}" for k, v in info.items())))
+    if info.get("flags") == "unknown":
+        print(f"  (launch flags unknown: {FLAGS_FIX}, to check them too)")
+    for f in findings:
+        print(f"  {term(f)}")
+    code, last = verdict(findings, _remote_check(args))
+    print(last)
+    return code
 
 
 def _remote_check(args: argparse.Namespace) -> bool | None:
@@ -79,7 +89,7 @@ def _remote_check(args: argparse.Namespace) -> bool | None:
     got = asyncio.run(check_remote(cfg))
     if got is None:
         return None
-    print(f"  [{'ok' if got[0] else 'error'}] {got[1]}")
+    print(f"  [{'ok' if got[0] else 'error'}] {term(got[1])}")
     return got[0]
 
 

@@ -106,7 +106,8 @@ def summary_lines(v: dict, url: str) -> list[str]:
         *(term(x) for x in tier_lines(v)),
         *alone_lines(t, rate),
         f"vs cold {n(t['saved'])} tokens = {secs(t['saved_s'])} of prefill saved against a cold prefill "
-        f"of every request (reused {n(t['reused'])} minus {n(t['own_prefill'])} ocache prefilled itself)",
+        f"of every request (reused {n(t['reused'])} minus {n(t.get('own_outside', 0))} ocache prefilled outside "
+        f"the requests; the {n(t.get('split', 0))} it split for them are in prefilled, counted once)",
         f"served  {n(t['completions'])} completions: prefilled {n(t['prefilled'])}, reused {n(t['reused'])}"
         f" tokens; reused by source: {by_tier}"
         + (f"; {n(t['unparsed'])} unparsed bodies forwarded as they were (not counted)"

@@ -22,9 +22,9 @@ What ocache needs and why (README "Flags ocache wants on llama-server", turned i
 * ``--slot-save-path DIR``: save/restore are off without it (501, docs/llama-server.md §3), so the disk and
   session tiers and the saved harness head cannot work.
 * hybrid/recurrent models: ``--ctx-checkpoints > 0`` (with 0, any prompt that does not strictly
-  extend a slot re-prefills from token 0, docs/llama-server.md §15) and a ``--checkpoint-min-step`` below the
-  harness head (checkpoints at user messages are spaced by it; the stock 8192 is coarser than a
-  typical 7-8k head, README "Measured").
+  extend a slot re-prefills from token 0, docs/llama-server.md §15) and a ``--checkpoint-min-step`` of
+  at most ``CHECKPOINT_MIN_STEP`` (1024, the README's value; the reason is at the constant), or
+  at most the harness head when ``--head-tokens`` gives it.
 * ``--metrics``: the ``/metrics`` ``Process-Start-Time-Unix`` header is the restart signal.
 * the patched build (``build_info`` contains ``+ocache.``): a stock server restores a hybrid slot
   without its checkpoints (docs/llama-server.md §6), so only prompts that strictly extend it reuse anything.
@@ -53,6 +53,15 @@ OK, INFO, WARN, ERROR, UNKNOWN = "ok", "info", "warning", "error", "unknown"
 #: (ocache/commands/serve.py), and ``ocache doctor --upstream URL -- ARGS`` checks them.
 FLAGS_FIX = ("pass llama-server's command line after `--` (`ocache serve --upstream URL -- ARGS`; "
              "in ocache.yaml: tiers.resident.server_args)")
+
+#: The ``--checkpoint-min-step`` ocache recommends (the README's command lines, the bench's (b) and
+#: (c), ``ocache.bench.run.Preset``): checkpoints at user messages are at least this many tokens
+#: apart (docs/llama-server.md §14), so a hybrid resume after a rewritten or diverging history can
+#: land up to this many tokens before the divergence and prefill them again. The stock 8192 is
+#: coarser than a whole 7-9k-token harness head; 1024 (two default ubatches) keeps that re-prefill
+#: small while 32 checkpoints (``--ctx-checkpoints 32``) still cover a 32k-token conversation.
+#: Above it ``check`` warns; no tier is off either way.
+CHECKPOINT_MIN_STEP = 1024
 
 #: Every flag ``check`` reports on, in print order: each gets exactly one line.
 FLAGS = ("-np", "-kvu", "--slot-save-path", "--ctx-checkpoints", "--checkpoint-min-step", "-ub",
@@ -125,6 +134,27 @@ def tiers_off_lines(off: Sequence[TierOff | Mapping[str, str]]) -> list[str]:
         tiers = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         out.append(f"tiers OFF: {tiers} ({why}). Fix: {fix}")
     return out
+
+
+def verdict(findings: Sequence[Finding], remote_ok: bool | None = None) -> tuple[int, str]:
+    """``ocache doctor``'s exit status and last line (pure): 1 when a tier is off
+    (``tiers_off``), a flag is an ``error`` or the remote store check failed (``remote_ok`` False),
+    the line then naming the tiers off and the flags in error; else 0 and a line saying every tier
+    can work (with the number of warnings, which turn no tier off)."""
+    off = [t.tier for t in tiers_off(findings)]
+    errors = list(dict.fromkeys(f.flag for f in findings if f.level == ERROR))
+    if off or errors or remote_ok is False:
+        why = []
+        if off:
+            why.append("tiers off: " + ", ".join(off))
+        if errors:
+            why.append("errors: " + ", ".join(errors))
+        if remote_ok is False:
+            why.append("store.remote failed")
+        return 1, "doctor: FAIL (" + "; ".join(why) + "): exit 1"
+    warnings = sum(1 for f in findings if f.level == WARN)
+    return 0, ("doctor: OK: every tier can work, no error"
+               + (f" ({warnings} warning{'s' if warnings != 1 else ''}, none turns a tier off)" if warnings else ""))
 
 
 @dataclass(frozen=True)
@@ -248,15 +278,16 @@ def _check_ctx_checkpoints(c: _Seen) -> Finding:
 
 def _check_min_step(c: _Seen) -> Finding:
     p, step = c.params, c.params.checkpoint_min_step
-    limit = c.head_tokens if c.head_tokens else 4096
+    limit = c.head_tokens if c.head_tokens else CHECKPOINT_MIN_STEP
     if not c.known and "checkpoint_min_step" not in p.known:
         return Finding(UNKNOWN, "--checkpoint-min-step", f"the server does not report it (default 8192; "
                        f"ocache wants <= {limit}): {FLAGS_FIX}")
     if step > limit:
+        why = ("the harness head" if c.head_tokens else
+               "the README's value: a resume then prefills at most that many tokens again")
         return Finding(WARN, "--checkpoint-min-step", f"{step} tokens{'' if 'checkpoint_min_step' in p.known else ' (default)'}: "
                        f"checkpoints at user messages are at least this far apart, so a hybrid resume can "
-                       f"land up to {step} tokens early; use <= {limit} "
-                       f"({'the harness head' if c.head_tokens else 'smaller than a typical harness head'})")
+                       f"land up to {step} tokens early; use <= {limit} ({why})")
     return Finding(OK, "--checkpoint-min-step", f"{step} tokens")
 
 

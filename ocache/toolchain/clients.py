@@ -51,6 +51,9 @@ PI = NpmClient("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi")
 #: ``POST /v1/responses``), the versions of the captures in shared/fixtures.
 CLAUDE = NpmClient("claude", "@anthropic-ai/claude-code", "2.1.328", "claude")
 CODEX = NpmClient("codex", "@openai/codex", "0.169.0", "codex")
+#: The node major version CLAUDE needs (``npm view @anthropic-ai/claude-code@2.1.328 engines``:
+#: ``{node: '>=22.0.0'}``); the README says it beside the package.
+CLAUDE_NODE_MIN = 22
 
 #: npm error codes that mean "the registry could not be reached" (DNS, TCP, TLS transport, or the
 #: registry answering 5xx), as opposed to a bad package spec (ETARGET, E404) or a local failure.

@@ -480,7 +480,9 @@ def _cmd_make(args) -> int:
     for preset in presets:
         for kind, path in make(preset).items():
             print(f"{preset}\t{kind}\t{path}")
-    print(f"template\t{template_path()}")
+    # the template is in each GGUF (tokenizer.chat_template): a path printed bare read as one to pass
+    print(f"template\t{template_path()}\t(already embedded in each model above: llama-server --jinja "
+          "uses it, nothing to pass)")
     return 0
 
 
