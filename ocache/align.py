@@ -215,7 +215,9 @@ class Turn:
     aligned request's new part; the generated ids between them are not known), for
     :func:`upper_lcp` (empty: ``known`` at 0); ``raw``: for a request the server converted (a
     Responses body, ``ocache.api.convert``), the client's own fields among ``TOOL_FIELDS`` as it
-    sent them (a continuation sent on that route carries them back, ``routes/continued.py``)."""
+    sent them (a continuation sent on that route carries them back, ``routes/continued.py``);
+    ``owner``: who sent the request (``ocache.compaction.owner_of``: the digests of its session key
+    and credentials, set by ``AlignRoute.observe``; None: unknown, a compaction never continues it)."""
 
     messages: tuple[Mapping, ...]
     fields: Mapping[str, Any]
@@ -228,6 +230,7 @@ class Turn:
     slot: int
     segments: tuple[tuple[int, tuple[int, ...]], ...] = ()
     raw: Mapping[str, Any] = field(default_factory=dict)
+    owner: str | None = None
 
 
 def upper_lcp(tokens: Sequence[int], segments: Sequence[tuple[int, Sequence[int]]], n_held: int) -> int:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ocache.align import Aligned, Turn, decide
-from ocache.compaction import (OPENCODE_CLOSE, OPENCODE_OPEN, continuation, instruction, matches,
-                               opencode_history, opencode_request, parse)
+from ocache.compaction import (OPENCODE_CLOSE, OPENCODE_OPEN, continuation, entries, history_of, instruction,
+                               matches, opencode_history, opencode_request, owner_of, owns, parse)
 
 CAPTURE = json.loads((Path(__file__).parent / "data" / "opencode-compaction.json").read_text())
 COMPACTION = CAPTURE["compaction"]
@@ -31,11 +31,14 @@ CONVERSATION = [
 ANSWER = {"content": "b.py is empty.", "reasoning_content": "Nothing there."}
 SYSTEM = COMPACTION["messages"][0]["content"]
 AFTER = parse(COMPACTION).after
+#: the requester of the recorded conversation and of its compaction: opencode's session header and a key
+HEADERS = {"x-session-affinity": "ses_alpha", "Authorization": "Bearer sk-a"}
+OWNER = owner_of(None, HEADERS)
 
 
 def turn(**kw) -> Turn:
     base = dict(messages=tuple(CONVERSATION), fields={"tools": TOOLS}, answer=ANSWER, finish_reason="stop",
-                stop=False, known=(1, 2, 3), n_prompt_eot=6, n_held=40, slot=1)
+                stop=False, known=(1, 2, 3), n_prompt_eot=6, n_held=40, slot=1, owner=OWNER)
     return Turn(**{**base, **kw})
 
 
@@ -89,21 +92,96 @@ def test_other_requests_are_not_compactions(why, change):
     assert parse({"messages": CONVERSATION, "tools": TOOLS}) is None
 
 
-def test_the_guard_finds_the_conversation_by_its_first_and_last_user_lines():
-    comp = parse(compaction_of(CONVERSATION))
-    assert matches(comp, turn(), compaction_of(CONVERSATION)) is None
-    # the client kept its newest turn out of the summary: the last line is an earlier user message
-    older = parse(compaction_of(CONVERSATION[:5]))
-    assert older.user_lines == ("Read a.py.",) and matches(older, turn(), {}) is None
+def _matches(messages, t=None, owner=OWNER, **fields):
+    body = compaction_of(messages) | fields
+    return matches(parse(body), t or turn(), body, owner)
+
+
+def test_the_guard_finds_the_conversation_by_its_whole_history():
+    """The history block is the recorded conversation and its answer flattened, entry for entry
+    (the reasoning aside: the client keeps it, the recorded request dropped it)."""
+    answered = [*CONVERSATION, {"role": "assistant", **ANSWER}]
+    assert _matches(answered) is None
+    assert _matches(CONVERSATION) is None     # the answer left out of the summary
+    # the client kept its newest turn out of the summary: the history is the record's first entries
+    assert parse(compaction_of(CONVERSATION[:5])).user_lines == ("Read a.py.",)
+    assert _matches(CONVERSATION[:5]) is None
+    # the reasoning of the earlier turn dropped from the recorded request, kept by the client
+    dropped = [*CONVERSATION[:2], {k: v for k, v in CONVERSATION[2].items() if k != "reasoning_content"},
+               *CONVERSATION[3:]]
+    assert _matches(answered, turn(messages=tuple(dropped))) is None
     # another conversation
-    other = [dict(CONVERSATION[1], content="Read c.py."), *CONVERSATION[2:]]
-    assert matches(parse(compaction_of(other)), turn(), {}) == "first user line differs"
-    later = [*CONVERSATION, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "And c.py?"}]
-    assert matches(parse(compaction_of(later)), turn(), {}) == "last user line not in the record"
+    other = [CONVERSATION[0], dict(CONVERSATION[1], content="Read c.py."), *CONVERSATION[2:]]
+    assert _matches(other) == "history differs"
+    later = [*answered, {"role": "user", "content": "And c.py?"}]
+    assert _matches(later) == "history differs"
     # a prompt field the continuation could not take out of the forwarded body
-    body = compaction_of(CONVERSATION) | {"chat_template_kwargs": {"enable_thinking": False}}
-    assert matches(comp, turn(), body) == "prompt fields differ"
-    assert matches(comp, turn(messages=(CONVERSATION[0],)), {}) == "no user message in the record"
+    assert _matches(CONVERSATION, chat_template_kwargs={"enable_thinking": False}) == "prompt fields differ"
+    assert _matches(CONVERSATION, turn(messages=(CONVERSATION[0],))) == "history differs"
+
+
+def test_the_flattened_history_reads_back_as_its_entries():
+    """``entries`` of the captured request and of a tool loop: user, assistant, call (parsed
+    arguments), tool; the reasoning aside."""
+    assert entries(history_of(COMPACTION)) == (("user", AGENT_MESSAGES[1]["content"]),)
+    assert entries(opencode_history(CONVERSATION)) == (
+        ("user", "Read a.py."), ("call", ["read", {"filePath": "a.py"}]), ("tool", "import os"),
+        ("assistant", "It imports os."), ("user", "And b.py?"))
+
+
+#: the same first and last user lines as CONVERSATION (two projects given the same prompts), another
+#: tool result and another answer in the middle
+MIDDLE = [*CONVERSATION[:3], dict(CONVERSATION[3], content="import sys\n"),
+          dict(CONVERSATION[4], content="It imports sys."), CONVERSATION[5]]
+
+
+@pytest.mark.parametrize("what, messages", [
+    ("another tool result", MIDDLE[:4] + CONVERSATION[4:]),
+    ("another answer", CONVERSATION[:4] + MIDDLE[4:]),
+    ("another tool call", CONVERSATION[:2] + [dict(CONVERSATION[2], tool_calls=[
+        dict(CALL, function={"name": "read", "arguments": "{\"filePath\": \"b.py\"}"})])] + CONVERSATION[3:]),
+    ("the tool turn left out", CONVERSATION[:2] + CONVERSATION[4:]),
+])
+def test_equal_first_and_last_user_lines_with_another_middle_are_not_the_conversation(what, messages):
+    """Two projects given the same prompts: the first and last user lines are equal, the entries
+    between them are not. Fails on the guard that compared the first and last user lines only."""
+    comp = parse(compaction_of(messages))
+    assert comp.user_lines == parse(compaction_of(CONVERSATION)).user_lines, what
+    assert _matches(messages) == "history differs", what
+
+
+@pytest.mark.parametrize("what, headers, why", [
+    ("another session", {**HEADERS, "x-session-affinity": "ses_beta"}, "another session"),
+    ("no session key", {"Authorization": "Bearer sk-a"}, "a session key on one side only"),
+    ("another key", {**HEADERS, "Authorization": "Bearer sk-b"}, "other credentials"),
+    ("no key", {"x-session-affinity": "ses_alpha"}, "other credentials"),
+    ("another x-api-key", {**HEADERS, "X-Api-Key": "k"}, "other credentials"),
+])
+def test_only_the_requesters_own_conversation_is_continued(what, headers, why):
+    """The same history from another requester: another session key, none where the record has one,
+    other credentials. Fails on the guard that did not know the conversation's owner."""
+    assert _matches(CONVERSATION, owner=owner_of(None, headers)) == why, what
+    assert _matches(CONVERSATION, owner=owner_of(None, {k.upper(): v for k, v in HEADERS.items()})) is None
+
+
+def test_without_a_session_key_the_credentials_and_the_whole_history_decide():
+    """A client that sends no session key: the record without one, the same credentials and the same
+    history continue; a session key on the record's side only, other credentials or another middle
+    do not. A record without an owner (built elsewhere) is nobody's."""
+    anonymous = owner_of(None, {"authorization": "Bearer sk-a"})
+    t = turn(owner=anonymous)
+    assert _matches(CONVERSATION, t, owner=anonymous) is None
+    assert _matches(CONVERSATION, t, owner=OWNER) == "a session key on one side only"
+    assert _matches(CONVERSATION, t, owner=owner_of(None, {"authorization": "Bearer sk-b"})) == "other credentials"
+    assert _matches(MIDDLE, t, owner=anonymous) == "history differs"
+    assert owns(turn(owner=None), OWNER) == "the owner is unknown"
+    # neither a session key nor credentials on either side: the whole history decides
+    assert owner_of(None, {}) == owner_of(None, None) == "- -"
+    assert _matches(CONVERSATION, turn(owner="- -"), owner="- -") is None
+    # the session key from the hint the proxy parsed, or any of the session headers
+    assert owner_of("ses_alpha", {"authorization": "Bearer sk-a"}) == OWNER
+    assert owner_of(None, {"x-session-id": "ses_alpha", "authorization": "Bearer sk-a"}) == OWNER
+    assert "ses_alpha" not in OWNER and "sk-a" not in OWNER     # digests only
 
 
 def test_the_continuation_is_the_recorded_conversation_then_the_instruction():
