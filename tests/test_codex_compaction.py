@@ -81,15 +81,6 @@ def test_anything_else_is_not_a_continuation(change, why):
     assert without_tools(turn, comp, OWNER) == why
 
 
-def test_another_middle_is_not_the_conversation():
-    """The same first and last user items, another item between them (another project's
-    environment): the whole history is compared, item for item."""
-    body, turn = _turn()
-    comp = _compaction(body)
-    comp["input"] = [comp["input"][0], _msg("user", "<env>other</env>"), *comp["input"][2:]]
-    assert without_tools(turn, responses_to_chat(comp), OWNER) == "history differs"
-
-
 @pytest.mark.parametrize("what, headers, why", [
     ("another session", {**HEADERS, "session-id": "019b-thread-b", "thread-id": "019b-thread-b"}, "another session"),
     ("no session key", {"Authorization": "Bearer sk-a"}, "a session key on one side only"),

@@ -202,3 +202,64 @@ def test_the_continuation_is_the_recorded_conversation_then_the_instruction():
     assert isinstance(d, Aligned)
     end = len(render) - 6
     assert d.splice.n_keep == 40 and d.splice.tail == tuple(render[end:]) and d.splice.checked == (1, 2, 3)
+
+
+# --- the route's log and counters, on an in-memory server (tests/fakes.py) ------------------------
+
+async def _route_layer(turn_: Turn):
+    """A layer over the fake server whose slot 0 holds ``turn_``'s conversation (as the aligned
+    route records it), on a server with 0008 (the end-of-turn token known)."""
+    from fakes import make_layer
+
+    layer = make_layer()
+    await layer.table.refresh()
+    layer.align._probed, layer.align.eot_id = True, 9
+    layer.align.records[0] = (layer.table[0].seq, turn_)
+    return layer
+
+
+async def _plan(layer, body: dict, headers: dict):
+    from ocache.cache.prepare import Shape
+    from ocache.cache.routes import continued
+    from ocache.layer import ParsedRequest
+
+    req = ParsedRequest("r1", "POST", "/v1/chat/completions", body, headers, headers.get("x-session-affinity"), False)
+    return await continued.plan(layer, req, Shape("r1", req.path, body, True, "guest", None, None, None))
+
+
+async def test_a_title_request_is_neither_logged_nor_counted_as_a_compaction(caplog):
+    """opencode's title request (no tools; its system text, then two user messages) after the first
+    turn of a conversation with tools: one message more than the record, no tools, so the route
+    looks at it, and it continues nothing. Not a compaction: no "compaction not continued ... history
+    differs" line, no ``as_sent_`` counter; ``other_requests`` counts it. The first answer is the
+    reasoning alone, as in the captured session (an empty answer may be left out of a Codex
+    compaction, so the request is compared with the record). Fails on the route that logged it as a
+    compaction not continued."""
+    first = turn(messages=tuple(CONVERSATION[:2]), answer={"content": "", "reasoning_content": "Hm."})
+    layer = await _route_layer(first)
+    title = {"model": "qwen", "messages": [
+        {"role": "system", "content": "You are a title generator. You output only a title."},
+        {"role": "user", "content": "Generate a title for this conversation:\n"}, CONVERSATION[1]]}
+    caplog.set_level("DEBUG", logger="ocache.cache")
+    assert await _plan(layer, title, HEADERS) is None
+    assert not [r for r in caplog.records if "compaction" in r.getMessage()], caplog.text
+    stats = layer.continued.stats()
+    assert stats.get("other_requests") == 1 and not [k for k in stats if k.startswith("as_sent")], stats
+
+
+async def test_another_sessions_compaction_is_logged_as_not_continued(caplog):
+    """A compaction of the very conversation slot 0 holds, from another session: recognised,
+    logged and counted as a compaction not continued (``as_sent_another_session``), no plan."""
+    layer = await _route_layer(turn())
+
+    class Viewer:     # the continuation is rendered only once a record was taken for the request's
+        async def view(self, *a, **k):
+            raise AssertionError("another session's conversation was about to be continued")
+
+    layer._viewer = Viewer()
+    body = compaction_of([*CONVERSATION, {"role": "assistant", **ANSWER}])
+    caplog.set_level("INFO", logger="ocache.cache")
+    assert await _plan(layer, body, {**HEADERS, "x-session-affinity": "ses_beta"}) is None
+    stats = layer.continued.stats()
+    assert stats["recognised"] == 1 and stats["as_sent_another_session"] == 1 and stats["requests"] == 0, stats
+    assert "compaction not continued: another session" in caplog.text
