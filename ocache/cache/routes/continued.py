@@ -6,12 +6,13 @@ as text (``ocache/compaction.py``), so as sent it shares no token with what the 
 prefill of the entire history. When :func:`ocache.compaction.parse` recognises such a request and
 its guard (``ocache.compaction.matches``) finds the conversation in a slot's record (the aligned
 route's, ``ocache/cache/align_route.py``: what ocache recorded and relayed for the slot's last
-turn; the requester's own, recorded with its session key and credentials, ``ocache.compaction.owns``,
-and its whole history, entry for entry), the request is served as the recorded request and its answer plus one user turn with the
-client's instruction (``ocache.compaction.continuation``): pinned to that slot, with patch 0008's
-``ocache_splice`` (the slot's tokens up to the end of its last generation, then the request's new
-turn; ``ocache.align.decide``), or without one where the continuation's render already extends what
-the slot holds (an append-only template). The server prefills only the instruction turn. Anything
+turn; the requester's own, recorded with its session key and credentials,
+``ocache.compaction.owns``, and its whole history, entry for entry), the request is served as the
+recorded request and its answer plus one user turn with the client's instruction
+(``ocache.compaction.continuation``): pinned to that slot, with patch 0008's ``ocache_splice`` (the
+slot's tokens up to the end of its last generation, then the request's new turn;
+``ocache.align.decide``), or without one where the continuation's render already extends what the
+slot holds (an append-only template). The server prefills only the instruction turn. Anything
 else (not a compaction, no record matches, the guard or ``decide`` refuses, a server without 0008,
 a converted route, ``tiers.resident.continue_compaction: false`` or ``tiers.resident.align:
 false``) returns None: the request takes the other routes as sent.
