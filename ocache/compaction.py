@@ -44,8 +44,8 @@ The guard (:func:`matches`), every condition required, anything else is forwarde
   the record keeps them as ``Turn.owner`` (:func:`owner_of`, set by ``AlignRoute.observe``);
 * its history is the recorded conversation's, entry for entry (:func:`entries`: every user,
   assistant text, tool call and tool result entry, each compared whole, whitespace at the ends
-  aside; the reasoning entries aside, which the client keeps and the recorded request may have
-  dropped): the conversation flattened as the client flattens it (:func:`opencode_history` of the
+  aside, a long tool output as the client cuts it: :func:`same_entry`; the reasoning entries
+  aside, which the client keeps and the recorded request may have dropped): the conversation flattened as the client flattens it (:func:`opencode_history` of the
   recorded messages and the relayed answer) begins with exactly those entries (a client may leave
   its newest turns out of the summary: opencode keeps ``compaction.preserve_recent_tokens`` of them
   verbatim after it). Two projects given the same prompts share their first and last user lines;
@@ -92,6 +92,9 @@ _ENTRY = re.compile(r"(?:^|\n)\[(User|Assistant|Assistant reasoning|Assistant to
 _ATTACHED = re.compile(r"(?:\n\[Attached [^\]\n]*\])+\s*$")
 #: an ``[Assistant tool call]: `` entry's text: ``name({json arguments})``
 _CALL = re.compile(r"([^(\n]*)\((.*)\)", re.S)
+#: what opencode puts after the part it keeps of a long tool output in the history (it keeps the
+#: first 2,000 characters: ``TOOL_OUTPUT_MAX_CHARS`` and ``truncate`` in its ``session/compaction.ts``)
+TRUNCATED = "\n[truncated]"
 #: the request headers that carry a client's credentials (OpenAI-style, Anthropic-style)
 CREDENTIAL_HEADERS = ("authorization", "x-api-key")
 
@@ -220,6 +223,17 @@ def entries(history: str) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
+def same_entry(sent: tuple[str, Any], recorded: tuple[str, Any]) -> bool:
+    """Whether an entry of the client's history (:func:`entries`) is the recorded one: equal, or a
+    tool output the client cut (its first characters, then ``TRUNCATED``)."""
+    if sent == recorded:
+        return True
+    if sent[0] != "tool" or recorded[0] != "tool" or not sent[1].endswith(TRUNCATED):
+        return False
+    kept = sent[1][:-len(TRUNCATED)]
+    return bool(kept) and len(recorded[1]) > len(kept) and recorded[1].startswith(kept)
+
+
 def history_of(body: Mapping) -> str:
     """The text inside the history block of a compaction request :func:`parse` recognised."""
     text = _text(body["messages"][-1].get("content"))
@@ -240,7 +254,7 @@ def matches(comp: Compaction, turn: Turn, body: Mapping, owner: str | None) -> s
         recorded = entries(opencode_history([*turn.messages, {"role": "assistant", **turn.answer}]))
     except (AttributeError, TypeError, ValueError):
         return "malformed message"
-    if not sent or sent != recorded[:len(sent)]:
+    if not sent or len(sent) > len(recorded) or not all(map(same_entry, sent, recorded)):
         return "history differs"
     return None
 

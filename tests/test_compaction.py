@@ -129,6 +129,22 @@ def test_the_flattened_history_reads_back_as_its_entries():
         ("assistant", "It imports os."), ("user", "And b.py?"))
 
 
+def test_a_long_tool_output_cut_by_the_client_is_the_recorded_one():
+    """opencode keeps the first 2,000 characters of a long tool output in the history, then
+    ``\\n[truncated]``: that entry is the recorded output; another output's cut, or a cut that is
+    not a prefix of the recorded one, is not."""
+    long = "x = 1\n" * 500
+    conv = [*CONVERSATION[:3], dict(CONVERSATION[3], content=long), *CONVERSATION[4:]]
+    body = compaction_of(conv)
+    text = body["messages"][1]["content"]
+    body["messages"][1]["content"] = text.replace(long, long[:2000] + "\n[truncated]")
+    t = turn(messages=tuple(conv))
+    assert matches(parse(body), t, body, OWNER) is None
+    other = dict(body, messages=[body["messages"][0], dict(body["messages"][1], content=text.replace(
+        long, "y" + long[1:2000] + "\n[truncated]"))])
+    assert matches(parse(other), t, other, OWNER) == "history differs"
+
+
 #: the same first and last user lines as CONVERSATION (two projects given the same prompts), another
 #: tool result and another answer in the middle
 MIDDLE = [*CONVERSATION[:3], dict(CONVERSATION[3], content="import sys\n"),
