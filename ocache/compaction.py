@@ -45,11 +45,12 @@ The guard (:func:`matches`), every condition required, anything else is forwarde
 * its history is the recorded conversation's, entry for entry (:func:`entries`: every user,
   assistant text, tool call and tool result entry, each compared whole, whitespace at the ends
   aside, a long tool output as the client cuts it: :func:`same_entry`; the reasoning entries
-  aside, which the client keeps and the recorded request may have dropped): the conversation flattened as the client flattens it (:func:`opencode_history` of the
-  recorded messages and the relayed answer) begins with exactly those entries (a client may leave
-  its newest turns out of the summary: opencode keeps ``compaction.preserve_recent_tokens`` of them
-  verbatim after it). Two projects given the same prompts share their first and last user lines;
-  their tool results and answers differ;
+  aside, which the client keeps and the recorded request may have dropped): the conversation
+  flattened as the client flattens it (:func:`opencode_history` of the recorded messages and the
+  relayed answer) begins with exactly those entries (a client may leave its newest turns out of the
+  summary: opencode keeps ``compaction.preserve_recent_tokens`` of them verbatim after it). Two
+  projects given the same prompts share their first and last user lines; their tool results and
+  answers differ;
 * the fields the prompt is rendered with (``ocache.align.PROMPT_FIELDS``) that the request sets are
   the recorded ones (the continuation is rendered with the recorded ones: a field the client set
   otherwise could not be taken out of the forwarded body).
