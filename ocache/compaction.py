@@ -40,8 +40,9 @@ The guard (:func:`matches`), every condition required, anything else is forwarde
   one user message;
 * the conversation is the requester's own (:func:`owns`): the recorded request and the compaction
   carry the same session key (``ocache.fingerprint.session_key`` of the headers, or neither has
-  one) and the same credentials (``Authorization`` / ``x-api-key``, compared by their sha256);
-  the record keeps them as ``Turn.owner`` (:func:`owner_of`, set by ``AlignRoute.observe``);
+  one) and the same credentials (``Authorization`` / ``x-api-key``, compared by their sha256): the
+  record keeps them as ``Turn.owner`` (``ocache.substitute.owner_of``, the substitution gate's
+  owner, set by ``AlignRoute.observe``);
 * its history is the recorded conversation's, entry for entry (:func:`entries`: every user,
   assistant text, tool call and tool result entry, each compared whole, whitespace at the ends
   aside, a long tool output as the client cuts it: :func:`same_entry`; the reasoning entries
@@ -73,14 +74,13 @@ conversation's tools (``TOOL_FIELDS``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from ocache.align import PROMPT_FIELDS, TOOL_FIELDS, Turn, _args, _generated, _text, canonical
-from ocache.fingerprint import session_key
+from ocache.substitute import owned
 
 #: opencode's history block: what opens and closes it in the user message
 OPENCODE_OPEN = "<conversation>\n"
@@ -96,8 +96,6 @@ _CALL = re.compile(r"([^(\n]*)\((.*)\)", re.S)
 #: what opencode puts after the part it keeps of a long tool output in the history (it keeps the
 #: first 2,000 characters: ``TOOL_OUTPUT_MAX_CHARS`` and ``truncate`` in its ``session/compaction.ts``)
 TRUNCATED = "\n[truncated]"
-#: the request headers that carry a client's credentials (OpenAI-style, Anthropic-style)
-CREDENTIAL_HEADERS = ("authorization", "x-api-key")
 
 
 @dataclass(frozen=True)
@@ -160,45 +158,21 @@ def user_texts(messages: Sequence[Mapping]) -> list[str]:
     return [_text(m.get("content")).strip() for m in messages if m.get("role") == "user"]
 
 
-def _header(headers: Mapping[str, str] | None, name: str) -> str | None:
-    """``headers``' ``name`` (lower case), case-insensitively in a plain dict too."""
-    if not headers:
-        return None
-    value = headers.get(name)
-    if value is None and not hasattr(headers, "getall"):   # a plain dict: try every case
-        value = next((v for k, v in headers.items() if isinstance(k, str) and k.lower() == name), None)
-    return value if isinstance(value, str) else None
-
-
-def _digest(value: str | None) -> str:
-    return hashlib.sha256(value.encode()).hexdigest() if value else "-"
-
-
-def owner_of(session: str | None, headers: Mapping[str, str] | None) -> str:
-    """Who sent a request, as ``"<session> <credentials>"``: the sha256 hex of its session key
-    (``session``: ``ParsedRequest.session_hint``; else ``ocache.fingerprint.session_key`` of
-    ``headers``: opencode's ``x-session-affinity``, Claude Code's, Codex's session headers) and
-    the sha256 hex of its ``Authorization`` and ``x-api-key`` values (``CREDENTIAL_HEADERS``, each
-    line ``name: value``), each ``-`` when absent (``"- -"``: neither). Only digests are kept."""
-    session = (session or "").strip() or session_key(headers)
-    creds = "\n".join(f"{n}: {v}" for n in CREDENTIAL_HEADERS if (v := _header(headers, n)) is not None)
-    return f"{_digest(session)} {_digest(creds)}"
-
-
 def owns(turn: Turn, owner: str | None) -> str | None:
-    """None when the conversation ``turn`` records is the requester's (``owner``: :func:`owner_of`
-    of the request): recorded with the same session key, or neither with one, and the same
-    credentials; else why not. A record without an owner (``Turn.owner`` None) is nobody's."""
+    """None when the conversation ``turn`` records is the requester's (``owner``:
+    ``ocache.substitute.owner_of`` of the request's headers, ``session|sha256 of the credentials``;
+    ``ocache.substitute.owned``): recorded with the same session key, or neither with one, and the
+    same credentials; else why not. A record without an owner (``Turn.owner`` None) is nobody's."""
     if turn.owner is None or owner is None:
         return "the owner is unknown"
-    (r_session, _, r_creds), (session, _, creds) = turn.owner.partition(" "), owner.partition(" ")
-    if (r_session == "-") != (session == "-"):
+    if owned(turn.owner, owner):
+        return None
+    (r_session, _, r_creds), (session, _, creds) = turn.owner.rpartition("|"), owner.rpartition("|")
+    if bool(r_session) != bool(session):
         return "a session key on one side only"
     if r_session != session:
         return "another session"
-    if r_creds != creds:
-        return "other credentials"
-    return None
+    return "other credentials"
 
 
 def entries(history: str) -> tuple[tuple[str, Any], ...]:
@@ -242,7 +216,7 @@ def history_of(body: Mapping) -> str:
 
 
 def matches(comp: Compaction, turn: Turn, body: Mapping, owner: str | None) -> str | None:
-    """None when ``comp`` (of ``body``, sent by ``owner``: :func:`owner_of`) is the compaction of
+    """None when ``comp`` (of ``body``, sent by ``owner``: ``ocache.substitute.owner_of``) is the compaction of
     ``turn``'s conversation (module docstring: the guard), else why not."""
     miss = owns(turn, owner)
     if miss is not None:
@@ -326,7 +300,7 @@ def without_tools(turn: Turn, body: Mapping, owner: str | None) -> list | str:
     empty answer (no text, no call) may be missing from the request (Codex leaves it out): the
     continuation then has it where the slot holds it. The fields the prompt is rendered with besides
     the tools (``PROMPT_FIELDS`` less ``TOOL_FIELDS``) must be the recorded ones, and the requester
-    (``owner``, :func:`owner_of`) the conversation's (:func:`owns`)."""
+    (``owner``, ``ocache.substitute.owner_of``) the conversation's (:func:`owns`)."""
     if body.get("tools"):
         return "the request has tools"
     if not turn.fields.get("tools"):

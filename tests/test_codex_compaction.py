@@ -23,7 +23,8 @@ import pytest
 
 from ocache.align import record
 from ocache.api.convert import responses_to_chat
-from ocache.compaction import owner_of, without_tools
+from ocache.compaction import without_tools
+from ocache.substitute import owner_of
 from ocache.layer import Observation
 from ocache.relay import SSEObserver, observe_json
 
@@ -35,7 +36,7 @@ TOOLS = [{"type": "function", "name": "exec_command", "description": "Run a comm
 
 #: Codex's session headers and key (the names in its captured requests)
 HEADERS = {"session-id": "019a-thread-a", "thread-id": "019a-thread-a", "Authorization": "Bearer sk-a"}
-OWNER = owner_of(None, HEADERS)
+OWNER = owner_of(HEADERS)
 
 
 def _msg(role: str, text: str) -> dict:
@@ -92,9 +93,9 @@ def test_only_the_requesters_own_conversation_is_continued(what, headers, why):
     that did not know the conversation's owner."""
     body, turn = _turn()
     comp = responses_to_chat(_compaction(body))
-    assert without_tools(turn, comp, owner_of(None, headers)) == why, what
+    assert without_tools(turn, comp, owner_of(headers)) == why, what
     # a record with no session key: a request with one is not its owner either, nor one without an owner
-    assert without_tools(replace(turn, owner=owner_of(None, {"Authorization": "Bearer sk-a"})), comp, OWNER) == \
+    assert without_tools(replace(turn, owner=owner_of({"Authorization": "Bearer sk-a"})), comp, OWNER) == \
         "a session key on one side only"
     assert without_tools(replace(turn, owner=None), comp, OWNER) == "the owner is unknown"
 

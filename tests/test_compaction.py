@@ -12,7 +12,8 @@ import pytest
 
 from ocache.align import Aligned, Turn, decide
 from ocache.compaction import (OPENCODE_CLOSE, OPENCODE_OPEN, continuation, entries, history_of, instruction,
-                               matches, opencode_history, opencode_request, owner_of, owns, parse)
+                               matches, opencode_history, opencode_request, owns, parse)
+from ocache.substitute import owner_of
 
 CAPTURE = json.loads((Path(__file__).parent / "data" / "opencode-compaction.json").read_text())
 COMPACTION = CAPTURE["compaction"]
@@ -33,7 +34,7 @@ SYSTEM = COMPACTION["messages"][0]["content"]
 AFTER = parse(COMPACTION).after
 #: the requester of the recorded conversation and of its compaction: opencode's session header and a key
 HEADERS = {"x-session-affinity": "ses_alpha", "Authorization": "Bearer sk-a"}
-OWNER = owner_of(None, HEADERS)
+OWNER = owner_of(HEADERS)
 
 
 def turn(**kw) -> Turn:
@@ -176,28 +177,27 @@ def test_equal_first_and_last_user_lines_with_another_middle_are_not_the_convers
 def test_only_the_requesters_own_conversation_is_continued(what, headers, why):
     """The same history from another requester: another session key, none where the record has one,
     other credentials. Fails on the guard that did not know the conversation's owner."""
-    assert _matches(CONVERSATION, owner=owner_of(None, headers)) == why, what
-    assert _matches(CONVERSATION, owner=owner_of(None, {k.upper(): v for k, v in HEADERS.items()})) is None
+    assert _matches(CONVERSATION, owner=owner_of(headers)) == why, what
+    assert _matches(CONVERSATION, owner=owner_of({k.lower(): v for k, v in HEADERS.items()})) is None
 
 
 def test_without_a_session_key_the_credentials_and_the_whole_history_decide():
     """A client that sends no session key: the record without one, the same credentials and the same
     history continue; a session key on the record's side only, other credentials or another middle
     do not. A record without an owner (built elsewhere) is nobody's."""
-    anonymous = owner_of(None, {"authorization": "Bearer sk-a"})
+    anonymous = owner_of({"authorization": "Bearer sk-a"})
     t = turn(owner=anonymous)
     assert _matches(CONVERSATION, t, owner=anonymous) is None
     assert _matches(CONVERSATION, t, owner=OWNER) == "a session key on one side only"
-    assert _matches(CONVERSATION, t, owner=owner_of(None, {"authorization": "Bearer sk-b"})) == "other credentials"
+    assert _matches(CONVERSATION, t, owner=owner_of({"authorization": "Bearer sk-b"})) == "other credentials"
     assert _matches(MIDDLE, t, owner=anonymous) == "history differs"
     assert owns(turn(owner=None), OWNER) == "the owner is unknown"
     # neither a session key nor credentials on either side: the whole history decides
-    assert owner_of(None, {}) == owner_of(None, None) == "- -"
-    assert _matches(CONVERSATION, turn(owner="- -"), owner="- -") is None
-    # the session key from the hint the proxy parsed, or any of the session headers
-    assert owner_of("ses_alpha", {"authorization": "Bearer sk-a"}) == OWNER
-    assert owner_of(None, {"x-session-id": "ses_alpha", "authorization": "Bearer sk-a"}) == OWNER
-    assert "ses_alpha" not in OWNER and "sk-a" not in OWNER     # digests only
+    nobody = owner_of({})
+    assert owner_of(None) == nobody and _matches(CONVERSATION, turn(owner=nobody), owner=nobody) is None
+    # the session key from any of the session headers (opencode sends x-session-id beside the affinity)
+    assert owner_of({"x-session-id": "ses_alpha", "authorization": "Bearer sk-a"}) == OWNER
+    assert "sk-a" not in OWNER     # the credentials' digest only
 
 
 def test_the_continuation_is_the_recorded_conversation_then_the_instruction():

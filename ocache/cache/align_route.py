@@ -49,10 +49,10 @@ from typing import Any, Awaitable, Callable, Mapping
 from ocache.align import PROBE, Aligned, AsSent, Turn, canonical, decide, record, turn_end_marker
 from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.execute import PlanContext
-from ocache.compaction import owner_of
 from ocache.config import field_of
 from ocache.layer import Observation, Plan, ParsedRequest
 from ocache.slots import SlotTable
+from ocache.substitute import owner_of
 
 log = logging.getLogger("ocache.cache")
 
@@ -344,5 +344,5 @@ class AlignRoute:
             turn = record(body, ctx.view.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
                           st.n_total, slot, None, None, raw)
         # whose conversation it is: a compaction continues only its owner's (ocache.compaction.owns)
-        turn = replace(turn, owner=owner_of(req.session_hint, req.headers))
+        turn = replace(turn, owner=owner_of(req.headers))
         self.records[slot] = (table[slot].seq, turn)

@@ -46,10 +46,11 @@ from ocache.align import Aligned, AsSent, Splice, Turn, decide
 from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.align_route import SETTLE_WAIT_S, SPLICE_HEADER, AlignContext, held_after, hold_known
 from ocache.cache.prepare import Prepared, Shape
-from ocache.compaction import Compaction, continuation, matches, owner_of, parse, without_tools
+from ocache.compaction import Compaction, continuation, matches, parse, without_tools
 from ocache.config import field_of
 from ocache.layer import Observation, ParsedRequest, Plan
 from ocache.slots import SlotTable
+from ocache.substitute import owner_of
 from ocache.tokens import TokenViewError
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ def _candidate(layer: OCacheLayer, table: SlotTable, comp: Compaction | None, bo
                owner: str) -> tuple[int, Turn] | str:
     """The slot whose recorded conversation ``comp`` compacts (None: that ``body`` continues without
     its tools, ``ocache.compaction.without_tools``), a conversation of the requester's (``owner``:
-    ``ocache.compaction.owner_of`` of the request), or why none."""
+    ``ocache.substitute.owner_of`` of the request), or why none."""
     why = "no record"
     for slot, (seq, turn) in list(layer.align.records.items()):
         st = table[slot]
@@ -196,7 +197,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
         return None
     body = shape.body    # a Responses body in the chat form the server renders
     comp = parse(body) if req.path in CHAT_PATHS else None
-    owner = owner_of(req.session_hint, req.headers)
+    owner = owner_of(req.headers)
     if comp is None:
         # a conversation continued by one user turn without its tools (Codex's compaction)? The
         # previous answer may not be recorded yet: wait (bounded) only for a slot whose last request's
