@@ -216,8 +216,8 @@ def history_of(body: Mapping) -> str:
 
 
 def matches(comp: Compaction, turn: Turn, body: Mapping, owner: str | None) -> str | None:
-    """None when ``comp`` (of ``body``, sent by ``owner``: ``ocache.substitute.owner_of``) is the compaction of
-    ``turn``'s conversation (module docstring: the guard), else why not."""
+    """None when ``comp`` (of ``body``, sent by ``owner``: ``ocache.substitute.owner_of``) is the
+    compaction of ``turn``'s conversation (module docstring: the guard), else why not."""
     miss = owns(turn, owner)
     if miss is not None:
         return miss
