@@ -217,7 +217,9 @@ class Turn:
     aligned request's new part; the generated ids between them are not known), for
     :func:`upper_lcp` (empty: ``known`` at 0); ``raw``: for a request the server converted (a
     Responses body, ``ocache.api.convert``), the client's own fields among ``TOOL_FIELDS`` as it
-    sent them (a continuation sent on that route carries them back, ``routes/continued.py``)."""
+    sent them (a continuation sent on that route carries them back, ``routes/continued.py``);
+    ``owner``: who sent the request (``ocache.substitute.owner_of``: its session key and the sha256
+    of its credentials, set by ``AlignRoute.observe``; None: unknown, a compaction never continues it)."""
 
     messages: tuple[Mapping, ...]
     fields: Mapping[str, Any]

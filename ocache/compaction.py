@@ -38,10 +38,20 @@ The guard (:func:`matches`), every condition required, anything else is forwarde
 * the request is one of a known client's compactions (:func:`parse`: no tools, system messages then
   one user message whose text holds the history block of that client's shape) and names at least
   one user message;
-* its first user line is the text of the recorded conversation's first user message, and its last
-  user line the text of one of the recorded conversation's user messages (a client may leave its
-  newest turns out of the summary: opencode keeps ``compaction.preserve_recent_tokens`` of them
-  verbatim after it), each compared whole, whitespace at the ends aside;
+* the conversation is the requester's own (:func:`owns`): the recorded request and the compaction
+  carry the same session key (``ocache.fingerprint.session_key`` of the headers, or neither has
+  one) and the same credentials (``Authorization`` / ``x-api-key``, compared by their sha256): the
+  record keeps them as ``Turn.owner`` (``ocache.substitute.owner_of``, the substitution gate's
+  owner, set by ``AlignRoute.observe``);
+* its history is the recorded conversation's, entry for entry (:func:`entries`: every user,
+  assistant text, tool call and tool result entry, each compared whole, whitespace at the ends
+  aside, a long tool output as the client cuts it: :func:`same_entry`; the reasoning entries
+  aside, which the client keeps and the recorded request may have dropped): the conversation
+  flattened as the client flattens it (:func:`opencode_history` of the recorded messages and the
+  relayed answer) begins with exactly those entries (a client may leave its newest turns out of the
+  summary: opencode keeps ``compaction.preserve_recent_tokens`` of them verbatim after it). Two
+  projects given the same prompts share their first and last user lines; their tool results and
+  answers differ;
 * the fields the prompt is rendered with (``ocache.align.PROMPT_FIELDS``) that the request sets are
   the recorded ones (the continuation is rendered with the recorded ones: a field the client set
   otherwise could not be taken out of the forwarded body).
@@ -57,8 +67,9 @@ conversation's items as they were, the answer, and one user item with its instru
 (ocache's, Qwen3.5's) that prompt parts from the conversation at its first tokens: a cold prefill of
 it all. :func:`without_tools` is that guard: the request is the recorded conversation, message for
 message (reasoning aside, as the aligned route compares), then the relayed answer, then exactly one
-user message, with no tools where the conversation had some; the served continuation is the
-request's own messages rendered with the conversation's tools (``TOOL_FIELDS``).
+user message, with no tools where the conversation had some, from the conversation's owner
+(:func:`owns`); the served continuation is the request's own messages rendered with the
+conversation's tools (``TOOL_FIELDS``).
 """
 
 from __future__ import annotations
@@ -68,7 +79,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ocache.align import PROMPT_FIELDS, TOOL_FIELDS, Turn, _generated, _text, canonical
+from ocache.align import PROMPT_FIELDS, TOOL_FIELDS, Turn, _args, _generated, _text, canonical
+from ocache.substitute import owned
 
 #: opencode's history block: what opens and closes it in the user message
 OPENCODE_OPEN = "<conversation>\n"
@@ -79,6 +91,11 @@ OPENCODE_CLOSE = "\n</conversation>"
 _ENTRY = re.compile(r"(?:^|\n)\[(User|Assistant|Assistant reasoning|Assistant tool call|Tool result|Tool error)\]: ")
 #: a user's attachment lines after its text
 _ATTACHED = re.compile(r"(?:\n\[Attached [^\]\n]*\])+\s*$")
+#: an ``[Assistant tool call]: `` entry's text: ``name({json arguments})``
+_CALL = re.compile(r"([^(\n]*)\((.*)\)", re.S)
+#: what opencode puts after the part it keeps of a long tool output in the history (it keeps the
+#: first 2,000 characters: ``TOOL_OUTPUT_MAX_CHARS`` and ``truncate`` in its ``session/compaction.ts``)
+TRUNCATED = "\n[truncated]"
 
 
 @dataclass(frozen=True)
@@ -141,19 +158,79 @@ def user_texts(messages: Sequence[Mapping]) -> list[str]:
     return [_text(m.get("content")).strip() for m in messages if m.get("role") == "user"]
 
 
-def matches(comp: Compaction, turn: Turn, body: Mapping) -> str | None:
-    """None when ``comp`` (of ``body``) is the compaction of ``turn``'s conversation (module
-    docstring: the guard), else why not."""
-    users = user_texts(turn.messages)
-    if not users:
-        return "no user message in the record"
-    if comp.user_lines[0] != users[0]:
-        return "first user line differs"
-    if comp.user_lines[-1] not in users:
-        return "last user line not in the record"
+def owns(turn: Turn, owner: str | None) -> str | None:
+    """None when the conversation ``turn`` records is the requester's (``owner``:
+    ``ocache.substitute.owner_of`` of the request's headers, ``session|sha256 of the credentials``;
+    ``ocache.substitute.owned``): recorded with the same session key, or neither with one, and the
+    same credentials; else why not. A record without an owner (``Turn.owner`` None) is nobody's."""
+    if turn.owner is None or owner is None:
+        return "the owner is unknown"
+    if owned(turn.owner, owner):
+        return None
+    (r_session, _, r_creds), (session, _, creds) = turn.owner.rpartition("|"), owner.rpartition("|")
+    if bool(r_session) != bool(session):
+        return "a session key on one side only"
+    if r_session != session:
+        return "another session"
+    return "other credentials"
+
+
+def entries(history: str) -> tuple[tuple[str, Any], ...]:
+    """An opencode history (the text inside the history block) as its entries in order, the
+    reasoning aside: ``("user", text)`` (its attachment lines aside), ``("assistant", text)``,
+    ``("call", [name, arguments])`` (the JSON arguments parsed), ``("tool", output)`` (a result or
+    an error), each text stripped."""
+    found = list(_ENTRY.finditer(history))
+    out: list[tuple[str, Any]] = []
+    for i, m in enumerate(found):
+        kind = m.group(1)
+        end = found[i + 1].start() if i + 1 < len(found) else len(history)
+        text = history[m.end():end]
+        if kind == "User":
+            out.append(("user", _ATTACHED.sub("", text).strip()))
+        elif kind == "Assistant":
+            out.append(("assistant", text.strip()))
+        elif kind == "Assistant tool call":
+            call = _CALL.fullmatch(text.strip())
+            out.append(("call", [call.group(1), _args(call.group(2))] if call else text.strip()))
+        elif kind in ("Tool result", "Tool error"):
+            out.append(("tool", text.strip()))
+    return tuple(out)
+
+
+def same_entry(sent: tuple[str, Any], recorded: tuple[str, Any]) -> bool:
+    """Whether an entry of the client's history (:func:`entries`) is the recorded one: equal, or a
+    tool output the client cut (its first characters, then ``TRUNCATED``)."""
+    if sent == recorded:
+        return True
+    if sent[0] != "tool" or recorded[0] != "tool" or not sent[1].endswith(TRUNCATED):
+        return False
+    kept = sent[1][:-len(TRUNCATED)]
+    return bool(kept) and len(recorded[1]) > len(kept) and recorded[1].startswith(kept)
+
+
+def history_of(body: Mapping) -> str:
+    """The text inside the history block of a compaction request :func:`parse` recognised."""
+    text = _text(body["messages"][-1].get("content"))
+    return text[text.find(OPENCODE_OPEN) + len(OPENCODE_OPEN):text.rfind(OPENCODE_CLOSE)]
+
+
+def matches(comp: Compaction, turn: Turn, body: Mapping, owner: str | None) -> str | None:
+    """None when ``comp`` (of ``body``, sent by ``owner``: ``ocache.substitute.owner_of``) is the
+    compaction of ``turn``'s conversation (module docstring: the guard), else why not."""
+    miss = owns(turn, owner)
+    if miss is not None:
+        return miss
     for k in PROMPT_FIELDS:
         if k in body and turn.fields.get(k) != body[k]:
             return "prompt fields differ"
+    try:
+        sent = entries(history_of(body))
+        recorded = entries(opencode_history([*turn.messages, {"role": "assistant", **turn.answer}]))
+    except (AttributeError, TypeError, ValueError):
+        return "malformed message"
+    if not sent or len(sent) > len(recorded) or not all(map(same_entry, sent, recorded)):
+        return "history differs"
     return None
 
 
@@ -216,17 +293,21 @@ def opencode_request(messages: Sequence[Mapping], system: str, after: str, **fie
     return {**fields, "messages": [{"role": "system", "content": system}, {"role": "user", "content": text}]}
 
 
-def without_tools(turn: Turn, body: Mapping) -> list | str:
+def without_tools(turn: Turn, body: Mapping, owner: str | None) -> list | str:
     """The continuation's messages when ``body`` (a chat body, or the chat form of a Responses body)
     is ``turn``'s conversation followed by the relayed answer and exactly one user message, sent
     without the tools the conversation had (module docstring: Codex's compaction), else why not. An
     empty answer (no text, no call) may be missing from the request (Codex leaves it out): the
     continuation then has it where the slot holds it. The fields the prompt is rendered with besides
-    the tools (``PROMPT_FIELDS`` less ``TOOL_FIELDS``) must be the recorded ones."""
+    the tools (``PROMPT_FIELDS`` less ``TOOL_FIELDS``) must be the recorded ones, and the requester
+    (``owner``, ``ocache.substitute.owner_of``) the conversation's (:func:`owns`)."""
     if body.get("tools"):
         return "the request has tools"
     if not turn.fields.get("tools"):
         return "the conversation had no tools"
+    miss = owns(turn, owner)
+    if miss is not None:
+        return miss
     if any(body.get(k) != turn.fields.get(k) for k in PROMPT_FIELDS if k not in TOOL_FIELDS):
         return "prompt fields differ"
     msgs = body.get("messages")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import pytest
 from ocache.align import record
 from ocache.api.convert import responses_to_chat
 from ocache.compaction import without_tools
+from ocache.substitute import owner_of
 from ocache.layer import Observation
 from ocache.relay import SSEObserver, observe_json
 
@@ -30,6 +32,11 @@ DATA = json.loads((Path(__file__).parent / "data" / "codex-compaction.json").rea
 
 TOOLS = [{"type": "function", "name": "exec_command", "description": "Run a command.",
           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
+
+
+#: Codex's session headers and key (the names in its captured requests)
+HEADERS = {"session-id": "019a-thread-a", "thread-id": "019a-thread-a", "Authorization": "Bearer sk-a"}
+OWNER = owner_of(HEADERS)
 
 
 def _msg(role: str, text: str) -> dict:
@@ -44,7 +51,7 @@ def _turn(answer: str = "It prints hello.") -> tuple[dict, object]:
             "tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": True, "stream": True}
     chat = responses_to_chat(body)
     turn = record(chat, list(range(100)), 7, {"content": answer}, None, 120, 0, None, None, body)
-    return body, turn
+    return body, replace(turn, owner=OWNER)     # as AlignRoute.observe records it
 
 
 def _compaction(body: dict, answer: str | None = "It prints hello.", **over) -> dict:
@@ -57,7 +64,7 @@ def test_a_conversation_continued_without_its_tools_is_recognised():
     body, turn = _turn()
     assert turn.raw == {"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": True}
     comp = responses_to_chat(_compaction(body))
-    msgs = without_tools(turn, comp)
+    msgs = without_tools(turn, comp, OWNER)
     assert isinstance(msgs, list) and msgs == comp["messages"]
 
 
@@ -72,18 +79,37 @@ def test_a_conversation_continued_without_its_tools_is_recognised():
 def test_anything_else_is_not_a_continuation(change, why):
     body, turn = _turn()
     comp = responses_to_chat(change(body, _compaction(body)))
-    assert without_tools(turn, comp) == why
+    assert without_tools(turn, comp, OWNER) == why
+
+
+@pytest.mark.parametrize("what, headers, why", [
+    ("another session", {**HEADERS, "session-id": "019b-thread-b", "thread-id": "019b-thread-b"}, "another session"),
+    ("no session key", {"Authorization": "Bearer sk-a"}, "a session key on one side only"),
+    ("another key", {**HEADERS, "Authorization": "Bearer sk-b"}, "other credentials"),
+])
+def test_only_the_requesters_own_conversation_is_continued(what, headers, why):
+    """The same items, answer and instruction from another requester are not continued: another
+    session (Codex's ``session-id``), none where the record has one, another key. Fails on the guard
+    that did not know the conversation's owner."""
+    body, turn = _turn()
+    comp = responses_to_chat(_compaction(body))
+    assert without_tools(turn, comp, owner_of(headers)) == why, what
+    # a record with no session key: a request with one is not its owner either, nor one without an owner
+    assert without_tools(replace(turn, owner=owner_of({"Authorization": "Bearer sk-a"})), comp, OWNER) == \
+        "a session key on one side only"
+    assert without_tools(replace(turn, owner=None), comp, OWNER) == "the owner is unknown"
 
 
 def test_an_empty_answer_left_out_is_put_back_where_the_slot_holds_it():
     body, turn = _turn(answer="")
     comp = responses_to_chat(_compaction(body, answer=None))
-    msgs = without_tools(turn, comp)
+    msgs = without_tools(turn, comp, OWNER)
     assert isinstance(msgs, list) and len(msgs) == len(comp["messages"]) + 1
     assert msgs[-2] == {"role": "assistant", "content": ""} and msgs[-1] == comp["messages"][-1]
     # a non-empty answer may not be left out
     body, turn = _turn()
-    assert without_tools(turn, responses_to_chat(_compaction(body, answer=None))) == "not one turn after the answer"
+    assert without_tools(turn, responses_to_chat(_compaction(body, answer=None)), OWNER) == \
+        "not one turn after the answer"
 
 
 RESPONSE = {"id": "resp_1", "object": "response", "status": "completed", "output": [
@@ -116,7 +142,7 @@ def test_a_responses_answer_is_collected_as_the_chat_message_it_renders_as():
     echo = dict(_compaction(body, answer="It prints hello."))
     echo["input"] = echo["input"][:3] + [RESPONSE["output"][0], RESPONSE["output"][1], RESPONSE["output"][2],
                                          _msg("user", "Summarise.")]
-    assert isinstance(without_tools(turn, responses_to_chat(echo)), list)
+    assert isinstance(without_tools(replace(turn, owner=OWNER), responses_to_chat(echo), OWNER), list)
 
 
 def test_the_stored_capture_has_the_shape_the_guard_reads():

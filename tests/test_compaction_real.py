@@ -6,6 +6,9 @@ checked against the capture in tests/test_compaction.py). The 20k-token measurem
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import pytest
 
 from ocache.compaction import opencode_request
@@ -20,18 +23,29 @@ pytestmark = pytest.mark.server
 SUMMARY_TOKENS = 12
 
 
-def _conversation(url: str, server: str, keep: bool = False) -> tuple[list[dict], list[dict]]:
+def _chat_as(url: str, body: dict, headers: dict | None) -> tuple[dict, dict]:
+    """``_chat`` of a non-streamed body with the client's ``headers`` (a session key) added."""
+    if not headers:
+        return _chat(url, body)
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read()), dict(r.headers)
+
+
+def _conversation(url: str, server: str, keep: bool = False,
+                  headers: dict | None = None) -> tuple[list[dict], list[dict]]:
     """A tool turn and the answer, each sent back as it came (the reasoning dropped, as opencode
-    does for a model not marked ``interleaved``; ``keep``: sent back). Returns the messages with
-    the answer and the response headers per request."""
+    does for a model not marked ``interleaved``; ``keep``: sent back), with the client's
+    ``headers``. Returns the messages with the answer and the response headers per request."""
     msgs = [{"role": "system", "content": "You are a coding agent."},
             {"role": "user", "content": "Read a file, then say what it does."}]
     heads = []
     for grammar in (CALL, ANSWER):
         body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0, "max_tokens": 200,
                 "grammar": grammar}
-        res, headers = _chat(url, body)
-        heads.append(headers)
+        res, got = _chat_as(url, body, headers)
+        heads.append(got)
         choice = res["choices"][0]
         assert choice["finish_reason"] == "stop", choice
         msgs = msgs + [{"role": "assistant", "content": choice["message"]["content"]}]
@@ -43,15 +57,15 @@ def _conversation(url: str, server: str, keep: bool = False) -> tuple[list[dict]
     return msgs, heads
 
 
-def _compaction(url: str, server: str, msgs: list[dict]) -> tuple[dict, dict, int, int]:
-    """opencode's compaction of ``msgs``: (the answer, its headers, the server's prefill, the tokens
-    of the request's own prompt as the server renders it)."""
+def _compaction(url: str, server: str, msgs: list[dict], headers: dict | None = None) -> tuple[dict, dict, int, int]:
+    """opencode's compaction of ``msgs`` with the client's ``headers``: (the answer, its headers, the
+    server's prefill, the tokens of the request's own prompt as the server renders it)."""
     body = opencode_request(msgs, SYSTEM, AFTER, model="qwen", max_tokens=SUMMARY_TOKENS, temperature=0)
     prompt = _post(server, "/apply-template", {"messages": body["messages"]})["prompt"]
     n_sent = len(_post(server, "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})["tokens"])
     before = _prefilled(server)
-    res, headers = _chat(url, body)
-    return res, headers, _prefilled(server) - before, n_sent
+    res, got = _chat_as(url, body, headers)
+    return res, got, _prefilled(server) - before, n_sent
 
 
 def test_a_compaction_is_served_as_the_conversations_continuation(serve_template, tmp_path, monkeypatch):
@@ -135,3 +149,34 @@ def test_on_ocaches_own_template_too(serve_template, tmp_path):
     assert headers.get("X-OCache-Path") == "continued", (headers, (tmp_path / "ocache.log").read_text()[-3000:])
     kept, new = map(int, headers["X-OCache-Continued"].split("+"))
     assert res["timings"]["cache_n"] == kept and res["timings"]["prompt_n"] == new == prefilled < 600 < n_sent
+
+
+def test_another_sessions_compaction_is_not_served_from_the_slot(serve_template, tmp_path):
+    """Two opencode sessions (``x-session-affinity``) given the same first prompt: the greedy model
+    gives the second the very history the first has (the case where every entry is equal: only the
+    session tells them apart). The first session's compaction is continued from its slot; the
+    second's, sent after it with its own session key, is forwarded as sent: the server prefills its
+    whole prompt, and the log says why. Fails on the guard that compared the first and last user
+    lines only: the second session's compaction came back ``X-OCache-Path: continued`` from the
+    first's slot (as two opencode projects did with the same prompts)."""
+    from ocache.bench.run import OCacheProcess
+
+    alpha, beta = {"x-session-affinity": "ses_alpha"}, {"x-session-affinity": "ses_beta"}
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        msgs, _ = _conversation(prox.url, srv.url, headers=alpha)
+        _, own, _, _ = _compaction(prox.url, srv.url, msgs, alpha)
+        res, other, prefilled, n_sent = _compaction(prox.url, srv.url, msgs, beta)
+        stats = (prox.stats() or {})["layer"]["continued"]
+    finally:
+        prox.stop()
+    log = (tmp_path / "ocache.log").read_text()
+    # the owner's compaction is continued (the record was there to be taken)
+    assert own.get("X-OCache-Path") == "continued", (own, log[-3000:])
+    # the other session's is not: no continuation from the first's slot, its own prompt prefilled
+    assert other.get("X-OCache-Path") != "continued" and "X-OCache-Continued" not in other, (other, log[-3000:])
+    assert res["usage"]["prompt_tokens"] == n_sent and prefilled >= n_sent - 64, (res["timings"], n_sent)
+    assert stats["requests"] == 1 and stats.get("as_sent_another_session") == 1, stats
+    assert "compaction not continued: another session" in log

@@ -427,4 +427,6 @@ class AlignRoute:
             turn = record(body, ctx.view.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
                           st.n_total, slot, None, None, raw, generated=sampled_ids(t),
                           think_close=self.think_close, owner=owner_of(req.headers))
+        # whose conversation it is: a substitution (aligned, continued: ocache.compaction.owns)
+        # serves it only to its owner
         self.records[slot] = (table[slot].seq, turn)

@@ -6,11 +6,13 @@ as text (``ocache/compaction.py``), so as sent it shares no token with what the 
 prefill of the entire history. When :func:`ocache.compaction.parse` recognises such a request and
 its guard (``ocache.compaction.matches``) finds the conversation in a slot's record (the aligned
 route's, ``ocache/cache/align_route.py``: what ocache recorded and relayed for the slot's last
-turn), the request is served as the recorded request and its answer plus one user turn with the
-client's instruction (``ocache.compaction.continuation``): pinned to that slot, with patch 0008's
-``ocache_splice`` (the slot's tokens up to the end of its last generation, then the request's new
-turn; ``ocache.align.decide``), or without one where the continuation's render already extends what
-the slot holds (an append-only template). The server prefills only the instruction turn. Anything
+turn; the requester's own, recorded with its session key and credentials,
+``ocache.compaction.owns``, and its whole history, entry for entry), the request is served as the
+recorded request and its answer plus one user turn with the client's instruction
+(``ocache.compaction.continuation``): pinned to that slot, with patch 0008's ``ocache_splice`` (the
+slot's tokens up to the end of its last generation, then the request's new turn;
+``ocache.align.decide``), or without one where the continuation's render already extends what the
+slot holds (an append-only template). The server prefills only the instruction turn. Anything
 else (not a compaction, no record matches, the guard or ``decide`` refuses, a server without 0008,
 a converted route, ``tiers.resident.continue_compaction: false`` or ``tiers.resident.align:
 false``) returns None: the request takes the other routes as sent.
@@ -48,6 +50,7 @@ from ocache.compaction import Compaction, continuation, matches, parse, without_
 from ocache.config import field_of
 from ocache.layer import Observation, ParsedRequest, Plan
 from ocache.slots import SlotTable
+from ocache.substitute import owner_of
 from ocache.tokens import TokenViewError
 
 if TYPE_CHECKING:
@@ -70,7 +73,9 @@ class ContinueRoute:
     have prefilled as sent, less what it prefilled), ``refused`` (a 412 of the server: planned
     again, as sent), ``recognised`` (compaction requests seen), ``recognised_without_tools`` (a
     recorded conversation continued by one user turn without its tools: Codex's compaction,
-    ``ocache.compaction.without_tools``) and ``as_sent_<reason>``."""
+    ``ocache.compaction.without_tools``), ``as_sent_<reason>`` (a compaction not continued) and
+    ``other_requests`` (requests without tools looked at that continue no conversation held here:
+    an opencode title request, another session's; not compactions, so not logged as one)."""
 
     def __init__(self, on: bool = True) -> None:
         self.on = on
@@ -106,15 +111,17 @@ class ContinuedContext(AlignContext):
             align.records[self.slot] = (table[self.slot].seq, self.turn)
 
 
-def _candidate(layer: OCacheLayer, table: SlotTable, comp: Compaction | None, body: Any) -> tuple[int, Turn] | str:
+def _candidate(layer: OCacheLayer, table: SlotTable, comp: Compaction | None, body: Any,
+               owner: str) -> tuple[int, Turn] | str:
     """The slot whose recorded conversation ``comp`` compacts (None: that ``body`` continues without
-    its tools, ``ocache.compaction.without_tools``), or why none."""
+    its tools, ``ocache.compaction.without_tools``), a conversation of the requester's (``owner``:
+    ``ocache.substitute.owner_of`` of the request), or why none."""
     why = "no record"
     for slot, (seq, turn) in list(layer.align.records.items()):
         st = table[slot]
         if st.seq != seq or st.pending:
             continue
-        miss = matches(comp, turn, body) if comp is not None else without_tools(turn, body)
+        miss = matches(comp, turn, body, owner) if comp is not None else without_tools(turn, body, owner)
         if not isinstance(miss, str):
             return slot, turn
         why = miss
@@ -135,25 +142,27 @@ def _as_sent(route: ContinueRoute, rid: str, why: str) -> None:
 
 
 async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction | None, body: Any,
-                  shape: Shape) -> tuple | str:
+                  shape: Shape, owner: str, found: tuple[int, Turn] | None = None) -> tuple | str:
     """(slot, turn, the continuation's body fields, the decision, its tokens, whether it needs a
     splice) for a recognised compaction (``comp`` None: a conversation continued without its
-    tools), or why not."""
+    tools, ``found`` its slot and record), or why not."""
     eot = await layer.align._eot(layer)
     viewer = layer._viewer
     if eot is None or viewer is None:
         return "no splice on this server"
-    found = _candidate(layer, table, comp, body)
-    if isinstance(found, str) and comp is not None:
-        await _settle(table)      # the previous answer may not be recorded yet
-        found = _candidate(layer, table, comp, body)
-    if isinstance(found, str):
-        return found
+    if found is None:
+        got = _candidate(layer, table, comp, body, owner)
+        if isinstance(got, str):
+            await _settle(table)      # the previous answer may not be recorded yet
+            got = _candidate(layer, table, comp, body, owner)
+        if isinstance(got, str):
+            return got
+        found = got
     slot, turn = found
     if comp is not None:
         fields = continuation(turn, comp)
     else:
-        msgs = without_tools(turn, body)
+        msgs = without_tools(turn, body, owner)
         assert not isinstance(msgs, str)
         fields = {**dict(turn.fields), "messages": msgs}
     try:
@@ -188,6 +197,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
         return None
     body = shape.body    # a Responses body in the chat form the server renders
     comp = parse(body) if req.path in CHAT_PATHS else None
+    owner = owner_of(req.headers)
     if comp is None:
         # a conversation continued by one user turn without its tools (Codex's compaction)? The
         # previous answer may not be recorded yet: wait (bounded) only for a slot whose last request's
@@ -198,10 +208,16 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
         if not any(t.fields.get("tools") and 0 < len(body["messages"]) - len(t.messages) <= 2
                    for _, t in layer.align.records.values()):
             return None
-        got = await _decide(layer, table, None, body, shape)
+        found = _candidate(layer, table, None, body, owner)
+        if isinstance(found, str):
+            # continues no conversation of the requester's held here (an opencode title request,
+            # another session's request): not a compaction, so neither logged nor counted as one
+            route.counters["other_requests"] += 1
+            log.debug("[%s] no conversation continued without its tools: %s", req.request_id, found)
+            return None
+        got = await _decide(layer, table, None, body, shape, owner, found)
         if isinstance(got, str):
-            if got not in ("no record", "not one turn after the answer"):
-                _as_sent(route, req.request_id, "without tools: " + got)
+            _as_sent(route, req.request_id, "without tools: " + got)
             return None
         if req.path in RESPONSES_ROUTES and not got[1].raw.get("tools"):
             _as_sent(route, req.request_id, "without tools: the conversation's tools are not in this API's form")
@@ -209,7 +225,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
         route.counters["recognised_without_tools"] += 1
     else:
         route.counters["recognised"] += 1
-        got = await _decide(layer, table, comp, body, shape)
+        got = await _decide(layer, table, comp, body, shape, owner)
         if isinstance(got, str):
             _as_sent(route, req.request_id, got)
             return None
