@@ -251,7 +251,7 @@ class AlignRoute:
             why = self._memo.get(key)
             if why is None:
                 texts = await asyncio.gather(*(self._detokenize(layer, side) for side in sides))
-                why = declared(*texts, generated=sp.generated) or ""
+                why = declared(texts[0], texts[1], generated=sp.generated) or ""
                 if not why:
                     log.debug("undeclared span %s: slot %r, render %r", sp, *texts)
                 if len(self._memo) >= 1024:

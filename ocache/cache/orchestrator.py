@@ -67,7 +67,7 @@ from ocache.tokens import CHAT_ROUTES, TokenViewer, TokenViewError
 from ocache.warm import FolderJournal, WarmDeps
 
 #: the chat routes whose answers the align route records (their turns may be substituted later)
-CHAT_ROUTES = ("/v1/chat/completions", "/chat/completions")
+RECORDED_CHAT = ("/v1/chat/completions", "/chat/completions")
 
 log = logging.getLogger("ocache.cache")
 
@@ -388,7 +388,7 @@ class OCacheLayer:
         (``ocache/substitute.py``). The ids are taken out of the answer before the client sees it
         (``ocache.api.figures.strip_generated``)."""
         plan = await self._route(req)
-        if (self.align.on and req.path in CHAT_ROUTES and isinstance(plan.body_updates.get("id_slot"), int)
+        if (self.align.on and req.path in RECORDED_CHAT and isinstance(plan.body_updates.get("id_slot"), int)
                 and ((getattr(self.upstream, "props", None) or {}).get("ocache") or {}).get("generated_ids")):
             plan.body_updates["ocache_generated"] = True
         return plan
