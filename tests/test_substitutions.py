@@ -45,13 +45,20 @@ def _saved(srv, tmp_path, slot: int, name: str) -> list[int]:
     return slot_file_tokens(tmp_path / "slots" / name)
 
 
-def _loop(url: str, session: str, answer_grammar: str = ANSWER) -> list[tuple[dict, dict, dict]]:
+def opening(grammar: str) -> str:
+    """``grammar`` for a template whose generation prompt does not open the think block (Qwen3's):
+    the model opens it itself, as a Qwen3 model does."""
+    return grammar.replace("root ::= ", 'root ::= "<think>\\n" ', 1)
+
+
+def _loop(url: str, session: str, answer_grammar: str = ANSWER, opens: bool = False) -> list[tuple[dict, dict, dict]]:
     """A tool turn under a grammar, its result, the answer, a new user message, as opencode sends
-    them (the reasoning dropped), for ``session``. Returns (body, response, headers) per request."""
+    them (the reasoning dropped), for ``session`` (``opens``: the model opens its think block,
+    Qwen3's template). Returns (body, response, headers) per request."""
     msgs = [{"role": "system", "content": "You are a coding agent."},
             {"role": "user", "content": "Read a file, then say what it does."}]
     out = []
-    for i, grammar in enumerate((CALL, answer_grammar, ANSWER)):
+    for i, grammar in enumerate(opening(g) if opens else g for g in (CALL, answer_grammar, ANSWER)):
         body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0,
                 "max_tokens": 200, "grammar": grammar}
         status, res, headers = _chat(url, body, {"x-session-affinity": session})
@@ -173,3 +180,32 @@ def test_an_answer_quoting_the_end_of_turn_marker_is_never_spliced_past_its_end(
     drop = re.compile(r"\s*<think>.*?</think>\s*", re.S)
     assert drop.sub("\n", text) == drop.sub("\n", want)
     assert text.count("Close each turn with") == want.count("Close each turn with") == 1
+
+
+def test_an_aligned_conversation_is_spilled_on_eviction(serve_template, tmp_path):
+    """The aligned answer runs the same epilogue as any planned one (every tier's ``admit``): on one
+    slot, another session's request evicts the aligned conversation and the session tier spills it
+    (before, it refused: "not seen complete"). Its next turn prefills no more than its rendering
+    (what llama-server alone prefills once its slot was taken). Dense model, Qwen3's template: the
+    model opens its think block itself."""
+    srv = serve_template("dense", n_parallel=1, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log", slot_save_path=tmp_path / "slots",
+                         env={"OCACHE_SPILL_MIN_TOKENS": "256"}).start()
+    alice = {"x-session-affinity": "ses_alice"}
+    try:
+        turns = _loop(prox.url, "ses_alice", opens=True)
+        body, res, headers = turns[-1]
+        assert "X-OCache-Aligned" in headers, headers
+        spills = prox.stats()["layer"]["tier_session"]["spills"]
+        other = {"messages": [{"role": "system", "content": "Another session entirely."},
+                              {"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+        assert _chat(prox.url, other, {"x-session-affinity": "ses_bob"})[0] == 200
+        nxt = dict(body, grammar=opening(ANSWER), messages=body["messages"] + [
+            {"role": "assistant", "content": res["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And the second file?"}])
+        status, res2, _ = _chat(prox.url, nxt, alice)    # its plan waits for the spill's commit
+        assert status == 200
+        assert res2["timings"]["prompt_n"] <= len(_tokens(srv.url, nxt))
+        assert prox.stats()["layer"]["tier_session"]["spills"] == spills + 1
+    finally:
+        prox.stop()

@@ -55,6 +55,7 @@ from ocache.cache.execute import PlanContext
 from ocache.config import field_of
 from ocache.layer import Observation, Plan, ParsedRequest
 from ocache.slots import SlotTable
+from ocache.tokens import TokenView
 
 log = logging.getLogger("ocache.cache")
 
@@ -92,6 +93,8 @@ class AlignContext:
     declared: tuple[str, ...] = ()
     #: set once the server answered it 200 (it was served and counted, ``aligned``)
     served: bool = False
+    #: the request carried the splice (``ocache_splice``); a continuation sent as it is did not
+    spliced: bool = True
 
 
 def held_after(timings: Mapping) -> int | None:
@@ -359,6 +362,37 @@ class AlignRoute:
                              "X-OCache-Reused": str(sp.n_keep), "X-OCache-Predicted-Cache": str(sp.n_keep)},
                     context=ctx, release=release, upstream_headers={SPLICE_HEADER: str(sp.n_keep)})
 
+    async def epilogue(self, layer: Any, ctx: AlignContext, obs: Observation) -> None:
+        """What every planned answer gets after its slot's count (``Observer.observe`` for the
+        usual routes), for a substituted one: the prediction checked (a splice serves exactly
+        ``n_keep`` tokens of the slot: ``cache_n`` must be that; a miss is counted
+        ``substituted_mispredicted`` and logged), then every tier's ``admit`` with the prompt
+        served as the slot table holds it (``hold_known``: the slot's ids, then the new part), so
+        the session tier may spill the conversation on eviction or a planned stop, and the disk
+        tier learns its prefill rate. Only a complete 200 answer whose slot still holds this plan's
+        content; never raises (a tier's error is logged)."""
+        table: SlotTable | None = layer.table
+        if table is None or obs.status != 200 or not obs.completed:
+            return
+        timings = obs.timings or {}
+        sp = ctx.decision.splice
+        cache_n = timings.get("cache_n")
+        if ctx.spliced:
+            if cache_n is not None and int(cache_n) != sp.n_keep:
+                self.counters["substituted_mispredicted"] += 1
+                log.warning("[%s] substituted on slot %d: predicted %d tokens of the slot, the server "
+                            "reused %s", ctx.request_id, ctx.slot, sp.n_keep, cache_n)
+        st = table[ctx.slot]
+        if st.seq != ctx.seq or st.pending or table.lock(ctx.slot).locked():
+            return
+        view = TokenView(tokens=list(st.tokens), head_end=st.head_len or None, user_starts=list(st.user_starts),
+                         text="")
+        for tier in getattr(layer, "tiers", ()) or ():
+            try:
+                await tier.admit(view, ctx.slot, obs)
+            except Exception:
+                log.exception("[%s] tier %s admit failed", ctx.request_id, tier.name)
+
     @staticmethod
     def _settle_slot(table: SlotTable, ctx: AlignContext, obs: Observation) -> None:
         """What the aligned response left in its slot, through the table's verbs, while the slot
@@ -390,6 +424,7 @@ class AlignRoute:
             if on_observed is not None:
                 self.records.pop(slot, None)
                 on_observed(self, table, obs)
+                await self.epilogue(layer, ctx, obs)
                 return
             if obs.status == 412:
                 self.counters["aligned_refused"] += 1
@@ -398,6 +433,7 @@ class AlignRoute:
                 self.counters["aligned"] += 1
                 self.counters["aligned_saved_tokens"] += ctx.decision.saved
             self._settle_slot(table, ctx, obs)
+            await self.epilogue(layer, ctx, obs)
         elif isinstance(ctx, PlanContext):
             slot = ctx.slot
         else:

@@ -244,9 +244,12 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     route.counters["saved_tokens"] += saved
     log.info("[%s] compaction continued on slot %d: the conversation's %d tokens + %d of the "
              "instruction turn (as sent: %d tokens)", req.request_id, slot, sp.n_keep, len(sp.tail), n_sent)
-    seq = hold_known(table, slot, turn.known)
+    # every id of the prompt served is known: the slot's, then the instruction turn (a splice), or
+    # the continuation's own render (sent as it is)
+    seq = hold_known(table, slot, tuple(turn.ids) + tuple(sp.tail) if splice and turn.ids else tuple(tokens))
     layer.align.records.pop(slot, None)
-    ctx = ContinuedContext(req.request_id, slot, dec, turn, list(tokens), fields, seq=seq, route=route, saved=saved)
+    ctx = ContinuedContext(req.request_id, slot, dec, turn, list(tokens), fields, seq=seq, route=route, saved=saved,
+                           spliced=bool(splice))
 
     async def release() -> None:
         lease.release()
