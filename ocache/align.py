@@ -33,18 +33,20 @@ The guard, every condition required (anything else is forwarded as sent):
   and at least one message follows them (the new part);
 * the relayed answer ended with the model's end of turn (``finish_reason`` ``stop`` or
   ``tool_calls``, no client stop strings): the slot then holds the prompt and every generated token
-  but that last one (docs/llama-server.md §7), so the answer's end in the slot is where the
-  template's end-of-turn token follows it in the request;
-* that end is found by counting: the recorded request's own prompt closed ``n_prompt_eot`` turns, so
-  the answer's turn is closed by the ``n_prompt_eot + 1``-th end-of-turn token of the new prompt
-  (ChatML-like templates close every turn, merged tool results included, with one such token); the
-  new part is the new prompt from that token on;
-* the slot's first ``len(known)`` tokens, the ids ocache knows (the first prompt it forwarded as
-  sent in this chain), are checked by the server (0008's ``n_check``/``xxh3``), and it must still
-  hold ``n_held`` tokens: the server refuses the splice otherwise and the request goes as sent.
+  but that last one (docs/llama-server.md §7);
+* the conversation is the requester's (``Turn.owner``, ``ocache.substitute.owned``: its session key
+  and credentials);
+* every id the slot holds is known (``Turn.ids``: the prompts served, then the ids the server
+  reported it sampled, patches/0010, adding up to ``n_held``), and the slot's ids and the new
+  prompt's are walked token by token (``ocache.substitute.compare``): where the answer ends is read
+  from the last generated span, never counted; each difference is a span the caller judges on its
+  text (``ocache.substitute.declared``); the spans applied to the slot's ids give the prompt up to
+  the answer's end exactly (``ocache.substitute.check``);
+* the server checks all ``n_held`` kept ids (0008's ``xxh3``, ``n_check == n_keep``) and refuses the
+  splice otherwise (412): the request then goes as sent.
 
-A request that already extends what the slot holds (its first ``len(known)`` tokens are the known
-ids and the answer's end falls at ``n_held``) needs no splice: :class:`AsSent` ``extends``.
+A request that already extends what the slot holds (its first ``n_held`` ids are the slot's) needs
+no splice: :class:`AsSent` ``extends``.
 """
 
 from __future__ import annotations
