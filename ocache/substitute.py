@@ -110,6 +110,15 @@ class Span:
     #: the slot's side lies inside a generated turn (ids the model sampled, which may split a text
     #: otherwise than the tokenizer does: a grammar's output, a re-tokenised answer)
     generated: bool = False
+    #: the equal ids on each side of the span, up to the previous span and the next difference (at
+    #: most ``WIDEST``): a window may widen that far when ``CONTEXT`` cuts a think block in two
+    equal_before: int = 0
+    equal_after: int = 0
+
+    def widened(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``window_slot`` and ``window_render`` widened over every equal id around the span."""
+        b, a = self.equal_before, self.equal_after
+        return ((self.slot_from - b, self.slot_to + a), (self.render_from - b, self.render_to + a))
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,8 @@ class Refused:
 RUN = 8
 #: equal ids kept on each side of a span for its text check (a think tag is at most a few ids)
 CONTEXT = 8
+#: the most equal ids a window widens over (a reasoning block cut by ``CONTEXT``)
+WIDEST = 8192
 
 
 def _find(hay: bytes, needle: bytes, start: int, stop: int) -> int:
@@ -207,6 +218,7 @@ def compare(slot: Sequence[int], regions: Sequence[Region], render: Sequence[int
     hay = np.asarray(slot, dtype="<i4").tobytes()
     r = list(render)
     i = j = 0
+    last_end = 0     # the slot position where the previous span ended (equal ids since)
     spans: list[Span] = []
     while True:
         while i < n and j < len(r) and slot[i] == r[j]:
@@ -225,12 +237,16 @@ def compare(slot: Sequence[int], regions: Sequence[Region], render: Sequence[int
             return Refused("no agreement after a difference")
         i2, j2 = got
         before = min(CONTEXT, i, j)
-        after = 0
-        while after < CONTEXT and i2 + after < n and j2 + after < len(r) and slot[i2 + after] == r[j2 + after]:
-            after += 1
+        equal_after = 0
+        while equal_after < WIDEST and i2 + equal_after < n and j2 + equal_after < len(r) \
+                and slot[i2 + equal_after] == r[j2 + equal_after]:
+            equal_after += 1
+        after = min(CONTEXT, equal_after)
         spans.append(Span(i, i2, j, j2, (i - before, i2 + after), (j - before, j2 + after),
-                          generated=reg is not None and i2 <= reg.end))
+                          generated=reg is not None and i2 <= reg.end,
+                          equal_before=min(WIDEST, i - last_end), equal_after=equal_after))
         i, j = i2, j2
+        last_end = i2
     return Proof(end=j, spans=tuple(spans), n_keep=n)
 
 

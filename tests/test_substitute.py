@@ -155,3 +155,20 @@ def test_owner_is_session_and_credentials():
     assert not owned(None, a)
     assert credentials_of({"x-api-key": "s"}) != credentials_of({})
     assert "k1" not in a
+
+
+def test_a_span_knows_the_equal_ids_around_it_to_widen_its_windows():
+    """A whitespace change inside a long reasoning block the template re-rendered: the ``CONTEXT``
+    windows cut the block, the widened ones hold both tags (the route judges those)."""
+    long_reasoning = list(range(400, 440))
+    prompt = user(5) + gen_prompt()
+    slot, reg = slot_of(prompt, [*long_reasoning, NL, ENDTHINK, NN, 300, 301, 302, 303, 304, 305, 306, 307, EOT])
+    render = user(5) + [START, ASSIST, NL, THINK, NN, *long_reasoning, NL, ENDTHINK, NN,
+                        300, 301, 302, 303, 304, 305, 306, 307, EOT, NL] + user(6) + gen_prompt()
+    proof = compare(slot, [reg], render, frozenset({EOT}))
+    assert isinstance(proof, Proof) and len(proof.spans) == 1 and check(slot, render, proof)
+    sp = proof.spans[0]
+    (a, b), (c, d) = sp.widened()
+    assert THINK in slot[a:b] and ENDTHINK in slot[a:b] and THINK in render[c:d] and ENDTHINK in render[c:d]
+    assert ENDTHINK not in slot[sp.window_slot[0]:sp.window_slot[1]]     # cut by CONTEXT
+    assert slot[a:b][len(slot[a:sp.slot_from]):] == slot[sp.slot_from:b]

@@ -255,6 +255,12 @@ class AlignRoute:
             if why is None:
                 texts = await asyncio.gather(*(self._detokenize(layer, side) for side in sides))
                 why = declared(texts[0], texts[1], generated=sp.generated) or ""
+                if not why and any(t.count("<think>") != t.count("</think>") for t in texts):
+                    # the windows cut a think block: widened over every equal id around the span
+                    ws, wr = sp.widened()
+                    texts = list(await asyncio.gather(self._detokenize(layer, turn.ids[ws[0]:ws[1]]),
+                                                      self._detokenize(layer, tokens[wr[0]:wr[1]])))
+                    why = declared(texts[0], texts[1], generated=sp.generated) or ""
                 if not why:
                     log.debug("undeclared span %s: slot %r, render %r", sp, *texts)
                 if len(self._memo) >= 1024:
