@@ -80,6 +80,7 @@ from ocache.api.convert import ANTHROPIC_ROUTES, RESPONSES_ROUTES
 from ocache.api.refresh import Fresh
 from ocache.config import field_of
 from ocache.layer import Observation, Plan
+from ocache.substitute import CREDENTIAL_HEADERS, credentials_of  # noqa: F401 (re-exported)
 from ocache.wire import forward_response_headers
 
 if TYPE_CHECKING:
@@ -100,9 +101,6 @@ TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "reasoni
                         "function_call_output", "message", "summary_text", "reasoning_text"})
 #: the sampling fields the Anthropic converter carries (server-chat.cpp:592-597)
 ANTHROPIC_SAMPLING = frozenset({"temperature", "top_p", "top_k"})
-#: the request headers llama-server reads a client's key from (server-http.cpp:271-276), keyed
-#: by their hash (:func:`credentials_of`)
-CREDENTIAL_HEADERS = ("Authorization", "X-Api-Key")
 #: final events of a stream (relay.SSEObserver): chat/text ``[DONE]``, Anthropic, Responses
 FINAL_MARKERS = (b"data: [DONE]", b"message_stop", b"response.completed")
 
@@ -165,22 +163,6 @@ def _has_media(value: Any) -> bool:
     if isinstance(value, list):
         return any(_has_media(v) for v in value)
     return False
-
-
-def credentials_of(headers: Mapping[str, str]) -> str:
-    """The requester's credentials as a hex SHA-256: every value of each of ``CREDENTIAL_HEADERS``
-    in ``headers`` (an aiohttp ``CIMultiDictProxy``, or any mapping: names matched without case),
-    in order, the header's name with them. No credential header gives one fixed digest. The values
-    are hashed as sent (``Bearer K`` and ``X-Api-Key: K`` are two digests, as are two spellings of
-    one key): a request only matches entries stored for exactly its own headers."""
-    getall = getattr(headers, "getall", None)
-    parts = []
-    for name in CREDENTIAL_HEADERS:
-        values = (list(getall(name, [])) if getall is not None
-                  else [v for k, v in headers.items() if k.lower() == name.lower()])
-        parts.append([name.lower(), values])
-    raw = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))   # lone surrogates escaped
-    return hashlib.sha256(b"ocache-credentials\0" + raw.encode("ascii")).hexdigest()
 
 
 def key_of(identity: str, defaults: Mapping[str, Any] | None, path: str, tokens: Sequence[int],

@@ -39,6 +39,7 @@ bug in the walk refuses, never serves.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -51,23 +52,27 @@ from ocache.fingerprint import session_key
 #: ``<think>\n\n</think>\n\n`` is 4 tokens in the Qwen vocab; Kimi's ``<think></think>`` 2)
 MAX_FILLER = 16
 
-#: request headers that carry a client's credentials to llama-server (``Authorization: Bearer``,
-#: ``x-api-key``: tools/server/server-http.cpp, the api-key middleware)
+#: the request headers llama-server reads a client's key from (``Authorization: Bearer``, then
+#: ``X-Api-Key``: tools/server/server-http.cpp:260-305 of the pinned source, the api-key middleware)
 CREDENTIAL_HEADERS: tuple[str, ...] = ("authorization", "x-api-key")
 
 
 def credentials_of(headers: Mapping[str, str] | None) -> str:
-    """SHA-256 hex of the request's credential headers (``CREDENTIAL_HEADERS``, names lower-cased,
-    in that order); the hash of nothing for a request without any. The secret itself is never kept."""
-    h = hashlib.sha256()
+    """The requester's credentials as a hex SHA-256: every value of each of ``CREDENTIAL_HEADERS``
+    in ``headers`` (an aiohttp ``CIMultiDictProxy``, or any mapping: names matched without case),
+    in order, the header's name with them. No credential header gives one fixed digest. The values
+    are hashed as sent (``Bearer K`` and ``X-Api-Key: K`` are two digests, as are two spellings of
+    one key): a request only matches what was stored for exactly its own headers. The secret itself
+    is never kept. The one definition for every substitution (the response cache's key too)."""
+    headers = headers or {}
+    getall = getattr(headers, "getall", None)
+    parts = []
     for name in CREDENTIAL_HEADERS:
-        value = None
-        if headers is not None:
-            value = headers.get(name)
-            if value is None:
-                value = headers.get(name.title())
-        h.update(name.encode() + b"\0" + (value or "").encode("utf-8", "surrogatepass") + b"\0")
-    return h.hexdigest()
+        values = (list(getall(name, [])) if getall is not None
+                  else [v for k, v in headers.items() if k.lower() == name.lower()])
+        parts.append([name.lower(), values])
+    raw = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))   # lone surrogates escaped
+    return hashlib.sha256(b"ocache-credentials\0" + raw.encode("ascii")).hexdigest()
 
 
 def owner_of(headers: Mapping[str, str] | None) -> str:
