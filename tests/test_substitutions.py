@@ -15,7 +15,7 @@ import pytest
 
 from ocache.align import xxh3
 from ocache.bench.run import OCacheProcess
-from test_patch import slot_file_tokens
+from test_align_exact import _saved, _tokens
 from test_real_templates import ANSWER, CALL, TOOLS, _post, serve_template  # noqa: F401
 from ocache.toolchain import engine
 
@@ -33,16 +33,6 @@ def _chat(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict,
             return r.status, json.loads(r.read()), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
-
-
-def _tokens(url: str, body: dict) -> list[int]:
-    prompt = _post(url, "/apply-template", {k: body[k] for k in ("messages", "tools") if k in body})["prompt"]
-    return _post(url, "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})["tokens"]
-
-
-def _saved(srv, tmp_path, slot: int, name: str) -> list[int]:
-    _post(srv.url, f"/slots/{slot}?action=save", {"filename": name})
-    return slot_file_tokens(tmp_path / "slots" / name)
 
 
 def opening(grammar: str) -> str:
