@@ -400,8 +400,8 @@ class Bench:
             await asyncio.to_thread(srv.start, 300.0)
             url = srv.url
             if config == "c":
-                proxy, layer = await asyncio.to_thread(self._start_proxy, srv, work, model, scenario)
-                url = proxy.url
+                started, layer = await asyncio.to_thread(self._start_proxy, srv, work, model, scenario)
+                proxy, url = started, started.url
 
             async def restart() -> None:
                 await asyncio.to_thread(srv.restart, 300.0)
@@ -655,7 +655,9 @@ class Bench:
                     for cfg, run in runs.items():
                         rr = run.rows[i] if i < len(run.rows) else None
                         if rr is None:
-                            cells.append("-"), ttfts.append("-"), ex.append("-")
+                            cells.append("-")
+                            ttfts.append("-")
+                            ex.append("-")
                             continue
                         cells.append(f"{rr.server_prefill} / {rr.prompt_n} ({rr.cache_n})")
                         ttfts.append("-" if rr.ttft_ratio is None else f"{rr.ttft_ratio:.2f}")
