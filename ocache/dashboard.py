@@ -216,7 +216,9 @@ def view(stats: dict, admin: bool = False) -> dict:
 
 def _align(layer: dict) -> dict:
     """The aligned route's figures (``layer.align``, see the module docstring)."""
-    a = layer.get("align") if isinstance(layer.get("align"), dict) else {}
+    a = layer.get("align")
+    if not isinstance(a, dict):
+        a = {}
     return {"enabled": bool(a.get("enabled")), "aligned": _int(a.get("aligned")),
             "saved": _int(a.get("aligned_saved_vs_alone")), "saved_vs_slot": _int(a.get("aligned_saved_tokens")),
             "refused": _int(a.get("aligned_refused")),
