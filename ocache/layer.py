@@ -41,7 +41,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # the contract imports no runtime module
+    from ocache.upstream import UpstreamPort
 
 log = logging.getLogger("ocache.layer")
 
@@ -220,7 +223,7 @@ class CacheLayer(Protocol):
 class NullLayer:
     """The empty cache: every request is forwarded as is, nothing is kept."""
 
-    def __init__(self, upstream: Any = None, config: Any = None) -> None:
+    def __init__(self, upstream: UpstreamPort | None = None, config: Any = None) -> None:
         self.upstream = upstream
         self.config = config
 

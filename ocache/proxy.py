@@ -129,7 +129,7 @@ from ocache.relay import SSEObserver, collects, observe_json, relay_stream
 from ocache.response_cache import ResponseCache
 from ocache.serving import RUNNER_KWARGS, serve
 from ocache.stats import Stats
-from ocache.upstream import Upstream
+from ocache.upstream import Upstream, UpstreamPort
 from ocache.wire import (HOP_BY_HOP, Unparseable, forward_request_headers, forward_response_headers,
                          host_name, parse_body, with_fields, STEERING, NULL_DROPS)
 
@@ -159,7 +159,7 @@ PROBE_WAIT_S = 1.0
 FIGURES_WAIT_S = 0.0
 
 
-def default_layer_factory(no_cache: bool = False) -> Callable[[Upstream, Config], CacheLayer]:
+def default_layer_factory(no_cache: bool = False) -> Callable[[UpstreamPort, Config], CacheLayer]:
     """``OCacheLayer`` from ``ocache.cache`` if importable (and not ``no_cache``), else NullLayer."""
     if not no_cache:
         try:
@@ -186,7 +186,7 @@ class Proxy(Lifecycle):
     server (a context variable set per request), else the first.
     """
 
-    def __init__(self, config: Config, layer_factory: Callable[[Upstream, Config], Any] | None = None,
+    def __init__(self, config: Config, layer_factory: Callable[[UpstreamPort, Config], Any] | None = None,
                  pid_source: Callable[[], int | None] | None = None,
                  monitor: bool = True, pid_sources: list[Callable[[], int | None] | None] | None = None,
                  server_configs: list[Config] | None = None) -> None:
