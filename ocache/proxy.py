@@ -471,7 +471,7 @@ class Proxy(Lifecycle):
                                   on_upstream_failed=self.upstream.poke)
 
     async def _late_figures(self, att: Attempt) -> None:
-        """A plan that finishes while the server works (``OCacheLayer._plan_known``): its figures
+        """A plan that finishes while the server works (``ocache.cache.routes.known.complete``): its figures
         go into the headers only if they are ready now (or within ``FIGURES_WAIT_S``); by default
         the answer never waits for them (they reach the log line and /v1/cache/stats once they
         are), and it says ``X-OCache-Figures: late``."""
