@@ -44,7 +44,7 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
   ``kind``, ``slot``, ``tier``, ``prefilled``, ``reused``, ``restore_ms``, ``ttft_ms``, ``status``;
 * ``tiers``: ``head`` (saves, restores), ``disk`` (anchors, restores, hits, save/restore p50 s),
   ``session`` (spills, restores, hits, spill/restore p50 s, entries, bytes);
-* ``align`` (issue 26, ``layer.align``: ocache/cache/align_route.py): ``enabled``, ``aligned``
+* ``align`` (``layer.align``: ocache/cache/align_route.py): ``enabled``, ``aligned``
   (requests served from the slot's own tokens after a history rewrite), ``saved`` (their saving
   against llama-server alone, ``aligned_saved_vs_alone``), ``saved_vs_slot`` (tokens those
   requests sent as is to their slot would have prefilled again at least, ``aligned_saved_tokens``:

@@ -387,7 +387,7 @@ class Upstream:
     async def _probe_once(self) -> str:
         """One shared probe: ``GET /health`` up to ``hung_probes`` times in a row while it gets no
         answer in ``probe_timeout_s`` (the hung verdict needs every one of them missed: one slow
-        answer on a loaded machine cut a healthy generation, issue 28 item 4; the verdict comes
+        answer on a loaded machine once cut a healthy generation; the verdict comes
         after at most ``hung_probes * probe_timeout_s`` seconds), then the identity."""
         self.last_probe = time.time()
         self.probes += 1

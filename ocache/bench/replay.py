@@ -975,7 +975,7 @@ def _token_viewer(base_url: str) -> Any:
     try:
         # full renders only: a delta render assumes an append-only template and is checked in the
         # background, so the first request after a history rewrite (the templates people run,
-        # issue 26) would be measured on a wrong prompt (seen: 5,470 tokens for the server's 5,458)
+        # ocache/align.py) would be measured on a wrong prompt (seen: 5,470 tokens for the server's 5,458)
         return TokenViewer(base_url, delta=False)
     except Exception as exc:  # another module's constructor: fall back to the endpoints
         log.warning("TokenViewer unavailable (%s); tokenizing through the endpoints", exc)
