@@ -62,7 +62,7 @@ ADMIN_ROUTES = ADMIN_POST | ADMIN_GET
 #: ``action`` = save / restore / erase, anything else is 400 (server-context.cpp:4841-4871).
 SLOT_ACTIONS = frozenset({"save", "restore", "erase"})
 #: every spelling of ``/slots/{id}`` llama-server routes: cpp-httplib matches ``/slots/:id_slot`` with
-#: a trailing slash too (``/slots/0/?action=erase`` erased slot 0 behind the guard: issue 28 #5), so
+#: a trailing slash too (``/slots/0/?action=erase`` once erased slot 0 behind the guard), so
 #: repeated and trailing slashes are matched here as well (the path is percent-decoded by aiohttp)
 _SLOT_PATH = re.compile(r"^/+slots/+[^/]+/*$")
 _Key = getattr(web, "RequestKey", None)  # aiohttp >= 3.12; plain strings before
@@ -71,8 +71,8 @@ RID = _Key("ocache_rid", str) if _Key else "ocache_rid"
 ADMIN = _Key("ocache_admin", bool) if _Key else "ocache_admin"
 #: keys whose values name a client (a session id), dropped from redacted stats
 #: keys whose (string) values a caller without the admin token never reads: session ids, and every
-#: project folder or file-system path (issue 28 #5: the stats and the view named project folders and
-#: the state directory without the token)
+#: project folder or file-system path (the stats and the view once named project folders and the
+#: state directory to a caller without the token)
 PRIVATE_KEYS = frozenset({"owner", "session", "session_id", "session_hint", "folder", "dir", "cwd", "path",
                           "cache_dir", "state_dir", "data_dir", "meta_dir", "slot_save_path", "model_path"})
 

@@ -65,7 +65,7 @@ def too_large(body: bytes, props: Mapping | None) -> bool:
     (``props["default_generation_settings"]["n_ctx"]``, tokens) at ``BYTES_PER_TOKEN_MAX``: the
     server refuses such a prompt after tokenizing it, so ocache forwards it unplanned instead of
     building a token view of it (a 50 MB body spent the view's whole 120 s, then logged a
-    traceback: issue 28 item 3). False when the context is not known."""
+    traceback). False when the context is not known."""
     dgs = (props or {}).get("default_generation_settings")
     n_ctx = dgs.get("n_ctx") if isinstance(dgs, Mapping) else None
     if not isinstance(n_ctx, int) or n_ctx <= 0:

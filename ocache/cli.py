@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         target = parser
         while True:
             sub = next((a for a in target._actions if isinstance(a, argparse._SubParsersAction)), None)
-            name = getattr(args, sub.dest, None) if sub is not None else None
-            if name not in (sub.choices if sub is not None else {}):
+            if sub is None:
+                break
+            name = getattr(args, sub.dest, None)
+            if name not in sub.choices:
                 break
             target = sub.choices[name]
         target.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -1,4 +1,4 @@
-"""Compaction served as a continuation: the guard, pure (issue 26 item 3, seed 000 §13.9).
+"""Compaction served as a continuation: the guard, pure (seed 000 §13.9).
 
 A client compacts a long conversation by asking the model for a summary of it. opencode 1.18.33
 (``SessionCompaction.process`` in its ``session/compaction.ts``; the request captured from the real

@@ -35,7 +35,9 @@ class ConfigError(ValueError):
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc, **kw})
+        def fresh() -> Any:  # a copy per Config, of the same type
+            return type(default)(default)
+        return field(default_factory=fresh, metadata={"doc": doc, **kw})
     return field(default=default, metadata={"doc": doc, **kw})
 
 
@@ -171,7 +173,8 @@ def describe() -> str:
     hints = typing.get_type_hints(Config)
     rows = []
     for name, f in FIELDS.items():
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = (f.default if f.default is not dataclasses.MISSING
+                   else f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         rows.append(f"{name:18} {_type_name(hints[name]):14} default={default!r}\n"
                     f"{'':18} {f.metadata['doc']}")
     for tier, keys in TIER_DOCS.items():

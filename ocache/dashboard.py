@@ -44,7 +44,7 @@ Shapes of :func:`view` (tokens are counts of tokens, bytes are bytes, ``*_s`` se
   ``kind``, ``slot``, ``tier``, ``prefilled``, ``reused``, ``restore_ms``, ``ttft_ms``, ``status``;
 * ``tiers``: ``head`` (saves, restores), ``disk`` (anchors, restores, hits, save/restore p50 s),
   ``session`` (spills, restores, hits, spill/restore p50 s, entries, bytes);
-* ``align`` (issue 26, ``layer.align``: ocache/cache/align_route.py): ``enabled``, ``aligned``
+* ``align`` (``layer.align``: ocache/cache/align_route.py): ``enabled``, ``aligned``
   (requests served from the slot's own tokens after a history rewrite), ``saved`` (their saving
   against llama-server alone, ``aligned_saved_vs_alone``), ``saved_vs_slot`` (tokens those
   requests sent as is to their slot would have prefilled again at least, ``aligned_saved_tokens``:
@@ -216,7 +216,9 @@ def view(stats: dict, admin: bool = False) -> dict:
 
 def _align(layer: dict) -> dict:
     """The aligned route's figures (``layer.align``, see the module docstring)."""
-    a = layer.get("align") if isinstance(layer.get("align"), dict) else {}
+    a = layer.get("align")
+    if not isinstance(a, dict):
+        a = {}
     return {"enabled": bool(a.get("enabled")), "aligned": _int(a.get("aligned")),
             "saved": _int(a.get("aligned_saved_vs_alone")), "saved_vs_slot": _int(a.get("aligned_saved_tokens")),
             "refused": _int(a.get("aligned_refused")),

@@ -136,7 +136,7 @@ class Forwards:
         """Await ``aw`` (a request's plan: its token view, a restore, a warm-up, all sent to ``up``)
         as a forward in flight: the hung verdict (``abort``) ends it with ``UpstreamHung`` instead of
         leaving the client to the plan's own bounds (a server stopped during a restore kept the
-        client 75 s, issue 28 item 3). The plan sees a cancellation (it releases what it holds, as
+        client 75 s). The plan sees a cancellation (it releases what it holds, as
         when the client leaves). Raises what ``aw`` raises, ``asyncio.CancelledError`` when the
         client left."""
         task = asyncio.current_task()

@@ -41,7 +41,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # the contract imports no runtime module
+    from ocache.upstream import UpstreamPort
 
 log = logging.getLogger("ocache.layer")
 
@@ -98,7 +101,7 @@ class Plan:
     ``upstream``: the base URL of the server to forward to when several serve behind one ocache
     (``ocache/router.py`` sets it); None: the proxy's one (first healthy) upstream.
     ``completion``: a task that finishes the plan while the forwarded request runs (a known
-    conversation's next turn: ``OCacheLayer._plan_known``); it fills ``headers`` and ``context``.
+    conversation's next turn: ``ocache.cache.routes.known.complete``); it fills ``headers`` and ``context``.
     The answer does not wait for it (``proxy.FIGURES_WAIT_S``, 0): its figures go into the response
     headers only if it is done when the server's answer begins; the log line, the stats record,
     ``observe`` and ``release`` wait for it (``ocache.finish.PLAN_COMPLETION_WAIT_S``).
@@ -220,7 +223,7 @@ class CacheLayer(Protocol):
 class NullLayer:
     """The empty cache: every request is forwarded as is, nothing is kept."""
 
-    def __init__(self, upstream: Any = None, config: Any = None) -> None:
+    def __init__(self, upstream: UpstreamPort | None = None, config: Any = None) -> None:
         self.upstream = upstream
         self.config = config
 

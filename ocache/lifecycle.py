@@ -19,7 +19,7 @@ from aiohttp import web
 
 from ocache.config import Config
 from ocache.stats import Stats
-from ocache.upstream import Upstream
+from ocache.upstream import Upstream, UpstreamPort
 
 if TYPE_CHECKING:
     from ocache.admin import AdminRoutes
@@ -46,7 +46,7 @@ class Lifecycle:
     recorder: Recorder | None
     admin: AdminRoutes
     forwards: Forwards
-    _layer_factory: Callable[[Upstream, Config], Any]
+    _layer_factory: Callable[[UpstreamPort, Config], Any]
     _monitor: bool
     _idle: asyncio.Event
     _tasks: set[asyncio.Task[Any]]

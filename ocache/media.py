@@ -1,5 +1,5 @@
 """Images in a chat prompt as ocache's token view sees them: each image's positions keyed by the
-image's digest as llama-server computes it (issue 31; seed §13.11).
+image's digest as llama-server computes it (seed §13.11).
 
 What the server does (the pinned source): it replaces each media part of a message
 (``image_url``, ``input_audio``, ``input_video``/``video_url``; messages in order, parts in order,

@@ -66,7 +66,7 @@ PACKAGED = Path(__file__).resolve().parent / "data"
 
 def shipped(name: str) -> Path:
     """The checkout's top-level folder ``name`` (``patches``, ``scenarios``), else the installed
-    package's copy under ``ocache/data/`` (issue 29: an installed ``ocache bench`` looked for its
+    package's copy under ``ocache/data/`` (without it, an installed ``ocache bench`` looked for its
     scenarios beside ``site-packages``). The returned folder may not exist (neither has it)."""
     root = checkout()
     if root is not None and (root / name).is_dir():

@@ -129,7 +129,7 @@ from ocache.relay import SSEObserver, collects, observe_json, relay_stream
 from ocache.response_cache import ResponseCache
 from ocache.serving import RUNNER_KWARGS, serve
 from ocache.stats import Stats
-from ocache.upstream import Upstream
+from ocache.upstream import Upstream, UpstreamPort
 from ocache.wire import (HOP_BY_HOP, Unparseable, forward_request_headers, forward_response_headers,
                          host_name, parse_body, with_fields, STEERING, NULL_DROPS)
 
@@ -159,7 +159,7 @@ PROBE_WAIT_S = 1.0
 FIGURES_WAIT_S = 0.0
 
 
-def default_layer_factory(no_cache: bool = False) -> Callable[[Upstream, Config], CacheLayer]:
+def default_layer_factory(no_cache: bool = False) -> Callable[[UpstreamPort, Config], CacheLayer]:
     """``OCacheLayer`` from ``ocache.cache`` if importable (and not ``no_cache``), else NullLayer."""
     if not no_cache:
         try:
@@ -186,7 +186,7 @@ class Proxy(Lifecycle):
     server (a context variable set per request), else the first.
     """
 
-    def __init__(self, config: Config, layer_factory: Callable[[Upstream, Config], Any] | None = None,
+    def __init__(self, config: Config, layer_factory: Callable[[UpstreamPort, Config], Any] | None = None,
                  pid_source: Callable[[], int | None] | None = None,
                  monitor: bool = True, pid_sources: list[Callable[[], int | None] | None] | None = None,
                  server_configs: list[Config] | None = None) -> None:
@@ -471,7 +471,7 @@ class Proxy(Lifecycle):
                                   on_upstream_failed=self.upstream.poke)
 
     async def _late_figures(self, att: Attempt) -> None:
-        """A plan that finishes while the server works (``OCacheLayer._plan_known``): its figures
+        """A plan that finishes while the server works (``ocache.cache.routes.known.complete``): its figures
         go into the headers only if they are ready now (or within ``FIGURES_WAIT_S``); by default
         the answer never waits for them (they reach the log line and /v1/cache/stats once they
         are), and it says ``X-OCache-Figures: late``."""

@@ -41,7 +41,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TextIO
 
 import xxhash
 
@@ -108,11 +108,11 @@ class Recorder:
         self.path = self.directory / f"stream-{stamp}-{os.getpid()}.jsonl"
         self._t0 = time.monotonic()
         self._lock = threading.Lock()
-        self._fh = None
+        self._fh: TextIO | None = None
         self.seq = 0
         self.errors = 0
 
-    def _open(self):
+    def _open(self) -> TextIO:
         if self._fh is None:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self._fh = os.fdopen(fd, "a", encoding="utf-8")

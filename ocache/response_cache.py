@@ -1,5 +1,5 @@
 """The response cache: the stored answer of an identical greedy request, replayed without the server
-(seed §13.2: "the tokens of an identical greedy request", memory, off by default; issue 31).
+(seed §13.2: "the tokens of an identical greedy request", memory, off by default).
 
 Config ``response_cache: {enabled, ttl_s, max_mb}`` (``ocache/config.py``, off by default).
 

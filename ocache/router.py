@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ocache.layer import ParsedRequest, Plan
+from ocache.upstream import UpstreamPort
 
 log = logging.getLogger("ocache.router")
 
@@ -119,7 +120,7 @@ class Server:
     """One llama-server behind the router: its upstream, its cache layer, what is routed there."""
 
     index: int
-    upstream: Any
+    upstream: UpstreamPort
     layer: Any
     inflight: dict[str, _InFlight] = field(default_factory=dict)
     mean_request_s: float | None = None
@@ -167,7 +168,8 @@ class Router:
     one ``Config`` per server (its own ``upstream`` and launch argv), default ``config`` for all.
     """
 
-    def __init__(self, upstreams: Sequence[Any], config: Any, layer_factory: Callable[[Any, Any], Any],
+    def __init__(self, upstreams: Sequence[UpstreamPort], config: Any,
+                 layer_factory: Callable[[UpstreamPort, Any], Any],
                  configs: Sequence[Any] | None = None) -> None:
         self.config = config
         self.policy = getattr(config, "route_policy", "prefix") or "prefix"

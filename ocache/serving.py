@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from aiohttp import web
 
 from ocache.config import Config
-from ocache.upstream import Upstream
+from ocache.upstream import Upstream, UpstreamPort
 
 if TYPE_CHECKING:
     from ocache.proxy import Proxy
@@ -114,7 +114,7 @@ async def _listen(proxy: Proxy, config: Config) -> tuple[web.AppRunner, web.TCPS
 
 async def serve(config: Config, stop: asyncio.Event | None = None,
                 ready: Callable[[Proxy, int], None] | None = None,
-                layer_factory: Callable[[Upstream, Config], Any] | None = None,
+                layer_factory: Callable[[UpstreamPort, Config], Any] | None = None,
                 handle_signals: bool = True) -> None:
     """Run the proxy until SIGTERM/SIGINT (or ``stop`` is set); then stop accepting, drain in-flight
     requests (``drain_timeout_s``), call ``layer.drain()``, and stop the launched child if any.

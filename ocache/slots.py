@@ -655,8 +655,7 @@ class SlotTable(SlotStates):
         ``id_task`` grew (the server placed the request there: it takes the task when it starts its
         prompt), at most ``wait_s`` seconds. Returns that slot, or None (not placed yet, several
         grew, or ``GET /slots`` failed). The caller can then let the other slots go: holding every
-        lease to the end made a 4-token chat wait 6.56 s behind a 1,500-token generation (issue 28
-        item 3)."""
+        lease to the end made a 4-token chat wait 6.56 s behind a 1,500-token generation."""
         deadline = time.monotonic() + wait_s
         while True:
             try:

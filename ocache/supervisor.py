@@ -27,7 +27,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from ocache.llama.flags import given_flags
 from ocache.llama.server import free_port
@@ -164,13 +164,15 @@ class Supervisor:
         except OSError as exc:
             log.warning("cannot create --slot-save-path %s: %s", path, exc)
 
-    async def _spawn(self) -> None:
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        """Start one child (it becomes ``self.proc``) and return it. Raises LaunchError."""
         self._make_slot_save_path()
-        out = open(self.log_path, "ab") if self.log_path else asyncio.subprocess.DEVNULL
-        if out is not asyncio.subprocess.DEVNULL:
-            self._log_offset = out.tell()  # this child's lines start here
+        log_file = open(self.log_path, "ab") if self.log_path else None
+        out: BinaryIO | int = log_file if log_file is not None else asyncio.subprocess.DEVNULL
+        if log_file is not None:
+            self._log_offset = log_file.tell()  # this child's lines start here
         try:
-            self.proc = await asyncio.create_subprocess_exec(
+            proc = await asyncio.create_subprocess_exec(
                 self.binary, *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=out,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with_parent_fn(),
@@ -178,26 +180,30 @@ class Supervisor:
         except OSError as exc:
             raise LaunchError(f"cannot start {self.binary}: {exc}") from None
         finally:
-            if out is not asyncio.subprocess.DEVNULL:
-                out.close()
+            if log_file is not None:
+                log_file.close()
+        self.proc = proc
         self.starts += 1
-        log.info("launched llama-server pid %d at %s: %s%s %s", self.proc.pid, self.url,
+        log.info("launched llama-server pid %d at %s: %s%s %s", proc.pid, self.url,
                  "".join(f"{k}={v} " for k, v in (self.env or {}).items()), self.binary,
                  " ".join(self.args))
         if self.on_start:
             self.on_start()
+        return proc
 
     async def start(self) -> None:
         """Start the child and the watcher that restarts it. Raises LaunchError."""
-        await self._spawn()
-        self._task = asyncio.create_task(self._watch(), name="ocache-supervisor")
+        proc = await self._spawn()
+        self._task = asyncio.create_task(self._watch(proc), name="ocache-supervisor")
 
-    async def _watch(self) -> None:
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        """Wait for ``proc`` to exit, then restart it (``self.proc`` stays the last started child;
+        a failed restart leaves it, exited, to be counted as a quick failure)."""
         backoff = self.restart_backoff_s
         quick = 0
         while not self._stopping:
             started = time.monotonic()
-            rc = await self.proc.wait()
+            rc = await proc.wait()
             if self._stopping:
                 return
             up_s = time.monotonic() - started
@@ -217,22 +223,22 @@ class Supervisor:
                     self.on_give_up()
                 return
             if self.on_exit:
-                self.on_exit(f"the launched llama-server (pid {self.proc.pid}) exited with {rc}; "
+                self.on_exit(f"the launched llama-server (pid {proc.pid}) exited with {rc}; "
                              f"starting another in {backoff:.1f} s")
             if quick:  # a start that failed: its log tail is printed once, if the supervisor gives up
                 log.warning("llama-server pid %d exited with %s after %.1f s (%d of %d quick failures); "
-                            "restarting in %.1f s", self.proc.pid, rc, up_s, quick,
+                            "restarting in %.1f s", proc.pid, rc, up_s, quick,
                             self.max_quick_failures, backoff)
             else:
                 log.warning("llama-server pid %d exited with %s after %.1f s; restarting in %.1f s. "
-                            "Its last log lines (%s):\n%s", self.proc.pid, rc, up_s, backoff,
+                            "Its last log lines (%s):\n%s", proc.pid, rc, up_s, backoff,
                             self.log_path, tail)
             await asyncio.sleep(backoff)  # restart backoff, not synchronisation
             backoff = min(backoff * 2, 10.0)
             if self._stopping:
                 return
             try:
-                await self._spawn()
+                proc = await self._spawn()
             except LaunchError:
                 log.exception("restart failed")
 

@@ -70,6 +70,7 @@ import xxhash
 from ocache.api.convert import CONVERTED_ROUTES, ConversionError, to_chat
 from ocache.fingerprint import Head, cut_body
 from ocache.media import MARKER as MEDIA_MARKER
+from ocache.upstream import UpstreamPort
 
 log = logging.getLogger("ocache.tokens")
 
@@ -332,7 +333,7 @@ class TokenViewer:
     ``max_texts`` rendered texts / ``max_tokens`` token ids.
     """
 
-    def __init__(self, upstream: Any, *, api_key: str | None = None, boundary: str = "<|im_start|>",
+    def __init__(self, upstream: UpstreamPort | str, *, api_key: str | None = None, boundary: str = "<|im_start|>",
                  user_delimiter: str = "<|im_start|>user", max_renders: int = 256, max_texts: int = 256,
                  max_tokens: int = 4_000_000, timeout_s: float = 120.0,
                  max_render_bytes: int = 8 << 20, max_token_bytes: int = 8 << 20,
@@ -378,8 +379,9 @@ class TokenViewer:
 
     # --- HTTP -----------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
-        if self._upstream is not None and getattr(self._upstream, "session", None) is not None:
-            return self._upstream.session
+        shared = getattr(self._upstream, "session", None)   # None: no upstream, or no session yet
+        if shared is not None:
+            return shared
         if self._own_session is None or self._own_session.closed:
             self._own_session = aiohttp.ClientSession()
         return self._own_session

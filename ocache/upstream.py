@@ -52,13 +52,39 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Awaitable, Callable, Iterator
+from typing import Awaitable, Callable, Iterator, Protocol
 
 import aiohttp
 
 from ocache.slots import BOOT_HEADER  # the patched build's process id header (patches/0005)
 
 log = logging.getLogger("ocache.upstream")
+
+
+class UpstreamPort(Protocol):
+    """One llama-server as the cache half reads it (``OCacheLayer``, ``TokenViewer``, the router's
+    ``Server``): ``Upstream`` is one, ``tests/fakes.py``'s ``FakeUpstream`` another.
+
+    ``base_url``: where it answers; ``api_key``: its ``--api-key`` (None: none); ``session``: the
+    shared HTTP session (None: the reader opens its own); ``epoch``: counts the server's restarts
+    (a new one voids what was known of the old process); ``props``: its last ``/props`` (None
+    before the first probe). Readers take what else ``Upstream`` has (``boot``, ``probe``,
+    ``state``, ``on_restart``, ...) with ``getattr``/``hasattr`` and a default."""
+
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def api_key(self) -> str | None: ...
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def props(self) -> dict | None: ...
 
 
 #: How often the monitor probes while the upstream is unreachable (seconds).
@@ -361,7 +387,7 @@ class Upstream:
     async def _probe_once(self) -> str:
         """One shared probe: ``GET /health`` up to ``hung_probes`` times in a row while it gets no
         answer in ``probe_timeout_s`` (the hung verdict needs every one of them missed: one slow
-        answer on a loaded machine cut a healthy generation, issue 28 item 4; the verdict comes
+        answer on a loaded machine once cut a healthy generation; the verdict comes
         after at most ``hung_probes * probe_timeout_s`` seconds), then the identity."""
         self.last_probe = time.time()
         self.probes += 1

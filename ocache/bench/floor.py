@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from typing import cast
 from urllib.parse import urlsplit
 
 
@@ -63,7 +64,7 @@ class _Pipe(asyncio.Protocol):
         self.pending: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a TCP stream's transport
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -79,9 +80,17 @@ class _Pipe(asyncio.Protocol):
             self.peer.transport.close()
 
 
+def _host_port(url: str) -> tuple[str, int]:
+    """The host and port of ``url``; raises ValueError when it names no port."""
+    up = urlsplit(url)
+    if up.hostname is None or up.port is None:
+        raise ValueError(f"the upstream needs a host and a port: {url}")
+    return up.hostname, up.port
+
+
 def run_tcp(upstream: str, port: int) -> None:
     """Serve the byte pump on 127.0.0.1:``port`` until killed."""
-    up = urlsplit(upstream)
+    up_host, up_port = _host_port(upstream)
 
     class Front(_Pipe):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -91,10 +100,11 @@ def run_tcp(upstream: str, port: int) -> None:
         async def _connect(self) -> None:
             back = _Pipe()
             back.peer = self
-            await asyncio.get_running_loop().create_connection(lambda: back, up.hostname, up.port)
+            transport, _ = await asyncio.get_running_loop().create_connection(
+                lambda: back, up_host, up_port)
             self.peer = back
             for data in self.pending:
-                back.transport.write(data)  # type: ignore[union-attr]
+                transport.write(data)
             self.pending.clear()
 
     async def main() -> None:

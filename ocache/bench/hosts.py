@@ -1,4 +1,4 @@
-"""The two-host bench (issue 30): a scenario with ``hosts: 2`` (``scenarios/two_hosts_day.yaml``)
+"""The two-host bench: a scenario with ``hosts: 2`` (``scenarios/two_hosts_day.yaml``)
 replayed over two hosts behind a session-affine balancer, with and without the shared tier, and on
 one host. ``ocache bench --preset tiny --scenario two_hosts_day --models hybrid,dense`` runs it
 (``ocache.bench.run._cmd`` hands every ``hosts:`` scenario to :class:`HostsBench`).

@@ -312,7 +312,7 @@ async def run_size(binary_stock: Path, binary_patched: Path, model: Path, size: 
             async def step(label: str, conv: Conversation, warm: bool) -> None:
                 nonlocal order
                 toks = await tokens_of(s, srv_url, conv.body)
-                row = {"label": label, "tokens": len(toks), "warm": warm,
+                row: dict[str, Any] = {"label": label, "tokens": len(toks), "warm": warm,
                        "oracle": oracle_new(prompts, toks)}
                 prompts.append(toks)
                 seq = sides if order % 2 == 0 else sides[::-1]
@@ -324,7 +324,8 @@ async def run_size(binary_stock: Path, binary_patched: Path, model: Path, size: 
                     res["prefilled"] = await metric(s, sd.srv.url, "llamacpp:prompt_tokens_total") - p0
                     res["written"] = sum(proc_written(p) for p in sd.pids()) - w0
                     if sd.proxy:
-                        res["rss_mib"] = rss_mib(sd.proxy.proc.pid)
+                        proc = sd.proxy.proc
+                        res["rss_mib"] = rss_mib(proc.pid if proc is not None else None)
                     row[sd.name] = res
                 d, o = row["direct"], row["ocache"]
                 rows.append(row)

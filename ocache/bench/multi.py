@@ -38,6 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import aiohttp
 from aiohttp.test_utils import TestServer
@@ -54,7 +55,17 @@ WORDS = ("alpha beta gamma delta river stone cloud paper lamp window garden tige
          "engine harbor pencil mountain silver orange planet bridge candle forest").split()
 SECOND_QUESTION = "What does the build script in this project do? Explain step by step."
 RUNS = ("prefix", "round_robin", "round_robin-plain", "single", "single-np4")
-SERVER = dict(ubatch=128, batch=512, ctx_checkpoints=32, checkpoint_min_step=256, cache_ram=0)
+class _Tuning(TypedDict):
+    """The ``LlamaServer`` fields every server of this bench shares."""
+
+    ubatch: int
+    batch: int
+    ctx_checkpoints: int
+    checkpoint_min_step: int
+    cache_ram: int
+
+
+SERVER = _Tuning(ubatch=128, batch=512, ctx_checkpoints=32, checkpoint_min_step=256, cache_ram=0)
 
 
 @dataclass
@@ -221,8 +232,12 @@ async def cold_answers(binary: Path, model: Path, sess: list[Session], workdir: 
 def judge(res: Result, ref: dict) -> None:
     ok = n = 0
     for key, data in res.answers.items():
-        v = compare(Generation.from_response(ref[key]), Generation.from_response(data))
+        want, got = Generation.from_response(ref[key]), Generation.from_response(data)
         n += 1
+        if want is None or got is None:
+            res.failures.append(f"{key}: a response without log-probabilities")
+            continue
+        v = compare(want, got)
         ok += v.exact
         if not v.exact:
             res.failures.append(f"{key}: {describe(v)}")

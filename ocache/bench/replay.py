@@ -79,7 +79,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, TypedDict
 
 import aiohttp
 import yaml
@@ -227,6 +227,15 @@ def _tool_result(spec: Any, where: str) -> str:
         raise ScenarioError(f"{where}: tool_result: {exc}") from None
 
 
+class _Common(TypedDict):
+    """The fields every step kind takes from its mapping (``Step``'s of the same names)."""
+
+    gap_s: float | None
+    delay_s: float
+    label: str | None
+    grammar: str | None
+
+
 def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
     if not isinstance(raw, dict):
         raise ScenarioError(f"{where}: a step must be a mapping, got {raw!r}")
@@ -241,8 +250,8 @@ def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
         raise ScenarioError(f"{where}: a step needs exactly one of "
                             "send/turn/restart/parallel/synthetic/host_down")
     kind = kinds[0]
-    common = dict(gap_s=raw.get("gap_s"), delay_s=float(raw.get("delay_s", 0.0)),
-                  label=raw.get("label"), grammar=_check_grammar(raw.get("grammar"), where))
+    common = _Common(gap_s=raw.get("gap_s"), delay_s=float(raw.get("delay_s", 0.0)),
+                     label=raw.get("label"), grammar=_check_grammar(raw.get("grammar"), where))
     if kind == "synthetic":
         spec = raw["synthetic"]
         if not isinstance(spec, dict) or set(spec) - {"words", "seed"} or "seed" not in spec:
@@ -252,7 +261,7 @@ def _parse_step(raw: Any, fixtures: Path, where: str) -> Step:
                     headers={k.lower(): v for k, v in (raw.get("headers") or {}).items()},
                     path="/v1/chat/completions", session=raw.get("session"),
                     edits=_check_edits(raw.get("edit"), where),
-                    **{**common, "label": common["label"] or f"context {spec['seed']}"})
+                    **_Common({**common, "label": common["label"] or f"context {spec['seed']}"}))
     if kind == "send" and isinstance(raw["send"], dict):
         body = copy.deepcopy(raw["send"])
         if not isinstance(body.get("messages"), list):
@@ -751,14 +760,16 @@ def assign_server_prefill(sent: list["Sent"], final_total: int) -> None:
     prompt, not for the short title request beside it.
     """
     groups: dict[int, list[Sent]] = {}
+    marks: dict[int, int] = {}   # step -> the mark of its first request
     for s in sent:
         if s.prefill_mark is not None:
             groups.setdefault(s.step_no, []).append(s)
+            marks.setdefault(s.step_no, s.prefill_mark)
     order = sorted(groups)
     for i, g in enumerate(order):
         members = groups[g]
-        start = members[0].prefill_mark
-        end = groups[order[i + 1]][0].prefill_mark if i + 1 < len(order) else final_total
+        start = marks[g]
+        end = marks[order[i + 1]] if i + 1 < len(order) else final_total
         delta = max(int(end - start), 0)
         own = [int((m.response.timings or {}).get("prompt_n") or 0) for m in members]
         extra = delta - sum(own)
@@ -847,22 +858,24 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
                 body = prepare_body(step.body or {}, scenario.max_tokens)
                 headers = dict(step.headers)
                 label = step.label or Path(step.source or "request").stem
+                path = step.path
             else:
-                st = sessions.get(step.session or "")
+                name = step.session or ""
+                st = sessions.get(name)
                 if st is None or st["answer"] is None:
                     raise ReplayError(f"{scenario.name}: turn on session {step.session!r} "
                                       "whose last request failed or never ran")
-                turn_counts[step.session] = turn_counts.get(step.session, 1) + 1
+                turn_counts[name] = turn_counts.get(name, 1) + 1
                 body = next_turn(st["body"], st["answer"], step.user, step.tool_result,
-                                 turn_counts[step.session], then=step.then,
+                                 turn_counts[name], then=step.then,
                                  reasoning=scenario.reasoning == "keep")
                 headers = dict(st["headers"])
-                label = step.label or f"{step.session} turn {turn_counts[step.session]}"
+                label = step.label or f"{name} turn {turn_counts[name]}"
+                path = st["path"]
             if step.edits:
                 body = apply_edits(body, step.edits)
             if step.grammar:
                 body["grammar"] = grammars[step.grammar]
-            path = step.path if step.kind == "send" else sessions[step.session]["path"]
             host, base = target.route(headers) if target.route is not None else (None, target.url)
             rec = Sent(index=len(sent), label=label, session=step.session, path=path, body=body,
                        headers=headers, t_sent=time.monotonic() - t_start,
@@ -956,13 +969,13 @@ def _token_viewer(base_url: str) -> Any:
     """``ocache.tokens.TokenViewer`` on this server without delta renders (its own HTTP session;
     the caller closes it) if that module is present, else None (the endpoints are called directly)."""
     try:
-        from ocache.tokens import TokenViewer  # type: ignore[import-not-found]
+        from ocache.tokens import TokenViewer
     except ImportError:
         return None
     try:
         # full renders only: a delta render assumes an append-only template and is checked in the
         # background, so the first request after a history rewrite (the templates people run,
-        # issue 26) would be measured on a wrong prompt (seen: 5,470 tokens for the server's 5,458)
+        # ocache/align.py) would be measured on a wrong prompt (seen: 5,470 tokens for the server's 5,458)
         return TokenViewer(base_url, delta=False)
     except Exception as exc:  # another module's constructor: fall back to the endpoints
         log.warning("TokenViewer unavailable (%s); tokenizing through the endpoints", exc)

@@ -14,7 +14,7 @@ machine (never two heavy processes at once), each scenario on freshly started pr
 * **c** - ``ocache serve --upstream URL`` with its defaults and no ``ocache.yaml`` (the README's first
   code block) in front of (b)'s flags on the patched build, plus what ocache needs from the server
   (``--slot-save-path``, ``--metrics``), which that build reports in ``/props`` (patches/0009), so
-  ocache is told nothing else (issue 29). When ``ocache serve`` cannot
+  ocache is told nothing else. When ``ocache serve`` cannot
   run its cache layer, (c) is the proxy with ``--no-cache`` (NullLayer) and the report says so.
 
 Presets: ``tiny`` (the smoke run: the tiny hybrid model, four scenarios: growth,
@@ -75,7 +75,7 @@ CONFIG_TITLES = {
 #: Efficiency goal for (c) (README "Measured": where (c) stays under it, and why).
 GOAL = 0.95
 #: Rule 2, never worse than llama-server alone: the most (c) / min((a), (b)) may be per scenario
-#: (issue 27: <= 1.00 on every scenario without a restart)
+#: (<= 1.00 on every scenario without a restart)
 RULE2_MAX = 1.00
 
 
@@ -83,7 +83,7 @@ RULE2_MAX = 1.00
 class Preset:
     """Bench sizes. ``threads``: llama-server ``-t``/``-tb``; ``ctx_per_slot`` tokens;
     ``cache_ram_mib``/``checkpoint_min_step``: (b)/(c) ``--cache-ram``/``--checkpoint-min-step``,
-    the README's recommended ``0``/``1024`` (issue 29: they were 256-1024 MiB / 4096);
+    the README's recommended ``0``/``1024``;
     ``time_scale`` multiplies the scenario gaps."""
 
     models: tuple[str, ...]
@@ -129,8 +129,8 @@ PRESETS = {
 def default_fixtures() -> Path | None:
     """The client captures the scenarios send: ``$OCACHE_SHARED/fixtures``, else ``../shared/fixtures``
     beside the checkout; None for an installed package without ``OCACHE_SHARED`` (the captures are
-    third-party text, never in the package: issue 29 saw an installed bench look beside
-    ``site-packages``)."""
+    third-party text, never in the package: an installed bench
+    must not look beside ``site-packages``)."""
     shared = os.environ.get("OCACHE_SHARED")
     if shared:
         return Path(shared) / "fixtures"
@@ -400,8 +400,8 @@ class Bench:
             await asyncio.to_thread(srv.start, 300.0)
             url = srv.url
             if config == "c":
-                proxy, layer = await asyncio.to_thread(self._start_proxy, srv, work, model, scenario)
-                url = proxy.url
+                started, layer = await asyncio.to_thread(self._start_proxy, srv, work, model, scenario)
+                proxy, url = started, started.url
 
             async def restart() -> None:
                 await asyncio.to_thread(srv.restart, 300.0)
@@ -511,7 +511,7 @@ class Bench:
         requests where (c) prefilled more than (a) or (b) (:meth:`over_requests`: how many, how
         many of them title requests) and the verdict of the project's rule 2 on the scenario:
         it holds when (c) / min((a), (b)) <= ``RULE2_MAX`` and no title request prefilled more
-        than under (a) or (b) (issue 27: a title is the same prompt every run, so the server
+        than under (a) or (b) (a title is the same prompt every run, so the server
         alone always reuses it; a restart's or an agent turn's gain must not hide its loss)."""
         lines = ["| model | scenario | (a) stock | (b) tuned | (c) ocache | (c) / min((a), (b)) "
                  "| requests (c) > min((a), (b)) | title requests among them | rule 2 |",
@@ -655,7 +655,9 @@ class Bench:
                     for cfg, run in runs.items():
                         rr = run.rows[i] if i < len(run.rows) else None
                         if rr is None:
-                            cells.append("-"), ttfts.append("-"), ex.append("-")
+                            cells.append("-")
+                            ttfts.append("-")
+                            ex.append("-")
                             continue
                         cells.append(f"{rr.server_prefill} / {rr.prompt_n} ({rr.cache_n})")
                         ttfts.append("-" if rr.ttft_ratio is None else f"{rr.ttft_ratio:.2f}")
@@ -768,7 +770,7 @@ class Bench:
         stats`` led with at the end of (c) (``/v1/cache/stats`` ``layer.alone``: llama-server alone
         with the same flags as modelled by ``ocache.llama.alone``, minus what the server prefilled
         through ocache) beside the bench's measured (b) - (c) (``ocache.bench.verdict.alone_check``;
-        issue 29 asks for them to agree within 5 %)."""
+        a miss over 5 % is in bold)."""
         from ocache.bench.verdict import alone_check
 
         rows = alone_check(self.to_json())

@@ -1,6 +1,6 @@
 """The prompt a server actually served for an aligned request, and its cold reference run.
 
-Through ocache, a request the aligned route takes (``X-OCache-Aligned: K+N``, issue 26,
+Through ocache, a request the aligned route takes (``X-OCache-Aligned: K+N``,
 ``ocache/cache/align_route.py``) is not served its template's rendering: the server keeps the
 first ``K`` tokens its slot (``X-OCache-Slot``) holds, the previous request's served prompt and the
 tokens generated for it but the last (the slot holds prompt + generated - 1,

@@ -64,6 +64,7 @@ from ocache.tiers.disk import DiskTier
 from ocache.tiers.head import HeadTier, open_head_store
 from ocache.tiers.spill import SessionTier
 from ocache.tokens import CHAT_ROUTES, TokenViewer, TokenViewError
+from ocache.upstream import UpstreamPort
 from ocache.warm import FolderJournal, WarmDeps
 
 #: the chat routes whose answers the align route records (their turns may be substituted later)
@@ -99,7 +100,7 @@ class OCacheLayer:
     layer gets ready; tests pass an in-memory one).
     """
 
-    def __init__(self, upstream: Any, config: Config | None = None, *, viewer: TokenViewer | None = None,
+    def __init__(self, upstream: UpstreamPort, config: Config | None = None, *, viewer: TokenViewer | None = None,
                  tiers: Sequence[TierBase] = (), table: SlotTable | None = None) -> None:
         self.upstream = upstream
         self.config = config

@@ -1,6 +1,6 @@
 """llama-server alone: what the same server, with the same flags and no ocache in front, would have
 prefilled for the requests ocache served, so that the headline saving is against it, not against a
-cold prefill of every request (issue 29: the dashboard said 117,420 tokens saved where llama-server
+cold prefill of every request (against a cold prefill, the dashboard once said 117,420 tokens saved where llama-server
 alone would have prefilled 21,148 more than through ocache).
 
 A model, fed each request's prompt tokens in the order ocache saw their answers (``serve``): the

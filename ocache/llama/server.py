@@ -95,11 +95,12 @@ class LlamaServer:
         """Start the process and wait until ``/health`` answers 200. Raises ServerError."""
         if self.proc and self.proc.poll() is None:
             raise ServerError("already running")
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        log = open(self.log_path, "ab") if self.log_path else None
         env = {**os.environ, **self.env}
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        if log is not subprocess.DEVNULL:
+        self.proc = subprocess.Popen(self.command(), stdout=log if log is not None else subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
+        if log is not None:
             log.close()
         self.wait_ready(timeout)
         return self

@@ -416,7 +416,7 @@ def run_codex(binary: Path, project: Path, prompt: str, env: dict[str, str], *, 
 # --- a recorded day with the real opencode (the bench's default set) ------------------------------
 
 #: The day :func:`record_opencode_day` records: six ``opencode run`` in one project folder, one
-#: after the other, each with its own prompt, no restart (issue 27's day: the first thing a new
+#: after the other, each with its own prompt, no restart (the first thing a new
 #: user does), then one run in a second folder.
 OPENCODE_DAY = (("proj", "list the files here"), ("proj", "what does main.py do?"),
                 ("proj", "explain util.py in two lines"), ("proj", "add a docstring to main.py"),
