@@ -59,6 +59,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -351,13 +352,14 @@ def _copy_tokenizer(gguf, writer, vocab: Path, vocab_sha256: str, extra_tokens: 
     n_vocab = 0
     keys = set()
     fields = _tokenizer_fields(vocab, vocab_sha256)
-    names = {key: val for key, _, _, val in fields}
+    names: dict[str, Any] = {key: val for key, _, _, val in fields}
     if extra_tokens:
         clash = set(extra_tokens) & set(names.get("tokenizer.ggml.tokens") or ())
         if clash:
             raise ModelError(f"{vocab} already has the tokens {sorted(clash)}")
-    for key, vtype, sub, val in fields:
+    for key, vtype, sub, value in fields:
         keys.add(key)
+        val: Any = value
         if extra_tokens and key == "tokenizer.ggml.tokens":
             val = list(val) + list(extra_tokens)
         elif extra_tokens and key == "tokenizer.ggml.token_type":
