@@ -25,9 +25,9 @@ and three conditions, each required:
   ``<|im_end|>`` as text differs from its rendering (where the same text is one special token) in
   its content, and is refused.
 * **declared** (:class:`Span`, checked by the caller with the text of both sides,
-  :func:`declared_text`): the slot's side of a span is a reasoning block (``<think>`` ...
-  ``</think>`` and whitespace) and the rendering's side is empty markup (think tags and whitespace)
-  or the same reasoning text: reasoning the client *altered* is not declared and the request goes as
+  :func:`declared_text`): the slot's side of a span is a reasoning block in a family's markup
+  (``MARKUPS``: ``<think>`` ... ``</think>`` and whitespace; gpt-oss's analysis message; Gemma 4's
+  thought channel) and the rendering's side is empty markup or the same reasoning text: reasoning the client *altered* is not declared and the request goes as
   sent.
 
 :func:`compare` is pure (no I/O): the caller (``ocache/cache/align_route.py``) detokenizes the spans'
@@ -275,28 +275,66 @@ def check(slot: Sequence[int], render: Sequence[int], proof: Proof) -> bool:
     return out == list(render[:proof.end])
 
 
-_BLOCK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)
+@dataclass(frozen=True)
+class Markup:
+    """One family's reasoning markup, as text (``/detokenize`` renders special tokens): ``block``
+    matches one reasoning block (group 1: its text), ``joint`` is what a block and its ``block``
+    match stand for when the rest of both sides is compared, ``tags`` the texts that open or close
+    a block (one left outside a whole block: not declared)."""
+
+    name: str
+    block: re.Pattern[str]
+    joint: str
+    tags: tuple[str, ...]
+
+
+#: the reasoning markups :func:`declared` knows, each from a template of the pinned source
+#: (``models/templates/``), applied in this order
+MARKUPS: tuple[Markup, ...] = (
+    # Qwen3/3.5, DeepSeek-R1, Kimi, MiniMax, GLM: a <think> block, the whitespace around it one line
+    # break (Qwen3.5-4B.jinja writes "<think>\n" + reasoning + "\n</think>\n\n")
+    Markup("think", re.compile(r"\s*<think>(.*?)</think>\s*", re.S), "\n", ("<think>", "</think>")),
+    # gpt-oss (harmony, openai-gpt-oss-120b.jinja): the generation's analysis message and the header
+    # of the assistant's next message; past turns render "<|start|>assistant<|channel|>final<|message|>"
+    # + content + "<|end|>", the analysis dropped
+    Markup("harmony analysis",
+           re.compile(r"<\|channel\|>analysis<\|message\|>(.*?)<\|end\|><\|start\|>assistant", re.S), "",
+           ("<|channel|>analysis",)),
+    # Gemma 4 (google-gemma-4-31B-it.jinja): the thought channel; its generation prompt writes an
+    # empty one ("<|channel>thought\n<channel|>") that past turns do not render
+    Markup("thought channel", re.compile(r"<\|channel>thought\n(.*?)<channel\|>", re.S), "",
+           ("<|channel>", "<channel|>")),
+)
+
+
+def _cut(text: str) -> tuple[list[str], str]:
+    """The reasoning blocks of ``text`` (each markup of ``MARKUPS``) and the rest (each block as
+    its markup's ``joint``)."""
+    blocks: list[str] = []
+    for m in MARKUPS:
+        blocks += [b.group(1) for b in m.block.finditer(text)]
+        text = m.block.sub(m.joint, text)
+    return blocks, text
 
 
 def declared(slot_text: str, render_text: str, generated: bool = False) -> str | None:
     """Why a span's two windows (the text of ``Span.window_slot`` and ``Span.window_render``) are a
-    declared difference, or None when they are not. Both are cut into their ``<think>`` ...
-    ``</think>`` blocks (a tag without its partner: not declared) and the rest; declared when at
-    least one block is involved, the rest is the same text on both sides (each block with the
-    whitespace around it counting as one line break), and every block of the rendering is empty
-    (``"reasoning dropped"``, a template's empty markup) or the same text, whitespace aside, as a
-    block of the slot (``"reasoning re-rendered"``). So a content that differs, an answer's text
-    re-tokenised or quoting a template's marker, and reasoning the client altered are not; except,
-    for a span inside a generated turn (``generated``), the same text split into other ids
-    (``"answer re-tokenised"``: the model's own ids for the text the template renders; a grammar
-    samples text piece by piece)."""
-    blocks_s = [m.group(1) for m in _BLOCK.finditer(slot_text)]
-    blocks_r = [m.group(1) for m in _BLOCK.finditer(render_text)]
-    rest_s = _BLOCK.sub("\n", slot_text)
-    rest_r = _BLOCK.sub("\n", render_text)
+    declared difference, or None when they are not. Both are cut into their reasoning blocks (a
+    ``<think>`` ... ``</think>`` block, a harmony analysis message, a Gemma 4 thought channel:
+    ``MARKUPS``; a tag without its partner: not declared) and the rest; declared when at least one
+    block is involved, the rest is the same text on both sides (each block standing for its
+    markup's ``joint``), and every block of the rendering is empty (``"reasoning dropped"``, a
+    template's empty markup) or the same text, whitespace aside, as a block of the slot
+    (``"reasoning re-rendered"``). So a content that differs, an answer's text re-tokenised or
+    quoting a template's marker, and reasoning the client altered are not; except, for a span
+    inside a generated turn (``generated``), the same text split into other ids (``"answer
+    re-tokenised"``: the model's own ids for the text the template renders; a grammar samples text
+    piece by piece)."""
+    blocks_s, rest_s = _cut(slot_text)
+    blocks_r, rest_r = _cut(render_text)
     if not blocks_s and not blocks_r:
         return "answer re-tokenised" if generated and slot_text == render_text else None
-    if any(t in rest for rest in (rest_s, rest_r) for t in ("<think>", "</think>")):
+    if any(t in rest for rest in (rest_s, rest_r) for m in MARKUPS for t in m.tags):
         return None
     if rest_s != rest_r:
         return None

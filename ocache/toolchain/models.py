@@ -29,6 +29,16 @@ segfaults at load (the loader marks them optional), ``ssm.inner_size`` must equa
 ``ssm_d_state`` in the loader) and ``ssm_conv1d`` must be F32 (F16 aborts in ``ggml_ssm_conv``).
 Matrices are F16, vectors and ``ssm_conv1d`` F32.
 
+**Template families** (``make_family``, ``ocache models make --preset families``): one tiny dense
+model per vocabulary of the pinned source's ``models/ggml-vocab-<name>.gguf`` (``FAMILY_VOCABS``:
+Llama 3's, Gemma 4's, Phi-3's, ...), so each family's chat template (``models/templates/``) renders
+and tokenizes on its own vocabulary; ``harmony`` is the Qwen vocabulary plus gpt-oss's special
+tokens (``HARMONY_TOKENS``), appended as control tokens (one id each, type 3), since the pinned
+source ships no o200k vocabulary. llama-vocab.cpp marks ``<|return|>``/``<|call|>``/``<|end|>``
+end-of-generation by their text and then takes ``<|end|>`` out again when the other two are there
+(``src/llama-vocab.cpp:2960-3003``), as on a real gpt-oss GGUF: a generation goes on through
+``<|end|>`` between the analysis and the final channel.
+
 Files go to ``cache_root()/models/<key16>/<preset>-<kind>-<arch>.gguf`` beside a ``model.json``
 (spec, sha256, size, generation seconds), never into the checkout, where
 ``key16`` hashes the spec, ``GENERATOR_VERSION``, the vocab file's sha256, the template's bytes
@@ -49,6 +59,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -212,14 +223,23 @@ def _vocab_path() -> Path:
     return path
 
 
-def model_key(spec: ModelSpec, vocab_sha256: str, template_bytes: bytes) -> str:
-    """16 hex digits identifying the file this generator writes for ``spec``."""
+def model_key(spec: ModelSpec, vocab_sha256: str, template_bytes: bytes,
+              extra_tokens: tuple[str, ...] = (), family: str = "") -> str:
+    """16 hex digits identifying the file this generator writes for ``spec`` (``extra_tokens``:
+    control tokens appended to the vocabulary; ``family``: a family model's name, its own folder
+    and ``model.json``; each in the key only when set, so the keys of the presets' models are
+    unchanged)."""
     h = hashlib.sha256()
-    h.update(json.dumps({
+    fields: dict = {
         "spec": asdict(spec), "generator": GENERATOR_VERSION, "vocab": vocab_sha256,
         "template": hashlib.sha256(template_bytes).hexdigest(), "numpy": np.__version__,
         "embd_std": EMBD_STD,
-    }, sort_keys=True).encode())
+    }
+    if extra_tokens:
+        fields["extra_tokens"] = list(extra_tokens)
+    if family:
+        fields["family"] = family
+    h.update(json.dumps(fields, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
@@ -322,26 +342,44 @@ def _tokenizer_fields(vocab: Path, vocab_sha256: str) -> list[tuple[str, int, in
     return fields
 
 
-def _copy_tokenizer(gguf, writer, vocab: Path, vocab_sha256: str) -> int:
-    """Copy every ``tokenizer.*`` KV field of the vocab file; return the vocabulary size."""
+#: ``tokenizer.ggml.token_type`` of a control token (gguf-py ``TokenType.CONTROL``)
+CONTROL = 3
+
+
+def _copy_tokenizer(gguf, writer, vocab: Path, vocab_sha256: str, extra_tokens: tuple[str, ...] = ()) -> int:
+    """Copy every ``tokenizer.*`` KV field of the vocab file, ``extra_tokens`` appended to its
+    tokens as control tokens (a score of 0 where the vocab has scores); return the vocabulary size."""
     n_vocab = 0
     keys = set()
-    for key, vtype, sub, val in _tokenizer_fields(vocab, vocab_sha256):
+    fields = _tokenizer_fields(vocab, vocab_sha256)
+    names: dict[str, Any] = {key: val for key, _, _, val in fields}
+    if extra_tokens:
+        clash = set(extra_tokens) & set(names.get("tokenizer.ggml.tokens") or ())
+        if clash:
+            raise ModelError(f"{vocab} already has the tokens {sorted(clash)}")
+    for key, vtype, sub, value in fields:
         keys.add(key)
+        val: Any = value
+        if extra_tokens and key == "tokenizer.ggml.tokens":
+            val = list(val) + list(extra_tokens)
+        elif extra_tokens and key == "tokenizer.ggml.token_type":
+            val = list(val) + [CONTROL] * len(extra_tokens)
+        elif extra_tokens and key == "tokenizer.ggml.scores":
+            val = list(val) + [0.0] * len(extra_tokens)
         writer.add_key_value(key, val, gguf.GGUFValueType(vtype),
                              sub_type=None if sub is None else gguf.GGUFValueType(sub))
         if key == "tokenizer.ggml.tokens":
             n_vocab = len(val)
     if not n_vocab:
         raise ModelError(f"{vocab} has no tokenizer.ggml.tokens")
-    if "tokenizer.ggml.add_bos_token" not in keys:
+    if "tokenizer.ggml.add_bos_token" not in keys and names.get("tokenizer.ggml.pre") in ("qwen2", "qwen35"):
         # Qwen adds no BOS; llama-vocab.cpp defaults to false for this pre-tokenizer, say it anyway
         writer.add_bool("tokenizer.ggml.add_bos_token", False)
     return n_vocab
 
 
 def _write(spec: ModelSpec, dest: Path, name: str, vocab: Path, vocab_sha256: str,
-           template: str) -> None:
+           template: str, extra_tokens: tuple[str, ...] = ()) -> None:
     """Write the GGUF for ``spec`` to ``dest`` (not atomic: ``make_one`` writes a temp file)."""
     gguf = _import_gguf()
     import logging
@@ -371,7 +409,7 @@ def _write(spec: ModelSpec, dest: Path, name: str, vocab: Path, vocab_sha256: st
             writer.add_ssm_group_count(spec.ssm_groups)
         writer.add_file_type(gguf.LlamaFileType.ALL_F32 if spec.weight_type == "f32"
                              else gguf.LlamaFileType.MOSTLY_F16)
-        n_vocab = _copy_tokenizer(gguf, writer, vocab, vocab_sha256)
+        n_vocab = _copy_tokenizer(gguf, writer, vocab, vocab_sha256, extra_tokens)
         writer.add_chat_template(template)
         for tname, arr in _tensors(spec, n_vocab):
             writer.add_tensor(tname, arr)
@@ -404,11 +442,15 @@ def model_path(preset: str, kind: str) -> Path:
 
 def make_one(preset: str, kind: str) -> Path:
     """Generate (or find) one model; return its path. Raises ModelError for an unknown preset/kind."""
-    spec = _spec(preset, kind)
-    vocab = _vocab_path()
+    return _make(_spec(preset, kind), preset, kind, _vocab_path())
+
+
+def _make(spec: ModelSpec, preset: str, kind: str, vocab: Path, extra_tokens: tuple[str, ...] = ()) -> Path:
+    """Generate (or find) ``spec`` with the tokenizer of ``vocab`` (plus ``extra_tokens``) as
+    ``<preset>-<kind>-<arch>.gguf`` in its key's folder; return its path."""
     template = template_path().read_bytes()
     vocab_sha = _vocab_sha256(vocab)
-    key = model_key(spec, vocab_sha, template)
+    key = model_key(spec, vocab_sha, template, extra_tokens, family=kind if preset == "families" else "")
     folder = models_dir() / key
     dest = folder / f"{preset}-{kind}-{spec.arch}.gguf"
     if dest.exists():
@@ -420,11 +462,14 @@ def make_one(preset: str, kind: str) -> Path:
         t0 = time.monotonic()
         tmp = folder / f".{dest.name}.{os.getpid()}.tmp"
         try:
-            _write(spec, tmp, f"ocache-{preset}-{kind}", vocab, vocab_sha, template.decode("utf-8"))
+            _write(spec, tmp, f"ocache-{preset}-{kind}", vocab, vocab_sha, template.decode("utf-8"),
+                   extra_tokens)
             meta = {"preset": preset, "kind": kind, "key": key, "spec": asdict(spec),
                     "generator": GENERATOR_VERSION, "vocab": str(vocab), "numpy": np.__version__,
                     "bytes": tmp.stat().st_size, "sha256": sha256_file(tmp),
                     "seconds": round(time.monotonic() - t0, 2)}
+            if extra_tokens:
+                meta["extra_tokens"] = list(extra_tokens)
             (folder / "model.json").write_text(json.dumps(meta, indent=1))
             os.replace(tmp, dest)
         except BaseException:
@@ -433,6 +478,67 @@ def make_one(preset: str, kind: str) -> Path:
             raise
         _log(f"generated {dest} ({meta['bytes'] / 1e6:.1f} MB) in {meta['seconds']} s")
     return dest
+
+
+# ------------------------------------------------------------------------------ template families
+
+#: gpt-oss's special tokens (the harmony format: ``models/templates/openai-gpt-oss-120b.jinja`` of
+#: the pinned source writes every one but ``<|startoftext|>``); the Qwen vocabulary has none of them
+HARMONY_TOKENS: tuple[str, ...] = ("<|startoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                                   "<|start|>", "<|end|>", "<|message|>", "<|call|>")
+
+
+@dataclass(frozen=True)
+class FamilyVocab:
+    """A family model's tokenizer: ``vocab``, the pinned source's ``models/ggml-vocab-<vocab>.gguf``,
+    with ``extra`` control tokens appended (one id each)."""
+
+    vocab: str
+    extra: tuple[str, ...] = ()
+
+
+#: the vocabularies of the template families (``make_family``); keys name the models
+FAMILY_VOCABS: dict[str, FamilyVocab] = {
+    "qwen35": FamilyVocab("qwen35"),          # Qwen3.5
+    "qwen2": FamilyVocab("qwen2"),            # Qwen2.5, Qwen3, QwQ, DeepSeek-R1-Distill-Qwen
+    "llama-bpe": FamilyVocab("llama-bpe"),    # Llama 3.x, DeepSeek-R1-Distill-Llama
+    "gemma-4": FamilyVocab("gemma-4"),        # Gemma 4
+    "phi-3": FamilyVocab("phi-3"),            # Phi-3, Phi-3.5
+    "command-r": FamilyVocab("command-r"),    # Command R, R7B
+    "harmony": FamilyVocab("qwen35", HARMONY_TOKENS),   # gpt-oss: no o200k vocab in the source
+}
+
+#: the spec of every family model: the ``tiny`` dense one (only the vocabulary differs)
+FAMILY_SPEC = PRESETS["tiny"]["dense"]
+
+
+def family_vocab_path(name: str) -> Path:
+    """``models/ggml-vocab-<vocab>.gguf`` of the pinned source for family model ``name``."""
+    from ocache.toolchain import engine
+
+    try:
+        fam = FAMILY_VOCABS[name]
+    except KeyError:
+        raise ModelError(f"unknown family vocabulary {name!r}; one of {sorted(FAMILY_VOCABS)}") from None
+    path = engine.source_dir() / "models" / f"ggml-vocab-{fam.vocab}.gguf"
+    if not path.exists():
+        raise ModelError(f"tokenizer vocabulary {path} not found in the pinned source")
+    return path
+
+
+def make_family(name: str) -> Path:
+    """Generate (or find) the tiny dense model with family ``name``'s vocabulary
+    (``FAMILY_VOCABS``); ``families-<name>-qwen3.gguf``. Raises ModelError for an unknown name or
+    a vocab the source lacks."""
+    path = family_vocab_path(name)
+    FAMILY_SPEC.validate()
+    return _make(FAMILY_SPEC, "families", name, path, FAMILY_VOCABS[name].extra)
+
+
+def make_families() -> dict[str, Path]:
+    """``{name: path}`` of every family model (the first call reads each vocab once: ~5-20 s each
+    on 2 cores, then cached as ``tokenizer-<sha16>.json``)."""
+    return {name: make_family(name) for name in FAMILY_VOCABS}
 
 
 def write_reseeded(preset: str, kind: str, dest: Path, seed: int) -> Path:
@@ -476,6 +582,10 @@ def make(preset: str = "tiny") -> dict[str, Path]:
 # ----------------------------------------------------------------------------------------- CLI
 
 def _cmd_make(args) -> int:
+    if args.preset == "families":
+        for name, path in make_families().items():
+            print(f"families\t{name}\t{path}")
+        return 0
     presets = sorted(PRESETS) if args.preset == "all" else [args.preset]
     for preset in presets:
         for kind, path in make(preset).items():
@@ -506,7 +616,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("models", help="generate the small test/benchmark GGUF models")
     sub = p.add_subparsers(dest="models_command", metavar="ACTION")
     pm = sub.add_parser("make", help="generate (or find cached) models and print their paths")
-    pm.add_argument("--preset", choices=[*sorted(PRESETS), "all"], default="tiny")
+    pm.add_argument("--preset", choices=[*sorted(PRESETS), "all", "families"], default="tiny",
+                    help="families: one tiny dense model per template family's vocabulary")
     pm.set_defaults(func=_cmd_make)
     pp = sub.add_parser("path", help="print the models cache folder, one model's path (--kind) "
                                      "or the chat template's (--template)")
