@@ -464,7 +464,7 @@ def _make(spec: ModelSpec, preset: str, kind: str, vocab: Path, extra_tokens: tu
         try:
             _write(spec, tmp, f"ocache-{preset}-{kind}", vocab, vocab_sha, template.decode("utf-8"),
                    extra_tokens)
-            meta = {"preset": preset, "kind": kind, "key": key, "spec": asdict(spec),
+            meta: dict[str, Any] = {"preset": preset, "kind": kind, "key": key, "spec": asdict(spec),
                     "generator": GENERATOR_VERSION, "vocab": str(vocab), "numpy": np.__version__,
                     "bytes": tmp.stat().st_size, "sha256": sha256_file(tmp),
                     "seconds": round(time.monotonic() - t0, 2)}
