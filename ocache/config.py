@@ -367,7 +367,8 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
                   "for what the chat template or the client rewrote (past reasoning dropped or "
                   "re-rendered), as the slot's own tokens plus the request's new part (patch 0008; "
                   "the model sees its earlier reasoning); false: every prompt is the template's, "
-                  "byte for byte"),
+                  "byte for byte; exact: every prompt the template's, and after a turn that ended "
+                  "without a tool call the next prompt's prefix is prefilled while the server is idle"),
         "continue_compaction": ("bool", "true", "serve a client's compaction request (opencode's: the "
                                 "history flattened as text) of a conversation a slot holds as that "
                                 "conversation's tokens plus one user turn with the client's instruction "

@@ -41,14 +41,15 @@ def opening(grammar: str) -> str:
     return grammar.replace("root ::= ", 'root ::= "<think>\\n" ', 1)
 
 
-def _loop(url: str, session: str, answer_grammar: str = ANSWER, opens: bool = False) -> list[tuple[dict, dict, dict]]:
+def _loop(url: str, session: str, answer_grammar: str = ANSWER, opens: bool = False,
+          n: int = 3) -> list[tuple[dict, dict, dict]]:
     """A tool turn under a grammar, its result, the answer, a new user message, as opencode sends
     them (the reasoning dropped), for ``session`` (``opens``: the model opens its think block,
-    Qwen3's template). Returns (body, response, headers) per request."""
+    Qwen3's template; ``n``: the first requests only). Returns (body, response, headers) per request."""
     msgs = [{"role": "system", "content": "You are a coding agent."},
             {"role": "user", "content": "Read a file, then say what it does."}]
     out = []
-    for i, grammar in enumerate(opening(g) if opens else g for g in (CALL, answer_grammar, ANSWER)):
+    for i, grammar in enumerate(opening(g) if opens else g for g in (CALL, answer_grammar, ANSWER)[:n]):
         body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0,
                 "max_tokens": 200, "grammar": grammar}
         status, res, headers = _chat(url, body, {"x-session-affinity": session})

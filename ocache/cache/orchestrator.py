@@ -45,7 +45,7 @@ from typing import Any, Coroutine, Mapping, Sequence
 
 from ocache import fingerprint as fp_mod
 from ocache.cache import core, report, routes, stopping, warmup, wiring
-from ocache.cache.align_route import AlignContext, AlignRoute, enabled as align_enabled
+from ocache.cache.align_route import AlignContext, AlignRoute, enabled as align_enabled, mode as align_mode
 from ocache.cache.routes.continued import ContinueRoute, enabled as continue_enabled
 from ocache.cache.estimate import estimate as estimate_of
 from ocache.cache.execute import PlanContext, ServerPlaced
@@ -117,7 +117,7 @@ class OCacheLayer:
         self.markers = getattr(config, "volatile_markers", None) or fp_mod.DEFAULT_MARKERS
         self._viewer = viewer
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.align = AlignRoute(align_enabled(config))   # issue 26, ocache/cache/align_route.py
+        self.align = AlignRoute(align_enabled(config), exact=align_mode(config) == "exact")   # issue 26, ocache/cache/align_route.py
         self.wants_message = self.align.on                # the proxy collects streamed answers
         self.continued = ContinueRoute(continue_enabled(config))   # issue 26, routes/continued.py
         self.table: SlotTable | None = table
@@ -388,6 +388,8 @@ class OCacheLayer:
         them: the next turn's substitution is then compared on every id the slot holds
         (``ocache/substitute.py``). The ids are taken out of the answer before the client sees it
         (``ocache.api.figures.strip_generated``)."""
+        if self.align.exact:
+            await self.align.cancel_warms()   # an arriving request: the idle warm-up gives way
         plan = await self._route(req)
         if (self.align.on and req.path in RECORDED_CHAT and isinstance(plan.body_updates.get("id_slot"), int)
                 and ((getattr(self.upstream, "props", None) or {}).get("ocache") or {}).get("generated_ids")):
