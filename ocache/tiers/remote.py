@@ -45,7 +45,7 @@ from ocache.config import field_of as _get
 from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.tiers.entry import IntegrityError, entry_key, token_bytes
 from ocache.tiers.remote_bucket import RemoteBucket, RemoteEntry, RemoteError
-from ocache.tiers.remote_client import S3Objects
+from ocache.tiers.remote_client import S3Objects, shown_url
 from ocache.tiers.store import Store, sidecar_checkpoints
 
 log = logging.getLogger(__name__)
@@ -376,6 +376,7 @@ async def check_remote(config: Any) -> tuple[bool, str] | None:
     settings = RemoteSettings.of(config)
     if settings is None:
         return None
+    where = f"{shown_url(settings.url)} at {shown_url(settings.endpoint_url) if settings.endpoint_url else 'AWS'}"
     try:
         async with settings.objects() as objects:
             await objects.check()
@@ -383,8 +384,8 @@ async def check_remote(config: Any) -> tuple[bool, str] | None:
     except ImportError:
         return False, "store.remote: aiobotocore is not installed (pip install 'ocache[s3]')"
     except Exception as exc:  # noqa: BLE001 - the line says what failed
-        return False, f"store.remote: {settings.url} at {settings.endpoint_url or 'AWS'}: {type(exc).__name__}: {exc}"
-    return True, f"store.remote: {settings.url} at {settings.endpoint_url or 'AWS'} answers ({n} entries)"
+        return False, f"store.remote: {where}: {type(exc).__name__}: {exc}"
+    return True, f"store.remote: {where} answers ({n} entries)"
 
 
 async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier | None:
@@ -397,6 +398,7 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
     settings = RemoteSettings.of(config)
     if settings is None:
         return None
+    settings.objects()   # the URLs checked first (credentials in one are refused, unshown)
     shared_key = (str(store.meta_dir), settings.url, id(asyncio.get_running_loop()))
     bucket = _BUCKETS.get(shared_key)
     owner = bucket is None
