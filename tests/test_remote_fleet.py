@@ -73,3 +73,50 @@ def test_doctor_refuses_a_url_with_credentials_and_prints_no_secret(tmp_path):
     line = next((ln for ln in out.stdout.splitlines() if "store.remote" in ln), "")
     assert "[error] store.remote.url" in line and "credentials" in line, text
     assert out.returncode == 1, text
+
+
+# ---------------------------------------------------------------------- a newer layout version
+async def test_a_record_of_a_newer_layout_survives_a_sync_by_an_older_host(tmp_path, s3_bucket):
+    """A newer ocache's record (version above ``LAYOUT_VERSION``, a field this host does not know)
+    is neither served, evicted, deleted as unparsable, nor its data swept, by a host whose sync
+    reads it under budget pressure with every orphan old enough to sweep."""
+    import json
+    from types import SimpleNamespace
+
+    from ocache.llama.flags import ServerParams
+    from ocache.tiers.remote import RemoteTier
+    from ocache.tiers.remote_bucket import DATA, LAYOUT_VERSION, RECORDS
+    from test_remote import TOKS, host, listed
+    from test_store import put
+
+    sa, oa, ba = host(tmp_path, "A", s3_bucket)
+    sb, ob, bb = host(tmp_path, "B", s3_bucket)
+    async with oa, ob:
+        new = put(sa, TOKS, state_bytes=40_000, kind="a")
+        assert await ba.upload(new)
+        rec_key = f"{RECORDS}{new.key}.json"
+        doc = json.loads(await oa.get(rec_key) or b"{}")
+        doc["version"] = LAYOUT_VERSION + 1
+        doc["chunks"] = {"bin": ["a newer layout's field"]}
+        await oa.delete(rec_key)
+        assert await oa.put(rec_key, json.dumps(doc).encode(), create_only=True)
+        # a newer layout's data object its record does not name in ``objects``
+        await oa.put(f"{DATA}{new.key}-bin-part-0001", b"x" * 1000)
+        before = await listed(oa, "")
+
+        mine = put(sb, [7] * 300, state_bytes=40_000, kind="a")
+        bb.budget_bytes = mine.bytes + 10         # no room for anything but B's own entry
+        bb.orphan_age_s = 0.0                     # every unnamed data object is old enough to sweep
+        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False))
+        assert await tb.sync(refresh=True) == 1
+        assert await tb.sync(refresh=True) == 0
+
+        after = await listed(ob, "")
+        assert {k: v for k, v in before.items()} == {k: v for k, v in after.items() if k in before}
+        assert rec_key in after and f"{DATA}{new.key}-bin-part-0001" in after
+        assert new.key not in bb.index and bb.held[new.key].reason == "newer"
+        assert bb.counters["newer_records"] == 1 and bb.counters["bad_records"] == 0
+        assert bb.counters["evicted"] == 0 and bb.counters["orphans_deleted"] == 0
+        assert mine.key in bb.index                # B's own upload went on beside it
+        view = SimpleNamespace(tokens=TOKS + [1, 2], head_end=0, user_starts=[])
+        assert await tb.lookup(view, SimpleNamespace(kind="agent", session=None)) is None

@@ -23,6 +23,11 @@ record, and the local store's commit checks the token ids in the slot file heade
 restore it as any local entry, after ``Store.verify``). A failed check deletes the entry from
 the bucket, record first, and raises RemoteError.
 
+Versions: a record's ``version`` is the layout it was written in (:data:`LAYOUT_VERSION` here).
+A record of a higher version, from a newer ocache, is held (:class:`HeldRecord`): neither served,
+counted, evicted nor swept by this host, so hosts of two versions share one bucket while a fleet
+upgrades; any layout change that older hosts cannot read raises the version.
+
 Eviction: the local store's value rule (``ocache.tiers.evict.ValuePolicy``) over the index, with
 the hits and last use of the use objects; a victim's record is deleted first (from then on no
 host restores it), then its data and use objects.
@@ -55,6 +60,11 @@ DATA = "data/"
 USE = "use/"
 
 
+class NewerLayout(ValueError):
+    """A record of a layout version above :data:`LAYOUT_VERSION` (written by a newer ocache): not
+    readable here, and not this host's to delete."""
+
+
 class RemoteError(RuntimeError):
     """A download was refused or failed. ``reason``: ``record`` (unparsable or mislabelled
     record), ``identity``, ``size``, ``hash``, ``header`` (a failed check: the bucket entry was
@@ -64,6 +74,27 @@ class RemoteError(RuntimeError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"remote: {reason}{': ' + detail if detail else ''}")
         self.reason = reason
+
+
+@dataclass
+class HeldRecord:
+    """A record this host neither serves nor deletes: ``reason`` ``newer`` (a newer layout
+    version); ``etag`` of the record read (a changed record is read again); ``objects``: the data
+    object names it gives, if any (never swept as orphans)."""
+
+    reason: str
+    etag: str
+    objects: frozenset[str] = frozenset()
+
+
+def named_objects(raw: bytes) -> frozenset[str]:
+    """The ``data/`` object names a record of any layout gives in its ``objects`` mapping (empty
+    when it has none or does not parse)."""
+    try:
+        objs = json.loads(raw).get("objects")
+        return frozenset(str(o) for o in dict(objs).values() if str(o).startswith(DATA))
+    except (ValueError, TypeError, AttributeError):
+        return frozenset()
 
 
 @dataclass
@@ -85,12 +116,15 @@ class RemoteEntry:
 
 
 def parse_record(name_key: str, raw: bytes) -> RemoteEntry:
-    """A record object's bytes as a RemoteEntry. Raises ValueError (wrong version, key that is not
-    the content address of the record's identity, kind and token ids, a role without its object),
-    KeyError, TypeError."""
+    """A record object's bytes as a RemoteEntry. Raises NewerLayout (an integer ``version`` above
+    :data:`LAYOUT_VERSION`), ValueError (another version, key that is not the content address of
+    the record's identity, kind and token ids, a role without its object), KeyError, TypeError."""
     doc = json.loads(raw)
-    if doc.get("version") != LAYOUT_VERSION:
-        raise ValueError(f"layout version {doc.get('version')!r}")
+    version = doc.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > LAYOUT_VERSION:
+        raise NewerLayout(f"layout version {version} (this ocache reads {LAYOUT_VERSION})")
+    if version != LAYOUT_VERSION:
+        raise ValueError(f"layout version {version!r}")
     e = Entry.from_dict(doc["record"], with_tokens=True)
     toks = e.tokens or []
     if e.key != name_key or entry_key(e.identity, e.kind, toks) != e.key:
@@ -143,6 +177,7 @@ class RemoteBucket:
         self.clock = clock
         self.policy: EvictionPolicy = policy or ValuePolicy()
         self.index: dict[str, RemoteEntry] = {}
+        self.held: dict[str, HeldRecord] = {}   # records kept out of the index and never deleted
         self.lock = asyncio.Lock()             # one sync round or refresh at a time (its tiers')
         self._etags: dict[str, str] = {}       # record key -> etag of the record read
         self._use_etags: dict[str, str] = {}
@@ -151,7 +186,7 @@ class RemoteBucket:
             "uploads": 0, "upload_bytes": 0, "upload_lost_race": 0, "upload_failed": 0,
             "downloads": 0, "download_bytes": 0, "verify_failed": 0, "download_failed": 0,
             "evicted": 0, "evicted_bytes": 0, "orphans_deleted": 0, "bad_records": 0,
-            "skipped_budget": 0,
+            "skipped_budget": 0, "newer_records": 0,
         }
 
     # ------------------------------------------------------------------ index
@@ -160,7 +195,9 @@ class RemoteBucket:
 
     async def refresh(self) -> None:
         """Re-read the bucket's records (new ones fetched, gone ones dropped) and use objects.
-        A record that does not parse is deleted from the bucket (it can never be served)."""
+        A record that does not parse is deleted from the bucket (it can never be served); one of a
+        newer layout version is held (:class:`HeldRecord`): not served, not counted in the budget,
+        never evicted, its data never swept, by this host."""
         listed = await self.objects.list(RECORDS)
         keys = {}
         for o in listed:
@@ -170,8 +207,13 @@ class RemoteBucket:
             if k not in keys:
                 self.index.pop(k, None)
                 self._etags.pop(k, None)
+        for k in list(self.held):
+            if k not in keys:
+                del self.held[k]
         for k, o in keys.items():
             if k in self.index and self._etags.get(k) == o.etag:
+                continue
+            if k in self.held and self.held[k].etag == o.etag:
                 continue
             raw = await self.objects.get(o.key)
             if raw is None:
@@ -179,6 +221,15 @@ class RemoteBucket:
             try:
                 self.index[k] = parse_record(k, raw)
                 self._etags[k] = o.etag
+                self.held.pop(k, None)
+            except NewerLayout as exc:
+                self.index.pop(k, None)
+                self._etags.pop(k, None)
+                if k not in self.held:
+                    self.counters["newer_records"] += 1
+                    log.info("remote: record %s is of a newer ocache (%s): left to the hosts that read it",
+                             k[:16], exc)
+                self.held[k] = HeldRecord("newer", o.etag, named_objects(raw))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 self.counters["bad_records"] += 1
                 log.warning("remote: record %s does not parse (%s); deleting it", k[:16], exc)
@@ -209,6 +260,8 @@ class RemoteBucket:
         skipped (no room, its local files changed or went). Raises what the bucket raises."""
         if e.key in self.index:
             return True
+        if e.key in self.held:    # a newer ocache's record holds the key: its hosts serve it
+            return False
         if e.bytes > self.budget_bytes:
             self.counters["skipped_budget"] += 1
             return False
@@ -274,11 +327,13 @@ class RemoteBucket:
         ``orphan_age_s`` (a host died between its data and its record; one uploading now has its data
         younger than that). Call after :meth:`refresh`. Returns how many."""
         named = {o for r in self.index.values() for o in r.objects.values()}
+        named.update(o for h in self.held.values() for o in h.objects)
+        held = tuple(f"{DATA}{k}-" for k in self.held)   # a held record's data, whatever it names
         now = time.time()   # the server's LastModified is wall time, whatever ``clock`` says
         gone = 0
         listed: list[ObjectInfo] = await self.objects.list(DATA)
         for o in listed:
-            if o.key not in named and now - o.modified >= self.orphan_age_s:
+            if o.key not in named and not o.key.startswith(held) and now - o.modified >= self.orphan_age_s:
                 await self.objects.delete(o.key)
                 gone += 1
         self.counters["orphans_deleted"] += gone
