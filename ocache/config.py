@@ -139,10 +139,11 @@ class Config:
     tiers: dict = _f({}, "per-tier settings: tiers.<tier>.<key>, the keys listed below (any other "
                      "key is a config error)")
     store: dict = _f({}, "the store below the tiers: store.remote.{url: s3://bucket/prefix, "
-                     "endpoint_url, region, profile, max_gb, sync_s, refresh_s, orphan_age_s} shares "
-                     "anchors, heads and spilled sessions between hosts through an S3-compatible "
-                     "bucket (ocache/tiers/remote.py; pip install 'ocache[s3]'); credentials from the "
-                     "usual AWS environment or files, never in the URL")
+                     "endpoint_url, region, profile, max_gb, sync_s, refresh_s, orphan_age_s, "
+                     "fleet_key} shares anchors, heads and spilled sessions between hosts through an "
+                     "S3-compatible bucket (ocache/tiers/remote.py; pip install 'ocache[s3]'); "
+                     "credentials from the usual AWS environment or files, never in the URL; "
+                     "fleet_key (or env OCACHE_FLEET_KEY) signs the bucket's records")
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -439,9 +440,9 @@ def check_response_cache(rc: Mapping[str, Any]) -> None:
 
 #: Keys of ``store.remote`` (``ocache.tiers.remote.RemoteSettings``): name -> type.
 STORE_REMOTE_KEYS = {"url": str, "endpoint_url": str, "region": str, "profile": str, "max_gb": float,
-                     "sync_s": float, "refresh_s": float, "orphan_age_s": float}
+                     "sync_s": float, "refresh_s": float, "orphan_age_s": float, "fleet_key": str}
 #: keys of ``store.remote`` whose values are secrets: no message shows them
-STORE_REMOTE_SECRETS: set[str] = set()
+STORE_REMOTE_SECRETS = {"fleet_key"}
 
 
 def check_store(store: Mapping[str, Any]) -> None:

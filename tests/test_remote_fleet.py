@@ -120,3 +120,126 @@ async def test_a_record_of_a_newer_layout_survives_a_sync_by_an_older_host(tmp_p
         assert mine.key in bb.index                # B's own upload went on beside it
         view = SimpleNamespace(tokens=TOKS + [1, 2], head_end=0, user_starts=[])
         assert await tb.lookup(view, SimpleNamespace(kind="agent", session=None)) is None
+
+
+# ---------------------------------------------------------------------- signed records
+FLEET_KEY = "fleet-key-0123456789abcdef"
+
+
+def signed_host(tmp_path, name, s3, key: str | None):
+    from test_remote import host
+
+    store, objects, bucket = host(tmp_path, name, s3)
+    bucket._fleet_key = key.encode() if key else None
+    return store, objects, bucket
+
+
+async def test_a_record_signed_with_the_fleet_key_is_served(tmp_path, s3_bucket, caplog):
+    from types import SimpleNamespace
+
+    from ocache.llama.flags import ServerParams
+    from ocache.tiers.remote import RemoteTier
+    from ocache.tiers.remote_bucket import RECORDS
+    from test_remote import TOKS
+    from test_store import put
+
+    caplog.set_level(logging.DEBUG)
+    sa, oa, ba = signed_host(tmp_path, "A", s3_bucket, FLEET_KEY)
+    sb, ob, bb = signed_host(tmp_path, "B", s3_bucket, FLEET_KEY)
+    async with oa, ob:
+        e = put(sa, TOKS, state_bytes=30_000, kind="a")
+        assert await ba.upload(e)
+        import json
+        doc = json.loads(await oa.get(f"{RECORDS}{e.key}.json") or b"{}")
+        assert isinstance(doc.get("sig"), str) and len(doc["sig"]) == 64
+        await bb.refresh()
+        assert e.key in bb.index and bb.held == {}
+        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False))
+        offer = await tb.lookup(SimpleNamespace(tokens=TOKS + [5], head_end=0, user_starts=[]),
+                                SimpleNamespace(kind="agent", session=None))
+        assert offer is not None and offer.ref.key == e.key
+        assert (await bb.fetch(e.key)).key == e.key and sb.get(e.key) is not None
+        assert FLEET_KEY not in repr(tb.stats()) and FLEET_KEY not in caplog.text
+
+
+async def test_forged_records_are_refused_quarantined_and_left_in_the_bucket(tmp_path, s3_bucket, caplog):
+    """Three forgeries of a bucket writer without the fleet key: an unsigned record, one signed with
+    another key, and a signed record whose data and data hash were swapped (the signature kept).
+    A host with the key serves none of them, counts and logs each once, and its sync (budget
+    pressure, every orphan old enough to sweep) deletes none of their objects."""
+    import json
+    from types import SimpleNamespace
+
+    import xxhash
+
+    from ocache.llama.flags import ServerParams
+    from ocache.tiers.remote import RemoteTier
+    from ocache.tiers.remote_bucket import RECORDS
+    from test_remote import listed
+    from test_store import put
+
+    caplog.set_level(logging.INFO)
+    sf, of, bf = signed_host(tmp_path, "F", s3_bucket, None)
+    sw, ow, bw = signed_host(tmp_path, "W", s3_bucket, "another-key-0123456789")
+    sa, oa, ba = signed_host(tmp_path, "A", s3_bucket, FLEET_KEY)
+    sb, ob, bb = signed_host(tmp_path, "B", s3_bucket, FLEET_KEY)
+    toks = [list(range(10 * i, 10 * i + 400)) for i in range(3)]
+    async with of, ow, oa, ob:
+        unsigned = put(sf, toks[0], state_bytes=30_000, kind="a")
+        wrong = put(sw, toks[1], state_bytes=30_000, kind="a")
+        swapped = put(sa, toks[2], state_bytes=30_000, kind="a")
+        assert await bf.upload(unsigned) and await bw.upload(wrong) and await ba.upload(swapped)
+        # the swap: other bytes under a new data object, the record's hash and name made to match them
+        rec_key = f"{RECORDS}{swapped.key}.json"
+        doc = json.loads(await oa.get(rec_key) or b"{}")
+        other = bytes(reversed(await oa.get(doc["objects"]["bin"]) or b""))
+        name = f"data/{swapped.key}-bin-{xxhash.xxh3_64(other).hexdigest()}"
+        await oa.put(name, other)
+        doc["objects"]["bin"] = name
+        doc["record"]["files"]["bin"]["xxh3"] = xxhash.xxh3_64(other).hexdigest()
+        await oa.delete(rec_key)
+        assert await oa.put(rec_key, json.dumps(doc).encode(), create_only=True)
+        before = await listed(oa, "")
+
+        mine = put(sb, [3] * 300, state_bytes=30_000, kind="a")
+        bb.budget_bytes = mine.bytes + 10
+        bb.orphan_age_s = 0.0
+        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False))
+        await tb.sync(refresh=True)
+        await tb.sync(refresh=True)
+
+        assert {k: bb.held[k].reason for k in bb.held} == \
+               {unsigned.key: "unsigned", wrong.key: "signature", swapped.key: "signature"}
+        assert not ({unsigned.key, wrong.key, swapped.key} & set(bb.index))
+        assert bb.counters["quarantined"] == 3 and bb.counters["evicted"] == 0
+        assert bb.counters["bad_records"] == 0 and bb.counters["orphans_deleted"] == 0
+        assert caplog.text.count("quarantined on this host") == 3        # once each, over two syncs
+        after = await listed(ob, "")
+        assert {k: v for k, v in after.items() if k in before} == before   # nothing of theirs deleted
+        for t in toks:
+            view = SimpleNamespace(tokens=t + [1], head_end=0, user_starts=[])
+            assert await tb.lookup(view, SimpleNamespace(kind="agent", session=None)) is None
+        assert mine.key in bb.index
+
+
+def test_the_fleet_key_is_read_checked_and_never_shown(monkeypatch):
+    from ocache.tiers.remote import remote_warnings
+
+    monkeypatch.delenv("OCACHE_FLEET_KEY", raising=False)
+    plain = cfg_mod.Config(store={"remote": {"url": "s3://bkt/p"}})
+    assert RemoteSettings.of(plain).key() is None
+    (warning,) = remote_warnings(plain)
+    assert "unsigned" in warning and "plant" in warning
+    monkeypatch.setenv("OCACHE_FLEET_KEY", FLEET_KEY)
+    assert RemoteSettings.of(plain).key() == FLEET_KEY.encode() and remote_warnings(plain) == []
+    keyed = cfg_mod.Config(store={"remote": {"url": "s3://bkt/p", "fleet_key": "k" * 40}})
+    assert RemoteSettings.of(keyed).key() == b"k" * 40            # the config's key first
+    assert "k" * 40 not in repr(RemoteSettings.of(keyed))
+    cfg_mod.check_store({"remote": {"url": "s3://bkt/p", "fleet_key": FLEET_KEY}})
+    with pytest.raises(cfg_mod.ConfigError) as err:
+        cfg_mod.check_store({"remote": {"url": "s3://bkt/p", "fleet_key": 12345678901234567890}})
+    assert "12345678901234567890" not in str(err.value)
+    short = cfg_mod.Config(store={"remote": {"url": "s3://bkt/p", "fleet_key": "sh0rt-k3y"}})
+    with pytest.raises(RemoteConfigError) as err2:
+        RemoteSettings.of(short).key()
+    assert "sh0rt-k3y" not in str(err2.value)

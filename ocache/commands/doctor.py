@@ -89,12 +89,14 @@ def _remote_check(args: argparse.Namespace) -> bool | None:
         return None
     except Exception:
         return None
-    from ocache.tiers.remote import check_remote
+    from ocache.tiers.remote import check_remote, remote_warnings
 
     got = asyncio.run(check_remote(cfg))
     if got is None:
         return None
     print(f"  [{'ok' if got[0] else 'error'}] {term(got[1])}")
+    for line in remote_warnings(cfg):
+        print(f"  [warn] {term(line)}")
     return got[0]
 
 

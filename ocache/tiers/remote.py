@@ -27,9 +27,10 @@ What it does
 
 Configuration (``store.remote`` in ocache.yaml, ``ocache.config.check_store``): ``url``
 (``s3://bucket/prefix``), ``endpoint_url``, ``region``, ``profile``, ``max_gb`` (the bucket's
-budget, default 100), ``sync_s`` (1), ``refresh_s`` (10), ``orphan_age_s`` (3600). Credentials:
-botocore's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws/credentials``,
-``AWS_PROFILE``, instance roles).
+budget, default 100), ``sync_s`` (1), ``refresh_s`` (10), ``orphan_age_s`` (3600), ``fleet_key``
+(or env ``OCACHE_FLEET_KEY``: the HMAC key of the records, ``RemoteBucket``; unset: unsigned).
+Credentials: botocore's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+``~/.aws/credentials``, ``AWS_PROFILE``, instance roles), never in the URL (refused).
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ocache.config import field_of as _get
 from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.tiers.entry import IntegrityError, entry_key, token_bytes
-from ocache.tiers.remote_bucket import RemoteBucket, RemoteEntry, RemoteError
-from ocache.tiers.remote_client import S3Objects, shown_url
+from ocache.tiers.remote_bucket import FLEET_KEY_ENV, FLEET_KEY_MIN_CHARS, RemoteBucket, RemoteEntry, RemoteError
+from ocache.tiers.remote_client import RemoteConfigError, S3Objects, shown_url
 from ocache.tiers.store import Store, sidecar_checkpoints
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,21 @@ class RemoteSettings:
     sync_s: float = 1.0
     refresh_s: float = 10.0
     orphan_age_s: float = 3600.0
+    fleet_key: str | None = field(default=None, repr=False)   # a secret: never shown
+
+    def key(self, env: Any = None) -> bytes | None:
+        """The fleet key records are signed and verified with: ``fleet_key``, else the environment's
+        ``OCACHE_FLEET_KEY``, as UTF-8 bytes; None when neither is set (records unsigned). Raises
+        RemoteConfigError when it is shorter than ``FLEET_KEY_MIN_CHARS`` (the message shows no key)."""
+        env = os.environ if env is None else env
+        k = self.fleet_key or env.get(FLEET_KEY_ENV) or None
+        if k is None:
+            return None
+        if len(k) < FLEET_KEY_MIN_CHARS:
+            where = "store.remote.fleet_key" if self.fleet_key else FLEET_KEY_ENV
+            raise RemoteConfigError(f"{where}: a fleet key needs at least {FLEET_KEY_MIN_CHARS} characters "
+                                    f"(e.g. `openssl rand -hex 32`)")
+        return k.encode()
 
     @classmethod
     def of(cls, config: Any) -> "RemoteSettings | None":
@@ -217,8 +234,8 @@ class RemoteTier(TierBase):
 
     def _candidate(self, key: str) -> RemoteEntry | None:
         r = self.bucket.index.get(key)
-        if r is None or self.store.get(key) is not None:
-            return None   # not in the bucket, or local: the local tiers offer it
+        if r is None or key in self.bucket.quarantined or self.store.get(key) is not None:
+            return None   # not in the bucket, refused here before, or local: the local tiers offer it
         return r
 
     def _best_prefix(self, ident: str, toks: Sequence[int]) -> tuple[int, RemoteEntry] | None:
@@ -370,12 +387,33 @@ class RemoteTier(TierBase):
                 "download_s_max": xs[-1] if xs else None}
 
 
+def remote_warnings(config: Any, env: Any = None) -> list[str]:
+    """``ocache doctor``'s warnings on ``store.remote`` (one line each; none shows a secret): no
+    fleet key, so the bucket's records are unsigned. [] when no remote is configured."""
+    settings = RemoteSettings.of(config)
+    if settings is None:
+        return []
+    try:
+        if settings.key(env) is not None:
+            return []
+    except RemoteConfigError:
+        return []   # check_remote reports it as an error
+    return [f"store.remote.fleet_key: not set (nor {FLEET_KEY_ENV}): the bucket's records are unsigned, so "
+            "anyone who can write the bucket can plant entries that every host serves; set the same "
+            "random key (`openssl rand -hex 32`) on every host"]
+
+
 async def check_remote(config: Any) -> tuple[bool, str] | None:
-    """``ocache doctor``'s check of ``store.remote``: the bucket answers with these credentials and
-    its records can be listed. Returns ``(ok, one line)``, None when no remote is configured."""
+    """``ocache doctor``'s check of ``store.remote``: the fleet key (if any) is long enough, the
+    bucket answers with these credentials and its records can be listed. Returns ``(ok, one
+    line)``, None when no remote is configured."""
     settings = RemoteSettings.of(config)
     if settings is None:
         return None
+    try:
+        settings.key()
+    except RemoteConfigError as exc:
+        return False, str(exc)
     where = f"{shown_url(settings.url)} at {shown_url(settings.endpoint_url) if settings.endpoint_url else 'AWS'}"
     try:
         async with settings.objects() as objects:
@@ -399,6 +437,10 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
     if settings is None:
         return None
     settings.objects()   # the URLs checked first (credentials in one are refused, unshown)
+    fleet_key = settings.key()
+    if fleet_key is None:
+        log.warning("remote tier: no fleet key (store.remote.fleet_key or %s): records are unsigned and "
+                    "anyone who can write the bucket can plant entries every host serves", FLEET_KEY_ENV)
     shared_key = (str(store.meta_dir), settings.url, id(asyncio.get_running_loop()))
     bucket = _BUCKETS.get(shared_key)
     owner = bucket is None
@@ -406,7 +448,7 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
         objects = settings.objects()
         await objects.__aenter__()
         bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
-                              orphan_age_s=settings.orphan_age_s)
+                              orphan_age_s=settings.orphan_age_s, fleet_key=fleet_key)
         _BUCKETS[shared_key] = bucket
         try:
             await bucket.refresh()   # the first requests already see what the other hosts uploaded
@@ -416,8 +458,9 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
     if owner:
         tier.owns = shared_key
         tier.start()
-        log.info("remote tier: %s (endpoint %s, budget %.3g GB)", settings.url, settings.endpoint_url or "AWS",
-                 settings.max_gb)
+        log.info("remote tier: %s (endpoint %s, budget %.3g GB, records %s)", shown_url(settings.url),
+                 shown_url(settings.endpoint_url) if settings.endpoint_url else "AWS", settings.max_gb,
+                 "signed" if fleet_key else "unsigned")
     return tier
 
 
