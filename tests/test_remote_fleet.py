@@ -243,3 +243,107 @@ def test_the_fleet_key_is_read_checked_and_never_shown(monkeypatch):
     with pytest.raises(RemoteConfigError) as err2:
         RemoteSettings.of(short).key()
     assert "sh0rt-k3y" not in str(err2.value)
+
+
+# ---------------------------------------------------------------------- deadlines
+class Stalling:
+    """Stands in for the tier's S3Objects where a real server cannot fail this way: ``list`` and
+    ``stream`` never answer (they wait on ``never``, which nothing sets) and record that they were
+    entered and whether the wait was cancelled; ``inner``, when given, answers everything else."""
+
+    def __init__(self, inner=None) -> None:
+        import asyncio
+
+        self.inner = inner
+        self.never = asyncio.Event()
+        self.entered: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def _stall(self, what: str):
+        import asyncio
+
+        self.entered.append(what)
+        try:
+            await self.never.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(what)
+            raise
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+    async def list(self, prefix):
+        return await self._stall(f"list {prefix}")
+
+    async def stream(self, key, sink, chunk=1 << 20):
+        return await self._stall(f"stream {key}")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+async def test_the_first_index_read_never_holds_a_request(tmp_path, monkeypatch):
+    """A bucket that accepts and never answers: the tier opens at once, its first index read runs
+    in the background, and a lookup answers None (the request goes to the local tiers or cold)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ocache.llama.flags import ServerParams
+    from ocache.tiers import remote as remote_mod
+    from ocache.tiers.store import Store
+
+    black_hole = Stalling()
+    monkeypatch.setattr(remote_mod.RemoteSettings, "objects", lambda self: black_hole)
+    store = Store(tmp_path / "meta", tmp_path / "slots", "id-A")
+    store.open()
+    cfg = cfg_mod.Config(store={"remote": {"url": "s3://bkt/p", "fleet_key": FLEET_KEY}})
+    tier = await asyncio.wait_for(remote_mod.open_remote_tier(cfg, store, SimpleNamespace(params=ServerParams())), 10)
+    try:
+        view = SimpleNamespace(tokens=list(range(500)), head_end=0, user_starts=[])
+        assert await asyncio.wait_for(tier.lookup(view, SimpleNamespace(kind="agent", session=None)), 10) is None
+        assert tier.counters["index_not_ready"] == 1
+        for _ in range(100):                  # the background read reached the bucket (bounded)
+            if black_hole.entered:
+                break
+            await asyncio.sleep(0.01)
+        assert black_hole.entered == ["list records/"] and tier.bucket.refreshed_at == 0
+    finally:
+        await asyncio.wait_for(tier.close(), 10)
+    assert black_hole.cancelled == ["list records/"]   # closing ended the stalled read
+
+
+async def test_a_stalled_download_is_abandoned_at_what_it_saves(tmp_path, s3_bucket):
+    """A's entry is in the bucket; B's download of it stalls after the record was read. B's bring
+    gives up at the priced deadline (the wait cancelled, not left running), leaves no partial file
+    and no reservation, and the request is told to go on without it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ocache.llama.flags import ServerParams
+    from ocache.tiers.remote import RemoteTier, RemoteTierError
+    from test_remote import TOKS, host
+    from test_store import oc_files, put
+
+    sa, oa, ba = host(tmp_path, "A", s3_bucket)
+    sb, ob, bb = host(tmp_path, "B", s3_bucket)
+    async with oa, ob:
+        e = put(sa, TOKS, state_bytes=60_000, kind="a")
+        assert await ba.upload(e)
+        await bb.refresh()
+        stalls = Stalling(ob)
+        bb.objects = stalls
+        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False))
+        tb.prefill_tps_of = lambda: 1e6        # 1,200 tokens at 1e6 tokens/s save 1.2 ms
+        tb.deadline_slack_s = 0.05
+        offer = await tb.lookup(SimpleNamespace(tokens=TOKS + [4], head_end=0, user_starts=[]),
+                                SimpleNamespace(kind="agent", session=None))
+        assert offer is not None and tb.deadline_s(offer) == pytest.approx(0.0512)
+        with pytest.raises(RemoteTierError) as err:
+            await asyncio.wait_for(tb.bring(offer, 0), 30)   # bounded: a hang fails the test
+        assert err.value.reason == "deadline" and tb.counters["deadline_abandoned"] == 1
+        assert stalls.entered == stalls.cancelled and len(stalls.cancelled) == 1
+        assert oc_files(sb) == [] and sb.get(e.key) is None and sb.used_bytes() == 0
+        assert not sb._reserved and e.key in bb.index and bb.quarantined == {}   # kept: the bucket was slow

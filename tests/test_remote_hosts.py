@@ -9,6 +9,7 @@ The failover test runs on the dense and the hybrid tiny model. Server settings a
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from contextlib import asynccontextmanager
@@ -45,7 +46,13 @@ async def host(srv, cache_dir, s3: dict, **extra):
     async with through_ocache(config_for(srv, cache_dir, s3, **extra)) as (base, proxy), \
             aiohttp.ClientSession() as s:
         try:
-            await proxy.layer.ensure_ready()   # the tiers, the remote one with its first index read
+            await proxy.layer.ensure_ready()   # the tiers; the remote one reads the index in the background
+            tier = remote_of(proxy)
+            for _ in range(600):               # its first read, as a host that has run a while (bounded)
+                if tier.bucket.refreshed_at:
+                    break
+                await asyncio.sleep(0.05)
+            assert tier.bucket.refreshed_at, tier.stats()
             yield base, proxy, s
         finally:
             if proxy.layer is not None:

@@ -41,7 +41,7 @@ import logging
 import time
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ocache.config import field_of as _get
 from ocache.tiers.base import Offer, Rate, TierBase
@@ -51,6 +51,12 @@ from ocache.tiers.remote_client import RemoteConfigError, S3Objects, shown_url
 from ocache.tiers.store import Store, sidecar_checkpoints
 
 log = logging.getLogger(__name__)
+
+#: seconds a download may take beyond the prefill it saves (connection set-up, the restore)
+DEADLINE_SLACK_S = 1.0
+#: prefill rate (tokens/s) a deadline is priced at before the server's rate was measured: a slow
+#: GPU's, so an unmeasured deadline errs long (bounded all the same)
+UNMEASURED_PREFILL_TPS = 1000.0
 
 #: kinds whose entries are offered when their tokens are a prefix of the request
 PREFIX_KINDS = ("a", "h")
@@ -134,6 +140,9 @@ class RemoteTier(TierBase):
         self.verify_rate = Rate(verify_bytes_s)
         shared = getattr(table, "restore_rate", None)
         self.restore_rate = shared if shared is not None else Rate(5e8)
+        #: the server's measured prefill rate (tokens/s, None until measured): set by the layer
+        self.prefill_tps_of: Callable[[], float | None] = lambda: None
+        self.deadline_slack_s = DEADLINE_SLACK_S
         self._pending: dict[int, tuple[str, int]] = {}
         self._task: asyncio.Task | None = None
         self._refresh_task: asyncio.Task | None = None
@@ -142,7 +151,8 @@ class RemoteTier(TierBase):
         self.owns: tuple[str, str, int] | None = None   # the _BUCKETS key when this tier opened it
         self.download_s: list[float] = []
         self.counters: dict[str, int] = {"lookups": 0, "offers": 0, "restores": 0, "hits": 0,
-                                         "unconfirmed": 0, "bring_failed": 0, "sync_failed": 0}
+                                         "unconfirmed": 0, "bring_failed": 0, "sync_failed": 0,
+                                         "index_not_ready": 0, "deadline_abandoned": 0}
 
     # ------------------------------------------------------------------ background sync
     def start(self) -> None:
@@ -215,6 +225,9 @@ class RemoteTier(TierBase):
         """The bucket entry with the longest reuse for ``view.tokens`` that the local store lacks
         (see the module docstring), or None (then the index is refreshed in the background)."""
         ident = self.store.identity
+        if not self.bucket.refreshed_at:   # the first index read is under way: local tiers or cold
+            self.counters["index_not_ready"] += 1
+            return None
         if ident is None or not self.bucket.index:
             self._refresh_on_miss()
             return None
@@ -277,13 +290,28 @@ class RemoteTier(TierBase):
                 best = (reuse.cache_n, r)
         return best
 
+    def deadline_s(self, offer: Offer) -> float:
+        """Seconds the download of ``offer`` may take: the prefill it replaces
+        (``offer.tokens_usable`` at the server's measured prefill rate, ``prefill_tps_of``, or
+        ``UNMEASURED_PREFILL_TPS`` before one was measured) plus ``deadline_slack_s``."""
+        tps = self.prefill_tps_of() or UNMEASURED_PREFILL_TPS
+        return offer.tokens_usable / tps + self.deadline_slack_s
+
     async def bring(self, offer: Offer, slot: int) -> None:
         """Download, verify and commit the offered entry locally, then restore it into ``slot``
-        (the caller holds its lease). Raises RemoteTierError."""
+        (the caller holds its lease). A download that outlasts :meth:`deadline_s` is abandoned
+        (cancelled; its partial file and local reservation released; ``deadline_abandoned``) and
+        the request goes on without it. Raises RemoteTierError (``deadline`` among the reasons)."""
         ref: RemoteRef = offer.ref
         t0 = time.monotonic()
         try:
-            e = await self.bucket.fetch(ref.key)
+            e = await asyncio.wait_for(self.bucket.fetch(ref.key), self.deadline_s(offer))
+        except asyncio.TimeoutError as exc:
+            self.counters["bring_failed"] += 1
+            self.counters["deadline_abandoned"] += 1
+            log.warning("remote: download of %s abandoned after %.1f s (what it saves)", ref.key[:16],
+                        time.monotonic() - t0)
+            raise RemoteTierError("deadline", ref.key) from exc
         except KeyError as exc:
             self.counters["bring_failed"] += 1
             raise RemoteTierError("gone", ref.key) from exc
@@ -442,6 +470,7 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
         log.warning("remote tier: no fleet key (store.remote.fleet_key or %s): records are unsigned and "
                     "anyone who can write the bucket can plant entries every host serves", FLEET_KEY_ENV)
     shared_key = (str(store.meta_dir), settings.url, id(asyncio.get_running_loop()))
+    # (the first index read is the sync's first round, in the background: a request never waits on it)
     bucket = _BUCKETS.get(shared_key)
     owner = bucket is None
     if bucket is None:
@@ -450,10 +479,6 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
         bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
                               orphan_age_s=settings.orphan_age_s, fleet_key=fleet_key)
         _BUCKETS[shared_key] = bucket
-        try:
-            await bucket.refresh()   # the first requests already see what the other hosts uploaded
-        except Exception as exc:  # noqa: BLE001 - the bucket may be down now: the sync retries
-            log.warning("remote tier: first read of %s failed: %s", settings.url, exc)
     tier = RemoteTier(bucket, table, sync_s=settings.sync_s, refresh_s=settings.refresh_s)
     if owner:
         tier.owns = shared_key

@@ -439,6 +439,10 @@ class RemoteBucket:
             self.store.discard_temp(tmp)
             self.counters["download_failed"] += 1
             raise RemoteError("io", str(exc)) from exc
+        except asyncio.CancelledError:    # abandoned (its deadline): nothing of it stays behind
+            self.store.release(key)
+            self.store.discard_temp(tmp)
+            raise
         self.counters["downloads"] += 1
         self.counters["download_bytes"] += local.bytes
         return local
