@@ -141,10 +141,11 @@ class Config:
     tiers: dict = _f({}, "per-tier settings: tiers.<tier>.<key>, the keys listed below (any other "
                      "key is a config error)")
     store: dict = _f({}, "the store below the tiers: store.remote.{url: s3://bucket/prefix, "
-                     "endpoint_url, region, profile, max_gb, sync_s, refresh_s, orphan_age_s} shares "
-                     "anchors, heads and spilled sessions between hosts through an S3-compatible "
-                     "bucket (ocache/tiers/remote.py; pip install 'ocache[s3]'); credentials from the "
-                     "usual AWS environment or files")
+                     "endpoint_url, region, profile, max_gb, sync_s, refresh_s, orphan_age_s, "
+                     "fleet_key} shares anchors, heads and spilled sessions between hosts through an "
+                     "S3-compatible bucket (ocache/tiers/remote.py; pip install 'ocache[s3]'); "
+                     "credentials from the usual AWS environment or files, never in the URL; "
+                     "fleet_key (or env OCACHE_FLEET_KEY) signs the bucket's records")
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -443,7 +444,9 @@ def check_response_cache(rc: Mapping[str, Any]) -> None:
 
 #: Keys of ``store.remote`` (``ocache.tiers.remote.RemoteSettings``): name -> type.
 STORE_REMOTE_KEYS = {"url": str, "endpoint_url": str, "region": str, "profile": str, "max_gb": float,
-                     "sync_s": float, "refresh_s": float, "orphan_age_s": float}
+                     "sync_s": float, "refresh_s": float, "orphan_age_s": float, "fleet_key": str}
+#: keys of ``store.remote`` whose values are secrets: no message shows them
+STORE_REMOTE_SECRETS = {"fleet_key"}
 
 
 def check_store(store: Mapping[str, Any]) -> None:
@@ -455,17 +458,24 @@ def check_store(store: Mapping[str, Any]) -> None:
     remote = (store or {}).get("remote")
     if remote is None:
         return
-    if not isinstance(remote, Mapping):
-        raise ConfigError(f"store.remote: expected a mapping, got {remote!r}")
+    from ocache.tiers.remote_client import Location, RemoteConfigError, refuse_credentials
+
+    if not isinstance(remote, Mapping):   # (its value is not shown: it may be a URL with a secret)
+        raise ConfigError(f"store.remote: expected a mapping, got a {type(remote).__name__}")
     bad = sorted(set(map(str, remote)) - set(STORE_REMOTE_KEYS))
     if bad:
         raise ConfigError(f"store.remote: unknown key(s) {', '.join(bad)}; known: {', '.join(STORE_REMOTE_KEYS)}")
-    if not str(remote.get("url") or "").startswith("s3://") or len(str(remote["url"])) <= 5:
-        raise ConfigError(f"store.remote.url: {remote.get('url')!r} is not s3://bucket/prefix")
     for k, tp in STORE_REMOTE_KEYS.items():
         v = remote.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (str,) if tp is str else (int, float))):
-            raise ConfigError(f"store.remote.{k}: expected a {tp.__name__}, got {v!r}")
+            shown = f"a {type(v).__name__}" if k in STORE_REMOTE_SECRETS or tp is str else repr(v)
+            raise ConfigError(f"store.remote.{k}: expected a {tp.__name__}, got {shown}")
+    try:   # credentials in a URL are refused, the message never shows them
+        Location.parse(str(remote.get("url") or ""))
+        if remote.get("endpoint_url"):
+            refuse_credentials(str(remote["endpoint_url"]), "endpoint_url")
+    except RemoteConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def field_of(obj: Any, name: str, default: Any = None) -> Any:

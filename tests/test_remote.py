@@ -87,10 +87,18 @@ async def test_a_flipped_byte_in_the_bucket_is_refused_and_nothing_reaches_the_s
             await bb.fetch(e.key)
         assert err.value.reason == "hash"
         assert oc_files(sb) == [] and sb.get(e.key) is None and sb.used_bytes() == 0
-        assert bb.counters["verify_failed"] == 1
-        # the damaged entry left the bucket, record first: no host is offered it again
-        await ba.refresh()
-        assert e.key not in ba.index and await listed(oa, RECORDS) == {}
+        assert bb.counters["verify_failed"] == 1 and bb.counters["quarantined"] == 1
+        # quarantined on B, not deleted for the fleet (the fault may be B's); B never tries it again
+        assert bb.quarantined == {e.key: "hash"}
+        with pytest.raises(RemoteError) as err:
+            await bb.fetch(e.key)
+        assert err.value.reason == "quarantined" and bb.counters["verify_failed"] == 1
+        await bb.refresh()
+        assert e.key in bb.quarantined
+        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False))
+        view = SimpleNamespace(tokens=TOKS + [1], head_end=0, user_starts=[])
+        assert await tb.lookup(view, SimpleNamespace(kind="agent", session=None)) is None
+        assert f"{RECORDS}{e.key}.json" in await listed(oa, RECORDS)
 
 
 async def test_a_host_that_dies_between_data_and_record_leaves_nothing_restorable(tmp_path, s3_bucket, monkeypatch):
@@ -225,6 +233,7 @@ def test_doctor_checks_the_bucket(tmp_path, s3_bucket, secret_ok, monkeypatch):
     line = next((ln for ln in out.stdout.splitlines() if "store.remote" in ln), "")
     if secret_ok:
         assert "[ok] store.remote" in line and "(0 entries)" in line, out.stdout + out.stderr
+        assert "[warn] store.remote.fleet_key: not set" in out.stdout, out.stdout   # records unsigned
     else:
         assert "[error] store.remote" in line and out.returncode == 1, out.stdout + out.stderr
 

@@ -9,6 +9,7 @@ The failover test runs on the dense and the hybrid tiny model. Server settings a
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from contextlib import asynccontextmanager
@@ -45,7 +46,13 @@ async def host(srv, cache_dir, s3: dict, **extra):
     async with through_ocache(config_for(srv, cache_dir, s3, **extra)) as (base, proxy), \
             aiohttp.ClientSession() as s:
         try:
-            await proxy.layer.ensure_ready()   # the tiers, the remote one with its first index read
+            await proxy.layer.ensure_ready()   # the tiers; the remote one reads the index in the background
+            tier = remote_of(proxy)
+            for _ in range(600):               # its first read, as a host that has run a while (bounded)
+                if tier.bucket.refreshed_at:
+                    break
+                await asyncio.sleep(0.05)
+            assert tier.bucket.refreshed_at, tier.stats()
             yield base, proxy, s
         finally:
             if proxy.layer is not None:
@@ -102,7 +109,7 @@ async def test_a_session_from_host_a_continues_on_host_b(start_server, tmp_path,
 async def test_a_flipped_byte_in_the_bucket_is_refused_before_the_server_reads_it(start_server, tmp_path, s3_bucket):
     """The same failover with one byte of the spilled slot file flipped in the bucket: B's download
     fails its hash check, nothing is restored (the request is prefilled as on a cold host, and
-    answers as a cold run does), and the damaged entry leaves the bucket."""
+    answers as a cold run does), and the damaged entry is quarantined on B, not deleted for the fleet."""
     srv_a = start_server("dense", n_parallel=1, ctx_size=4096, slot_save_path=tmp_path / "slotsA", **SERVER)
     srv_b = start_server("dense", n_parallel=1, ctx_size=4096, slot_save_path=tmp_path / "slotsB", **SERVER)
     first, answer, n1 = await spilled_on_a(srv_a, tmp_path, s3_bucket)
@@ -116,8 +123,9 @@ async def test_a_flipped_byte_in_the_bucket_is_refused_before_the_server_reads_i
         rec = await send(s, base, proxy, second, {"x-session-affinity": "ses_failover"})
         st = tier.stats()
         left = sorted(p.name for p in (tmp_path / "slotsB").iterdir() if p.name.startswith("oc-tmp-"))
-        assert r.key not in tier.bucket.index
-    assert st["verify_failed"] == 1 and st["restores"] == 0 and st["downloads"] == 0, st
+        assert tier.bucket.quarantined == {r.key: "hash"}     # on B only: left in the bucket
+        assert f"records/{r.key}.json" in {o.key for o in await tier.bucket.objects.list("records/")}
+    assert st["verify_failed"] == 1 and st["quarantined"] == 1 and st["restores"] == 0 and st["downloads"] == 0, st
     assert left == []
     assert rec["timings"]["cache_n"] < n1 - UB, rec["timings"]
     v = compare(Generation.from_response(await cold(srv_b, second)), Generation.from_response(rec["data"]))

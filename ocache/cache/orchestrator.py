@@ -298,6 +298,7 @@ class OCacheLayer:
         self._remote_tier_tried = True
         tier = await wiring.build_remote_tier(self.config, self.table, self.tiers)
         if tier is not None:
+            tier.prefill_tps_of = lambda: self.prefill_tps   # its downloads' deadlines are priced by it
             self.add_tier(tier)
 
     def _anthropic_pin_ok(self) -> bool:

@@ -78,18 +78,25 @@ def _cmd(args: argparse.Namespace) -> int:
 def _remote_check(args: argparse.Namespace) -> bool | None:
     """Print the check of ``store.remote`` (``ocache.tiers.remote.check_remote``) when the config
     names one; returns whether it passed (None: no remote configured, or no config)."""
-    try:
-        from ocache.config import load
+    from ocache.config import ConfigError, load
 
+    try:
         cfg = load(args.config) if args.config else load()
+    except ConfigError as exc:   # a refused store.remote is a failed check (its message shows no secret)
+        if str(exc).startswith("store.remote"):
+            print(f"  [error] {term(str(exc))}")
+            return False
+        return None
     except Exception:
         return None
-    from ocache.tiers.remote import check_remote
+    from ocache.tiers.remote import check_remote, remote_warnings
 
     got = asyncio.run(check_remote(cfg))
     if got is None:
         return None
     print(f"  [{'ok' if got[0] else 'error'}] {term(got[1])}")
+    for line in remote_warnings(cfg):
+        print(f"  [warn] {term(line)}")
     return got[0]
 
 

@@ -27,9 +27,10 @@ What it does
 
 Configuration (``store.remote`` in ocache.yaml, ``ocache.config.check_store``): ``url``
 (``s3://bucket/prefix``), ``endpoint_url``, ``region``, ``profile``, ``max_gb`` (the bucket's
-budget, default 100), ``sync_s`` (1), ``refresh_s`` (10), ``orphan_age_s`` (3600). Credentials:
-botocore's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``~/.aws/credentials``,
-``AWS_PROFILE``, instance roles).
+budget, default 100), ``sync_s`` (1), ``refresh_s`` (10), ``orphan_age_s`` (3600), ``fleet_key``
+(or env ``OCACHE_FLEET_KEY``: the HMAC key of the records, ``RemoteBucket``; unset: unsigned).
+Credentials: botocore's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+``~/.aws/credentials``, ``AWS_PROFILE``, instance roles), never in the URL (refused).
 """
 
 from __future__ import annotations
@@ -38,17 +39,24 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 from ocache.config import field_of as _get
 from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.tiers.entry import IntegrityError, entry_key, token_bytes
-from ocache.tiers.remote_bucket import RemoteBucket, RemoteEntry, RemoteError
-from ocache.tiers.remote_client import S3Objects
+from ocache.tiers.remote_bucket import FLEET_KEY_ENV, FLEET_KEY_MIN_CHARS, RemoteBucket, RemoteEntry, RemoteError
+from ocache.tiers.remote_client import RemoteConfigError, S3Objects, shown_url
 from ocache.tiers.store import Store, sidecar_checkpoints
 
 log = logging.getLogger(__name__)
+
+#: seconds a download may take beyond the prefill it saves (connection set-up, the restore)
+DEADLINE_SLACK_S = 1.0
+#: prefill rate (tokens/s) a deadline is priced at before the server's rate was measured: a slow
+#: GPU's, so an unmeasured deadline errs long (bounded all the same)
+UNMEASURED_PREFILL_TPS = 1000.0
 
 #: kinds whose entries are offered when their tokens are a prefix of the request
 PREFIX_KINDS = ("a", "h")
@@ -85,6 +93,21 @@ class RemoteSettings:
     sync_s: float = 1.0
     refresh_s: float = 10.0
     orphan_age_s: float = 3600.0
+    fleet_key: str | None = field(default=None, repr=False)   # a secret: never shown
+
+    def key(self, env: Any = None) -> bytes | None:
+        """The fleet key records are signed and verified with: ``fleet_key``, else the environment's
+        ``OCACHE_FLEET_KEY``, as UTF-8 bytes; None when neither is set (records unsigned). Raises
+        RemoteConfigError when it is shorter than ``FLEET_KEY_MIN_CHARS`` (the message shows no key)."""
+        env = os.environ if env is None else env
+        k = self.fleet_key or env.get(FLEET_KEY_ENV) or None
+        if k is None:
+            return None
+        if len(k) < FLEET_KEY_MIN_CHARS:
+            where = "store.remote.fleet_key" if self.fleet_key else FLEET_KEY_ENV
+            raise RemoteConfigError(f"{where}: a fleet key needs at least {FLEET_KEY_MIN_CHARS} characters "
+                                    f"(e.g. `openssl rand -hex 32`)")
+        return k.encode()
 
     @classmethod
     def of(cls, config: Any) -> "RemoteSettings | None":
@@ -117,6 +140,9 @@ class RemoteTier(TierBase):
         self.verify_rate = Rate(verify_bytes_s)
         shared = getattr(table, "restore_rate", None)
         self.restore_rate = shared if shared is not None else Rate(5e8)
+        #: the server's measured prefill rate (tokens/s, None until measured): set by the layer
+        self.prefill_tps_of: Callable[[], float | None] = lambda: None
+        self.deadline_slack_s = DEADLINE_SLACK_S
         self._pending: dict[int, tuple[str, int]] = {}
         self._task: asyncio.Task | None = None
         self._refresh_task: asyncio.Task | None = None
@@ -125,7 +151,8 @@ class RemoteTier(TierBase):
         self.owns: tuple[str, str, int] | None = None   # the _BUCKETS key when this tier opened it
         self.download_s: list[float] = []
         self.counters: dict[str, int] = {"lookups": 0, "offers": 0, "restores": 0, "hits": 0,
-                                         "unconfirmed": 0, "bring_failed": 0, "sync_failed": 0}
+                                         "unconfirmed": 0, "bring_failed": 0, "sync_failed": 0,
+                                         "index_not_ready": 0, "deadline_abandoned": 0}
 
     # ------------------------------------------------------------------ background sync
     def start(self) -> None:
@@ -198,6 +225,9 @@ class RemoteTier(TierBase):
         """The bucket entry with the longest reuse for ``view.tokens`` that the local store lacks
         (see the module docstring), or None (then the index is refreshed in the background)."""
         ident = self.store.identity
+        if not self.bucket.refreshed_at:   # the first index read is under way: local tiers or cold
+            self.counters["index_not_ready"] += 1
+            return None
         if ident is None or not self.bucket.index:
             self._refresh_on_miss()
             return None
@@ -217,8 +247,8 @@ class RemoteTier(TierBase):
 
     def _candidate(self, key: str) -> RemoteEntry | None:
         r = self.bucket.index.get(key)
-        if r is None or self.store.get(key) is not None:
-            return None   # not in the bucket, or local: the local tiers offer it
+        if r is None or key in self.bucket.quarantined or self.store.get(key) is not None:
+            return None   # not in the bucket, refused here before, or local: the local tiers offer it
         return r
 
     def _best_prefix(self, ident: str, toks: Sequence[int]) -> tuple[int, RemoteEntry] | None:
@@ -260,13 +290,28 @@ class RemoteTier(TierBase):
                 best = (reuse.cache_n, r)
         return best
 
+    def deadline_s(self, offer: Offer) -> float:
+        """Seconds the download of ``offer`` may take: the prefill it replaces
+        (``offer.tokens_usable`` at the server's measured prefill rate, ``prefill_tps_of``, or
+        ``UNMEASURED_PREFILL_TPS`` before one was measured) plus ``deadline_slack_s``."""
+        tps = self.prefill_tps_of() or UNMEASURED_PREFILL_TPS
+        return offer.tokens_usable / tps + self.deadline_slack_s
+
     async def bring(self, offer: Offer, slot: int) -> None:
         """Download, verify and commit the offered entry locally, then restore it into ``slot``
-        (the caller holds its lease). Raises RemoteTierError."""
+        (the caller holds its lease). A download that outlasts :meth:`deadline_s` is abandoned
+        (cancelled; its partial file and local reservation released; ``deadline_abandoned``) and
+        the request goes on without it. Raises RemoteTierError (``deadline`` among the reasons)."""
         ref: RemoteRef = offer.ref
         t0 = time.monotonic()
         try:
-            e = await self.bucket.fetch(ref.key)
+            e = await asyncio.wait_for(self.bucket.fetch(ref.key), self.deadline_s(offer))
+        except asyncio.TimeoutError as exc:
+            self.counters["bring_failed"] += 1
+            self.counters["deadline_abandoned"] += 1
+            log.warning("remote: download of %s abandoned after %.1f s (what it saves)", ref.key[:16],
+                        time.monotonic() - t0)
+            raise RemoteTierError("deadline", ref.key) from exc
         except KeyError as exc:
             self.counters["bring_failed"] += 1
             raise RemoteTierError("gone", ref.key) from exc
@@ -370,12 +415,34 @@ class RemoteTier(TierBase):
                 "download_s_max": xs[-1] if xs else None}
 
 
+def remote_warnings(config: Any, env: Any = None) -> list[str]:
+    """``ocache doctor``'s warnings on ``store.remote`` (one line each; none shows a secret): no
+    fleet key, so the bucket's records are unsigned. [] when no remote is configured."""
+    settings = RemoteSettings.of(config)
+    if settings is None:
+        return []
+    try:
+        if settings.key(env) is not None:
+            return []
+    except RemoteConfigError:
+        return []   # check_remote reports it as an error
+    return [f"store.remote.fleet_key: not set (nor {FLEET_KEY_ENV}): the bucket's records are unsigned, so "
+            "anyone who can write the bucket can plant entries that every host serves; set the same "
+            "random key (`openssl rand -hex 32`) on every host"]
+
+
 async def check_remote(config: Any) -> tuple[bool, str] | None:
-    """``ocache doctor``'s check of ``store.remote``: the bucket answers with these credentials and
-    its records can be listed. Returns ``(ok, one line)``, None when no remote is configured."""
+    """``ocache doctor``'s check of ``store.remote``: the fleet key (if any) is long enough, the
+    bucket answers with these credentials and its records can be listed. Returns ``(ok, one
+    line)``, None when no remote is configured."""
     settings = RemoteSettings.of(config)
     if settings is None:
         return None
+    try:
+        settings.key()
+    except RemoteConfigError as exc:
+        return False, str(exc)
+    where = f"{shown_url(settings.url)} at {shown_url(settings.endpoint_url) if settings.endpoint_url else 'AWS'}"
     try:
         async with settings.objects() as objects:
             await objects.check()
@@ -383,8 +450,8 @@ async def check_remote(config: Any) -> tuple[bool, str] | None:
     except ImportError:
         return False, "store.remote: aiobotocore is not installed (pip install 'ocache[s3]')"
     except Exception as exc:  # noqa: BLE001 - the line says what failed
-        return False, f"store.remote: {settings.url} at {settings.endpoint_url or 'AWS'}: {type(exc).__name__}: {exc}"
-    return True, f"store.remote: {settings.url} at {settings.endpoint_url or 'AWS'} answers ({n} entries)"
+        return False, f"store.remote: {where}: {type(exc).__name__}: {exc}"
+    return True, f"store.remote: {where} answers ({n} entries)"
 
 
 async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier | None:
@@ -397,25 +464,28 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
     settings = RemoteSettings.of(config)
     if settings is None:
         return None
+    settings.objects()   # the URLs checked first (credentials in one are refused, unshown)
+    fleet_key = settings.key()
+    if fleet_key is None:
+        log.warning("remote tier: no fleet key (store.remote.fleet_key or %s): records are unsigned and "
+                    "anyone who can write the bucket can plant entries every host serves", FLEET_KEY_ENV)
     shared_key = (str(store.meta_dir), settings.url, id(asyncio.get_running_loop()))
+    # (the first index read is the sync's first round, in the background: a request never waits on it)
     bucket = _BUCKETS.get(shared_key)
     owner = bucket is None
     if bucket is None:
         objects = settings.objects()
         await objects.__aenter__()
         bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
-                              orphan_age_s=settings.orphan_age_s)
+                              orphan_age_s=settings.orphan_age_s, fleet_key=fleet_key)
         _BUCKETS[shared_key] = bucket
-        try:
-            await bucket.refresh()   # the first requests already see what the other hosts uploaded
-        except Exception as exc:  # noqa: BLE001 - the bucket may be down now: the sync retries
-            log.warning("remote tier: first read of %s failed: %s", settings.url, exc)
     tier = RemoteTier(bucket, table, sync_s=settings.sync_s, refresh_s=settings.refresh_s)
     if owner:
         tier.owns = shared_key
         tier.start()
-        log.info("remote tier: %s (endpoint %s, budget %.3g GB)", settings.url, settings.endpoint_url or "AWS",
-                 settings.max_gb)
+        log.info("remote tier: %s (endpoint %s, budget %.3g GB, records %s)", shown_url(settings.url),
+                 shown_url(settings.endpoint_url) if settings.endpoint_url else "AWS", settings.max_gb,
+                 "signed" if fleet_key else "unsigned")
     return tier
 
 

@@ -6,7 +6,7 @@ Layout under the location's prefix (``ocache.tiers.remote_client.Location``)
     * ``data/<key>-<role>-<xxh3>``: one object per file of an entry (``bin``, ``ckpt``), named by
       its content hash, so two hosts that upload the same entry with other bytes never overwrite
       each other's files;
-    * ``records/<key>.json``: ``{"version", "record", "objects", "host", "uploaded"}``: ``record``
+    * ``records/<key>.json``: ``{"version", "record", "objects", "host", "uploaded"[, "sig"]}``: ``record``
       is the local store's record (``Entry.record``: kind, identity, token ids, each file's size
       and xxh3, hits, times), ``objects`` the data object of each role. It is put **last** and
       **create-only** (``If-None-Match: *``): the commit point. A host that dies mid-upload leaves
@@ -20,8 +20,21 @@ Trust: nothing downloaded reaches a slot before :meth:`RemoteBucket.fetch` check
 record parses (token ids against their count and hash), its key is the content address of its
 identity, kind and tokens, its identity is the store's, every file's size and xxh3 match the
 record, and the local store's commit checks the token ids in the slot file header (then the tiers
-restore it as any local entry, after ``Store.verify``). A failed check deletes the entry from
-the bucket, record first, and raises RemoteError.
+restore it as any local entry, after ``Store.verify``). A failed check raises RemoteError and
+quarantines the entry on this host only (``RemoteBucket.quarantined``: never offered again here,
+counted, logged once); it is not deleted for the fleet, since the fault may be this host's.
+
+Signatures: with a fleet key (``store.remote.fleet_key`` or ``OCACHE_FLEET_KEY``) each record's
+``sig`` is :func:`record_mac`, an HMAC-SHA256 over the record with its files' sizes and xxh3, and a
+host reads only records whose ``sig`` verifies with its key: one without ``sig`` or with another
+key's is held (quarantined here, left in the bucket, never evicted by this host). Without a fleet
+key records are written unsigned and read unverified: anyone who can write the bucket can plant
+an entry (data plus a record with matching hashes) that every host serves.
+
+Versions: a record's ``version`` is the layout it was written in (:data:`LAYOUT_VERSION` here).
+A record of a higher version, from a newer ocache, is held (:class:`HeldRecord`): neither served,
+counted, evicted nor swept by this host, so hosts of two versions share one bucket while a fleet
+upgrades; any layout change that older hosts cannot read raises the version.
 
 Eviction: the local store's value rule (``ocache.tiers.evict.ValuePolicy``) over the index, with
 the hits and last use of the use objects; a victim's record is deleted first (from then on no
@@ -31,6 +44,8 @@ host restores it), then its data and use objects.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -55,6 +70,38 @@ DATA = "data/"
 USE = "use/"
 
 
+#: the environment variable a fleet key is read from when ``store.remote.fleet_key`` is unset
+FLEET_KEY_ENV = "OCACHE_FLEET_KEY"
+#: fewest characters of a fleet key
+FLEET_KEY_MIN_CHARS = 16
+#: what the MAC covers before the record's canonical JSON (another use of the key signs other bytes)
+_SIG_DOMAIN = b"ocache remote record\n"
+
+
+def record_mac(doc: dict, fleet_key: bytes) -> str:
+    """HMAC-SHA256 (hex, 64 characters) with ``fleet_key`` over a record document without its
+    ``sig``: its canonical JSON (sorted keys, no spaces, ASCII), so the layout version, the local
+    record (identity, kind, token ids, each file's size and xxh3) and the data object names are
+    all covered."""
+    body = {k: v for k, v in doc.items() if k != "sig"}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hmac.new(fleet_key, _SIG_DOMAIN + canon, hashlib.sha256).hexdigest()
+
+
+class SignatureError(ValueError):
+    """A record this host cannot verify with its fleet key: ``reason`` ``unsigned`` (no ``sig``)
+    or ``signature`` (a MAC of another key or of other bytes)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"record {'is not signed' if reason == 'unsigned' else 'signature does not verify'}")
+        self.reason = reason
+
+
+class NewerLayout(ValueError):
+    """A record of a layout version above :data:`LAYOUT_VERSION` (written by a newer ocache): not
+    readable here, and not this host's to delete."""
+
+
 class RemoteError(RuntimeError):
     """A download was refused or failed. ``reason``: ``record`` (unparsable or mislabelled
     record), ``identity``, ``size``, ``hash``, ``header`` (a failed check: the bucket entry was
@@ -64,6 +111,27 @@ class RemoteError(RuntimeError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"remote: {reason}{': ' + detail if detail else ''}")
         self.reason = reason
+
+
+@dataclass
+class HeldRecord:
+    """A record this host neither serves nor deletes: ``reason`` ``newer`` (a newer layout
+    version), ``unsigned`` / ``signature`` (it fails this host's fleet key: quarantined); ``etag`` of the record read (a changed record is read again); ``objects``: the data
+    object names it gives, if any (never swept as orphans)."""
+
+    reason: str
+    etag: str
+    objects: frozenset[str] = frozenset()
+
+
+def named_objects(raw: bytes) -> frozenset[str]:
+    """The ``data/`` object names a record of any layout gives in its ``objects`` mapping (empty
+    when it has none or does not parse)."""
+    try:
+        objs = json.loads(raw).get("objects")
+        return frozenset(str(o) for o in dict(objs).values() if str(o).startswith(DATA))
+    except (ValueError, TypeError, AttributeError):
+        return frozenset()
 
 
 @dataclass
@@ -84,13 +152,24 @@ class RemoteEntry:
         return tokens_from_bytes(self.token_raw)
 
 
-def parse_record(name_key: str, raw: bytes) -> RemoteEntry:
-    """A record object's bytes as a RemoteEntry. Raises ValueError (wrong version, key that is not
-    the content address of the record's identity, kind and token ids, a role without its object),
-    KeyError, TypeError."""
+def parse_record(name_key: str, raw: bytes, fleet_key: bytes | None = None) -> RemoteEntry:
+    """A record object's bytes as a RemoteEntry. With a ``fleet_key``, its ``sig`` must be
+    :func:`record_mac` of it under that key. Raises NewerLayout (an integer ``version`` above
+    :data:`LAYOUT_VERSION`), SignatureError (no ``sig``, or one that does not verify),
+    ValueError (another version, key that is not the content address of the record's identity,
+    kind and token ids, a role without its object), KeyError, TypeError."""
     doc = json.loads(raw)
-    if doc.get("version") != LAYOUT_VERSION:
-        raise ValueError(f"layout version {doc.get('version')!r}")
+    version = doc.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > LAYOUT_VERSION:
+        raise NewerLayout(f"layout version {version} (this ocache reads {LAYOUT_VERSION})")
+    if fleet_key is not None:
+        sig = doc.get("sig")
+        if not isinstance(sig, str) or not sig:
+            raise SignatureError("unsigned")
+        if not hmac.compare_digest(sig, record_mac(doc, fleet_key)):
+            raise SignatureError("signature")
+    if version != LAYOUT_VERSION:
+        raise ValueError(f"layout version {version!r}")
     e = Entry.from_dict(doc["record"], with_tokens=True)
     toks = e.tokens or []
     if e.key != name_key or entry_key(e.identity, e.kind, toks) != e.key:
@@ -129,12 +208,13 @@ class RemoteBucket:
     ``objects``: an open :class:`S3Objects`. ``budget_bytes``: most bytes of entries in the
     bucket (``store.remote.max_gb``). ``host``: this host's name in the records (logs only).
     ``orphan_age_s``: data objects no record names are deleted by :meth:`sweep` once this old.
-    Counters in ``counters``; every method is a coroutine of the event loop (file reads and
+    ``fleet_key``: the key records are signed with on upload and verified with on read (None: records
+    are written unsigned and read unverified). Counters in ``counters``; every method is a coroutine of the event loop (file reads and
     hashing run in threads)."""
 
     def __init__(self, objects: S3Objects, store: Store, *, budget_bytes: int, host: str = "",
                  orphan_age_s: float = 3600.0, clock: Callable[[], float] = time.time,
-                 policy: EvictionPolicy | None = None) -> None:
+                 policy: EvictionPolicy | None = None, fleet_key: bytes | None = None) -> None:
         self.objects = objects
         self.store = store
         self.budget_bytes = int(budget_bytes)
@@ -142,7 +222,10 @@ class RemoteBucket:
         self.orphan_age_s = float(orphan_age_s)
         self.clock = clock
         self.policy: EvictionPolicy = policy or ValuePolicy()
+        self._fleet_key = fleet_key or None     # never logged, printed or counted
         self.index: dict[str, RemoteEntry] = {}
+        self.held: dict[str, HeldRecord] = {}   # records kept out of the index and never deleted
+        self.quarantined: dict[str, str] = {}   # index key -> the check its download failed: not offered
         self.lock = asyncio.Lock()             # one sync round or refresh at a time (its tiers')
         self._etags: dict[str, str] = {}       # record key -> etag of the record read
         self._use_etags: dict[str, str] = {}
@@ -151,7 +234,7 @@ class RemoteBucket:
             "uploads": 0, "upload_bytes": 0, "upload_lost_race": 0, "upload_failed": 0,
             "downloads": 0, "download_bytes": 0, "verify_failed": 0, "download_failed": 0,
             "evicted": 0, "evicted_bytes": 0, "orphans_deleted": 0, "bad_records": 0,
-            "skipped_budget": 0,
+            "skipped_budget": 0, "newer_records": 0, "quarantined": 0,
         }
 
     # ------------------------------------------------------------------ index
@@ -160,7 +243,10 @@ class RemoteBucket:
 
     async def refresh(self) -> None:
         """Re-read the bucket's records (new ones fetched, gone ones dropped) and use objects.
-        A record that does not parse is deleted from the bucket (it can never be served)."""
+        A record that does not parse is deleted from the bucket (it can never be served); one of a
+        newer layout version, or one that fails this host's fleet key, is held
+        (:class:`HeldRecord`): not served, not counted in the budget, never evicted, its data never
+        swept, by this host (the failed signature counted and logged once per record)."""
         listed = await self.objects.list(RECORDS)
         keys = {}
         for o in listed:
@@ -170,15 +256,38 @@ class RemoteBucket:
             if k not in keys:
                 self.index.pop(k, None)
                 self._etags.pop(k, None)
+        for k in list(self.held):
+            if k not in keys:
+                del self.held[k]
         for k, o in keys.items():
             if k in self.index and self._etags.get(k) == o.etag:
+                continue
+            if k in self.held and self.held[k].etag == o.etag:
                 continue
             raw = await self.objects.get(o.key)
             if raw is None:
                 continue
             try:
-                self.index[k] = parse_record(k, raw)
+                self.index[k] = parse_record(k, raw, self._fleet_key)
                 self._etags[k] = o.etag
+                self.held.pop(k, None)
+                self.quarantined.pop(k, None)   # a new record under the key: checked afresh
+            except NewerLayout as exc:
+                self.index.pop(k, None)
+                self._etags.pop(k, None)
+                if k not in self.held:
+                    self.counters["newer_records"] += 1
+                    log.info("remote: record %s is of a newer ocache (%s): left to the hosts that read it",
+                             k[:16], exc)
+                self.held[k] = HeldRecord("newer", o.etag, named_objects(raw))
+            except SignatureError as exc:
+                self.index.pop(k, None)
+                self._etags.pop(k, None)
+                if k not in self.held:
+                    self.counters["quarantined"] += 1
+                    log.warning("remote: record %s quarantined on this host: %s with the fleet key "
+                                "(not served; left in the bucket)", k[:16], exc)
+                self.held[k] = HeldRecord(exc.reason, o.etag, named_objects(raw))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 self.counters["bad_records"] += 1
                 log.warning("remote: record %s does not parse (%s); deleting it", k[:16], exc)
@@ -209,6 +318,8 @@ class RemoteBucket:
         skipped (no room, its local files changed or went). Raises what the bucket raises."""
         if e.key in self.index:
             return True
+        if e.key in self.held:    # a newer ocache's or a quarantined record holds the key
+            return False
         if e.bytes > self.budget_bytes:
             self.counters["skipped_budget"] += 1
             return False
@@ -228,8 +339,10 @@ class RemoteBucket:
         finally:
             for fh in files.values():
                 fh.close()
-        rec = {"version": LAYOUT_VERSION, "record": e.record(toks), "objects": objects,
-               "host": self.host, "uploaded": self.clock()}
+        rec: dict[str, Any] = {"version": LAYOUT_VERSION, "record": e.record(toks), "objects": objects,
+                               "host": self.host, "uploaded": self.clock()}
+        if self._fleet_key is not None:
+            rec["sig"] = record_mac(rec, self._fleet_key)
         if not await self.objects.put(f"{RECORDS}{e.key}.json", json.dumps(rec).encode(), create_only=True):
             self.counters["upload_lost_race"] += 1
             await self.refresh()
@@ -263,6 +376,7 @@ class RemoteBucket:
         """Delete an entry from the bucket: its record first, then its data and use objects."""
         r = self.index.pop(key, None)
         self._etags.pop(key, None)
+        self.quarantined.pop(key, None)
         log.info("remote: deleting %s: %s", key[:16], reason)
         await self.objects.delete(f"{RECORDS}{key}.json")
         for name in (r.objects.values() if r is not None else ()):
@@ -274,11 +388,13 @@ class RemoteBucket:
         ``orphan_age_s`` (a host died between its data and its record; one uploading now has its data
         younger than that). Call after :meth:`refresh`. Returns how many."""
         named = {o for r in self.index.values() for o in r.objects.values()}
+        named.update(o for h in self.held.values() for o in h.objects)
+        held = tuple(f"{DATA}{k}-" for k in self.held)   # a held record's data, whatever it names
         now = time.time()   # the server's LastModified is wall time, whatever ``clock`` says
         gone = 0
         listed: list[ObjectInfo] = await self.objects.list(DATA)
         for o in listed:
-            if o.key not in named and now - o.modified >= self.orphan_age_s:
+            if o.key not in named and not o.key.startswith(held) and now - o.modified >= self.orphan_age_s:
                 await self.objects.delete(o.key)
                 gone += 1
         self.counters["orphans_deleted"] += gone
@@ -290,6 +406,8 @@ class RemoteBucket:
         the local Entry. Raises RemoteError; KeyError when the key is not in the index."""
         r = self.index[key]
         e = r.entry
+        if key in self.quarantined:
+            raise RemoteError("quarantined", self.quarantined[key])
         if e.identity != self.store.identity:
             raise RemoteError("identity", f"{e.identity} != {self.store.identity}")
         local = self.store.get(key)
@@ -321,18 +439,24 @@ class RemoteBucket:
             self.store.discard_temp(tmp)
             self.counters["download_failed"] += 1
             raise RemoteError("io", str(exc)) from exc
+        except asyncio.CancelledError:    # abandoned (its deadline): nothing of it stays behind
+            self.store.release(key)
+            self.store.discard_temp(tmp)
+            raise
         self.counters["downloads"] += 1
         self.counters["download_bytes"] += local.bytes
         return local
 
     async def _refused(self, key: str, exc: RemoteError) -> None:
         if exc.reason in ("size", "hash", "header", "record"):
+            # quarantined here, not deleted for the fleet: what failed may be this host's transfer
+            # or disk; the entry stays in the index (counted in the budget, evicted by value: it
+            # earns no hits) until a new record replaces it
             self.counters["verify_failed"] += 1
-            log.warning("remote: %s refused: %s; deleting it from the bucket", key[:16], exc)
-            try:
-                await self.delete(key, f"failed verification: {exc.reason}")
-            except Exception as dexc:  # noqa: BLE001 - the refusal stands either way
-                log.warning("remote: could not delete %s: %s", key[:16], dexc)
+            if key not in self.quarantined:
+                self.counters["quarantined"] += 1
+                log.warning("remote: %s refused: %s; quarantined on this host (left in the bucket)", key[:16], exc)
+            self.quarantined[key] = exc.reason
         else:
             self.counters["download_failed"] += 1
             if exc.reason == "missing":   # being evicted by another host: not offered until a refresh lists it

@@ -27,7 +27,43 @@ READ_TIMEOUT_S = 60.0
 
 
 class RemoteConfigError(ValueError):
-    """``store.remote`` is malformed (the message names the key)."""
+    """``store.remote`` is malformed (the message names the key, never a credential)."""
+
+
+#: where credentials come from instead of a URL (the error that refuses a URL with them says so)
+CREDENTIALS_FIX = ("give them through botocore's usual chain instead: AWS_ACCESS_KEY_ID / "
+                   "AWS_SECRET_ACCESS_KEY in the environment, ~/.aws/credentials, AWS_PROFILE or "
+                   "store.remote.profile, an instance role")
+
+
+def shown_url(url: str) -> str:
+    """``url`` as it may be printed: scheme, host and path only. Userinfo (``user:secret@``)
+    becomes ``***@``; a query and a fragment (a presigned URL's signature) become ``?***`` /
+    ``#***``. Used by every message that names a configured URL."""
+    try:
+        u = urlparse(str(url))
+    except ValueError:
+        return "<unparsable URL>"
+    host = u.netloc.rpartition("@")[2]
+    out = f"{u.scheme}://{'***@' if '@' in u.netloc else ''}{host}{u.path}" if u.scheme else "<not a URL>"
+    return out + ("?***" if u.query else "") + ("#***" if u.fragment else "")
+
+
+def refuse_credentials(url: str, key: str) -> None:
+    """Raise RemoteConfigError when ``url`` (the value of ``store.remote.<key>``) carries
+    credentials (``user[:secret]@`` before the host) or a query (a presigned URL's signature);
+    the message shows the URL through :func:`shown_url` and names the fix."""
+    try:
+        u = urlparse(str(url))
+    except ValueError:
+        raise RemoteConfigError(f"store.remote.{key}: not a URL") from None
+    if "@" in u.netloc:
+        raise RemoteConfigError(f"store.remote.{key}: {shown_url(url)} carries credentials in the URL, "
+                                f"which ocache refuses (a URL is printed and logged); remove them and "
+                                f"{CREDENTIALS_FIX}")
+    if u.query:
+        raise RemoteConfigError(f"store.remote.{key}: {shown_url(url)} has a query, which ocache refuses "
+                                f"(a signature in it would be printed and logged); {CREDENTIALS_FIX}")
 
 
 @dataclass(frozen=True)
@@ -39,10 +75,12 @@ class Location:
 
     @classmethod
     def parse(cls, url: str) -> "Location":
-        """Raises RemoteConfigError for anything but ``s3://bucket[/prefix]``."""
+        """Raises RemoteConfigError for anything but ``s3://bucket[/prefix]``: credentials in the
+        URL (``s3://KEY:SECRET@bucket``) included, with a message that never shows them."""
+        refuse_credentials(url, "url")
         u = urlparse(str(url))
-        if u.scheme != "s3" or not u.netloc or u.query or u.fragment:
-            raise RemoteConfigError(f"store.remote.url: {url!r} is not s3://bucket/prefix")
+        if u.scheme != "s3" or not u.netloc or u.fragment:
+            raise RemoteConfigError(f"store.remote.url: {shown_url(url)!r} is not s3://bucket/prefix")
         prefix = u.path.strip("/")
         return cls(u.netloc, prefix + "/" if prefix else "")
 
@@ -77,6 +115,8 @@ class S3Objects:
     def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None,
                  profile: str | None = None) -> None:
         self.location = Location.parse(url)
+        if endpoint_url:
+            refuse_credentials(endpoint_url, "endpoint_url")
         self.endpoint_url = endpoint_url or None
         self.region = region or None
         self.profile = profile or None
