@@ -338,7 +338,7 @@ class TokenViewer:
                  max_tokens: int = 4_000_000, timeout_s: float = 120.0,
                  max_render_bytes: int = 8 << 20, max_token_bytes: int = 8 << 20,
                  delta: bool = True, verify_first: int = 8, verify_every: int = 16,
-                 verify_wait_s: float = 60.0):
+                 verify_wait_s: float = 60.0, view_timeout_s: float | None = None):
         if isinstance(upstream, str):
             self._upstream = None
             self.base_url = upstream.rstrip("/")
@@ -351,6 +351,8 @@ class TokenViewer:
         self.boundary = boundary
         self.user_delimiter = user_delimiter
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        #: seconds one :meth:`view` may take in all (None: each HTTP call bounded by ``timeout_s`` only)
+        self.view_timeout_s = view_timeout_s
         self.renders = TextCache(max_renders, max_render_bytes)
         self.max_renders = max_renders
         self.texts = TokenCache(max_texts, max_tokens, max_token_bytes)
@@ -375,7 +377,7 @@ class TokenViewer:
         self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
                          "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0,
                          "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0, "delta_refused": 0,
-                         "delta_verify_late": 0}
+                         "delta_verify_late": 0, "view_timeouts": 0}
 
     # --- HTTP -----------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
@@ -752,7 +754,25 @@ class TokenViewer:
                    keys: tuple[dict, list[bytes], bytes] | None = None) -> TokenView:
         """The TokenView of a completion request. ``keys``: ``message_keys(body)`` of a chat body when
         the caller computed it already. Raises TokenViewError (render/tokenize failed or an
-        unsupported prompt shape) and ValueError (a route that is not a completion route)."""
+        unsupported prompt shape; status 0 also when the view took more than ``view_timeout_s``
+        seconds: its HTTP calls are cancelled) and ValueError (a route that is not a completion
+        route).
+
+        The bound holds whoever else the server is serving: a second ocache's first request waited
+        121.5 s for ``/tokenize`` (the 120 s ``timeout_s``) while the server answered another ocache,
+        then was forwarded as sent anyway."""
+        if self.view_timeout_s is None:
+            return await self._view(path, body, head, keys)
+        try:
+            async with asyncio.timeout(self.view_timeout_s):
+                return await self._view(path, body, head, keys)
+        except TimeoutError as exc:
+            self.counters["view_timeouts"] += 1
+            raise TokenViewError(f"{path}: no token view within {self.view_timeout_s:g} s "
+                                 f"(view_timeout_s; the server is busy or slow)") from exc
+
+    async def _view(self, path: str, body: Mapping, head: Head | None,
+                    keys: tuple[dict, list[bytes], bytes] | None) -> TokenView:
         self._check_epoch()
         t0 = time.perf_counter()
         c0 = dict(self.counters)

@@ -538,3 +538,68 @@ def test_lookup_follows_the_servers_current_identity(tmp_path):
     assert len(store.entries()) == 1 and tier.counters["identity_switches"] == 1
     ident["key"] = "model-A"
     assert asyncio.run(tier.lookup(View(toks), None)).tokens_usable == 3000
+
+
+@server
+async def test_a_restore_refused_for_a_missing_file_still_writes_the_anchor(start_server, tmp_path):
+    """A turn planned to restore the conversation's anchor, whose file is gone (an index whose slot
+    files were removed), falls back as a cold plan does: it writes the anchor split again, so the
+    restart after it restores that anchor. Before, the fallback served the shorter head anchor and
+    wrote nothing (the anchor lines were read while the index still listed the missing anchor), so
+    the next restart restored the head only."""
+    from test_spill import SERVER, forget_store, through_ocache
+    from ocache.config import Config
+
+    srv = start_server("dense", n_parallel=1, ctx_size=16384, **SERVER)
+    cache = tmp_path / "cache"
+    cfg = Config(upstream=srv.url, cache_dir=str(cache), disk_min_tokens=1024, spill_min_tokens=1_000_000,
+                 tiers={"resident": {"server_args": srv.command()[1:]}})
+    t1 = load_fixture("opencode_agent_turn1.json")
+    t2 = load_fixture("opencode_agent_turn1_after_tool.json")
+
+    def body(b: dict) -> dict:
+        out = dict(b, stream=False, max_tokens=4, temperature=0)
+        out.pop("stream_options", None)
+        return out
+
+    idents: list[str | None] = []
+
+    async def turn(b: dict) -> tuple[str | None, dict, list[int]]:
+        """A new ocache in front of the server: one request; its tier, timings, and the anchors'
+        lengths in the store afterwards."""
+        async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+            async with s.post(base + CHAT, json=body(b)) as r:
+                data = await r.json()
+                assert r.status == 200, data
+                tier = r.headers.get("X-OCache-Tier")
+            await asyncio.wait_for(proxy.wait_background(), 120)
+            await asyncio.wait_for(proxy.layer.idle(), 120)
+            disk = proxy.layer.disk_tier
+            assert disk is not None
+            await disk.flush()
+            lengths = sorted(e.n_tokens for e in disk.store.entries("a"))
+            idents.append(disk.store.identity)
+        forget_store(cache)
+        return tier, data["timings"], lengths
+
+    _tier, _t, anchors = await turn(t1)
+    assert len(anchors) == 2, anchors            # the head and the session start
+    srv.restart()
+    # the session-start anchor's slot file is removed; the index still lists it
+    from ocache.tiers import store as store_mod
+
+    st = store_mod.Store(cache / "store", Path(srv.slot_save_path), idents[-1])
+    st.open()
+    longest = max(st.entries("a"), key=lambda e: e.n_tokens)
+    assert longest.n_tokens == anchors[-1]
+    (Path(srv.slot_save_path) / longest.bin_name).unlink()
+    st.close()
+
+    # another run of the same first turn (byte-equal messages): planned from the session-start
+    # anchor, whose restore fails; its cold plan writes both anchors
+    tier, _t, after = await turn(load_fixture("opencode_run2_agent_turn1.json"))
+    assert anchors[-1] in after, (tier, after)   # the anchor written again by the fallback
+    srv.restart()
+    tier, timings, _ = await turn(t2)
+    assert tier == "disk", tier
+    assert timings["cache_n"] >= anchors[-1] - srv.ubatch, (timings, anchors)

@@ -21,9 +21,10 @@ async def test_one_lookup_per_tier_per_request():
     assert layer.counters["planned"] == 2
 
 
-async def test_one_lookup_per_tier_when_waiting_for_the_slot():
+async def test_a_plan_made_again_after_the_wait_asks_the_tiers_again():
     """Two requests of the same conversation: the second waits for the first's lease; the slot
-    changed meanwhile, so it plans again, from the same offers (no second lookup)."""
+    changed meanwhile, so it plans again and asks every tier again (what the first request wrote
+    is offered); a plan that found its slot free asks once."""
     from ocache.layer import Observation
 
     tier = CountingTier()
@@ -41,11 +42,122 @@ async def test_one_lookup_per_tier_when_waiting_for_the_slot():
     await plan_a.release()
     await layer.observe(a, plan_a, Observation(200, True, timings))
     plan_b = await asyncio.wait_for(task_b, 10)
-    assert tier.lookups == 2
+    assert tier.lookups == 3
     assert layer.counters["replans"] == 1
     assert plan_b.body_updates == {"id_slot": 0}
     assert plan_b.headers["X-OCache-Tier"] == "resident"
     await plan_b.release()
+
+
+class SpillingTier(CountingTier):
+    """The session tier's part in a burst: ``before_evict`` saves the evicted slot's conversation
+    (a slot file on the fake server, keyed by its owner) once ``gate`` is set; ``lookup`` offers the
+    saved conversation sharing the longest prefix with the request (past ``floor`` tokens)."""
+
+    name = "spill"
+
+    def __init__(self, table, floor: int) -> None:
+        super().__init__()
+        self.table = table
+        self.floor = floor
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.evicting = asyncio.Event()
+        self.saved: dict[str, list[int]] = {}
+
+    def will_spill(self, slot):
+        st = self.table[slot]
+        return st.owner is not None and len(st.tokens) > self.floor
+
+    async def before_evict(self, slot):
+        st = self.table[slot]
+        if st.owner is None:
+            return
+        self.evicting.set()
+        await self.gate.wait()
+        name = f"oc-s-{st.owner}.bin"
+        await self.table.save(slot, name)
+        self.saved[name] = list(st.tokens)
+
+    async def lookup(self, view, ctx):
+        from ocache.llama.reuse import common_prefix
+        from ocache.tiers.base import Offer
+
+        self.lookups += 1
+        best = max(((common_prefix(t, view.tokens), n) for n, t in self.saved.items()), default=None)
+        if best is None or best[0] <= self.floor:
+            return None
+        return Offer(self.name, min(best[0], len(view.tokens) - 1), 0.0, ref=best[1], verified=True)
+
+    async def bring(self, offer, slot):
+        await self.table.restore(slot, offer.ref, tokens=self.saved[offer.ref])
+
+
+class SharedAnchorTier(CountingTier):
+    """A disk anchor every session shares: the first ``len(head)`` tokens (a harness head)."""
+
+    name = "anchor"
+
+    def __init__(self, table, head: list[int]) -> None:
+        super().__init__()
+        self.table = table
+        self.head = head
+        table.files["oc-a-head.bin"] = list(head)
+
+    async def lookup(self, view, ctx):
+        from ocache.tiers.base import Offer
+
+        self.lookups += 1
+        if view.tokens[:len(self.head)] != self.head:
+            return None
+        return Offer(self.name, len(self.head), 0.0, ref="oc-a-head.bin", verified=True)
+
+    async def bring(self, offer, slot):
+        await self.table.restore(slot, offer.ref, tokens=self.head)
+
+
+async def test_a_turn_whose_conversation_is_spilled_while_it_waits_comes_back_from_the_spill():
+    """A burst on one slot: conversation A's next turn is looked up while A is still resident, then
+    waits for the slot's lease, which B's request holds while it spills A (B's eviction). The re-plan
+    after the wait asks the tiers again and restores A's own spill, prefilling only the new turn;
+    planned from the lookups before the wait, it came back from the shared anchor (the head) and
+    prefilled A's whole conversation again."""
+    from ocache.layer import Observation
+
+    head = list(range(1, 201))
+    layer = make_layer(n_slots=1)
+    table = layer.table
+    spill, anchor = SpillingTier(table, floor=len(head)), SharedAnchorTier(table, head)
+    layer.add_tier(spill)
+    layer.add_tier(anchor)
+    conv_a = head + list(range(1000, 1600))
+    await serve(layer, request(conv_a, "a1", session="a"))
+    assert table[0].owner is not None and table[0].tokens[:len(conv_a)] == conv_a
+
+    spill.gate.clear()                                   # B's eviction of A stops before the save
+    b = request(head + list(range(3000, 3600)), "b", session="b")
+    task_b = asyncio.ensure_future(layer.plan(b))
+    await asyncio.wait_for(spill.evicting.wait(), 10)    # B holds slot 0 and is evicting A
+    a2 = request(conv_a + list(range(1700, 1720)), "a2", session="a")
+    looked = spill.lookups
+    task_a2 = asyncio.ensure_future(layer.plan(a2))
+    await _until(lambda: spill.lookups == looked + 1 and table.lock(0)._waiters,
+                 "A's next turn looked up and waits for slot 0's lease")
+    assert not spill.saved                               # its lookup could not see a spill of A
+    spill.gate.set()
+    plan_b = await asyncio.wait_for(task_b, 10)
+    assert list(spill.saved.values()) == [conv_a]
+    timings_b = table.complete(0, b.body["prompt"], 1)
+    await plan_b.release()
+    await layer.observe(b, plan_b, Observation(200, True, timings_b))
+
+    plan_a2 = await asyncio.wait_for(task_a2, 10)
+    assert plan_a2.headers["X-OCache-Tier"] == "spill", plan_a2.headers
+    timings = table.complete(0, a2.body["prompt"], 1)
+    await plan_a2.release()
+    await layer.observe(a2, plan_a2, Observation(200, True, timings))
+    assert timings["prompt_n"] == 20                     # the new turn only, not A again
+    assert layer.counters["mispredictions"] == 0
 
 
 class RefusedFileTier(CountingTier):

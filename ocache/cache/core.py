@@ -64,6 +64,14 @@ def _versions(layer: OCacheLayer) -> tuple[int, ...]:
     return tuple(table.version(i) for i in range(len(table)))
 
 
+def stale(layer: OCacheLayer, found: Lookups) -> bool:
+    """Whether ``found`` may no longer be what the tiers answer: the epoch changed or a slot was
+    written since it was read (a request's steps ran there: a spill of the conversation it evicted,
+    an anchor split, a restore; the session tier's entry of an evicted conversation is committed by
+    the request that evicts it, ``SessionTier.before_evict``)."""
+    return found.epoch != layer.ready_table.epoch or found.versions != _versions(layer)
+
+
 async def look_up(layer: OCacheLayer, prep: Prepared, ctx: RequestContext) -> Lookups:
     """Ask every tier once (head tier first) and the disk tier's anchor lines. A tier whose lookup
     raises offers nothing (logged)."""

@@ -124,6 +124,7 @@ async def execute(table: SlotTable, head: HeadTier, tiers: Sequence[TierBase], d
     if "before_evict" in dec.steps:
         await _evict(table, tiers, counters, rid, dec)
     restore_s = None
+    anchors = dec.anchors
     if "bring" in dec.steps and dec.offer is not None:
         bringer = next((t for t in (head, *tiers) if t.name == dec.offer.tier), None)
         try:
@@ -142,6 +143,8 @@ async def execute(table: SlotTable, head: HeadTier, tiers: Sequence[TierBase], d
             log.warning("[%s] %s bring into slot %d failed (%s)", rid, dec.offer.tier, slot, exc)
             brought, restore_s = await bring_next(table, counters, rid, view, ctx, slot,
                                                   (head, *tiers), dec.offer)
+            if "anchors" in dec.steps and disk is not None:
+                anchors = fallback_anchors(disk, rid, view, anchors)
     if "warm_head" in dec.steps:
         await head.warm_in(slot, tokens[:ctx.head_len], ctx.head_key, rid)
         await head.split_at_first_user(slot, tokens, ctx, rid)
@@ -152,7 +155,7 @@ async def execute(table: SlotTable, head: HeadTier, tiers: Sequence[TierBase], d
         st = table[slot]
         before = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
                                user_starts=ctx.user_starts, task=ctx.task)
-        await disk.write_anchors(view, slot, dec.anchors, before.cache_n, ctx)
+        await disk.write_anchors(view, slot, anchors, before.cache_n, ctx)
     st = table[slot]
     reuse = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
                           user_starts=ctx.user_starts, task=ctx.task,
@@ -181,6 +184,20 @@ async def execute(table: SlotTable, head: HeadTier, tiers: Sequence[TierBase], d
               rid, slot, decision.tier, ctx.kind, len(tokens), reuse.lcp, reuse.cache_n,
               reuse.upper, reuse.reason, ",".join(dec.steps))
     return pctx
+
+
+def fallback_anchors(disk: DiskTier, rid: str, view: TokenView,
+                     planned: tuple[tuple[int, str], ...]) -> tuple[tuple[int, str], ...]:
+    """The anchor lines of a request whose planned bring failed, as a cold plan reads them
+    (``DiskTier.anchor_lines`` now): the lines read before the bring left out the prefix the failed
+    entry stored, which the store's check or the refused restore has since deleted (a missing slot
+    file: ``Store.verify``). ``planned``: the lines read in the lookup phase, kept when the disk
+    tier's read fails (logged)."""
+    try:
+        return tuple(disk.anchor_lines(view))
+    except Exception:
+        log.exception("[%s] disk tier anchor lines after a failed bring failed", rid)
+        return planned
 
 
 async def bring_next(table: SlotTable, counters: dict[str, int], rid: str, view: TokenView, ctx: RequestContext, slot: int,

@@ -201,7 +201,8 @@ class OCacheLayer:
             if self._ready and epoch == self._epoch:
                 return
             if self._viewer is None:
-                self._viewer = TokenViewer(self.upstream)
+                self._viewer = TokenViewer(self.upstream,
+                                           view_timeout_s=getattr(self.config, "view_timeout_s", None))
             props = getattr(self.upstream, "props", None)
             if self.table is None:
                 self.table = SlotTable(self.session, self.base_url, headers=self._headers())

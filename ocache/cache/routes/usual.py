@@ -1,8 +1,12 @@
 """The usual route: the planner chooses the slot and the steps, ocache leases that slot, runs the
 steps (``execute``) and pins the forwarded request there (``id_slot``).
 
-Every tier is asked once per request (``core.lookups``: the router's estimate's answers when it
-asked them on this server); the plan and any re-plan after the lease wait use those answers.
+Every tier is asked once before the plan (``core.lookups``: the router's estimate's answers when it
+asked them on this server). A plan made again after a wait (for the chosen slot's lease) asks them
+again when a slot was written meanwhile (``core.stale``): the request that held the slot may have
+spilled this request's own conversation, which the lookups before the wait could not offer (a
+burst of three conversations' next turns on ``-np 2``: one came back from another session's shared
+anchor, prefilling 2,526 tokens where its own spill left 26).
 """
 
 from __future__ import annotations
@@ -32,17 +36,27 @@ REPLANS_MAX = 3
 LEASE_WAIT_S = 5.0
 
 
+async def _relook(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, lk: core.Lookups) -> core.Lookups:
+    """``lk``, or the tiers' answers asked again when a slot was written since ``lk`` was read."""
+    if not core.stale(layer, lk):
+        return lk
+    log.debug("slots written while waiting: asking the tiers again")
+    return await core.look_up(layer, prep, ctx)
+
+
 async def _lease(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, lk: core.Lookups,
-                 dec: Decision, seen: tuple[int, bool]) -> tuple[Decision, tuple[int, bool], SlotLease]:
+                 dec: Decision, seen: tuple[int, bool]
+                 ) -> tuple[Decision, tuple[int, bool], SlotLease, core.Lookups]:
     """The lease of ``dec``'s slot. While it is busy, waited for ``LEASE_WAIT_S`` at a time; when it
     is still busy and another slot is idle by then, the decision for the best idle slot instead (the
-    ranking's order) and its lease."""
+    ranking's order, the tiers asked again when a slot was written meanwhile) and its lease. Returns
+    the decision, its inputs, the lease and the lookups the decision was made with."""
     table = layer.ready_table
     while True:
         if not table.snapshot()[dec.slot].busy:
-            return dec, seen, await table.lease(dec.slot)
+            return dec, seen, await table.lease(dec.slot), lk
         try:
-            return dec, seen, await table.lease(dec.slot, LEASE_WAIT_S)
+            return dec, seen, await table.lease(dec.slot, LEASE_WAIT_S), lk
         except TimeoutError:
             snap = table.snapshot()
             idle = [c.slot for c in rank_slots(prep.tokens, snap, ctx, table.params) if not c.busy]
@@ -51,23 +65,26 @@ async def _lease(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, lk: co
             layer.counters["replans"] += 1
             log.info("slot %d still busy after %g s: planning on idle slot %d", dec.slot, LEASE_WAIT_S,
                      idle[0])
+            lk = await _relook(layer, prep, ctx, lk)
             dec, seen = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors, forced_slot=idle[0])
 
 
 async def _lease_settled(layer: OCacheLayer, prep: Prepared, ctx: RequestContext,
                          lk: core.Lookups) -> tuple[Decision, SlotLease]:
-    """Decide, lease the chosen slot, and plan again (pure, same lookups) while the slot changed
-    during the wait for its lease (another request used it): move to a better idle slot rather than
-    evict a conversation, at most ``REPLANS_MAX`` times, then keep the slot held. Returns the final
+    """Decide, lease the chosen slot, and plan again while a slot changed during the wait for its
+    lease (another request used it): the tiers are asked again (``_relook``: what that request
+    spilled or saved is offered) and the plan moves to a better idle slot rather than evict a
+    conversation, at most ``REPLANS_MAX`` times, then keeps the slot held. Returns the final
     decision and the lease of its slot; a cancellation or error releases what it holds."""
     table = layer.ready_table
     dec, seen = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors)
-    dec, seen, lease = await _lease(layer, prep, ctx, lk, dec, seen)
+    dec, seen, lease, lk = await _lease(layer, prep, ctx, lk, dec, seen)
     try:
         for attempt in range(REPLANS_MAX):
-            if seen == core.inputs(layer, dec.slot, ctx):
-                break  # nothing the plan read about this slot changed while we waited
+            if seen == core.inputs(layer, dec.slot, ctx) and not core.stale(layer, lk):
+                break  # nothing the plan read changed while we waited
             layer.counters["replans"] += 1
+            lk = await _relook(layer, prep, ctx, lk)
             fresh, fresh_seen = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors, held=dec.slot)
             if fresh.slot == dec.slot or fresh.choice.busy or attempt == REPLANS_MAX - 1:
                 if fresh.slot == dec.slot:
