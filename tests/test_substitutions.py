@@ -200,3 +200,34 @@ def test_an_aligned_conversation_is_spilled_on_eviction(serve_template, tmp_path
         assert prox.stats()["layer"]["tier_session"]["spills"] == spills + 1
     finally:
         prox.stop()
+
+
+def test_a_compaction_of_an_answer_quoting_the_marker_is_never_served_past_its_end(serve_template, tmp_path):
+    """opencode's compaction of a conversation whose answer writes ``<|im_end|>`` as text: the
+    continued route judges the proof's spans on their text as the aligned route does, so the
+    prompt served (read back from the saved slot) never holds the answer's tail twice."""
+    from ocache.compaction import opencode_request
+    from test_compaction import AFTER, SYSTEM
+
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    alice = {"x-session-affinity": "ses_alice"}
+    try:
+        turns = _loop(prox.url, "ses_alice", answer_grammar=QUOTE, n=2)
+        body, res, _ = turns[-1]
+        quoted = res["choices"][0]["message"]["content"]
+        assert "<|im_end|>" in quoted
+        msgs = body["messages"] + [{"role": "assistant", "content": quoted}]
+        comp = opencode_request(msgs, SYSTEM, AFTER, model="qwen", max_tokens=8, temperature=0)
+        status, res2, h2 = _chat(prox.url, comp, alice)
+        assert status == 200
+        n_prompt = res2["timings"]["cache_n"] + res2["timings"]["prompt_n"]
+        slot = h2.get("X-OCache-Slot", "")
+        held = _saved(srv, tmp_path, int(slot) if slot.isdigit() else 0, "comp.bin")
+        text = _post(srv.url, "/detokenize", {"tokens": held[:n_prompt]})["content"]
+        assert text.count("then stop.") <= 1, text[-400:]
+        if "X-OCache-Continued" in h2:
+            assert text.count("Close each turn with") == 1
+    finally:
+        prox.stop()

@@ -185,6 +185,12 @@ async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction | None,
         return slot, turn, fields, dec, view.tokens, False
     if isinstance(dec, AsSent):
         return dec.reason
+    # the substitution gate's last condition, as for an aligned request: every span the proof
+    # declares is judged on its text (a compaction of an answer quoting the end-of-turn marker
+    # served the answer's tail twice without it)
+    why = await layer.align._declared(layer, turn, view.tokens, dec)
+    if why is not None:
+        return why
     return slot, turn, fields, dec, view.tokens, True
 
 
