@@ -173,12 +173,12 @@ def test_an_answer_quoting_the_end_of_turn_marker_is_never_spliced_past_its_end(
     assert text.count("Close each turn with") == want.count("Close each turn with") == 1
 
 
-def test_an_aligned_conversation_is_spilled_on_eviction(serve_template, tmp_path):
+def test_an_aligned_conversation_is_spilled_on_eviction_and_restored(serve_template, tmp_path):
     """The aligned answer runs the same epilogue as any planned one (every tier's ``admit``): on one
     slot, another session's request evicts the aligned conversation and the session tier spills it
-    (before, it refused: "not seen complete"). Its next turn prefills no more than its rendering
-    (what llama-server alone prefills once its slot was taken). Dense model, Qwen3's template: the
-    model opens its think block itself."""
+    (before, it refused: "not seen complete"). Its next turn is restored from the spill and aligned
+    again (``X-OCache-Tier: session``, ``X-OCache-Aligned``): only the new part is prefilled. Dense
+    model, Qwen3's template: the model opens its think block itself."""
     srv = serve_template("dense", n_parallel=1, ctx_size=16384, flash_attn="on")
     prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log", slot_save_path=tmp_path / "slots",
                          env={"OCACHE_SPILL_MIN_TOKENS": "256"}).start()
@@ -194,10 +194,21 @@ def test_an_aligned_conversation_is_spilled_on_eviction(serve_template, tmp_path
         nxt = dict(body, grammar=opening(ANSWER), messages=body["messages"] + [
             {"role": "assistant", "content": res["choices"][0]["message"]["content"]},
             {"role": "user", "content": "And the second file?"}])
-        status, res2, _ = _chat(prox.url, nxt, alice)    # its plan waits for the spill's commit
+        status, res2, h2 = _chat(prox.url, nxt, alice)    # its plan waits for the spill's commit
         assert status == 200
-        assert res2["timings"]["prompt_n"] <= len(_tokens(srv.url, nxt))
         assert prox.stats()["layer"]["tier_session"]["spills"] == spills + 1
+        # restored from its spill and aligned again: only the new part prefilled
+        assert h2["X-OCache-Tier"] == "session" and "X-OCache-Aligned" in h2, h2
+        kept, new = map(int, h2["X-OCache-Aligned"].split("+"))
+        assert res2["timings"]["cache_n"] == kept and res2["timings"]["prompt_n"] == new
+        assert new < len(_tokens(srv.url, nxt)) // 4
+        # exact: the answer equals a cold prefill of the prompt served (the slot's file)
+        held = _saved(srv, tmp_path, 0, "restored.bin")
+        served, generated = held[:kept + new], held[kept + new:]
+        cold = _post(srv.url, "/completion", {"prompt": served, "n_predict": nxt["max_tokens"],
+                                              "grammar": nxt["grammar"], "id_slot": 0, "cache_prompt": False,
+                                              "return_tokens": True, "temperature": 0})
+        assert cold["timings"]["cache_n"] == 0 and cold["tokens"][:-1] == generated
     finally:
         prox.stop()
 

@@ -43,8 +43,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
-from dataclasses import dataclass
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ocache.align import (PROBE, Aligned, AsSent, Turn, canonical, decide, fields_of, record, sampled_ids,
@@ -76,6 +76,9 @@ EXACT_PROBE = "ocache-next-user-probe"
 #: seconds without a request after an ended turn before exact mode warms the next prompt (an agent
 #: sends its next request within milliseconds; a person reads the answer first)
 EXACT_QUIET_S = 1.0
+
+#: records of conversations that left their slot kept for their next turn (``AlignRoute.parked``)
+PARKED_KEPT = 64
 
 #: aligned requests kept for ``stats()["last"]`` (the dashboard's table)
 LAST_KEPT = 20
@@ -182,6 +185,10 @@ class AlignRoute:
         self.last: deque[dict] = deque(maxlen=LAST_KEPT)
         self.eot_id: int | None = None
         self.think_close: int | None = None
+        #: records whose slot was taken, by owner (:meth:`_park`), oldest first
+        self.parked: OrderedDict[str, Turn] = OrderedDict()
+        #: requests planned by :meth:`_restored_plan`: (decision, the parked record), for observe
+        self._restored: dict[str, tuple[Aligned, Turn]] = {}
         self._memo: dict[tuple[tuple[int, ...], tuple[int, ...], bool], str] = {}
         self._names: tuple[str, ...] = ()
         #: why alignment is off on this server (stats ``align.off``), None while it is on
@@ -190,6 +197,7 @@ class AlignRoute:
 
     def forget(self) -> None:
         self.records.clear()
+        self.parked.clear()
         self._probed = False
         self.eot_id = None
 
@@ -258,10 +266,75 @@ class AlignRoute:
                 return None
             st = table[slot]
             if st.seq != seq or st.pending:
-                self.records.pop(slot, None)
+                self._park(self.records.pop(slot, (seq, turn))[1])
                 continue
             return slot, seq, turn
         return None
+
+    def _park(self, turn: Turn) -> None:
+        """Keep a record whose slot was taken (its conversation spilled, or gone) under its owner,
+        at most ``PARKED_KEPT``: the conversation's next turn may be served from its spill
+        (:meth:`_restored_plan`)."""
+        if turn.owner is None or not turn.ids:
+            return
+        self.parked.pop(turn.owner, None)
+        self.parked[turn.owner] = turn
+        while len(self.parked) > PARKED_KEPT:
+            self.parked.popitem(last=False)
+
+    async def _restored_plan(self, layer: Any, req: ParsedRequest, body: Mapping, msgs: list,
+                             prepared_of: Callable[[], Awaitable[Any]], kind: str) -> Plan | None:
+        """The requester's conversation left its slot (``parked``): when the request is that
+        conversation rewritten plus a new part (the same guard, ``decide`` and declared spans), plan
+        the prompt it would be served (the conversation's every id, then the new part) the usual
+        way, accepted only when the plan brings all those ids back into a slot (its spill), and send
+        it with the splice; else None, nothing done (the request goes as sent). The server checks
+        every kept id (0008): a slot that holds anything else refuses."""
+        owner = owner_of(req.headers)
+        turn = self.parked.get(owner)
+        if turn is None or len(msgs) < len(turn.messages) + 2:
+            return None
+        try:
+            if any(canonical(a) != canonical(b) for a, b in zip(msgs[:len(turn.messages)], turn.messages)):
+                return None
+        except (AttributeError, TypeError):
+            return None
+        prep = await prepared_of()
+        if prep is None or self.eot_id is None:
+            return None
+        table: SlotTable = layer.table
+        dec = decide(turn, body, prep.view.tokens, self.eot_id, n_ctx=table.params.n_ctx_slot, owner=owner)
+        if isinstance(dec, Aligned):
+            why = await self._declared(layer, turn, prep.view.tokens, dec)
+            if why is not None:
+                dec = AsSent(why)
+        if isinstance(dec, AsSent):
+            self.counters["restored_as_sent_" + dec.reason.replace(" ", "_")] += 1
+            return None
+        from ocache.cache import core
+        from ocache.cache.prepare import Prepared
+        from ocache.cache.routes import usual
+
+        sp = dec.splice
+        served = list(turn.ids) + list(sp.tail)
+        view = replace(prep.view, tokens=served, text="", msg_key=None, n_msgs=0,
+                       user_starts=[u for u in prep.view.user_starts if u < len(turn.ids)])
+        prep2 = Prepared(shape=prep.shape, view=view, identity=prep.identity, ctx=prep.ctx)
+        ctx = await core.context(layer, req, prep2)
+        plan = await usual.plan(layer, req, prep2, ctx, accept=lambda d: d.predicted >= sp.n_keep)
+        if plan is None:
+            self.counters["restored_not_whole"] += 1
+            return None
+        self.parked.pop(owner, None)
+        self.counters["aligned_planned"] += 1
+        self.counters["aligned_restored"] += 1
+        self._restored[req.request_id] = (dec, turn)
+        plan.body_updates["ocache_splice"] = sp.field()
+        plan.upstream_headers = {**(plan.upstream_headers or {}), SPLICE_HEADER: str(sp.n_keep)}
+        plan.headers.update({"X-OCache-Aligned": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Path": "aligned"})
+        log.info("[%s] aligned from its spill: %s; the conversation's %d tokens + %d new", req.request_id,
+                 plan.headers.get("X-OCache-Tier"), sp.n_keep, len(sp.tail))
+        return plan
 
     async def _declared(self, layer: Any, turn: Turn, tokens: Sequence[int], dec: Aligned) -> str | None:
         """Judge each span of the gate's proof on its text (``/detokenize`` of its two windows,
@@ -393,15 +466,18 @@ class AlignRoute:
                 return
 
     async def plan(self, layer: Any, req: ParsedRequest, body: Mapping, path: str, kind: str,
-                   head: Any, keys: Any, view_of: Callable[[], Awaitable[Any]] | None = None) -> Plan | None:
+                   head: Any, keys: Any, view_of: Callable[[], Awaitable[Any]] | None = None,
+                   prepared_of: Callable[[], Awaitable[Any]] | None = None) -> Plan | None:
         """An aligned plan for ``req``, or None (the other routes plan it as sent). ``view_of``: the
         request's token view as the layer prepares it (shared with the route that plans it when this
-        one declines: one view per request, ``tests/test_one_view.py``); None: the viewer's own."""
+        one declines: one view per request, ``tests/test_one_view.py``); None: the viewer's own.
+        ``prepared_of``: the request's ``Prepared`` (the same memo), for a conversation that left its
+        slot (:meth:`_restored_plan`); None: not tried."""
         if not self.on or self.exact or req.path not in ("/v1/chat/completions", "/chat/completions"):
             return None
         # probed here, once, so that recording an answer (observe) never waits for the server:
         # the next turn may be planned the moment the answer's last byte left
-        if await self._eot(layer) is None or not self.records:
+        if await self._eot(layer) is None or not (self.records or self.parked):
             return None
         msgs = body.get("messages")
         table: SlotTable = layer.table
@@ -410,7 +486,9 @@ class AlignRoute:
         await self._settle(table, keys)
         found = self._candidate(table, msgs)
         if found is None:
-            return None
+            if prepared_of is None or not self.parked:
+                return None
+            return await self._restored_plan(layer, req, body, msgs, prepared_of, kind)
         slot, seq, turn = found
         eot = self.eot_id
         assert eot is not None
@@ -518,6 +596,7 @@ class AlignRoute:
         if not self.on or table is None:
             return
         ctx = getattr(plan, "context", None)
+        restored = self._restored.pop(req.request_id, None)
         if isinstance(ctx, AlignContext):
             slot = ctx.slot
             on_observed = getattr(ctx, "on_observed", None)   # a continued compaction (routes/continued.py)
@@ -538,7 +617,9 @@ class AlignRoute:
             slot = ctx.slot
         else:
             return
-        self.records.pop(slot, None)
+        gone = self.records.pop(slot, None)
+        if gone is not None and gone[1].owner != owner_of(req.headers):
+            self._park(gone[1])      # another conversation took the slot: the record waits for its spill
         message = getattr(obs, "message", None)
         body = req.body or {}
         raw = None
@@ -560,8 +641,12 @@ class AlignRoute:
             st = table[slot]
             if st.pending or st.n_total is None or st.tokens != list(ctx.view.tokens):
                 return
+            if restored is not None:   # served from its spill with the splice (_restored_plan)
+                self.counters["aligned"] += 1
+                self.counters["aligned_saved_tokens"] += restored[0].saved
+            dec_r, prev_r = restored if restored is not None else (None, None)
             turn = record(body, ctx.view.tokens, self.eot_id, message, getattr(obs, "finish_reason", None),
-                          st.n_total, slot, None, None, raw, generated=sampled_ids(t),
+                          st.n_total, slot, dec_r, prev_r, raw, generated=sampled_ids(t),
                           think_close=self.think_close, owner=owner_of(req.headers))
         # whose conversation it is: a substitution (aligned, continued: ocache.compaction.owns)
         # serves it only to its owner

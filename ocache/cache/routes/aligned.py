@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ocache.cache.prepare import Rejected, Shape
+from ocache.cache.prepare import Prepared, Rejected, Shape
 from ocache.layer import ParsedRequest, Plan
 from ocache.tokens import TokenView
 
@@ -28,5 +28,9 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
         prep = await layer.prepare(req, shape)    # kept in req.memo: the next route reuses it
         return None if isinstance(prep, Rejected) else prep.view
 
+    async def prepared_of() -> Prepared | None:
+        prep = await layer.prepare(req, shape)
+        return None if isinstance(prep, Rejected) else prep
+
     return await layer.align.plan(layer, req, shape.body, shape.path, shape.kind, shape.head, shape.keys,
-                                  view_of)
+                                  view_of, prepared_of)

@@ -12,7 +12,7 @@ anchor, prefilling 2,526 tokens where its own spill left 26).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ocache.cache import core
 from ocache.cache.execute import execute
@@ -102,15 +102,21 @@ async def _lease_settled(layer: OCacheLayer, prep: Prepared, ctx: RequestContext
     return dec, lease
 
 
-async def plan(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: RequestContext) -> Plan:
+async def plan(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: RequestContext,
+               accept: Callable[[Decision], bool] | None = None) -> Plan | None:
     """Plan ``req`` the usual way (see the module docstring). The slot's lease is released on every
     path out of here but the success one, which hands it to the plan's ``release``: an exception or
     a cancellation (the client went away) at any await never leaves the slot locked; stopped part
     way through the slot's steps (a restore, a warm-up, a save), the slot's content is unknown until
-    ``GET /slots`` says. Raises what a step raises."""
+    ``GET /slots`` says. ``accept``: a caller's condition on the final decision (the aligned route
+    planning a spilled conversation's prompt: it must be brought back whole); None when it does not
+    hold, before any step ran. Raises what a step raises."""
     table = layer.ready_table
     lk = await core.lookups(layer, req, prep, ctx)
     dec, lease = await _lease_settled(layer, prep, ctx, lk)
+    if accept is not None and not accept(dec):
+        lease.release()
+        return None
     try:
         pctx = await execute(table, layer.ready_head, layer.tiers, layer.disk_tier, layer.counters,
                              req.request_id, prep.view, ctx, dec)
