@@ -6,6 +6,7 @@ violation, and it substitutes at least some of them (else it checked nothing of 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from importlib.machinery import SourceFileLoader
 from pathlib import Path
 
@@ -16,11 +17,13 @@ pytestmark = pytest.mark.server
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz-substitutions"
 
 
-def test_a_short_seeded_fuzz_run_finds_no_violation(engine_patched, models_tiny, tmp_path):
+def test_a_short_seeded_fuzz_run_finds_no_violation(engine_patched, models_tiny, tmp_path, monkeypatch):
     loader = SourceFileLoader("fuzz_substitutions", str(SCRIPT))
     spec = importlib.util.spec_from_loader(loader.name, loader)
     assert spec is not None
     fz = importlib.util.module_from_spec(spec)
+    # registered while it runs: its dataclasses resolve their annotations through sys.modules
+    monkeypatch.setitem(sys.modules, loader.name, fz)
     loader.exec_module(fz)
     lines: list[str] = []
     out = fz.fuzz(["hybrid-qwen35"], 24, 3, tmp_path, log=lines.append)
