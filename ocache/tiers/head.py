@@ -288,8 +288,8 @@ class HeadTier(TierBase):
         split (``tokens[:u + 4]``) gets the server's near-end checkpoints (``u - ubatch``, ``u``: the
         user message's start, as the server alone places one). It prefills nothing extra (those
         tokens are the request's own) and costs one round trip; it is skipped on dense models,
-        within one ubatch of the head, or when the user message starts in the prompt's last 8 tokens. A failure is logged and the request
-        goes on from whatever the slot holds."""
+        within one ubatch of the head, or when the user message starts in the prompt's last 8
+        tokens. A failure is logged and the request goes on from whatever the slot holds."""
         table = self.table
         ub = table.params.n_ubatch
         if not table.params.checkpoints or not ctx.head_len:
