@@ -369,6 +369,25 @@ async def test_codex_new_folder_resumes_from_the_base_instructions(start_server)
 
 
 @pytest.mark.server
+async def test_the_split_at_the_first_user_message_costs_no_token_more_than_alone(start_server):
+    """Codex in a second folder on the hybrid model, after the first folder's request was split at
+    its first user item (``HeadTier.split_at_first_user``): the server prefills exactly what
+    llama-server alone would (``layer.alone``, the model tests/test_alone.py checks against a real
+    stock server), by its own ``llamacpp:prompt_tokens_total``. A split that ended at the user
+    item's start left its checkpoint 4 tokens before it, where the server alone puts one at the
+    start: 155 tokens prefilled against 151."""
+    srv = start_server("hybrid", n_parallel=2, ctx_size=2 * 16384, **SERVER)
+    async with through_ocache(srv) as c:
+        await c.send("codex_run1_turn1.json")
+        assert c.layer.counters["user_splits"] >= 1
+        alone0, server0 = c.layer.alone.prefill, await c.prefilled_total()
+        b = await c.send("codex_run4_proj2_turn1.json")
+        assert b["tier"] != "cold"
+        assert await c.prefilled_total() - server0 == c.layer.alone.prefill - alone0
+        c.assert_predictions()
+
+
+@pytest.mark.server
 async def test_count_routes_are_forwarded_and_move_no_slot(start_server):
     srv = start_server("hybrid", n_parallel=2, ctx_size=2 * 16384, **SERVER)
     async with through_ocache(srv) as c:

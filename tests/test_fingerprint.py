@@ -423,6 +423,86 @@ def test_gguf_identity_changes_with_the_weights_under_the_same_header_size_and_m
         ia = ib
 
 
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_identity_covers_every_byte_outside_the_sample(tmp_path):
+    """One weight changed where the data sample reads nothing (``data_sample``: each tensor's first and
+    last ``SAMPLE_BLOCK`` and ``SAMPLE_SPREAD`` blocks spread over the data; here the middle of the
+    gap between two spread blocks), the size kept and the old mtime set back (``os.utime``, as
+    ``cp -p`` leaves it): another identity, by the whole file's XXH3-128. On the sampled identity
+    (no ``file_xxh3_128``) the two were one identity: ocache restored the old model's anchor."""
+    a = tmp_path / "model.gguf"
+    data = os.urandom(llama_gguf.SAMPLE_SPREAD * 4 * llama_gguf.SAMPLE_BLOCK)   # 16 MiB, gaps of 12 KiB
+    _write_gguf(a, data=data)
+    st = a.stat()
+    ia = llama_gguf.gguf_identity(a)
+    data_start = ia.header_bytes + (-ia.header_bytes) % 32
+    _flip(a, data_start + 5 * (len(data) // llama_gguf.SAMPLE_SPREAD) + 2 * llama_gguf.SAMPLE_BLOCK)
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (a.stat().st_size, a.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    ib = llama_gguf.gguf_identity(a)
+    assert (ib.header_xxh3_128, ib.data_xxh3_128) == (ia.header_xxh3_128, ia.data_xxh3_128)  # outside the sample
+    assert ib.file_xxh3_128 != ia.file_xxh3_128
+    assert fp.identity(ib, "b1", "t", {}).key != fp.identity(ia, "b1", "t", {}).key
+
+
+def test_a_file_version_never_digested_has_its_own_provisional_identity(tmp_path, monkeypatch):
+    """``gguf_identity(path, digest=False)`` (what the layer computes, ``wiring.server_identity``)
+    takes no digest: for a file version never digested it is provisional, keyed by (st_dev, st_ino,
+    st_size, st_mtime_ns, st_ctime_ns), so a rewrite under the old size and mtime is another
+    provisional identity at once; once ``file_digest`` ran, the digest is known from memory and from
+    the on-disk memo (by that version only), and the identity no longer names the inode."""
+    a = tmp_path / "model.gguf"
+    _write_gguf(a, data=os.urandom(1 << 16))
+    st = a.stat()
+    p = llama_gguf.gguf_identity(a, digest=False)
+    assert p.file_xxh3_128 == "" and p.pending == llama_gguf.file_version(st)
+    full = llama_gguf.gguf_identity(a)
+    assert full.pending is None and len(full.file_xxh3_128) == 32
+    assert fp.identity(p, "b1", "t", {}).key != fp.identity(full, "b1", "t", {}).key
+    assert llama_gguf.gguf_identity(a, digest=False) == full
+    monkeypatch.setattr(llama_gguf, "_digests", {})          # a new process: the on-disk memo
+    assert llama_gguf.gguf_identity(a, digest=False) == full
+    b = tmp_path / "copy.gguf"                                # another inode, the same bytes and mtime
+    b.write_bytes(a.read_bytes())
+    os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert llama_gguf.gguf_identity(b, digest=False).pending is not None
+    assert llama_gguf.gguf_identity(b) == full
+    _flip(a, a.stat().st_size - 100)
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    q = llama_gguf.gguf_identity(a, digest=False)
+    assert q.pending is not None and q.pending != p.pending and q.pending[2:4] == p.pending[2:4]
+    assert fp.identity(q, "b1", "t", {}).key not in (fp.identity(p, "b1", "t", {}).key,
+                                                     fp.identity(full, "b1", "t", {}).key)
+
+
+async def test_ensure_digest_reads_on_a_worker_thread_once_per_version(tmp_path, monkeypatch):
+    """Concurrent ``ensure_digest`` calls for one file version share one read, on a thread other than
+    the event loop's."""
+    import asyncio
+    import threading
+
+    a = tmp_path / "model.gguf"
+    _write_gguf(a, data=os.urandom(1 << 16))
+    threads = []
+    real = llama_gguf.file_digest
+
+    def counting(path):
+        threads.append(threading.get_ident())
+        return real(path)
+
+    monkeypatch.setattr(llama_gguf, "file_digest", counting)
+    d1, d2 = await asyncio.gather(llama_gguf.ensure_digest(a), llama_gguf.ensure_digest(a))
+    assert d1 == d2 == llama_gguf.known_digest(a)
+    assert len(threads) == 1 and threads[0] != threading.get_ident()
+
+
 def test_gguf_data_sample_is_bounded_and_covers_every_tensor(tmp_path):
     """The sample reads each tensor's first and last block and SAMPLE_SPREAD blocks over the data, not
     the file: a 64 MiB data section is sampled in at most (2 * 1 + 1024) * 4 KiB."""

@@ -10,11 +10,14 @@ disk tier, real opencode request bodies (helpers of tests/test_spill.py; ``-ub 1
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import aiohttp
 import pytest
 
 from ocache import fingerprint as fp
-from ocache.llama import flags as llama_flags
+from ocache.llama import flags as llama_flags, gguf as llama_gguf
 from ocache.config import Config
 
 from test_spill import SERVER, UB, body_of, forget_store, send, session_headers, through_ocache
@@ -160,3 +163,86 @@ async def test_flash_attn_auto_is_on_for_saved_states(start_server, tmp_path):
             assert await slot_action("restore") != 200
     on = fp.identity(None, "b", "t", llama_flags.parse_flags([*srv.command(), "-fa", "on"])).key
     assert keys["auto"] == on != keys["off"]
+
+
+def unsampled_offset(path) -> int:
+    """The middle of the widest stretch of ``path``'s tensor data that the identity's data sample
+    never reads (``gguf.gguf_sample_spans``): a weight there is outside every sampled block."""
+    spans = sorted(llama_gguf.gguf_sample_spans(path))
+    gaps = [(b2 - a1, a1, b2) for (_, a1), (b2, _) in zip(spans, spans[1:]) if b2 > a1]
+    width, start, end = max(gaps)
+    assert width > 1024, spans[:4]
+    return (start + end) // 2
+
+
+@pytest.mark.server
+async def test_weights_changed_outside_the_sample_are_served_cold(start_server, tmp_path, models_tiny):
+    """One weight of the served GGUF changed outside every block the data sample reads, written in
+    place with the old size and mtime set back (``os.utime``), then the server restarted: the layer's
+    identity changes (the whole file's XXH3-128, taken once per file version before the first
+    request, under a second for a file under ``gguf.DIGEST_INLINE_BYTES``), so the old model's
+    anchors are kept but never offered, and the next turn is not restored from the disk. On the
+    sampled identity it was one identity and the turn came back from the old model's anchor."""
+    served = tmp_path / "model.gguf"
+    shutil.copy2(models_tiny["dense"], served)
+    srv = start_server("dense", n_parallel=1, ctx_size=16384, **SERVER)
+    srv.stop()
+    srv.model = served
+    srv.start()
+    t1, t2 = body_of("opencode_agent_turn1.json"), body_of("opencode_agent_turn1_after_tool.json")
+    h = session_headers("opencode_agent_turn1.json")
+    cfg = Config(upstream=srv.url, cache_dir=str(tmp_path / "cache"),
+                 tiers={"resident": {"server_args": srv.command()[1:]}})
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        await send(s, base, proxy, t1, h)
+        disk = proxy.layer.disk_tier
+        await disk.flush()
+        old_key = proxy.layer._ident().key
+        old_entries = {e.key for e in disk.store.entries("a") if e.identity == old_key}
+        assert old_entries, disk.stats()
+
+        st = served.stat()
+        srv.stop()
+        offset = unsampled_offset(served)
+        with open(served, "r+b") as f:       # in place, as cp -p over the file does
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x01]))
+        os.utime(served, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert (served.stat().st_size, served.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+        await restart_seen(proxy, srv)
+        rec = await send(s, base, proxy, t2, h)
+        await disk.flush()
+        new_key = proxy.layer._ident().key
+        assert rec["tier"] != "disk", (rec["tier"], disk.stats())
+        assert new_key != old_key and disk.store.identity == new_key
+        assert proxy.layer._ident().fields["gguf"]["file_xxh3_128"]      # digested before the turn
+        assert old_entries <= {e.key for e in disk.store.entries("a")}, "the old model's anchors were deleted"
+
+
+@pytest.mark.server
+async def test_a_model_over_the_inline_bound_is_digested_in_the_background(start_server, tmp_path, monkeypatch):
+    """A model file larger than ``gguf.DIGEST_INLINE_BYTES`` (here the bound is 0) is not waited for:
+    the layer is ready under the provisional identity of that file version (``pending``: its stat),
+    which the stores use meanwhile, and once the worker thread's digest is in, the identity and the
+    stores switch to the digested one, under which the next turn's anchors are written."""
+    monkeypatch.setattr(llama_gguf, "DIGEST_INLINE_BYTES", 0)
+    monkeypatch.setattr(llama_gguf, "_digests", {})     # a file never digested in this process
+    srv = start_server("dense", n_parallel=1, ctx_size=16384, **SERVER)
+    cfg = Config(upstream=srv.url, cache_dir=str(tmp_path / "cache"),
+                 tiers={"resident": {"server_args": srv.command()[1:]}})
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        await proxy.layer._ensure_ready()
+        provisional = proxy.layer._ident()
+        assert provisional.fields["gguf"]["pending"] and not provisional.fields["gguf"]["file_xxh3_128"]
+        disk = proxy.layer.disk_tier
+        assert disk.store.identity == provisional.key
+        await proxy.layer._digest_task
+        ident = proxy.layer._ident()
+        assert "pending" not in ident.fields["gguf"]
+        assert ident.fields["gguf"]["file_xxh3_128"] == llama_gguf.known_digest(srv.model)
+        assert disk.store.identity == ident.key != provisional.key
+        await send(s, base, proxy, body_of("opencode_agent_turn1.json"), session_headers("opencode_agent_turn1.json"))
+        await disk.flush()
+        assert {e.identity for e in disk.store.entries("a")} == {ident.key}

@@ -25,7 +25,7 @@ srv  update_slots: all slots are idle
 def test_progress_prints_each_run_with_the_time_left_and_keeps_the_noise_out():
     out, log = io.StringIO(), io.StringIO()
     clock = itertools.count(0, 10)
-    assert verdict.progress(io.StringIO(LOG), out, log, now=lambda: next(clock)) == 2
+    assert verdict.progress(io.StringIO(LOG), out, log, now=lambda: next(clock), heartbeat_s=None) == 2
     lines = out.getvalue().splitlines()
     assert log.getvalue() == LOG                      # everything is kept in the log
     assert not any("ignored" in ln or "update_slots" in ln for ln in lines), lines
@@ -33,6 +33,25 @@ def test_progress_prints_each_run_with_the_time_left_and_keeps_the_noise_out():
     assert "run 1/2: hybrid model, scenario growth, configuration (c)" in lines[1]
     assert "done in 104 s: the server prefilled 8,350 tokens; about 1:44 left" in lines[2]
     assert "run 2/2" in lines[3] and "left" not in lines[4], lines
+
+
+def test_a_silent_stretch_gets_a_heartbeat_line_every_minute():
+    """A run whose replay logs nothing for minutes: ``_Echo.beat`` (called by ``progress``'s ticker
+    thread) prints the run in progress and how long it has been going once a minute of silence has
+    passed, and nothing sooner. The clock is a variable the test sets."""
+    t = [0.0]
+    out = io.StringIO()
+    echo = verdict._Echo(out, lambda: t[0], 60.0)
+    echo.say("run 1/2: hybrid model, scenario growth, configuration (c) ocache", what="run 1/2 (hybrid / growth / (c))")
+    for t[0], printed in ((30.0, False), (59.9, False), (60.0, True), (100.0, False), (120.0, True)):
+        assert echo.beat() is printed, t[0]
+    lines = out.getvalue().splitlines()
+    assert lines[1:] == ["[bench 1:00] still on run 1/2 (hybrid / growth / (c)): 1:00 in",
+                         "[bench 2:00] still on run 1/2 (hybrid / growth / (c)): 2:00 in"], lines
+    t[0] = 130.0
+    echo.raw("ocache bench: ERROR x")
+    t[0] = 180.0
+    assert echo.beat() is False                      # any line printed restarts the minute
 
 
 def _run(prefill: list[int], ttft: list[float], alone: dict | None = None) -> dict:

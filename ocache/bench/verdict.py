@@ -5,7 +5,8 @@ bench's log lines, and one sentence of verdict from its ``bench-<preset>.json``.
   in ``LOG``, and prints one line per run started and ended (``ocache.bench.run.Bench.run`` logs
   ``plan: N runs``, then ``model / scenario / (c) title`` and ``  -> server prefill ...`` per run)
   with the runs done, the elapsed time and an estimate of the time left (the mean wall time of the
-  runs so far times the runs left; the first estimate comes after the first run).
+  runs so far times the runs left; the first estimate comes after the first run), and a heartbeat
+  line (the run in progress, how long it has been going) after every minute without another line.
 * ``python -m ocache.bench.verdict verdict FILE.json``: the sentence (``verdict``): (c) against
   llama-server alone, per scenario the lower of (a) stock and (b) tuned ("vs min(stock, tuned)",
   as the README's headline table and rule 2), in tokens the server prefilled
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any, Iterable, Mapping
@@ -37,36 +39,90 @@ def _clock(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+#: Seconds of silence after which the progress echo prints a heartbeat line (the run in progress and
+#: how long it has been going): a run's replay or cold references can take many minutes.
+HEARTBEAT_S = 60.0
+
+
+class _Echo:
+    """The progress lines, each prefixed with the elapsed time, and the heartbeat: :meth:`beat`
+    prints one line when nothing was printed for ``every`` seconds (``now``: a clock in seconds).
+    Thread-safe: ``progress`` calls :meth:`beat` from a ticker thread."""
+
+    def __init__(self, out: IO[str], now: Any, every: float) -> None:
+        self.out, self.now, self.every = out, now, every
+        self.t0 = self.last = self.since = now()
+        self.what = "the bench's start (building the plan, starting servers)"
+        self.lock = threading.Lock()
+
+    def say(self, text: str, what: str | None = None) -> None:
+        with self.lock:
+            t = self.now()
+            print(f"[bench {_clock(t - self.t0)}] {text}", file=self.out, flush=True)
+            self.last = t
+            if what is not None:
+                self.what, self.since = what, t
+
+    def raw(self, text: str) -> None:
+        """Print ``text`` as it is (an error line of the bench)."""
+        with self.lock:
+            print(text, file=self.out, flush=True)
+            self.last = self.now()
+
+    def beat(self) -> bool:
+        """Print ``still on <what>: <m:ss> in`` if nothing was printed for ``every`` s; True if printed."""
+        with self.lock:
+            t = self.now()
+            if t - self.last < self.every:
+                return False
+            print(f"[bench {_clock(t - self.t0)}] still on {self.what}: {_clock(t - self.since)} in",
+                  file=self.out, flush=True)
+            self.last = t
+            return True
+
+
 def progress(lines: Iterable[str], out: IO[str], log: IO[str] | None = None,
-             now: Any = time.monotonic) -> int:
+             now: Any = time.monotonic, heartbeat_s: float | None = HEARTBEAT_S) -> int:
     """Echo the bench's progress from its log ``lines`` to ``out`` (see the module docstring);
     every line also goes to ``log``. Returns the number of runs that ended. Lines that are not the
-    bench's own (pip, the servers) are kept out of ``out``, but for errors and tracebacks."""
-    t0 = now()
+    bench's own (pip, the servers) are kept out of ``out``, but for errors and tracebacks. With
+    ``heartbeat_s`` (seconds; None: off) a ticker thread prints a heartbeat line whenever nothing
+    was printed for that long (``_Echo.beat``), so the user sees progress at least every minute."""
+    echo = _Echo(out, now, heartbeat_s or 0.0)
+    stop = threading.Event()
+    if heartbeat_s:
+        def tick() -> None:
+            while not stop.wait(min(5.0, heartbeat_s)):
+                echo.beat()
+
+        threading.Thread(target=tick, name="bench-heartbeat", daemon=True).start()
     total = done = 0
     walls: list[float] = []
-    for line in lines:
-        if log is not None:
-            log.write(line)
-            log.flush()
-        text = line.rstrip("\n")
-        if m := _PLAN.search(text):
-            total = int(m.group(1))
-            print(f"[bench {_clock(now() - t0)}] {total} runs to do (each: replay, then cold references)",
-                  file=out, flush=True)
-        elif m := _START.search(text):
-            print(f"[bench {_clock(now() - t0)}] run {done + 1}/{total or '?'}: {m.group(1)} model, scenario "
-                  f"{m.group(2)}, configuration ({m.group(3)}) {m.group(4)}", file=out, flush=True)
-        elif m := _DONE.search(text):
-            done += 1
-            walls.append(float(m.group(2)))
-            left = (total - done) * sum(walls) / len(walls) if total else None
-            print(f"[bench {_clock(now() - t0)}]   done in {float(m.group(2)):.0f} s: the server prefilled "
-                  f"{int(m.group(1)):,} tokens{m.group(3) or ''}"
-                  + (f"; about {_clock(left)} left" if left is not None and done < total else ""),
-                  file=out, flush=True)
-        elif " ERROR " in text or "Traceback" in text or text.startswith("ocache bench:"):
-            print(text, file=out, flush=True)
+    try:
+        for line in lines:
+            if log is not None:
+                log.write(line)
+                log.flush()
+            text = line.rstrip("\n")
+            if m := _PLAN.search(text):
+                total = int(m.group(1))
+                echo.say(f"{total} runs to do (each: replay, then cold references)", what="the first run's start")
+            elif m := _START.search(text):
+                run = f"run {done + 1}/{total or '?'}"
+                echo.say(f"{run}: {m.group(1)} model, scenario {m.group(2)}, configuration ({m.group(3)}) "
+                         f"{m.group(4)}", what=f"{run} ({m.group(1)} / {m.group(2)} / ({m.group(3)}))")
+            elif m := _DONE.search(text):
+                done += 1
+                walls.append(float(m.group(2)))
+                left = (total - done) * sum(walls) / len(walls) if total else None
+                echo.say(f"  done in {float(m.group(2)):.0f} s: the server prefilled {int(m.group(1)):,} tokens"
+                         f"{m.group(3) or ''}"
+                         + (f"; about {_clock(left)} left" if left is not None and done < total else ""),
+                         what=f"the step after run {done}/{total or '?'}")
+            elif " ERROR " in text or "Traceback" in text or text.startswith("ocache bench:"):
+                echo.raw(text)
+    finally:
+        stop.set()
     return done
 
 

@@ -156,6 +156,8 @@ async def execute(table: SlotTable, head: HeadTier, tiers: Sequence[TierBase], d
         before = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
                                user_starts=ctx.user_starts, task=ctx.task)
         await disk.write_anchors(view, slot, anchors, before.cache_n, ctx)
+    if "warm_head" in dec.steps:
+        await head.checkpoint_first_user(slot, tokens, ctx, rid)
     st = table[slot]
     reuse = predict_reuse(st.tokens, st.n_total, st.checkpoints, tokens, table.params,
                           user_starts=ctx.user_starts, task=ctx.task,

@@ -129,6 +129,9 @@ class OCacheLayer:
         self._ready_lock = asyncio.Lock()
         self._bg: set[asyncio.Task] = set()
         self._identity: Identity | None = None
+        #: the model file's full digest being taken (``_take_digest``), and the file versions logged
+        self._digest_task: asyncio.Task | None = None
+        self._digest_logged: set[tuple] = set()
         self._epoch = getattr(upstream, "epoch", None)
         self.findings: list[Any] = []
         self._no_save = False
@@ -226,6 +229,7 @@ class OCacheLayer:
             await self.table.refresh()
             self._epoch = epoch
             self._identity = None
+            await self._digest_first()
             # before any tier reads the store (identities coexist)
             wiring.sync_store_identity(self.tiers, self.identity().key)
             await self._session_tier_ready()  # session tier (tiers/spill.py): register; resume after a drain
@@ -259,10 +263,69 @@ class OCacheLayer:
         return params
 
     def identity(self) -> Identity:
-        """The server's identity (``wiring.server_identity``), computed once per epoch."""
+        """The server's identity (``wiring.server_identity``), computed once per epoch and again when
+        the model file's digest becomes known (``_digest_first``). While the file version was never
+        digested the identity is provisional (``GGUFIdentity.pending``: keyed by that version's
+        ``os.stat``, so nothing stored under it is served for other bytes)."""
         if self._identity is None:
             self._identity = wiring.server_identity(getattr(self.upstream, "props", None), self.argv)
         return self._identity
+
+    async def _digest_first(self) -> None:
+        """When the identity is provisional, take the model file's XXH3-128 (``gguf.ensure_digest``,
+        a worker thread): awaited here for a file of at most ``gguf.DIGEST_INLINE_BYTES`` (under a
+        second once per file version), else in the background (``_take_digest``, logged once per
+        file version) while requests are served under the provisional identity."""
+        from ocache.llama import gguf as llama_gguf
+
+        pending = (self.identity().fields.get("gguf") or {}).get("pending")
+        path = (getattr(self.upstream, "props", None) or {}).get("model_path")
+        if not pending or not path:
+            return
+        if pending[2] <= llama_gguf.DIGEST_INLINE_BYTES:
+            try:
+                await llama_gguf.ensure_digest(path)
+            except OSError as exc:
+                log.warning("model file %s not digested (%s): entries stay under its provisional identity",
+                            path, exc)
+                return
+            self._identity = None
+            pending = (self.identity().fields.get("gguf") or {}).get("pending")
+            if not pending:
+                return
+        if self._digest_task is not None and not self._digest_task.done():
+            return
+        if tuple(pending) not in self._digest_logged:
+            self._digest_logged.add(tuple(pending))
+            log.info("model file %s (%.2f GB) not digested before: its XXH3-128 is taken in the background; "
+                     "until then entries are stored and served only for this version of the file (its "
+                     "device, inode, size, mtime and ctime)", path, pending[2] / 1e9)
+        self._digest_task = asyncio.get_running_loop().create_task(self._take_digest(path, list(pending)))
+
+    async def _take_digest(self, path: str, pending: list) -> None:
+        """The digest of ``path`` (``gguf.ensure_digest``), then the identity computed again and the
+        tiers' stores switched to it, if the server still serves that file version."""
+        import time
+
+        from ocache.llama import gguf as llama_gguf
+
+        t0 = time.monotonic()
+        try:
+            await llama_gguf.ensure_digest(path)
+        except OSError as exc:
+            log.warning("model file %s not digested (%s): entries stay under its provisional identity", path, exc)
+            return
+        async with self._ready_lock:
+            cur = self._identity
+            if cur is None or (cur.fields.get("gguf") or {}).get("pending") != pending:
+                return
+            self._identity = None
+            new = self.identity()
+            wiring.sync_store_identity(self.tiers, new.key)
+            if self._ready and self.head_tier is not None and self.table is not None:
+                open_head_store(self.head_tier, self.config, self.table.params, new.key)
+            log.info("model file %s digested in %.1f s: identity %s -> %s", path, time.monotonic() - t0,
+                     cur.key, new.key)
 
     #: the names tests and subclasses use
     _ensure_ready = ensure_ready

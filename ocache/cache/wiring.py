@@ -49,12 +49,13 @@ def layer_options(config: Any) -> LayerOptions:
 
 def server_identity(props: Any, argv: Sequence[str] | None) -> Any:
     """The server's identity (``ocache.fingerprint.identity``) from ``/props`` and the launch argv:
-    GGUF header hash (unreadable file: None), build, chat templates, state-shaping flags."""
+    GGUF header and whole-file digest (unreadable file: None; a file version never digested: its
+    provisional identity, ``GGUFIdentity.pending``), build, chat templates, state-shaping flags."""
     props = props or {}
     flags = llama_flags.state_flags(argv, props)
     path = props.get("model_path")
     try:
-        gguf = llama_gguf.gguf_identity(path) if path else None
+        gguf = llama_gguf.gguf_identity(path, digest=False) if path else None
     except (OSError, ValueError):
         gguf = None
     return fp_mod.identity(gguf, props.get("build_info", ""), props.get("chat_template", ""), flags,

@@ -276,6 +276,17 @@ class HeadTier(TierBase):
                 log.info("[%s] no --slot-save-path: heads are kept warm by prefill only", rid)
         return t
 
+    def _first_user(self, tokens: list[int], ctx: RequestContext) -> int | None:
+        """The first user message's start after the head (token index) when the split applies:
+        a model that resumes only at checkpoints, at least one ubatch past the head, more than 8
+        tokens before the prompt's end; else None."""
+        if not self.table.params.checkpoints or not ctx.head_len:
+            return None
+        u = next((u for u in ctx.user_starts if u > ctx.head_len), None)
+        if u is None or u - ctx.head_len < self.table.params.n_ubatch or len(tokens) - u <= 8:
+            return None
+        return u
+
     async def split_at_first_user(self, slot: int, tokens: list[int], ctx: RequestContext, rid: str) -> None:
         """After a head warm-up in ``slot``, prefill on to the first user message after the head
         (``tokens[:u]``, no generation) when the model resumes only at checkpoints.
@@ -286,22 +297,35 @@ class HeadTier(TierBase):
         between the head and ``len - 4 - ubatch``, and a later session that shares more than the
         head (Codex in another folder: up to its AGENTS.md item) would fall back to the head. The
         split's own prompt end gets the server's near-end checkpoints (``u - 4 - ubatch``,
-        ``u - 4``). It prefills nothing extra (those tokens are the request's own) and costs one
-        round trip; it is skipped on dense models, within one ubatch of the head, or when the
-        user message starts in the prompt's last 4 tokens. A failure is logged and the request
-        goes on from whatever the slot holds."""
-        table = self.table
-        ub = table.params.n_ubatch
-        if not table.params.checkpoints or not ctx.head_len:
-            return
-        u = next((u for u in ctx.user_starts if u > ctx.head_len), None)
-        if u is None or u - ctx.head_len < ub or len(tokens) - u <= 4:
+        ``u - 4``), and the disk tier may save the slot as it is there (a session-start anchor);
+        :meth:`checkpoint_first_user` then puts one at ``u`` itself. It prefills nothing extra
+        (those tokens are the request's own) and costs one round trip; it is skipped on dense
+        models, within one ubatch of the head, or when the user message starts in the prompt's last
+        8 tokens. A failure is logged and the request goes on from whatever the slot holds."""
+        u = self._first_user(tokens, ctx)
+        if u is None:
             return
         try:
-            await table.warm(slot, tokens[:u])
+            await self.table.warm(slot, tokens[:u])
             self.events["user_splits"] += 1
         except SlotError as exc:
             log.warning("[%s] split at the first user message (token %d) in slot %d failed: %s",
+                        rid, u, slot, exc)
+
+    async def checkpoint_first_user(self, slot: int, tokens: list[int], ctx: RequestContext, rid: str) -> None:
+        """After :meth:`split_at_first_user` (and the anchors step), when the slot still holds exactly
+        ``tokens[:u]``: prefill 4 tokens on (``tokens[:u + 4]``). That prefill's checkpoint "4 tokens
+        before the prompt's end" (docs/llama-server.md §14) sits at ``u``, where llama-server alone
+        puts its first-user-turn checkpoint; without it the nearest sat at ``u - 4``, and Codex's
+        next folder on the hybrid model prefilled 4 tokens more than alone. Nothing extra is
+        prefilled (the request's own tokens); one round trip. Failures are logged."""
+        u = self._first_user(tokens, ctx)
+        if u is None or self.table.held_exactly(slot) != list(tokens[:u]):
+            return
+        try:
+            await self.table.warm(slot, tokens[:u + 4])
+        except SlotError as exc:
+            log.warning("[%s] checkpoint at the first user message (token %d) in slot %d failed: %s",
                         rid, u, slot, exc)
 
     async def maintain_origin(self) -> None:
