@@ -247,7 +247,12 @@ async def ensure_digest(path: str | os.PathLike) -> str:
     if fut is None or (fut.done() and fut.exception() is not None):
         fut = asyncio.ensure_future(asyncio.to_thread(file_digest, path))
         _digest_tasks[v] = fut
-        fut.add_done_callback(lambda f, v=v: _digest_tasks.pop(v, None) if _digest_tasks.get(v) is f else None)
+
+        def forget(f: asyncio.Future[str], v: tuple = v) -> None:
+            if _digest_tasks.get(v) is f:
+                _digest_tasks.pop(v, None)
+
+        fut.add_done_callback(forget)
     return await asyncio.shield(fut)
 
 
