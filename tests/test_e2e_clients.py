@@ -49,6 +49,8 @@ def _install(client: clients.NpmClient) -> Path:
     try:
         path = clients.install(client)
     except clients.RegistryUnreachable as exc:
+        # deliberate: only a registry that cannot be reached skips (a registry that answers with an
+        # error fails: test_registry_error_is_not_unreachable)
         pytest.skip(f"npm registry unreachable ({exc.code}); cannot install {client.spec}:\n{exc}")
     took = time.monotonic() - t0
     print(f"\n{client.spec}: {path} (this call {took:.1f} s; install took "
