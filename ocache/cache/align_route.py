@@ -47,10 +47,11 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from ocache.align import (PROBE, Aligned, AsSent, Turn, canonical, decide, fields_of, record, sampled_ids,
+from ocache.align import (PROBE, Aligned, AsSent, Turn, canonical, decide, record, sampled_ids,
                           text_calls, turn_end_marker)
 from ocache.substitute import declared, owner_of
 from ocache.api.convert import RESPONSES_ROUTES
+from ocache.cache.exact import ExactWarmups
 from ocache.cache.execute import PlanContext
 from ocache.config import field_of
 from ocache.layer import Observation, Plan, ParsedRequest
@@ -71,11 +72,6 @@ SPLICE_HEADER = "X-OCache-Splice"
 #: most seconds a plan waits for the previous answer of its conversation to be observed (``_settle``)
 SETTLE_WAIT_S = 2.0
 
-#: the user text of the probe turn exact mode renders to find where the next user message starts
-EXACT_PROBE = "ocache-next-user-probe"
-#: seconds without a request after an ended turn before exact mode warms the next prompt (an agent
-#: sends its next request within milliseconds; a person reads the answer first)
-EXACT_QUIET_S = 1.0
 
 #: records of conversations that left their slot kept for their next turn (``AlignRoute.parked``)
 PARKED_KEPT = 64
@@ -143,7 +139,7 @@ def mode(config: Any) -> str:
     """``tiers.resident.align``: ``"splice"`` (true, the default: a rewritten history served as the
     slot's ids plus the new part), ``"exact"`` (every prompt the template's; after a turn that
     ended without a tool call the next prompt's predictable prefix is prefilled at idle,
-    :meth:`AlignRoute.exact_warm`) or ``"off"`` (false). Raises ValueError for another value."""
+    :class:`ocache.cache.exact.ExactWarmups`) or ``"off"`` (false). Raises ValueError for another value."""
     tiers = field_of(config, "tiers", None) or {}
     value = (tiers.get("resident") or {}).get("align", True)
     if value is True or value == "splice":
@@ -179,9 +175,9 @@ class AlignRoute:
         self.on = on
         #: exact mode (``mode``): no splice; an ended turn's next prompt prefix warmed at idle
         self.exact = exact
-        self._warms: dict[int, asyncio.Task[None]] = {}
         self.records: dict[int, tuple[int, Turn]] = {}   # slot -> (table seq when recorded, turn)
         self.counters: Counter[str] = Counter()
+        self.warmups = ExactWarmups(self.counters, lambda slot: self.records.pop(slot, None))
         self.last: deque[dict] = deque(maxlen=LAST_KEPT)
         self.eot_id: int | None = None
         self.think_close: int | None = None
@@ -368,76 +364,6 @@ class AlignRoute:
             names.append(f"{why}: slot {sp.slot_from}-{sp.slot_to} for render {sp.render_from}-{sp.render_to}")
         self._names = tuple(names)
         return None
-
-    async def exact_warm(self, layer: Any, slot: int, seq: int, body: Mapping, message: Mapping) -> None:
-        """Exact mode, after a turn that ended without a tool call on ``slot`` (whose content was
-        ``seq``): render the next request's predictable prefix (the conversation, the answer as
-        content alone, a new user message up to its text: the templates that rewrite a history drop
-        past reasoning at a new user message, whoever sends it) and prefill it on the slot, so the
-        next user message prefills only its own tokens and the prompt served is the template's.
-        Priced like any warm-up: only while no slot is busy, never when the slot changed, cancelled
-        by an arriving request (:meth:`cancel_warms`), counted (``exact_warm_tokens``: the server
-        prefilled them, its counter too). Never raises."""
-        table: SlotTable | None = layer.table
-        if table is None:
-            return
-        try:
-            # the client's own next request (an agent's) comes at once: only a quiet server is
-            # taken for the user's think time (a policy delay, cancelled by any request)
-            await asyncio.sleep(EXACT_QUIET_S)
-            msgs = list(body.get("messages") or []) + [{"role": "assistant", "content": message.get("content") or ""},
-                                                      {"role": "user", "content": EXACT_PROBE}]
-            payload = {**fields_of(body), "messages": msgs, "add_generation_prompt": True}
-            text = (await layer._viewer._post("/apply-template", payload)).get("prompt")
-            at = text.find(EXACT_PROBE) if isinstance(text, str) else -1
-            if at <= 0:
-                self.counters["exact_skipped_render"] += 1
-                return
-            tokens = await layer._viewer.tokenize(text[:at])
-            st = table[slot]
-            if st.seq != seq or st.pending or any(s.busy for s in table.snapshot()):
-                self.counters["exact_skipped_busy"] += 1
-                return
-            lease = await table.lease(slot, 0.5)
-        except (asyncio.CancelledError, TimeoutError):
-            self.counters["exact_skipped_busy"] += 1
-            return
-        except Exception as exc:   # noqa: BLE001 - a warm-up never fails a request
-            self.counters["exact_failed"] += 1
-            log.warning("exact: the next prompt of slot %d was not warmed: %s: %s", slot, type(exc).__name__, exc)
-            return
-        try:
-            st = table[slot]
-            if st.seq != seq:
-                self.counters["exact_skipped_busy"] += 1
-                return
-            owner, kind, head_key = st.owner, st.kind, st.head_key
-            timings = await table.warm(slot, tokens, user_starts=[u for u in st.user_starts if u < len(tokens)])
-            table.adopt(slot, owner=owner, kind=kind, head_key=head_key)
-            self.records.pop(slot, None)    # the slot holds the template's prompt now, not the record's ids
-            self.counters["exact_warms"] += 1
-            self.counters["exact_warm_tokens"] += int(timings.get("prompt_n") or 0)
-            log.info("exact: slot %d holds the next prompt's %d-token prefix (prefilled %s at idle)",
-                     slot, len(tokens), timings.get("prompt_n"))
-        except asyncio.CancelledError:
-            table.mark_unknown(slot)        # stopped part way: GET /slots says what it holds
-            self.counters["exact_cancelled"] += 1
-            raise
-        except Exception as exc:   # noqa: BLE001
-            table.mark_unknown(slot)
-            self.counters["exact_failed"] += 1
-            log.warning("exact: warming slot %d failed: %s: %s", slot, type(exc).__name__, exc)
-        finally:
-            lease.release()
-
-    async def cancel_warms(self) -> None:
-        """An arriving request cancels every exact-mode warm-up in flight (bounded wait for each
-        to let its slot go)."""
-        tasks = [t for t in self._warms.values() if not t.done()]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
 
     @staticmethod
     async def _detokenize(layer: Any, ids: Sequence[int]) -> str:
@@ -653,12 +579,6 @@ class AlignRoute:
         self.records[slot] = (table[slot].seq, turn)
         if (self.exact and isinstance(ctx, PlanContext) and getattr(obs, "finish_reason", None) == "stop"
                 and not message.get("tool_calls") and text_calls(str(message.get("content") or "")) is None
-                and req.path in RECORDED_PATHS and slot not in self._warms):
+                and req.path in RECORDED_PATHS):
             # the turn ended without a tool call: the client waits for its user (exact mode)
-            task = asyncio.ensure_future(self.exact_warm(layer, slot, table[slot].seq, body, message))
-            self._warms[slot] = task
-
-            def done(_t: asyncio.Task[None], s: int = slot) -> None:
-                self._warms.pop(s, None)
-
-            task.add_done_callback(done)
+            self.warmups.schedule(layer, slot, table[slot].seq, body, message)

@@ -454,7 +454,7 @@ class OCacheLayer:
         (``ocache/substitute.py``). The ids are taken out of the answer before the client sees it
         (``ocache.api.figures.strip_generated``)."""
         if self.align.exact:
-            await self.align.cancel_warms()   # an arriving request: the idle warm-up gives way
+            await self.align.warmups.cancel()   # an arriving request: the idle warm-up gives way
         plan = await self._route(req)
         if (self.align.on and req.path in RECORDED_CHAT and isinstance(plan.body_updates.get("id_slot"), int)
                 and ((getattr(self.upstream, "props", None) or {}).get("ocache") or {}).get("generated_ids")):
