@@ -194,6 +194,22 @@ async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction | None,
     return slot, turn, fields, dec, view.tokens, True
 
 
+def _updates(req: ParsedRequest, body: Any, turn: Turn, fields: dict, slot: int) -> dict:
+    """The forwarded body's fields of a continuation pinned to ``slot``: on the chat route the
+    continuation's fields; a Responses request takes the conversation's tools back in its own form
+    (its messages are the request's own already: ``ocache.compaction.without_tools``), and the empty
+    answer the client left out as an item before its last one (the user turn)."""
+    if req.path not in RESPONSES_ROUTES:
+        return {**fields, "id_slot": slot}
+    updates = {**dict(turn.raw), "id_slot": slot}
+    if len(fields["messages"]) > len(body["messages"]):
+        items = list((req.body or {}).get("input") or [])
+        items.insert(len(items) - 1, {"type": "message", "role": "assistant",
+                                      "content": [{"type": "output_text", "text": ""}]})
+        updates["input"] = items
+    return updates
+
+
 async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | None:
     """A continued plan, or None (module docstring: anything else is forwarded as sent)."""
     route: ContinueRoute = layer.continued
@@ -260,16 +276,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     async def release() -> None:
         lease.release()
 
-    # the continuation's fields; a Responses request takes the conversation's tools back in its own
-    # form (its messages are the request's own already: ocache.compaction.without_tools)
-    updates = {**dict(turn.raw), "id_slot": slot} if req.path in RESPONSES_ROUTES else {**fields, "id_slot": slot}
-    if req.path in RESPONSES_ROUTES and len(fields["messages"]) > len(body["messages"]):
-        # the empty answer the client left out (ocache.compaction.without_tools), as an item before
-        # its last one (the user turn)
-        items = list((req.body or {}).get("input") or [])
-        items.insert(len(items) - 1, {"type": "message", "role": "assistant",
-                                      "content": [{"type": "output_text", "text": ""}]})
-        updates["input"] = items
+    updates = _updates(req, body, turn, fields, slot)
     if splice:
         updates["ocache_splice"] = sp.field()
     return Plan(body_updates=updates,
