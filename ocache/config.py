@@ -450,7 +450,8 @@ def check_response_cache(rc: Mapping[str, Any]) -> None:
 
 #: Keys of ``store.remote`` (``ocache.tiers.remote.RemoteSettings``): name -> type.
 STORE_REMOTE_KEYS = {"url": str, "endpoint_url": str, "region": str, "profile": str, "max_gb": float,
-                     "sync_s": float, "refresh_s": float, "orphan_age_s": float, "fleet_key": str}
+                     "sync_s": float, "refresh_s": float, "orphan_age_s": float, "fleet_key": str,
+                     "index_max_entries": float, "index_max_mb": float}
 #: keys of ``store.remote`` whose values are secrets: no message shows them
 STORE_REMOTE_SECRETS = {"fleet_key"}
 

@@ -63,7 +63,8 @@ async def test_an_entry_uploaded_by_one_host_is_fetched_verified_by_another(tmp_
         assert f"{RECORDS}{e.key}.json" in objs
         assert sum(v for k, v in objs.items() if k.startswith(DATA)) == e.bytes
         await bb.refresh()
-        assert list(bb.index) == [e.key]
+        assert list(bb.catalog) == [e.key] and bb.sizes == {e.key: e.bytes}
+        assert bb.index == {}                      # a listing reads no record: asked for by key
         got = await bb.fetch(e.key)
         assert got.key == e.key and got.meta.get("remote") == "A"
         assert {r: (f.size, f.xxh3) for r, f in got.files.items()} == \
@@ -133,7 +134,14 @@ async def test_two_hosts_uploading_one_entry_keep_one_record_and_the_winners_byt
         ea = put(sa, TOKS, state_bytes=30_000, kind="a", seed=1)
         eb = put(sb, TOKS, state_bytes=30_000, kind="a", seed=2)   # same key, other bytes
         assert ea.key == eb.key and ea.files["bin"].xxh3 != eb.files["bin"].xxh3
-        assert await ba.upload(ea) and await bb.upload(eb)
+        assert await ba.upload(ea)
+
+        async def not_yet(key):      # B asked whether the bucket has it before A's record landed
+            return None
+
+        head, ob.head = ob.head, not_yet
+        assert await bb.upload(eb)
+        ob.head = head
         assert bb.counters["upload_lost_race"] == 1
         data = await listed(oa, DATA)
         assert len(data) == len(ea.files) and all(ea.files["bin"].xxh3 in k or "ckpt" in k for k in data)
@@ -195,16 +203,14 @@ async def test_lookup_offers_a_bucket_entry_the_local_store_lacks(tmp_path, s3_b
     async with oa, ob, oo:
         e = put(sa, TOKS, state_bytes=50_000, kind="a")
         await ba.upload(e)
-        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False))
-        await bb.refresh()
+        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False), grid=100)
         view = SimpleNamespace(tokens=TOKS + [7, 8, 9], head_end=0, user_starts=[])
         offer = await tb.lookup(view, SimpleNamespace(kind="agent", session=None))
         assert offer is not None and offer.tier == "remote" and offer.tokens_usable == len(TOKS)
         assert offer.cost_s > 0
         assert await tb.lookup(SimpleNamespace(tokens=TOKS[:-1] + [5], head_end=0, user_starts=[]),
                                SimpleNamespace(kind="agent", session=None)) is None  # not a prefix
-        to = RemoteTier(bo, SimpleNamespace(params=ServerParams()))
-        await bo.refresh()
+        to = RemoteTier(bo, SimpleNamespace(params=ServerParams()), grid=100)
         assert await to.lookup(view, SimpleNamespace(kind="agent", session=None)) is None  # other identity
         await bb.fetch(e.key)
         assert await tb.lookup(view, SimpleNamespace(kind="agent", session=None)) is None  # local now

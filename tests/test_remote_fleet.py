@@ -152,12 +152,11 @@ async def test_a_record_signed_with_the_fleet_key_is_served(tmp_path, s3_bucket,
         import json
         doc = json.loads(await oa.get(f"{RECORDS}{e.key}.json") or b"{}")
         assert isinstance(doc.get("sig"), str) and len(doc["sig"]) == 64
-        await bb.refresh()
-        assert e.key in bb.index and bb.held == {}
-        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False))
+        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False), grid=100)
         offer = await tb.lookup(SimpleNamespace(tokens=TOKS + [5], head_end=0, user_starts=[]),
                                 SimpleNamespace(kind="agent", session=None))
         assert offer is not None and offer.ref.key == e.key
+        assert e.key in bb.index and bb.held == {}
         assert (await bb.fetch(e.key)).key == e.key and sb.get(e.key) is not None
         assert FLEET_KEY not in repr(tb.stats()) and FLEET_KEY not in caplog.text
 
@@ -247,8 +246,8 @@ def test_the_fleet_key_is_read_checked_and_never_shown(monkeypatch):
 
 # ---------------------------------------------------------------------- deadlines
 class Stalling:
-    """Stands in for the tier's S3Objects where a real server cannot fail this way: ``list`` and
-    ``stream`` never answer (they wait on ``never``, which nothing sets) and record that they were
+    """Stands in for the tier's S3Objects where a real server cannot fail this way: ``list``,
+    ``get_tagged``, ``head`` and ``stream`` never answer (they wait on ``never``, which nothing sets) and record that they were
     entered and whether the wait was cancelled; ``inner``, when given, answers everything else."""
 
     def __init__(self, inner=None) -> None:
@@ -281,13 +280,22 @@ class Stalling:
     async def stream(self, key, sink, chunk=1 << 20):
         return await self._stall(f"stream {key}")
 
+    async def get_tagged(self, key):
+        return await self._stall(f"get {key}")
+
+    async def head(self, key):
+        return await self._stall(f"head {key}")
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
-async def test_the_first_index_read_never_holds_a_request(tmp_path, monkeypatch):
-    """A bucket that accepts and never answers: the tier opens at once, its first index read runs
-    in the background, and a lookup answers None (the request goes to the local tiers or cold)."""
+async def test_a_black_hole_bucket_never_holds_a_request_longer_than_its_cold_prefill(tmp_path, monkeypatch):
+    """A bucket that accepts and never answers: the tier opens at once (its first listing runs in
+    the background and stalls there); a lookup asks for the prompt's candidate records by key (no
+    listing), gives up at the deadline priced by the prompt (its cold prefill at the measured rate
+    plus the slack), cancels what it asked and answers None (the request is planned from the local
+    tiers or cold); the next lookup leaves the bucket alone (backoff) and asks nothing."""
     import asyncio
     from types import SimpleNamespace
 
@@ -302,17 +310,29 @@ async def test_the_first_index_read_never_holds_a_request(tmp_path, monkeypatch)
     cfg = cfg_mod.Config(store={"remote": {"url": "s3://bkt/p", "fleet_key": FLEET_KEY}})
     tier = await asyncio.wait_for(remote_mod.open_remote_tier(cfg, store, SimpleNamespace(params=ServerParams())), 10)
     try:
+        tier.grid, tier.min_tokens = 100, 0
+        tier.prefill_tps_of = lambda: 1e5          # 500 tokens: 5 ms of prefill
+        tier.deadline_slack_s = 0.05
+        assert tier.lookup_deadline_s(500) == pytest.approx(0.055)   # cold prefill + slack, no more
         view = SimpleNamespace(tokens=list(range(500)), head_end=0, user_starts=[])
-        assert await asyncio.wait_for(tier.lookup(view, SimpleNamespace(kind="agent", session=None)), 10) is None
-        assert tier.counters["index_not_ready"] == 1
-        for _ in range(100):                  # the background read reached the bucket (bounded)
-            if black_hole.entered:
+        ctx = SimpleNamespace(kind="agent", session=None)
+        assert await asyncio.wait_for(tier.lookup(view, ctx), 10) is None    # bounded: a hang fails
+        asked = [w for w in black_hole.entered if not w.startswith("list")]
+        assert sorted(asked) == sorted(f"get records/{k}.json" for _, _, k in tier.candidates("id-A", view, ctx))
+        assert len(asked) == 5 and set(asked) <= set(black_hole.cancelled)    # 100..500; none left running
+        assert tier.counters["lookup_abandoned"] == 1 and tier.bucket.unreachable()
+        n = len(black_hole.entered)
+        assert await tier.lookup(view, ctx) is None            # the backoff: nothing asked
+        assert tier.counters["bucket_down"] == 1
+        for _ in range(100):                  # the background listing reached the bucket (bounded)
+            if "list records/" in black_hole.entered:
                 break
             await asyncio.sleep(0.01)
-        assert black_hole.entered == ["list records/"] and tier.bucket.refreshed_at == 0
+        assert [w for w in black_hole.entered[n:] if not w.startswith("list")] == []
+        assert "list records/" in black_hole.entered and tier.bucket.refreshed_at == 0
     finally:
         await asyncio.wait_for(tier.close(), 10)
-    assert black_hole.cancelled == ["list records/"]   # closing ended the stalled read
+    assert "list records/" in black_hole.cancelled     # closing ended the stalled listing
 
 
 async def test_a_stalled_download_is_abandoned_at_what_it_saves(tmp_path, s3_bucket):
@@ -332,15 +352,17 @@ async def test_a_stalled_download_is_abandoned_at_what_it_saves(tmp_path, s3_buc
     async with oa, ob:
         e = put(sa, TOKS, state_bytes=60_000, kind="a")
         assert await ba.upload(e)
-        await bb.refresh()
-        stalls = Stalling(ob)
-        bb.objects = stalls
-        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False))
-        tb.prefill_tps_of = lambda: 1e6        # 1,200 tokens at 1e6 tokens/s save 1.2 ms
-        tb.deadline_slack_s = 0.05
+        tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False), grid=100)
         offer = await tb.lookup(SimpleNamespace(tokens=TOKS + [4], head_end=0, user_starts=[]),
                                 SimpleNamespace(kind="agent", session=None))
-        assert offer is not None and tb.deadline_s(offer) == pytest.approx(0.0512)
+        stalls = Stalling(ob)                  # the record was read; the data stalls
+        bb.objects = stalls
+        tb.prefill_tps_of = lambda: 1e6        # 1,200 tokens at 1e6 tokens/s save 1.2 ms
+        tb.deadline_slack_s = 0.05
+        # what it saves plus the slack, less what the lookup already waited
+        assert offer is not None and 0 < offer.ref.lookup_s < 30
+        assert tb.deadline_s(offer) == pytest.approx(max(0.0, 0.0512 - offer.ref.lookup_s))
+        offer.ref.lookup_s = 0.0               # (on a loaded machine the lookup may take it all)
         with pytest.raises(RemoteTierError) as err:
             await asyncio.wait_for(tb.bring(offer, 0), 30)   # bounded: a hang fails the test
         assert err.value.reason == "deadline" and tb.counters["deadline_abandoned"] == 1

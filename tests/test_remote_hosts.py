@@ -116,7 +116,8 @@ async def test_a_flipped_byte_in_the_bucket_is_refused_before_the_server_reads_i
     second = session_turn2(3, first, answer)
     async with host(srv_b, tmp_path / "cacheB", s3_bucket) as (base, proxy, s):
         tier = remote_of(proxy)
-        r = next(r for r in tier.bucket.index.values() if r.entry.kind == "s")
+        listed = [await tier.bucket.entry(k) for k in tier.bucket.catalog]   # read by key from B's listing
+        r = next(r for r in listed if r is not None and r.entry.kind == "s")
         raw = bytearray(await tier.bucket.objects.get(r.objects["bin"]) or b"")
         raw[len(raw) - 100] ^= 0x40
         await tier.bucket.objects.put(r.objects["bin"], bytes(raw))

@@ -7,14 +7,25 @@ What it does
       the local store every ``sync_s`` seconds and uploads each committed entry the bucket does not
       hold (``ocache.tiers.remote_bucket.RemoteBucket.upload``: data objects, then the record,
       create-only). Entries of every identity are uploaded; each host serves only its own.
-    * **Index**: the bucket's records, re-read every ``refresh_s`` seconds and, at most once a
-      second, after a lookup that found nothing (another host may have uploaded it since).
-    * **Lookup**: an entry the local store lacks, of the server's identity, whose token ids give the
-      longest reuse: an anchor or head whose tokens are a prefix of the request, or a spilled
-      conversation of the request's session (``ocache.llama.reuse.predict_reuse``, as the session
-      tier prices it). Its cost is the measured download rate plus the local verify and restore
-      rates; the planner takes it only when that beats the prefill it saves
-      (``ocache.cache.plan.plan_request``).
+    * **Listing**, in the background only: every ``refresh_s`` seconds the sync lists the bucket
+      (records, data and use objects: its bytes against the budget, the eviction pool, orphans;
+      ``RemoteBucket.refresh``). No record is read by it, and no request waits on it.
+    * **Lookup**, by key: the content addresses of the prompt's candidate lengths, where the disk
+      and head tiers write entries (the harness head, the first user message, each ``grid`` line:
+      :meth:`RemoteTier.candidates`), and the pointer of the request's session to its latest spill;
+      one GET each, longest first, what was read kept in a bounded index and what is missing
+      remembered (``RemoteBucket.entry``). So a lookup's requests grow with the prompt's candidate
+      lengths, never with the bucket, and none is a listing. The offer: an entry the local store
+      lacks, of the server's identity, whose token ids give the longest reuse: an anchor or head
+      whose tokens are a prefix of the request, or the spilled conversation of the request's
+      session (``ocache.llama.reuse.predict_reuse``, as the session tier prices it). Its cost is the
+      measured download rate plus the local verify and restore rates; the planner takes it only
+      when that beats the prefill it saves (``ocache.cache.plan.plan_request``).
+    * **Deadlines**: a lookup waits at most the prompt's cold prefill (the server's measured rate,
+      ``UNMEASURED_PREFILL_TPS`` until measured) plus ``DEADLINE_SLACK_S``; a download at most the
+      prefill its offer replaces plus the slack, less what its lookup waited. Past either, the
+      request goes on without the bucket (local tiers or cold), and requests leave the bucket alone
+      for a backoff (1 s, doubling to 60 s; ``RemoteBucket.trip``).
     * **Bring**: download into the local slot directory under a temporary name, verify size, xxh3,
       identity and the token header (``RemoteBucket.fetch``), commit it to the local store (from then
       on it is a local entry the disk/session tiers find too), verify it as every local restore is
@@ -27,8 +38,11 @@ What it does
 
 Configuration (``store.remote`` in ocache.yaml, ``ocache.config.check_store``): ``url``
 (``s3://bucket/prefix``), ``endpoint_url``, ``region``, ``profile``, ``max_gb`` (the bucket's
-budget, default 100), ``sync_s`` (1), ``refresh_s`` (10), ``orphan_age_s`` (3600), ``fleet_key``
-(or env ``OCACHE_FLEET_KEY``: the HMAC key of the records, ``RemoteBucket``; unset: unsigned).
+budget, default 100), ``sync_s`` (1), ``refresh_s`` (10: also how long a key found missing is not
+asked again), ``orphan_age_s`` (3600), ``index_max_entries`` (4096) and ``index_max_mb`` (64: the
+bounds of the records kept in memory), ``fleet_key`` (or env ``OCACHE_FLEET_KEY``: the HMAC key of
+the records, ``RemoteBucket``; unset: unsigned). The lookup's grid is the disk tier's
+(``tiers.disk.grid``, ``disk_min_tokens``): hosts of one bucket share them.
 Credentials: botocore's chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``~/.aws/credentials``, ``AWS_PROFILE``, instance roles), never in the URL (refused).
 """
@@ -46,7 +60,8 @@ from typing import Any, Callable, Sequence
 from ocache.config import field_of as _get
 from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.tiers.entry import IntegrityError, entry_key, token_bytes
-from ocache.tiers.remote_bucket import FLEET_KEY_ENV, FLEET_KEY_MIN_CHARS, RemoteBucket, RemoteEntry, RemoteError
+from ocache.tiers.remote_bucket import (FLEET_KEY_ENV, FLEET_KEY_MIN_CHARS, INDEX_MAX_BYTES, INDEX_MAX_ENTRIES,
+                                        RemoteBucket, RemoteEntry, RemoteError)
 from ocache.tiers.remote_client import RemoteConfigError, S3Objects, shown_url
 from ocache.tiers.store import Store, sidecar_checkpoints
 
@@ -57,6 +72,10 @@ DEADLINE_SLACK_S = 1.0
 #: prefill rate (tokens/s) a deadline is priced at before the server's rate was measured: a slow
 #: GPU's, so an unmeasured deadline errs long (bounded all the same)
 UNMEASURED_PREFILL_TPS = 1000.0
+
+#: records asked for at once by a lookup (longest candidates first; the next batch only when none
+#: of these matched)
+LOOKUP_BATCH = 16
 
 #: kinds whose entries are offered when their tokens are a prefix of the request
 PREFIX_KINDS = ("a", "h")
@@ -79,6 +98,7 @@ class RemoteRef:
     key: str
     n_tokens: int
     bytes: int
+    lookup_s: float = 0.0   # seconds the lookup that made the offer waited on the bucket
 
 
 @dataclass(frozen=True)
@@ -93,6 +113,8 @@ class RemoteSettings:
     sync_s: float = 1.0
     refresh_s: float = 10.0
     orphan_age_s: float = 3600.0
+    index_max_entries: float = float(INDEX_MAX_ENTRIES)
+    index_max_mb: float = INDEX_MAX_BYTES / 2**20
     fleet_key: str | None = field(default=None, repr=False)   # a secret: never shown
 
     def key(self, env: Any = None) -> bytes | None:
@@ -130,12 +152,16 @@ class RemoteTier(TierBase):
     name = "remote"
 
     def __init__(self, bucket: RemoteBucket, table: Any, *, sync_s: float = 1.0, refresh_s: float = 10.0,
-                 download_bytes_s: float = 5e7, verify_bytes_s: float = 2e9) -> None:
+                 download_bytes_s: float = 5e7, verify_bytes_s: float = 2e9, grid: int = 1024,
+                 min_tokens: int = 0) -> None:
         self.bucket = bucket
         self.store: Store = bucket.store
         self.table = table
         self.sync_s = float(sync_s)
         self.refresh_s = float(refresh_s)
+        #: where anchors are written (the disk tier's ``grid`` and ``min_tokens``): the lookup's keys
+        self.grid = int(grid)
+        self.min_tokens = int(min_tokens)
         self.download_rate = Rate(download_bytes_s)
         self.verify_rate = Rate(verify_bytes_s)
         shared = getattr(table, "restore_rate", None)
@@ -146,13 +172,14 @@ class RemoteTier(TierBase):
         self._pending: dict[int, tuple[str, int]] = {}
         self._task: asyncio.Task | None = None
         self._refresh_task: asyncio.Task | None = None
-        self._last_miss_refresh = 0.0
+        self._uses: set[asyncio.Task] = set()   # use-object writes in flight (never on a request's path)
         self._skip: set[str] = set()          # keys this host could not upload (logged once)
         self.owns: tuple[str, str, int] | None = None   # the _BUCKETS key when this tier opened it
         self.download_s: list[float] = []
         self.counters: dict[str, int] = {"lookups": 0, "offers": 0, "restores": 0, "hits": 0,
                                          "unconfirmed": 0, "bring_failed": 0, "sync_failed": 0,
-                                         "index_not_ready": 0, "deadline_abandoned": 0}
+                                         "deadline_abandoned": 0, "lookup_abandoned": 0,
+                                         "lookup_failed": 0, "bucket_down": 0}
 
     # ------------------------------------------------------------------ background sync
     def start(self) -> None:
@@ -161,7 +188,7 @@ class RemoteTier(TierBase):
             self._task = asyncio.create_task(self._loop(), name="ocache-remote-sync")
 
     async def stop(self) -> None:
-        for t in (self._task, self._refresh_task):
+        for t in (self._task, self._refresh_task, *self._uses):
             if t is not None:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -191,7 +218,7 @@ class RemoteTier(TierBase):
                 await self.bucket.sweep()
             n = 0
             for e in sorted(self.store.entries(), key=lambda e: e.created):
-                if e.key in self.bucket.index or e.key in self._skip or "remote" in e.meta:
+                if self.bucket.holds(e.key) or e.key in self._skip or "remote" in e.meta:
                     continue
                 if await self.bucket.upload(e):
                     n += 1
@@ -200,72 +227,112 @@ class RemoteTier(TierBase):
             await self.bucket.make_room(0)
             return n
 
-    def _refresh_on_miss(self) -> None:
-        now = time.monotonic()
-        if now - self._last_miss_refresh < 1.0 or (self._refresh_task and not self._refresh_task.done()):
-            return
-        self._last_miss_refresh = now
-
-        async def run() -> None:
-            try:
-                async with self.bucket.lock:
-                    await self.bucket.refresh()
-            except Exception as exc:  # noqa: BLE001
-                log.info("remote: refresh after a miss failed: %s", exc)
-
-        self._refresh_task = asyncio.create_task(run())
-
     # ------------------------------------------------------------------ lookup / bring
     def read_cost_s(self, nbytes: int) -> float:
         """Seconds to download, verify and restore ``nbytes`` at the measured rates."""
         return (nbytes / self.download_rate.value + nbytes / self.verify_rate.value
                 + nbytes / self.restore_rate.value)
 
+    def prefill_s(self, n_tokens: int) -> float:
+        """Seconds the server takes to prefill ``n_tokens`` cold: at its measured rate
+        (``prefill_tps_of``), ``UNMEASURED_PREFILL_TPS`` before one was measured."""
+        return n_tokens / (self.prefill_tps_of() or UNMEASURED_PREFILL_TPS)
+
+    def lookup_deadline_s(self, n_tokens: int) -> float:
+        """Seconds a lookup of an ``n_tokens`` prompt may wait on the bucket: its cold prefill (the
+        most any offer can save) plus ``deadline_slack_s``."""
+        return self.prefill_s(n_tokens) + self.deadline_slack_s
+
+    def candidates(self, ident: str, view: Any, ctx: Any = None) -> list[tuple[int, str, str]]:
+        """The anchor/head entries a prompt could extend, as ``(length, kind, key)``, longest first:
+        where the disk and head tiers write them (``ocache.tiers.disk.DiskTier.anchor_lines``):
+        the harness head (``view.head_end`` / ``ctx.head_len``: kinds ``h`` and ``a``), the first
+        user message's start and each multiple of ``grid`` (kind ``a``, from ``min_tokens``), up to
+        the prompt's length. Keys are content addresses (``entry_key``) of ``view.tokens``; pure."""
+        toks: Sequence[int] = view.tokens
+        n = len(toks)
+        want: set[tuple[int, str]] = set()
+        for h in {int(_get(view, "head_end") or 0), int(_get(ctx, "head_len") or 0)}:
+            if 0 < h <= n:
+                want.add((h, "h"))
+                if h >= self.min_tokens:
+                    want.add((h, "a"))
+        users = list(_get(view, "user_starts") or [])
+        if users and self.min_tokens <= int(users[0]) <= n and int(users[0]) > 0:
+            want.add((int(users[0]), "a"))
+        g = max(1, int(self.grid))
+        for line in range(g, n + 1, g):
+            if line >= self.min_tokens:
+                want.add((line, "a"))
+        return [(m, kind, entry_key(ident, kind, toks[:m])) for m, kind in sorted(want, reverse=True)]
+
     async def lookup(self, view: Any, ctx: Any = None) -> Offer | None:
         """The bucket entry with the longest reuse for ``view.tokens`` that the local store lacks
-        (see the module docstring), or None (then the index is refreshed in the background)."""
+        (see the module docstring), or None. Asks the bucket by key only: the records of
+        :meth:`candidates` (cached ones and those known missing are not asked again), longest
+        first, ``LOOKUP_BATCH`` at a time, stopping at the first batch with a match, and the session
+        pointer of the request's session; never a listing. Waits at most
+        :meth:`lookup_deadline_s` of the prompt: past it, or when the bucket fails, the lookup
+        answers None and the bucket is left alone for a backoff (``RemoteBucket.trip``)."""
         ident = self.store.identity
-        if not self.bucket.refreshed_at:   # the first index read is under way: local tiers or cold
-            self.counters["index_not_ready"] += 1
+        if ident is None:
             return None
-        if ident is None or not self.bucket.index:
-            self._refresh_on_miss()
+        if self.bucket.unreachable():
+            self.counters["bucket_down"] += 1
             return None
         self.counters["lookups"] += 1
-        toks: Sequence[int] = view.tokens
-        best = self._best_prefix(ident, toks)
-        sess = self._best_session(ident, view, ctx)
-        if sess is not None and (best is None or sess[0] > best[0]):
-            best = sess
+        t0 = time.monotonic()
+        try:
+            best = await asyncio.wait_for(self._find(ident, view, ctx), self.lookup_deadline_s(len(view.tokens)))
+        except asyncio.TimeoutError:
+            self.counters["lookup_abandoned"] += 1
+            self.bucket.trip()
+            log.warning("remote: lookup abandoned after %.1f s (the prompt's cold prefill); the bucket is "
+                        "left alone for %.0f s", time.monotonic() - t0, self.bucket.backoff_s)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the bucket failed: local tiers or cold
+            self.counters["lookup_failed"] += 1
+            self.bucket.trip()
+            log.warning("remote: lookup failed (%s: %s); the bucket is left alone for %.0f s",
+                        type(exc).__name__, exc, self.bucket.backoff_s)
+            return None
+        self.bucket.answered()
         if best is None:
-            self._refresh_on_miss()
             return None
         usable, r = best
         self.counters["offers"] += 1
         return Offer(tier=self.name, tokens_usable=usable, cost_s=self.read_cost_s(r.entry.bytes),
-                     ref=RemoteRef(r.key, r.entry.n_tokens, r.entry.bytes), verified=True)
+                     ref=RemoteRef(r.key, r.entry.n_tokens, r.entry.bytes, time.monotonic() - t0),
+                     verified=True)
 
-    def _candidate(self, key: str) -> RemoteEntry | None:
-        r = self.bucket.index.get(key)
-        if r is None or key in self.bucket.quarantined or self.store.get(key) is not None:
-            return None   # not in the bucket, refused here before, or local: the local tiers offer it
-        return r
+    async def _find(self, ident: str, view: Any, ctx: Any) -> tuple[int, RemoteEntry] | None:
+        best, sess = await asyncio.gather(self._best_prefix(ident, view, ctx), self._best_session(ident, view, ctx))
+        if sess is not None and (best is None or sess[0] > best[0]):
+            best = sess
+        return best
 
-    def _best_prefix(self, ident: str, toks: Sequence[int]) -> tuple[int, RemoteEntry] | None:
-        """The longest anchor/head whose token ids are a prefix of ``toks`` (content address, then
-        the ids compared), as ``(usable tokens, entry)``."""
-        index = self.bucket.index
-        pairs = sorted({(r.entry.n_tokens, r.entry.kind) for r in index.values()
-                        if r.entry.kind in PREFIX_KINDS and r.entry.identity == ident
-                        and 0 < r.entry.n_tokens <= len(toks)}, reverse=True)
-        for n, kind in pairs:
-            r = self._candidate(entry_key(ident, kind, toks[:n]))
-            if r is not None and r.token_raw == token_bytes(toks[:n]):
-                return (n if n < len(toks) else n - 1), r
+    def _candidate(self, key: str) -> bool:
+        """Whether ``key`` may be offered: not refused here before, not in the local store (whose
+        tiers offer it)."""
+        return key not in self.bucket.quarantined and self.store.get(key) is None
+
+    async def _best_prefix(self, ident: str, view: Any, ctx: Any) -> tuple[int, RemoteEntry] | None:
+        """The longest anchor/head of :meth:`candidates` in the bucket whose token ids are a prefix
+        of the request (content address, then the ids compared), as ``(usable tokens, entry)``."""
+        toks: Sequence[int] = view.tokens
+        todo = [c for c in self.candidates(ident, view, ctx) if self._candidate(c[2])]
+        for i in range(0, len(todo), LOOKUP_BATCH):
+            batch = todo[i:i + LOOKUP_BATCH]
+            found = await asyncio.gather(*(self.bucket.entry(key) for _, _, key in batch))
+            for (m, kind, key), r in zip(batch, found):
+                if (r is not None and r.entry.kind == kind and r.entry.identity == ident
+                        and self._candidate(key) and r.token_raw == token_bytes(toks[:m])):
+                    return (m if m < len(toks) else m - 1), r
         return None
 
-    def _best_session(self, ident: str, view: Any, ctx: Any) -> tuple[int, RemoteEntry] | None:
-        """The spilled conversation of the request's session with the longest predicted reuse."""
+    async def _best_session(self, ident: str, view: Any, ctx: Any) -> tuple[int, RemoteEntry] | None:
+        """The latest spilled conversation of the request's session (its session pointer, then its
+        record), with its predicted reuse."""
         if _get(ctx, "kind") == "guest":
             return None
         from ocache.llama.reuse import Checkpoint, predict_reuse
@@ -274,28 +341,23 @@ class RemoteTier(TierBase):
         skey = session_key(_get(ctx, "session"), view)
         if skey is None:
             return None
-        best: tuple[int, RemoteEntry] | None = None
-        for r in list(self.bucket.index.values()):
-            e = r.entry
-            # a guest's spill shares the session key of opencode's agent turns: not theirs to read
-            if (e.kind != SESSION_KIND or e.identity != ident or e.meta.get("session") != skey
-                    or is_guest(e.meta)):
-                continue
-            if self._candidate(e.key) is None:
-                continue
-            stored = r.tokens()
-            cps = [Checkpoint(int(n)) for n in (e.meta.get("checkpoints") or [])]
-            reuse = predict_reuse(stored, len(stored), cps, view.tokens, self.table.params)
-            if reuse.cache_n > 0 and (best is None or reuse.cache_n > best[0]):
-                best = (reuse.cache_n, r)
-        return best
+        r = await self.bucket.session_entry(ident, skey)
+        # a guest's spill shares the session key of opencode's agent turns: not theirs to read
+        if r is None or is_guest(r.entry.meta) or not self._candidate(r.key):
+            return None
+        stored = r.tokens()
+        cps = [Checkpoint(int(n)) for n in (r.entry.meta.get("checkpoints") or [])]
+        reuse = predict_reuse(stored, len(stored), cps, view.tokens, self.table.params)
+        return (reuse.cache_n, r) if reuse.cache_n > 0 else None
 
     def deadline_s(self, offer: Offer) -> float:
         """Seconds the download of ``offer`` may take: the prefill it replaces
-        (``offer.tokens_usable`` at the server's measured prefill rate, ``prefill_tps_of``, or
-        ``UNMEASURED_PREFILL_TPS`` before one was measured) plus ``deadline_slack_s``."""
-        tps = self.prefill_tps_of() or UNMEASURED_PREFILL_TPS
-        return offer.tokens_usable / tps + self.deadline_slack_s
+        (``offer.tokens_usable``, :meth:`prefill_s`) plus ``deadline_slack_s``, less what its
+        lookup already waited on the bucket (``RemoteRef.lookup_s``), at least 0: the lookup and the
+        download together wait at most the prefill the offer replaces plus the slack."""
+        ref = offer.ref
+        spent = float(getattr(ref, "lookup_s", 0.0) or 0.0)
+        return max(0.0, self.prefill_s(offer.tokens_usable) + self.deadline_slack_s - spent)
 
     async def bring(self, offer: Offer, slot: int) -> None:
         """Download, verify and commit the offered entry locally, then restore it into ``slot``
@@ -309,6 +371,7 @@ class RemoteTier(TierBase):
         except asyncio.TimeoutError as exc:
             self.counters["bring_failed"] += 1
             self.counters["deadline_abandoned"] += 1
+            self.bucket.trip()
             log.warning("remote: download of %s abandoned after %.1f s (what it saves)", ref.key[:16],
                         time.monotonic() - t0)
             raise RemoteTierError("deadline", ref.key) from exc
@@ -368,7 +431,9 @@ class RemoteTier(TierBase):
         n = min(p[1], len(view.tokens)) if view is not None else p[1]
         if cache_n is not None and int(cache_n) >= n - 2 * ub - 1:
             self.counters["hits"] += 1
-            await self.bucket.note_use(p[0])
+            task = asyncio.create_task(self.bucket.note_use(p[0]))   # in the background: a slow
+            self._uses.add(task)                                      # bucket holds no response
+            task.add_done_callback(self._uses.discard)
         else:
             self.counters["unconfirmed"] += 1
             log.warning("remote: restore of %d tokens into slot %d not confirmed (cache_n=%s)", p[1], slot, cache_n)
@@ -408,8 +473,9 @@ class RemoteTier(TierBase):
 
     def stats(self) -> dict:
         xs = sorted(self.download_s)
-        return {**self.counters, **self.bucket.counters, "entries": len(self.bucket.index),
-                "bytes": self.bucket.used_bytes(), "budget_bytes": self.bucket.budget_bytes,
+        return {**self.counters, **self.bucket.counters, "entries": len(self.bucket.sizes),
+                "index_entries": len(self.bucket.index), "index_bytes": self.bucket.index.nbytes,
+                "absent_keys": len(self.bucket.absent), "bytes": self.bucket.used_bytes(), "budget_bytes": self.bucket.budget_bytes,
                 "download_bytes_s": round(self.download_rate.value),
                 "download_s_p50": xs[len(xs) // 2] if xs else None,
                 "download_s_max": xs[-1] if xs else None}
@@ -446,7 +512,7 @@ async def check_remote(config: Any) -> tuple[bool, str] | None:
     try:
         async with settings.objects() as objects:
             await objects.check()
-            n = len(await objects.list("records/"))
+            n = len(await objects.list("records/"))   # (a listing: the doctor's, never a request's)
     except ImportError:
         return False, "store.remote: aiobotocore is not installed (pip install 'ocache[s3]')"
     except Exception as exc:  # noqa: BLE001 - the line says what failed
@@ -477,9 +543,16 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
         objects = settings.objects()
         await objects.__aenter__()
         bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
-                              orphan_age_s=settings.orphan_age_s, fleet_key=fleet_key)
+                              orphan_age_s=settings.orphan_age_s, fleet_key=fleet_key,
+                              index_max_entries=int(settings.index_max_entries),
+                              index_max_bytes=int(settings.index_max_mb * 2**20),
+                              absent_s=max(1.0, settings.refresh_s))
         _BUCKETS[shared_key] = bucket
-    tier = RemoteTier(bucket, table, sync_s=settings.sync_s, refresh_s=settings.refresh_s)
+    tiers = _get(config, "tiers") or {}
+    dcfg = tiers.get("disk", {}) if isinstance(tiers, dict) else {}
+    dcfg = dcfg if isinstance(dcfg, dict) else {}
+    tier = RemoteTier(bucket, table, sync_s=settings.sync_s, refresh_s=settings.refresh_s,
+                      grid=int(dcfg.get("grid", 1024)), min_tokens=int(_get(config, "disk_min_tokens", 4096)))
     if owner:
         tier.owns = shared_key
         tier.start()

@@ -14,7 +14,19 @@ Layout under the location's prefix (``ocache.tiers.remote_client.Location``)
       objects once older than ``orphan_age_s``. The second host to upload an entry gets 412 and
       deletes its own data objects unless the winner's record names them;
     * ``use/<key>.json``: ``{"hits", "last_used"}``, overwritten by the host that confirmed a hit:
-      the eviction policy's inputs (last writer wins: a lost count only shifts an eviction).
+      the eviction policy's inputs (last writer wins: a lost count only shifts an eviction);
+    * ``sessions/<xxh3-128 of identity and session key>.json``: ``{"key"}``, the record key of the
+      session's latest spill (kind ``s``, not a guest's), overwritten by each upload of one: how a
+      lookup finds a conversation by key. It only points: the record it names is checked as any
+      (its session, identity and signature), so a wrong pointer costs one GET, never a wrong restore.
+
+Index: entries are looked up **by key** (:meth:`RemoteBucket.entry`: one GET of
+``records/<key>.json``), never by listing the bucket on a request's path. What was read is kept in
+``index`` (:class:`BoundedIndex`: at most ``index_max_entries`` records and ``index_max_bytes`` of
+token ids, least recently used dropped first); a key the bucket lacks is remembered for
+``absent_s`` seconds (``absent``, bounded too). The background sync lists ``records/``, ``data/``
+and ``use/`` every ``refresh_s`` (``catalog``: key, size, time and ETag of each record, ~200 bytes an
+entry; no record is read by it): the bucket's bytes for its budget, the eviction pool, orphans.
 
 Trust: nothing downloaded reaches a slot before :meth:`RemoteBucket.fetch` checked it: the
 record parses (token ids against their count and hash), its key is the content address of its
@@ -50,9 +62,10 @@ import json
 import logging
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterable
 
 import xxhash
 
@@ -68,6 +81,21 @@ LAYOUT_VERSION = 1
 RECORDS = "records/"
 DATA = "data/"
 USE = "use/"
+SESSIONS = "sessions/"
+
+#: defaults of the in-memory index's bounds (``store.remote.index_max_entries`` / ``index_max_mb``)
+INDEX_MAX_ENTRIES = 4096
+INDEX_MAX_BYTES = 64 << 20
+#: bytes an indexed entry is charged beyond its token ids (its parsed record: a rough upper bound)
+ENTRY_OVERHEAD_BYTES = 2048
+#: most keys remembered as absent from the bucket
+ABSENT_MAX = 65536
+#: records read (and use objects) per round of eviction when the bucket is over its budget
+EVICTION_POOL = 64
+#: seconds the tier leaves a bucket alone after a lookup or download it abandoned or that failed:
+#: the first backoff, doubled on each failure in a row up to the last (``RemoteBucket.trip``)
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
 
 
 #: the environment variable a fleet key is read from when ``store.remote.fleet_key`` is unset
@@ -181,6 +209,75 @@ def parse_record(name_key: str, raw: bytes, fleet_key: bytes | None = None) -> R
     return RemoteEntry(e, token_bytes(toks), objects, str(doc.get("host") or ""))
 
 
+def session_pointer(identity: str, session: str) -> str:
+    """The object key (relative to the location) of the pointer to a session's latest spill:
+    ``sessions/`` + xxh3-128 hex of ``identity`` and ``session`` (the session tier's key)."""
+    digest = xxhash.xxh3_128_hexdigest(identity.encode() + b"\0" + session.encode())
+    return f"{SESSIONS}{digest}.json"
+
+
+def data_key_of(name: str) -> str:
+    """The entry key a ``data/<key>-<role>-<xxh3>`` object belongs to ('' for another name)."""
+    return name[len(DATA):].split("-", 1)[0] if name.startswith(DATA) else ""
+
+
+class BoundedIndex(OrderedDict):
+    """The records this host read: entry key -> :class:`RemoteEntry`, least recently used first.
+    At most ``max_entries`` entries and ``max_bytes`` bytes (each entry's token ids plus
+    ``ENTRY_OVERHEAD_BYTES``); adding beyond either drops the least recently used. ``get`` and
+    ``[]`` do not reorder; :meth:`touch` does."""
+
+    def __init__(self, max_entries: int = INDEX_MAX_ENTRIES, max_bytes: int = INDEX_MAX_BYTES) -> None:
+        super().__init__()
+        self.max_entries = max(1, int(max_entries))
+        self.max_bytes = max(1, int(max_bytes))
+        self.nbytes = 0
+        self.dropped = 0
+
+    @staticmethod
+    def cost(r: "RemoteEntry") -> int:
+        return len(r.token_raw) + ENTRY_OVERHEAD_BYTES
+
+    def __setitem__(self, key: str, r: "RemoteEntry") -> None:
+        old = super().get(key)
+        if old is not None:
+            self.nbytes -= self.cost(old)
+        super().__setitem__(key, r)
+        self.move_to_end(key)
+        self.nbytes += self.cost(r)
+        while len(self) > 1 and (len(self) > self.max_entries or self.nbytes > self.max_bytes):
+            _, gone = self.popitem(last=False)
+            self.dropped += 1
+
+    def __delitem__(self, key: str) -> None:
+        r = super().get(key)
+        super().__delitem__(key)
+        if r is not None:
+            self.nbytes -= self.cost(r)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            r = super().get(key)
+            del self[key]
+            return r
+        if default:
+            return default[0]
+        raise KeyError(key)
+
+    def popitem(self, last: bool = True) -> tuple[str, "RemoteEntry"]:
+        key, r = super().popitem(last=last)
+        self.nbytes -= self.cost(r)
+        return key, r
+
+    def clear(self) -> None:
+        super().clear()
+        self.nbytes = 0
+
+    def touch(self, key: str) -> None:
+        if key in self:
+            self.move_to_end(key)
+
+
 def open_checked(path: Path, size: int, xxh3: str) -> BinaryIO:
     """``path`` opened for reading, its bytes checked against ``size`` and ``xxh3`` through the
     same handle and the handle rewound: what is uploaded from it is what was checked (a local file
@@ -209,12 +306,16 @@ class RemoteBucket:
     bucket (``store.remote.max_gb``). ``host``: this host's name in the records (logs only).
     ``orphan_age_s``: data objects no record names are deleted by :meth:`sweep` once this old.
     ``fleet_key``: the key records are signed with on upload and verified with on read (None: records
-    are written unsigned and read unverified). Counters in ``counters``; every method is a coroutine of the event loop (file reads and
-    hashing run in threads)."""
+    are written unsigned and read unverified). ``index_max_entries`` / ``index_max_bytes``: the
+    bounds of ``index``; ``absent_s``: seconds a key found missing is not asked again (a listing
+    that shows it ends that sooner). Counters in ``counters``; every method is a coroutine of the
+    event loop (file reads and hashing run in threads)."""
 
     def __init__(self, objects: S3Objects, store: Store, *, budget_bytes: int, host: str = "",
                  orphan_age_s: float = 3600.0, clock: Callable[[], float] = time.time,
-                 policy: EvictionPolicy | None = None, fleet_key: bytes | None = None) -> None:
+                 policy: EvictionPolicy | None = None, fleet_key: bytes | None = None,
+                 index_max_entries: int = INDEX_MAX_ENTRIES, index_max_bytes: int = INDEX_MAX_BYTES,
+                 absent_s: float = 10.0) -> None:
         self.objects = objects
         self.store = store
         self.budget_bytes = int(budget_bytes)
@@ -223,83 +324,213 @@ class RemoteBucket:
         self.clock = clock
         self.policy: EvictionPolicy = policy or ValuePolicy()
         self._fleet_key = fleet_key or None     # never logged, printed or counted
-        self.index: dict[str, RemoteEntry] = {}
+        self.index = BoundedIndex(index_max_entries, index_max_bytes)
+        self.absent: OrderedDict[str, float] = OrderedDict()   # key -> monotonic time it was missing
+        self.absent_s = float(absent_s)
+        #: records the last listing showed (and those this host wrote or read since): key -> info
+        self.catalog: dict[str, ObjectInfo] = {}
+        #: bytes of each entry believed in the bucket and not held (the record's files when read,
+        #: else the listed data objects under its key): the budget's arithmetic
+        self.sizes: dict[str, int] = {}
+        self._data: dict[str, list[ObjectInfo]] = {}   # entry key -> its listed data objects
+        self._uses: dict[str, ObjectInfo] = {}         # entry key -> its listed use object
         self.held: dict[str, HeldRecord] = {}   # records kept out of the index and never deleted
         self.quarantined: dict[str, str] = {}   # index key -> the check its download failed: not offered
         self.lock = asyncio.Lock()             # one sync round or refresh at a time (its tiers')
         self._etags: dict[str, str] = {}       # record key -> etag of the record read
         self._use_etags: dict[str, str] = {}
+        self._quarantined_etags: dict[str, str] = {}   # key -> etag of the record it was quarantined under
         self.refreshed_at = 0.0
+        self.backoff_s = 0.0
+        self.down_until = 0.0
         self.counters: dict[str, int] = {
             "uploads": 0, "upload_bytes": 0, "upload_lost_race": 0, "upload_failed": 0,
             "downloads": 0, "download_bytes": 0, "verify_failed": 0, "download_failed": 0,
             "evicted": 0, "evicted_bytes": 0, "orphans_deleted": 0, "bad_records": 0,
             "skipped_budget": 0, "newer_records": 0, "quarantined": 0,
+            "record_gets": 0, "record_absent": 0, "lists": 0,
         }
+
+    # ------------------------------------------------------------------ reachability
+    def trip(self) -> None:
+        """A lookup or download on a request's path was abandoned or failed: requests leave the
+        bucket alone for ``backoff_s`` (``BACKOFF_FIRST_S``, doubled on each trip in a row, at
+        most ``BACKOFF_MAX_S``); the background sync goes on and is what finds it back."""
+        self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * self.backoff_s))
+        self.down_until = time.monotonic() + self.backoff_s
+
+    def answered(self) -> None:
+        """The bucket answered a request's lookup: the backoff starts from the first again."""
+        self.backoff_s = 0.0
+
+    def unreachable(self) -> bool:
+        """Whether requests leave the bucket alone now (:meth:`trip`)."""
+        return time.monotonic() < self.down_until
 
     # ------------------------------------------------------------------ index
     def used_bytes(self) -> int:
-        return sum(r.entry.bytes for r in self.index.values())
+        """Bytes of the entries this host believes the bucket holds (held records not counted)."""
+        return sum(self.sizes.values())
+
+    def holds(self, key: str) -> bool:
+        """Whether the last listing, an upload or a read since showed a record of ``key`` (no
+        request)."""
+        return key in self.sizes or key in self.index
+
+    def is_absent(self, key: str) -> bool:
+        """Whether ``key`` was found missing less than ``absent_s`` seconds ago (no request)."""
+        t = self.absent.get(key)
+        if t is None:
+            return False
+        if time.monotonic() - t < self.absent_s:
+            return True
+        self.absent.pop(key, None)
+        return False
+
+    def _mark_absent(self, key: str) -> None:
+        self.absent[key] = time.monotonic()
+        self.absent.move_to_end(key)
+        while len(self.absent) > ABSENT_MAX:
+            self.absent.popitem(last=False)
+
+    def _forget(self, key: str) -> None:
+        """Drop ``key`` from what this host believes the bucket holds (its record is gone)."""
+        self.index.pop(key, None)
+        self._etags.pop(key, None)
+        self.sizes.pop(key, None)
+        self.catalog.pop(key, None)
+
+    async def entry(self, key: str, *, fresh: bool = False) -> RemoteEntry | None:
+        """The bucket's record of ``key``, by key: from ``index`` (no request), else None when it
+        was found missing within ``absent_s`` or is held, else one GET of ``records/<key>.json``,
+        parsed and checked (:func:`parse_record`) and kept in ``index``. ``fresh``: ask the bucket
+        whatever is cached. A record of a newer layout or that fails the fleet key is held (None);
+        one that does not parse is deleted from the bucket (it can never be served). Raises what the
+        bucket raises."""
+        if not fresh:
+            r = self.index.get(key)
+            if r is not None:
+                self.index.touch(key)
+                return r
+            if key in self.held or self.is_absent(key):
+                return None
+        self.counters["record_gets"] += 1
+        got = await self.objects.get_tagged(f"{RECORDS}{key}.json")
+        if got is None:
+            self.counters["record_absent"] += 1
+            self._forget(key)
+            self.held.pop(key, None)
+            self._mark_absent(key)
+            return None
+        self.absent.pop(key, None)
+        raw, etag = got
+        return await self._parsed(key, raw, etag)
+
+    async def _parsed(self, k: str, raw: bytes, etag: str) -> RemoteEntry | None:
+        """Index (or hold, or delete) the record ``raw`` of key ``k`` read with ``etag``."""
+        try:
+            r = parse_record(k, raw, self._fleet_key)
+        except NewerLayout as exc:
+            self.index.pop(k, None)
+            self._etags.pop(k, None)
+            self.sizes.pop(k, None)
+            if k not in self.held:
+                self.counters["newer_records"] += 1
+                log.info("remote: record %s is of a newer ocache (%s): left to the hosts that read it",
+                         k[:16], exc)
+            self.held[k] = HeldRecord("newer", etag, named_objects(raw))
+            return None
+        except SignatureError as exc:
+            self.index.pop(k, None)
+            self._etags.pop(k, None)
+            self.sizes.pop(k, None)
+            if k not in self.held:
+                self.counters["quarantined"] += 1
+                log.warning("remote: record %s quarantined on this host: %s with the fleet key "
+                            "(not served; left in the bucket)", k[:16], exc)
+            self.held[k] = HeldRecord(exc.reason, etag, named_objects(raw))
+            return None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.counters["bad_records"] += 1
+            log.warning("remote: record %s does not parse (%s); deleting it", k[:16], exc)
+            self._forget(k)
+            await self.objects.delete(f"{RECORDS}{k}.json")
+            return None
+        self.index[k] = r
+        self._etags[k] = etag
+        self.sizes[k] = r.entry.bytes
+        self.held.pop(k, None)
+        if k in self.quarantined and self._quarantined_etags.get(k) != etag:
+            self.quarantined.pop(k, None)    # a new record under the key: checked afresh
+            self._quarantined_etags.pop(k, None)
+        return r
+
+    async def session_entry(self, identity: str, session: str) -> RemoteEntry | None:
+        """The latest spill of ``session`` (the session tier's key) for ``identity``, by key: the
+        session pointer (one GET), then its record (:meth:`entry`); None when either is missing or
+        the record is not that session's agent spill of that identity. Raises what the bucket
+        raises."""
+        ptr = session_pointer(identity, session)
+        if self.is_absent(ptr):
+            return None
+        self.counters["record_gets"] += 1
+        raw = await self.objects.get(ptr)
+        if raw is None:
+            self._mark_absent(ptr)
+            return None
+        try:
+            key = str(json.loads(raw)["key"])
+        except (ValueError, KeyError, TypeError):
+            return None
+        r = await self.entry(key)
+        if r is None or r.entry.kind != "s" or r.entry.identity != identity or r.entry.meta.get("session") != session:
+            return None
+        return r
 
     async def refresh(self) -> None:
-        """Re-read the bucket's records (new ones fetched, gone ones dropped) and use objects.
-        A record that does not parse is deleted from the bucket (it can never be served); one of a
-        newer layout version, or one that fails this host's fleet key, is held
-        (:class:`HeldRecord`): not served, not counted in the budget, never evicted, its data never
-        swept, by this host (the failed signature counted and logged once per record)."""
+        """List the bucket (``records/``, ``data/``, ``use/``: the background sync's view, never a
+        request's): the catalog of records, each entry's bytes, and the use objects. Records gone
+        from the listing leave the index; one whose ETag changed is read again when next asked
+        for; a listed key is no longer remembered as absent. No record is read here: an entry's
+        bytes are its record's when this host read it, else its listed data objects'. The use
+        objects of indexed entries whose ETag changed are read (hits, last use)."""
         listed = await self.objects.list(RECORDS)
-        keys = {}
-        for o in listed:
-            if o.key.endswith(".json"):
-                keys[o.key[len(RECORDS):-5]] = o
+        data = await self.objects.list(DATA)
+        uses = await self.objects.list(USE)
+        self.counters["lists"] += 3
+        catalog = {o.key[len(RECORDS):-5]: o for o in listed if o.key.endswith(".json")}
+        by_key: dict[str, list[ObjectInfo]] = {}
+        for o in data:
+            by_key.setdefault(data_key_of(o.key), []).append(o)
+        self._data = by_key
+        self._uses = {o.key[len(USE):-5]: o for o in uses if o.key.endswith(".json")}
         for k in list(self.index):
-            if k not in keys:
+            if k not in catalog or (self._etags.get(k) and self._etags[k] != catalog[k].etag):
                 self.index.pop(k, None)
                 self._etags.pop(k, None)
         for k in list(self.held):
-            if k not in keys:
+            if k not in catalog or self.held[k].etag != catalog[k].etag:
                 del self.held[k]
-        for k, o in keys.items():
-            if k in self.index and self._etags.get(k) == o.etag:
+        sizes = {}
+        for k in catalog:
+            self.absent.pop(k, None)
+            if k in self.held:
                 continue
-            if k in self.held and self.held[k].etag == o.etag:
-                continue
-            raw = await self.objects.get(o.key)
-            if raw is None:
-                continue
-            try:
-                self.index[k] = parse_record(k, raw, self._fleet_key)
-                self._etags[k] = o.etag
-                self.held.pop(k, None)
-                self.quarantined.pop(k, None)   # a new record under the key: checked afresh
-            except NewerLayout as exc:
-                self.index.pop(k, None)
-                self._etags.pop(k, None)
-                if k not in self.held:
-                    self.counters["newer_records"] += 1
-                    log.info("remote: record %s is of a newer ocache (%s): left to the hosts that read it",
-                             k[:16], exc)
-                self.held[k] = HeldRecord("newer", o.etag, named_objects(raw))
-            except SignatureError as exc:
-                self.index.pop(k, None)
-                self._etags.pop(k, None)
-                if k not in self.held:
-                    self.counters["quarantined"] += 1
-                    log.warning("remote: record %s quarantined on this host: %s with the fleet key "
-                                "(not served; left in the bucket)", k[:16], exc)
-                self.held[k] = HeldRecord(exc.reason, o.etag, named_objects(raw))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                self.counters["bad_records"] += 1
-                log.warning("remote: record %s does not parse (%s); deleting it", k[:16], exc)
-                await self.objects.delete(o.key)
-        await self._read_uses()
+            r = self.index.get(k)
+            sizes[k] = r.entry.bytes if r is not None else sum(o.size for o in by_key.get(k, ()))
+        self.catalog, self.sizes = catalog, sizes
+        for k in list(self.quarantined):
+            if k not in catalog:
+                del self.quarantined[k]
+        await self._read_uses([k for k in self._uses if k in self.index])
         self.refreshed_at = time.monotonic()
 
-    async def _read_uses(self) -> None:
-        for o in await self.objects.list(USE):
-            k = o.key[len(USE):-5] if o.key.endswith(".json") else ""
+    async def _read_uses(self, keys: Iterable[str]) -> None:
+        """Read the listed use objects of ``keys`` (indexed entries) whose ETag changed."""
+        for k in keys:
+            o = self._uses.get(k)
             r = self.index.get(k)
-            if r is None or self._use_etags.get(k) == o.etag:
+            if o is None or r is None or self._use_etags.get(k) == o.etag:
                 continue
             raw = await self.objects.get(o.key)
             try:
@@ -313,16 +544,23 @@ class RemoteBucket:
     # ------------------------------------------------------------------ upload
     async def upload(self, e: Entry) -> bool:
         """Upload a local entry: make room under the budget, put its data objects (the bytes read
-        and checked against the local record first), then its record, create-only. Returns True
-        when the bucket holds the entry afterwards (ours or another host's), False when it was
-        skipped (no room, its local files changed or went). Raises what the bucket raises."""
-        if e.key in self.index:
+        and checked against the local record first), then its record, create-only, then (a
+        session's spill) its session pointer. Returns True when the bucket holds the entry
+        afterwards (ours or another host's), False when it was skipped (no room, its local files
+        changed or went). Whether the bucket has it already is asked by key (one HEAD) unless
+        known. Raises what the bucket raises."""
+        if self.holds(e.key):
             return True
         if e.key in self.held:    # a newer ocache's or a quarantined record holds the key
             return False
         if e.bytes > self.budget_bytes:
             self.counters["skipped_budget"] += 1
             return False
+        found = await self.objects.head(f"{RECORDS}{e.key}.json")
+        if found is not None:
+            self.catalog[e.key] = found
+            self.sizes[e.key] = e.bytes
+            return True
         files: dict[str, BinaryIO] = {}
         try:
             try:
@@ -345,66 +583,114 @@ class RemoteBucket:
             rec["sig"] = record_mac(rec, self._fleet_key)
         if not await self.objects.put(f"{RECORDS}{e.key}.json", json.dumps(rec).encode(), create_only=True):
             self.counters["upload_lost_race"] += 1
-            await self.refresh()
-            theirs = self.index.get(e.key)
+            theirs = await self.entry(e.key, fresh=True)
             keep = set(theirs.objects.values()) if theirs is not None else set()
             for name in set(objects.values()) - keep:
                 await self.objects.delete(name)
             return theirs is not None
         self.index[e.key] = RemoteEntry(Entry.from_dict(e.summary(), with_tokens=False),
                                         token_bytes(toks), objects, self.host)
+        self.sizes[e.key] = e.bytes
+        self.absent.pop(e.key, None)
         self.counters["uploads"] += 1
         self.counters["upload_bytes"] += e.bytes
         log.info("remote: uploaded %s (%s, %d tokens, %d bytes)", e.key[:16], e.kind, e.n_tokens, e.bytes)
+        await self._point_session(e)
         return True
 
+    async def _point_session(self, e: Entry) -> None:
+        """After a session spill's record: its session's pointer names it (best effort)."""
+        from ocache.tiers.spill import is_guest
+
+        session = e.meta.get("session")
+        if e.kind != "s" or not session or is_guest(e.meta) or not e.identity:
+            return
+        ptr = session_pointer(e.identity, str(session))
+        try:
+            await self.objects.put(ptr, json.dumps({"key": e.key}).encode())
+            self.absent.pop(ptr, None)
+        except Exception as exc:  # noqa: BLE001 - the entry is uploaded; only its pointer is missing
+            log.info("remote: session pointer of %s not written: %s", e.key[:16], exc)
+
     # ------------------------------------------------------------------ eviction
+    def _last_active(self, k: str) -> float:
+        r = self.index.get(k)
+        if r is not None:
+            return max(r.entry.last_used, r.entry.created)
+        u = self._uses.get(k)
+        c = self.catalog.get(k)
+        return max(u.modified if u is not None else 0.0, c.modified if c is not None else 0.0)
+
     async def make_room(self, nbytes: int) -> int:
-        """Evict by value (lowest first) until ``nbytes`` more fit the budget. Returns the bytes
-        freed. Raises what the bucket raises."""
+        """Evict by value (lowest first) until ``nbytes`` more fit the budget: the policy ranks a
+        pool of the ``EVICTION_POOL`` least recently active entries (their records and use objects
+        read by key, at most that many each round), then the next pool while still over. Returns
+        the bytes freed. Raises what the bucket raises."""
         freed = 0
-        for victim in self.policy.candidates([r.entry for r in self.index.values()], self.clock()):
-            if self.used_bytes() + nbytes <= self.budget_bytes:
+        tried: set[str] = set()
+        while self.used_bytes() + nbytes > self.budget_bytes:
+            keys = sorted((k for k in self.sizes if k not in tried), key=self._last_active)[:EVICTION_POOL]
+            if not keys:
                 break
-            freed += victim.bytes
-            await self.delete(victim.key, "evicted by value for the bucket's budget")
-            self.counters["evicted"] += 1
-            self.counters["evicted_bytes"] += victim.bytes
+            tried.update(keys)
+            pool = []
+            for k in keys:
+                r = await self.entry(k)
+                if r is not None:
+                    pool.append(r)
+            await self._read_uses([r.key for r in pool])
+            for victim in self.policy.candidates([r.entry for r in pool], self.clock()):
+                if self.used_bytes() + nbytes <= self.budget_bytes:
+                    break
+                freed += victim.bytes
+                await self.delete(victim.key, "evicted by value for the bucket's budget")
+                self.counters["evicted"] += 1
+                self.counters["evicted_bytes"] += victim.bytes
         return freed
 
     async def delete(self, key: str, reason: str) -> None:
-        """Delete an entry from the bucket: its record first, then its data and use objects."""
-        r = self.index.pop(key, None)
-        self._etags.pop(key, None)
+        """Delete an entry from the bucket: its record first, then its data objects (the record's
+        and any listed under its key) and use object."""
+        r = self.index.get(key)
+        names = set(r.objects.values()) if r is not None else set()
+        names.update(o.key for o in self._data.pop(key, ()))
+        self._forget(key)
         self.quarantined.pop(key, None)
         log.info("remote: deleting %s: %s", key[:16], reason)
         await self.objects.delete(f"{RECORDS}{key}.json")
-        for name in (r.objects.values() if r is not None else ()):
+        for name in sorted(names):
             await self.objects.delete(name)
         await self.objects.delete(f"{USE}{key}.json")
+        self._mark_absent(key)
 
     async def sweep(self) -> int:
-        """Delete data objects that no record of the index names and that are older than
-        ``orphan_age_s`` (a host died between its data and its record; one uploading now has its data
-        younger than that). Call after :meth:`refresh`. Returns how many."""
+        """Delete data objects of no record and older than ``orphan_age_s`` (a host died between its
+        data and its record; one uploading now has its data younger than that): a data object is
+        kept while a record of its key is listed, indexed or held. Call after :meth:`refresh`
+        (whose listing of ``data/`` it reads). Returns how many."""
         named = {o for r in self.index.values() for o in r.objects.values()}
         named.update(o for h in self.held.values() for o in h.objects)
-        held = tuple(f"{DATA}{k}-" for k in self.held)   # a held record's data, whatever it names
         now = time.time()   # the server's LastModified is wall time, whatever ``clock`` says
         gone = 0
-        listed: list[ObjectInfo] = await self.objects.list(DATA)
-        for o in listed:
-            if o.key not in named and not o.key.startswith(held) and now - o.modified >= self.orphan_age_s:
-                await self.objects.delete(o.key)
-                gone += 1
+        for k, objs in list(self._data.items()):
+            if k in self.catalog or k in self.sizes or k in self.index or k in self.held:
+                continue
+            for o in list(objs):
+                if o.key not in named and now - o.modified >= self.orphan_age_s:
+                    await self.objects.delete(o.key)
+                    objs.remove(o)
+                    gone += 1
         self.counters["orphans_deleted"] += gone
         return gone
 
     # ------------------------------------------------------------------ download
     async def fetch(self, key: str) -> Entry:
         """Download an entry into the local store, verified (see the module docstring), and return
-        the local Entry. Raises RemoteError; KeyError when the key is not in the index."""
-        r = self.index[key]
+        the local Entry. Raises RemoteError; KeyError when the bucket has no record of the key (read
+        by key when not indexed: :meth:`entry`)."""
+        r = self.index.get(key) or await self.entry(key)
+        if r is None:
+            raise KeyError(key)
         e = r.entry
         if key in self.quarantined:
             raise RemoteError("quarantined", self.quarantined[key])
@@ -457,11 +743,11 @@ class RemoteBucket:
                 self.counters["quarantined"] += 1
                 log.warning("remote: %s refused: %s; quarantined on this host (left in the bucket)", key[:16], exc)
             self.quarantined[key] = exc.reason
+            self._quarantined_etags[key] = self._etags.get(key, "")
         else:
             self.counters["download_failed"] += 1
-            if exc.reason == "missing":   # being evicted by another host: not offered until a refresh lists it
-                self.index.pop(key, None)
-                self._etags.pop(key, None)
+            if exc.reason == "missing":   # being evicted by another host: read again when next asked
+                self._forget(key)
 
     async def _download(self, r: RemoteEntry, role: str, dest: Any) -> None:
         """Stream one data object into ``dest`` (created 0600, never overwritten), hashing as it
@@ -491,7 +777,11 @@ class RemoteBucket:
 
     async def note_use(self, key: str) -> None:
         """Record a confirmed hit of ``key`` in its use object (best effort: logged on failure)."""
-        r = self.index.get(key)
+        try:
+            r = self.index.get(key) or await self.entry(key)
+        except Exception as exc:  # noqa: BLE001
+            log.info("remote: could not record a use of %s: %s", key[:16], exc)
+            return
         if r is None:
             return
         r.entry.hits += 1

@@ -1,5 +1,6 @@
 """The S3 client of the remote tier (``ocache.tiers.remote``): one bucket location, the five calls
-the tier makes (create-only put, streamed get, list, delete, head of the bucket), over aiobotocore.
+the tier makes (create-only put, get and head of one key, streamed get, list, delete, head of the
+bucket), over aiobotocore.
 
 Why aiobotocore (docs/decisions.md D10): it runs on aiohttp like the rest of ocache, and botocore's
 credential chain reads the usual AWS environment variables, ``~/.aws/credentials`` /
@@ -181,6 +182,30 @@ class S3Objects:
             raise
         async with resp["Body"] as body:
             return bytes(await body.read())
+
+    async def get_tagged(self, key: str) -> tuple[bytes, str] | None:
+        """The object's bytes and ETag (one GET), or None when there is no such key."""
+        try:
+            resp = await self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
+        except Exception as exc:
+            if _status(exc) == 404 or _code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
+        async with resp["Body"] as body:
+            return bytes(await body.read()), str(resp.get("ETag", ""))
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        """The object's size, modification time and ETag (one HEAD), or None when there is no such
+        key."""
+        try:
+            resp = await self.client.head_object(Bucket=self.location.bucket, Key=self._key(key))
+        except Exception as exc:
+            if _status(exc) == 404 or _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+        modified = resp.get("LastModified")
+        return ObjectInfo(key, int(resp.get("ContentLength") or 0),
+                          modified.timestamp() if modified is not None else 0.0, str(resp.get("ETag", "")))
 
     async def stream(self, key: str, sink: Callable[[bytes], None], chunk: int = 1 << 20) -> int:
         """Hand the object's bytes to ``sink`` in chunks of at most ``chunk`` bytes; returns the
