@@ -40,19 +40,20 @@ def remote_of(proxy) -> RemoteTier:
 
 
 @asynccontextmanager
-async def host(srv, cache_dir, s3: dict, **extra):
+async def host(srv, cache_dir, s3: dict, listed: bool = True, **extra):
     """One host: a proxy with the cache layer in front of ``srv``; yields (base_url, proxy, http
-    session), the layer ready; its remote tier is closed at the end (its sync task and client)."""
+    session), the layer ready (and, ``listed``, the bucket's first background listing done); its
+    remote tier is closed at the end (its sync task and client)."""
     async with through_ocache(config_for(srv, cache_dir, s3, **extra)) as (base, proxy), \
             aiohttp.ClientSession() as s:
         try:
             await proxy.layer.ensure_ready()   # the tiers; the remote one reads the index in the background
             tier = remote_of(proxy)
-            for _ in range(600):               # its first read, as a host that has run a while (bounded)
+            for _ in range(600 if listed else 0):   # its first listing, as a host that has run a while
                 if tier.bucket.refreshed_at:
                     break
                 await asyncio.sleep(0.05)
-            assert tier.bucket.refreshed_at, tier.stats()
+            assert tier.bucket.refreshed_at or not listed, tier.stats()
             yield base, proxy, s
         finally:
             if proxy.layer is not None:
@@ -158,3 +159,88 @@ async def test_a_new_session_on_b_in_a_folder_restores_its_head_from_the_bucket(
     print(f"host B, new session: cache_n {rec['timings']['cache_n']}, prompt_n {rec['timings']['prompt_n']} "
           f"after a {st['download_bytes']}-byte download in {st['download_s_max'] * 1e3:.0f} ms")
     assert st["downloads"] == 1, json.dumps(st)
+
+
+async def timed_send(s, base, proxy, body: dict, headers: dict) -> tuple[dict, float]:
+    """``send`` timed from the request to its whole answer (then the observation, not the layer's
+    ``idle``: that flushes the remote tier, a sync round, which a black hole holds for its client
+    timeouts)."""
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    async with s.post(base + CHAT, json=body, headers=headers) as r:
+        data = await r.json()
+        wall = loop.time() - t
+        assert r.status == 200, data
+        rec = {"tier": r.headers.get("X-OCache-Tier"), "timings": data["timings"], "data": data}
+    await proxy.wait_background()
+    return rec, wall
+
+
+async def test_a_black_hole_bucket_ends_in_a_cold_exact_plan(start_server, tmp_path, monkeypatch):
+    """Host B's bucket accepts connections and never answers (a fault a real S3 server cannot
+    produce: ``ocache.toolchain.s3faults.BlackHole``). The proxy starts without reading it, the
+    first request's lookup gives up at the deadline priced by the prompt (its cold prefill, nothing
+    before the server's rate was measured, plus 1 s) and the request is planned cold and answers as a cold run does; the
+    next request within the backoff does not ask the bucket."""
+    from ocache.tiers.remote import DEADLINE_SLACK_S
+    from ocache.toolchain.s3faults import BlackHole
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    srv_b = start_server("dense", n_parallel=1, ctx_size=4096, slot_save_path=tmp_path / "slotsB", **SERVER)
+    hole = await BlackHole().start()
+    first = session_turn1(3)
+    n = await n_prompt(srv_b.url, first)
+    try:
+        s3 = {"url": "s3://bkt/ocache", "endpoint_url": hole.endpoint_url, "region": "us-east-1"}
+        async with host(srv_b, tmp_path / "cacheB", s3, listed=False) as (base, proxy, s):
+            tier = remote_of(proxy)
+            assert tier.prefill_tps_of() is None and tier.lookup_deadline_s(n) == DEADLINE_SLACK_S
+            rec, wall = await timed_send(s, base, proxy, first, {"x-session-affinity": "ses_hole"})
+            st = tier.stats()
+            assert tier.bucket.unreachable() or st["bucket_down"] == 0
+        assert hole.accepted >= 1 and tier.bucket.refreshed_at == 0
+    finally:
+        await hole.close()
+    assert rec["tier"] == "cold" and rec["timings"]["cache_n"] == 0, (rec["tier"], rec["timings"], st)
+    assert st["lookup_abandoned"] == 1 and st["offers"] == 0 and st["downloads"] == 0, st
+    t = asyncio.get_running_loop().time()
+    ref = await cold(srv_b, first)
+    cold_s = asyncio.get_running_loop().time() - t
+    print(f"black hole: a {n}-token first request took {wall:.2f} s through ocache (lookup deadline "
+          f"{DEADLINE_SLACK_S:.2f} s: no rate measured yet), {cold_s:.2f} s cold to llama-server alone")
+    v = compare(Generation.from_response(ref), Generation.from_response(rec["data"]))
+    assert v.exact and v.compared >= 3, describe(v)
+
+
+async def test_a_stalled_download_ends_in_a_cold_exact_plan(start_server, tmp_path, s3_bucket):
+    """A's spilled conversation is in the bucket; B reads the bucket through a proxy that stalls
+    every data object after 64 KiB (``ocache.toolchain.s3faults.StallingProxy``). B's next turn of
+    the session finds the spill by key, its download is abandoned at what it saves (plus 1 s, less
+    the lookup), and the request goes on from what the slot holds (cold here), answering as a cold
+    run does; nothing partial is left in B's slot directory."""
+    from ocache.toolchain.s3faults import StallingProxy
+
+    srv_a = start_server("dense", n_parallel=1, ctx_size=4096, slot_save_path=tmp_path / "slotsA", **SERVER)
+    srv_b = start_server("dense", n_parallel=1, ctx_size=4096, slot_save_path=tmp_path / "slotsB", **SERVER)
+    first, answer, n1 = await spilled_on_a(srv_a, tmp_path, s3_bucket)
+    second = session_turn2(3, first, answer)
+    proxy_s3 = await StallingProxy(s3_bucket["endpoint_url"], stall_after=4096).start()
+    try:
+        async with host(srv_b, tmp_path / "cacheB", dict(s3_bucket, endpoint_url=proxy_s3.endpoint_url)) \
+                as (base, proxy, s):
+            rec, wall = await timed_send(s, base, proxy, second, {"x-session-affinity": "ses_failover"})
+            st = remote_of(proxy).stats()
+    finally:
+        await proxy_s3.close()
+    left = sorted(p.name for p in (tmp_path / "slotsB").iterdir() if p.name.startswith("oc-tmp-"))
+    assert proxy_s3.stalled >= 1 and st["deadline_abandoned"] == 1, st
+    assert st["downloads"] == 0 and st["restores"] == 0 and left == [], (st, left)
+    assert rec["tier"] != "remote" and rec["timings"]["cache_n"] < n1 - UB, (rec["tier"], rec["timings"])
+    t = asyncio.get_running_loop().time()
+    ref = await cold(srv_b, second)
+    cold_s = asyncio.get_running_loop().time() - t
+    print(f"stalled download: the next turn took {wall:.2f} s through ocache (the spill of {n1} tokens; "
+          f"no rate measured yet: its deadline is 1 s, less the lookup), {cold_s:.2f} s cold to llama-server alone")
+    v = compare(Generation.from_response(ref), Generation.from_response(rec["data"]))
+    assert v.exact and v.compared >= 3, describe(v)

@@ -21,8 +21,8 @@ What it does
       session (``ocache.llama.reuse.predict_reuse``, as the session tier prices it). Its cost is the
       measured download rate plus the local verify and restore rates; the planner takes it only
       when that beats the prefill it saves (``ocache.cache.plan.plan_request``).
-    * **Deadlines**: a lookup waits at most the prompt's cold prefill (the server's measured rate,
-      ``UNMEASURED_PREFILL_TPS`` until measured) plus ``DEADLINE_SLACK_S``; a download at most the
+    * **Deadlines**: a lookup waits at most the prompt's cold prefill (at the server's measured
+      rate; nothing until one was measured) plus ``DEADLINE_SLACK_S``; a download at most the
       prefill its offer replaces plus the slack, less what its lookup waited. Past either, the
       request goes on without the bucket (local tiers or cold), and requests leave the bucket alone
       for a backoff (1 s, doubling to 60 s; ``RemoteBucket.trip``).
@@ -69,9 +69,6 @@ log = logging.getLogger(__name__)
 
 #: seconds a download may take beyond the prefill it saves (connection set-up, the restore)
 DEADLINE_SLACK_S = 1.0
-#: prefill rate (tokens/s) a deadline is priced at before the server's rate was measured: a slow
-#: GPU's, so an unmeasured deadline errs long (bounded all the same)
-UNMEASURED_PREFILL_TPS = 1000.0
 
 #: records asked for at once by a lookup (longest candidates first; the next batch only when none
 #: of these matched)
@@ -209,7 +206,7 @@ class RemoteTier(TierBase):
             await asyncio.sleep(self.sync_s)
 
     async def sync(self, refresh: bool = True) -> int:
-        """One round: re-read the index (``refresh``), upload every local entry the bucket lacks,
+        """One round: list the bucket (``refresh``), upload every local entry the bucket lacks,
         evict down to the budget, sweep orphan data objects. Returns the entries uploaded. Raises
         what the bucket raises."""
         async with self.bucket.lock:
@@ -234,9 +231,12 @@ class RemoteTier(TierBase):
                 + nbytes / self.restore_rate.value)
 
     def prefill_s(self, n_tokens: int) -> float:
-        """Seconds the server takes to prefill ``n_tokens`` cold: at its measured rate
-        (``prefill_tps_of``), ``UNMEASURED_PREFILL_TPS`` before one was measured."""
-        return n_tokens / (self.prefill_tps_of() or UNMEASURED_PREFILL_TPS)
+        """Seconds the server takes to prefill ``n_tokens`` cold, at its measured rate
+        (``prefill_tps_of``, tokens/s); 0 before one was measured: a deadline is then the slack
+        alone, so it errs short (a new host's first requests may give up a download that would have
+        paid), never longer than the cold prefill it could not price."""
+        tps = self.prefill_tps_of()
+        return n_tokens / tps if tps else 0.0
 
     def lookup_deadline_s(self, n_tokens: int) -> float:
         """Seconds a lookup of an ``n_tokens`` prompt may wait on the bucket: its cold prefill (the
