@@ -70,6 +70,11 @@ log = logging.getLogger(__name__)
 #: seconds a download may take beyond the prefill it saves (connection set-up, the restore)
 DEADLINE_SLACK_S = 1.0
 
+#: seconds before an entry whose upload failed is tried again: the first wait, doubled after each
+#: failure of that entry in a row up to the last (the other entries go on meanwhile)
+UPLOAD_RETRY_FIRST_S = 5.0
+UPLOAD_RETRY_MAX_S = 600.0
+
 #: records asked for at once by a lookup (longest candidates first; the next batch only when none
 #: of these matched)
 LOOKUP_BATCH = 16
@@ -171,6 +176,7 @@ class RemoteTier(TierBase):
         self._refresh_task: asyncio.Task | None = None
         self._uses: set[asyncio.Task] = set()   # use-object writes in flight (never on a request's path)
         self._skip: set[str] = set()          # keys this host could not upload (logged once)
+        self._retry: dict[str, tuple[int, float]] = {}   # key -> (failures in a row, monotonic retry time)
         self.owns: tuple[str, str, int] | None = None   # the _BUCKETS key when this tier opened it
         self.download_s: list[float] = []
         self.counters: dict[str, int] = {"lookups": 0, "offers": 0, "restores": 0, "hits": 0,
@@ -207,8 +213,11 @@ class RemoteTier(TierBase):
 
     async def sync(self, refresh: bool = True) -> int:
         """One round: list the bucket (``refresh``), upload every local entry the bucket lacks,
-        evict down to the budget, sweep orphan data objects. Returns the entries uploaded. Raises
-        what the bucket raises."""
+        evict down to the budget, sweep orphan data objects. Returns the entries uploaded. An entry
+        whose upload fails (the bucket refused it or did not answer) is counted
+        (``upload_failed``), logged, and tried again after ``UPLOAD_RETRY_FIRST_S``, doubling
+        to ``UPLOAD_RETRY_MAX_S``; the round goes on with the other entries. Raises what the
+        bucket raises for the listing, the eviction and the sweep."""
         async with self.bucket.lock:
             if refresh:
                 await self.bucket.refresh()
@@ -217,7 +226,20 @@ class RemoteTier(TierBase):
             for e in sorted(self.store.entries(), key=lambda e: e.created):
                 if self.bucket.holds(e.key) or e.key in self._skip or "remote" in e.meta:
                     continue
-                if await self.bucket.upload(e):
+                fails, at = self._retry.get(e.key, (0, 0.0))
+                if time.monotonic() < at:
+                    continue
+                try:
+                    ok = await self.bucket.upload(e)
+                except Exception as exc:  # noqa: BLE001 - this entry only: the others go on
+                    wait = min(UPLOAD_RETRY_MAX_S, UPLOAD_RETRY_FIRST_S * 2 ** fails)
+                    self._retry[e.key] = (fails + 1, time.monotonic() + wait)
+                    self.bucket.counters["upload_failed"] += 1
+                    log.warning("remote: upload of %s failed (%s: %s); tried again in %.0f s", e.key[:16],
+                                type(exc).__name__, exc, wait)
+                    continue
+                self._retry.pop(e.key, None)
+                if ok:
                     n += 1
                 elif self.store.get(e.key) is not None:
                     self._skip.add(e.key)

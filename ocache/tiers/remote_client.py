@@ -17,6 +17,7 @@ key answers 412 and :meth:`S3Objects.put` returns False.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, BinaryIO, Callable
 from urllib.parse import urlparse
@@ -25,6 +26,12 @@ from urllib.parse import urlparse
 #: seconds to connect to the bucket / to wait for its next byte (botocore's defaults are 60 / 60)
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
+#: a file body at least this long is put through a multipart upload (AWS refuses a single PUT over
+#: 5 GB; a 128k-token state of an 8B model is ~17 GB), in parts of ``MULTIPART_PART_BYTES``
+#: (S3's smallest part is 5 MiB, all but the last), ``MULTIPART_CONCURRENCY`` parts in flight
+MULTIPART_THRESHOLD_BYTES = 256 << 20
+MULTIPART_PART_BYTES = 64 << 20
+MULTIPART_CONCURRENCY = 4
 
 
 class RemoteConfigError(ValueError):
@@ -123,6 +130,10 @@ class S3Objects:
         self.profile = profile or None
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
+        self.multipart_threshold = MULTIPART_THRESHOLD_BYTES
+        self.part_bytes = MULTIPART_PART_BYTES
+        self.part_concurrency = MULTIPART_CONCURRENCY
+        self.multipart_uploads = 0
 
     async def __aenter__(self) -> "S3Objects":
         from aiobotocore.config import AioConfig
@@ -133,7 +144,8 @@ class S3Objects:
         # bounded waits: a bucket that does not answer fails a sync round (retried by the next one)
         # or a download (the request goes on without it), never hangs one
         cfg = AioConfig(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                        retries={"max_attempts": 3, "mode": "standard"})
+                        retries={"max_attempts": 3, "mode": "standard"},
+                        max_pool_connections=max(10, MULTIPART_CONCURRENCY + 4))
         self._client = await self._stack.enter_async_context(
             session.create_client("s3", endpoint_url=self.endpoint_url, region_name=self.region or "us-east-1",
                                   config=cfg))
@@ -158,10 +170,15 @@ class S3Objects:
         await self.client.head_bucket(Bucket=self.location.bucket)
 
     async def put(self, key: str, body: bytes | BinaryIO, *, create_only: bool = False) -> bool:
-        """Store ``body`` (bytes, or a binary file read from its position: one PUT, so at most the
-        server's single-object limit, 5 GB on AWS) under ``key``. ``create_only``: ``If-None-Match:
-        *``; False when the key exists already (412, or 409 for a conditional put racing another),
-        True when stored."""
+        """Store ``body`` (bytes, or a binary file read from its position) under ``key``: one PUT,
+        or, for a file of at least ``multipart_threshold`` bytes left, a multipart upload
+        (:meth:`put_multipart`). ``create_only``: ``If-None-Match: *`` (one PUT only); False when the
+        key exists already (412, or 409 for a conditional put racing another), True when stored."""
+        if not create_only and not isinstance(body, (bytes, bytearray, memoryview)):
+            left = os.fstat(body.fileno()).st_size - body.tell()
+            if left >= self.multipart_threshold:
+                await self.put_multipart(key, body, left)
+                return True
         kw: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
         try:
             await self.client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=body, **kw)
@@ -171,6 +188,56 @@ class S3Objects:
                 return False
             raise
         return True
+
+    async def put_multipart(self, key: str, fh: BinaryIO, size: int) -> None:
+        """Store the next ``size`` bytes of ``fh`` under ``key`` through S3's multipart upload
+        (aiobotocore's ``create_multipart_upload`` / ``upload_part`` /
+        ``complete_multipart_upload``): parts of ``part_bytes`` (the last shorter), read in turn and
+        uploaded ``part_concurrency`` at a time (so at most that many parts in memory). Any failure
+        aborts the upload (nothing of it stays in the bucket, best effort) and raises."""
+        import asyncio
+
+        bucket, full = self.location.bucket, self._key(key)
+        up = await self.client.create_multipart_upload(Bucket=bucket, Key=full)
+        uid = up["UploadId"]
+        parts: dict[int, str] = {}
+        sem = asyncio.Semaphore(max(1, self.part_concurrency))
+
+        async def send(n: int, data: bytes) -> None:
+            try:
+                resp = await self.client.upload_part(Bucket=bucket, Key=full, UploadId=uid, PartNumber=n, Body=data)
+                parts[n] = str(resp["ETag"])
+            finally:
+                sem.release()
+
+        tasks: list[asyncio.Task] = []
+        try:
+            n, left = 0, size
+            while left > 0:
+                await sem.acquire()
+                failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+                if failed is not None:
+                    sem.release()
+                    raise failed.exception()  # type: ignore[misc]
+                data = await asyncio.to_thread(fh.read, min(self.part_bytes, left))
+                if not data:
+                    sem.release()
+                    raise OSError(f"{key}: the file ended {left} bytes early")
+                n += 1
+                left -= len(data)
+                tasks.append(asyncio.create_task(send(n, data)))
+            await asyncio.gather(*tasks)
+            await self.client.complete_multipart_upload(
+                Bucket=bucket, Key=full, UploadId=uid,
+                MultipartUpload={"Parts": [{"PartNumber": i, "ETag": parts[i]} for i in sorted(parts)]})
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.client.abort_multipart_upload(Bucket=bucket, Key=full, UploadId=uid)
+            raise
+        self.multipart_uploads += 1
 
     async def get(self, key: str) -> bytes | None:
         """The object's bytes, or None when there is no such key."""
