@@ -28,8 +28,11 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
 #: a file body at least this long is put through a multipart upload (AWS refuses a single PUT over
 #: 5 GB; a 128k-token state of an 8B model is ~17 GB), in parts of ``MULTIPART_PART_BYTES``
-#: (S3's smallest part is 5 MiB, all but the last), ``MULTIPART_CONCURRENCY`` parts in flight
-MULTIPART_THRESHOLD_BYTES = 256 << 20
+#: (S3's smallest part is 5 MiB, all but the last; at most 10,000 parts: 640 GB),
+#: ``MULTIPART_CONCURRENCY`` parts in flight. Below the limit one PUT: on SeaweedFS over loopback a
+#: 512 MiB file went up at 54-56 MiB/s in one PUT and 34-37 MiB/s in parts, 1 or 4 in flight
+#: (scripts/bench-s3-multipart, docs/benchmarks.md 57)
+MULTIPART_THRESHOLD_BYTES = 4 << 30
 MULTIPART_PART_BYTES = 64 << 20
 MULTIPART_CONCURRENCY = 4
 
