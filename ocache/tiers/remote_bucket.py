@@ -246,7 +246,7 @@ class BoundedIndex(OrderedDict):
         self.move_to_end(key)
         self.nbytes += self.cost(r)
         while len(self) > 1 and (len(self) > self.max_entries or self.nbytes > self.max_bytes):
-            _, gone = self.popitem(last=False)
+            self.popitem(last=False)
             self.dropped += 1
 
     def __delitem__(self, key: str) -> None:
@@ -327,7 +327,7 @@ class RemoteBucket:
         self.index = BoundedIndex(index_max_entries, index_max_bytes)
         self.absent: OrderedDict[str, float] = OrderedDict()   # key -> monotonic time it was missing
         self.absent_s = float(absent_s)
-        #: records the last listing showed (and those this host wrote or read since): key -> info
+        #: records the last listing showed (and those a HEAD before an upload found since): key -> info
         self.catalog: dict[str, ObjectInfo] = {}
         #: bytes of each entry believed in the bucket and not held (the record's files when read,
         #: else the listed data objects under its key): the budget's arithmetic
@@ -355,7 +355,8 @@ class RemoteBucket:
     def trip(self) -> None:
         """A lookup or download on a request's path was abandoned or failed: requests leave the
         bucket alone for ``backoff_s`` (``BACKOFF_FIRST_S``, doubled on each trip in a row, at
-        most ``BACKOFF_MAX_S``); the background sync goes on and is what finds it back."""
+        most ``BACKOFF_MAX_S``); the first lookup after it asks again. The background sync is not
+        held back by it (its own failures are retried by its next round)."""
         self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * self.backoff_s))
         self.down_until = time.monotonic() + self.backoff_s
 
