@@ -1,7 +1,7 @@
 """The remote tier looks entries up by key: the requests a lookup sends to the bucket, counted at
 the S3 client (botocore's ``before-call`` event, one per HTTP request, each page of a listing
-included), against a real SeaweedFS on loopback (``s3_bucket``, tests/conftest.py) holding 10,000
-records. No llama-server: entries are written in the server's layout (``tests/test_store.py``).
+included), against a real SeaweedFS on loopback (``s3_server``, tests/conftest.py) whose bucket
+holds 10,000 records (``filled``: written once for the module; no test here changes them). No llama-server: entries are written in the server's layout (``tests/test_store.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import base64
 import contextvars
 import json
 from types import SimpleNamespace
+
+import pytest
 
 from ocache.llama.flags import ServerParams
 from ocache.tiers.entry import entry_key, prefix_hash, token_bytes
@@ -56,6 +58,32 @@ async def fill(objects: S3Objects, template: dict, n: int, identity: str = "id-A
     await asyncio.gather(*(one(i) for i in range(n)))
 
 
+@pytest.fixture(scope="module")
+def filled(s3_server, tmp_path_factory):
+    """One bucket for the module: host A's entry of ``TOKS`` (anchor, 30 kB) and ``FILLER`` other
+    records; yields its ``store.remote`` settings (the credentials in the environment meanwhile)
+    and A's entry key. Filled once: ~45 s on the loaded machine."""
+    import secrets
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in s3_server.credentials_env().items():
+            mp.setenv(k, v)
+        mp.delenv("AWS_PROFILE", raising=False)
+        settings = s3_server.create_bucket(f"oc-{secrets.token_hex(6)}")
+
+        async def build() -> str:
+            sa, oa, ba = host(tmp_path_factory.mktemp("filled"), "A", settings)
+            async with oa:
+                e = put(sa, TOKS, state_bytes=30_000, kind="a")
+                assert await ba.upload(e)
+                template = json.loads(await oa.get(f"{RECORDS}{e.key}.json") or b"{}")
+                await fill(oa, template, FILLER)
+            return e.key
+
+        key = asyncio.run(build())
+        yield settings, key
+
+
 async def lookup(tier: RemoteTier, tokens: list[int], session: str | None = None):
     """``tier.lookup`` in a task marked as a request's (``_WHO``)."""
     async def run():
@@ -65,19 +93,15 @@ async def lookup(tier: RemoteTier, tokens: list[int], session: str | None = None
     return await asyncio.create_task(run())
 
 
-async def test_lookups_ask_by_key_never_list_and_do_not_grow_with_the_bucket(tmp_path, s3_bucket):
+async def test_lookups_ask_by_key_never_list_and_do_not_grow_with_the_bucket(tmp_path, filled):
     """With 10,000 other records in the bucket, a lookup sends one GET per candidate length of the
     prompt (the grid's lines up to its length) and a GET of its session's pointer, no listing;
     asked again it sends none (a hit is kept, a miss remembered); the answer is the entry a
     bucket of one record gives. The in-memory index stays within its bounds however many keys
     are looked up."""
-    sa, oa, ba = host(tmp_path, "A", s3_bucket)
-    sb, ob, bb = host(tmp_path, "B", s3_bucket)
-    async with oa, ob:
-        e = put(sa, TOKS, state_bytes=30_000, kind="a")
-        assert await ba.upload(e)
-        template = json.loads(await oa.get(f"{RECORDS}{e.key}.json") or b"{}")
-        await fill(oa, template, FILLER)
+    s3, key = filled
+    sb, ob, bb = host(tmp_path, "B", s3)
+    async with ob:
         calls = count_requests(ob)
         tb = RemoteTier(bb, SimpleNamespace(params=ServerParams(), checks_xxh3=False), grid=100)
         prompt = TOKS + [4] * 350                                   # 1,550 tokens: 15 grid lines
@@ -85,7 +109,7 @@ async def test_lookups_ask_by_key_never_list_and_do_not_grow_with_the_bucket(tmp
         assert n_cands == 15
 
         offer = await lookup(tb, prompt, session="s-1")
-        assert offer is not None and offer.ref.key == e.key and offer.tokens_usable == len(TOKS)
+        assert offer is not None and offer.ref.key == key and offer.tokens_usable == len(TOKS)
         mine = [op for who, op in calls if who == "request"]
         # the longest lines first: 1500..1300 miss, 1200 (the entry) matches, and the lines below
         # it are in the same batch of 16; plus the session pointer
@@ -93,7 +117,7 @@ async def test_lookups_ask_by_key_never_list_and_do_not_grow_with_the_bucket(tmp
         assert "ListObjectsV2" not in mine
 
         calls.clear()
-        assert (await lookup(tb, prompt, session="s-1")).ref.key == e.key   # kept: nothing asked
+        assert (await lookup(tb, prompt, session="s-1")).ref.key == key     # kept: nothing asked
         miss = [9] * 1550
         assert await lookup(tb, miss) is None
         assert [op for who, op in calls if who == "request"] == ["GetObject"] * 15
@@ -119,7 +143,7 @@ async def test_lookups_ask_by_key_never_list_and_do_not_grow_with_the_bucket(tmp
         assert len(tiny.index) == 4 and tiny.index.nbytes <= tiny.index.max_bytes
 
 
-async def test_a_new_host_looks_up_before_its_first_listing(tmp_path, s3_bucket, monkeypatch):
+async def test_a_new_host_looks_up_before_its_first_listing(tmp_path, filled, monkeypatch):
     """A new host over a bucket of 10,000 records: the tier opens without reading the bucket, and
     its first lookup is answered by key (the grid's GETs) while the background listing runs; no
     record is read by the listing."""
@@ -127,13 +151,7 @@ async def test_a_new_host_looks_up_before_its_first_listing(tmp_path, s3_bucket,
     from ocache.tiers import remote as remote_mod
     from ocache.tiers.store import Store
 
-    sa, oa, ba = host(tmp_path, "A", s3_bucket)
-    async with oa:
-        e = put(sa, TOKS, state_bytes=30_000, kind="a")
-        assert await ba.upload(e)
-        template = json.loads(await oa.get(f"{RECORDS}{e.key}.json") or b"{}")
-        await fill(oa, template, FILLER)
-
+    s3, key = filled
     opened: list[S3Objects] = []
     make = remote_mod.RemoteSettings.objects
 
@@ -145,14 +163,14 @@ async def test_a_new_host_looks_up_before_its_first_listing(tmp_path, s3_bucket,
     monkeypatch.setattr(remote_mod.RemoteSettings, "objects", objects)
     store = Store(tmp_path / "new" / "meta", tmp_path / "new" / "slots", "id-A")
     store.open()
-    cfg = cfg_mod.Config(store={"remote": {**s3_bucket, "refresh_s": 60}},
+    cfg = cfg_mod.Config(store={"remote": {**s3, "refresh_s": 60}},
                          tiers={"disk": {"grid": 100}}, disk_min_tokens=0)
     tier = await asyncio.wait_for(remote_mod.open_remote_tier(cfg, store, SimpleNamespace(params=ServerParams(),
                                                                                           checks_xxh3=False)), 30)
     try:
         calls = count_requests(opened[-1])   # (the sync task started before: counted as background)
         offer = await lookup(tier, TOKS + [4])
-        assert offer is not None and offer.ref.key == e.key
+        assert offer is not None and offer.ref.key == key
         mine = [op for who, op in calls if who == "request"]
         assert mine == ["GetObject"] * 12, mine       # 1,201 tokens: the grid's 12 lines
         for _ in range(600):                  # the background listing completes (bounded)
