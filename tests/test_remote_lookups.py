@@ -183,3 +183,22 @@ async def test_a_new_host_looks_up_before_its_first_listing(tmp_path, filled, mo
         assert tier.bucket.counters["record_gets"] == len(mine)
     finally:
         await asyncio.wait_for(tier.close(), 30)
+
+
+def test_the_candidate_keys_are_the_content_addresses_of_the_prefixes():
+    """``RemoteTier.candidates`` hashes the prompt once (``prefix_keys``): each key equals
+    ``entry_key`` of its prefix; the lengths are the grid's lines from ``min_tokens``, the head
+    (kinds ``h`` and, from ``min_tokens``, ``a``) and the first user message."""
+    import random
+
+    from ocache.tiers.remote import prefix_keys
+
+    toks = [random.Random(5).randrange(1, 150_000) for _ in range(5000)]
+    raw = token_bytes(toks)
+    lengths = [1, 7, 1024, 1025, 4999, 5000]
+    assert prefix_keys("id", "a", raw, lengths) == {n: entry_key("id", "a", toks[:n]) for n in lengths}
+    tier = RemoteTier.__new__(RemoteTier)
+    tier.grid, tier.min_tokens = 1024, 2048
+    got = tier.candidates("id", SimpleNamespace(tokens=toks, head_end=1500, user_starts=[2500, 3000]))
+    assert [(m, k) for m, k, _ in got] == [(4096, "a"), (3072, "a"), (2500, "a"), (2048, "a"), (1500, "h")]
+    assert all(key == entry_key("id", k, toks[:m]) for m, k, key in got)
