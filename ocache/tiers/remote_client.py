@@ -31,7 +31,7 @@ READ_TIMEOUT_S = 60.0
 #: (S3's smallest part is 5 MiB, all but the last; at most 10,000 parts: 640 GB),
 #: ``MULTIPART_CONCURRENCY`` parts in flight. Below the limit one PUT: on SeaweedFS over loopback a
 #: 512 MiB file went up at 54-56 MiB/s in one PUT and 34-37 MiB/s in parts, 1 or 4 in flight
-#: (scripts/bench-s3-multipart, docs/benchmarks.md 57)
+#: (scripts/bench-s3-multipart, docs/benchmarks.md 58)
 MULTIPART_THRESHOLD_BYTES = 4 << 30
 MULTIPART_PART_BYTES = 64 << 20
 MULTIPART_CONCURRENCY = 4
