@@ -47,9 +47,10 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from ocache.align import (PROBE, Aligned, AsSent, Turn, canonical, decide, record, sampled_ids,
-                          text_calls, turn_end_marker)
-from ocache.substitute import declared, owner_of
+from ocache.align import (NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide,
+                          decide_partial, partial_of, record, sampled_ids, text_calls, turn_end_marker)
+from ocache.fingerprint import session_key
+from ocache.substitute import declared, owned, owner_of
 from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.exact import ExactWarmups
 from ocache.cache.execute import PlanContext
@@ -112,7 +113,7 @@ def held_after(timings: Mapping) -> int | None:
         return None
 
 
-def hold_known(table: SlotTable, slot: int, known: tuple[int, ...]) -> int:
+def hold_known(table: SlotTable, slot: int, known: tuple[int, ...], keep: int | None = None) -> int:
     """Record in the slot table (whose lease the caller holds) what an aligned request to ``slot``
     leaves there: the ids ocache knows begin it (``known``: the first prompt sent as is in this
     chain, checked by the server's 0008 hash), then tokens it cannot name (the generated turns and
@@ -124,9 +125,10 @@ def hold_known(table: SlotTable, slot: int, known: tuple[int, ...]) -> int:
     every new request go server-placed (``tiers/resident.py`` ``server_should_choose``), which
     then placed two new chats one after the other on one slot while the other sat idle; the table
     vouches for ``known`` as it does for any prompt it sent (the tokens after a prompt are counted,
-    never named, docs/llama-server.md §7)."""
+    never named, docs/llama-server.md §7). ``keep``: the slot's ids the splice keeps (``n_keep``;
+    None: all of ``known`` that the slot held); what the slot held past it is gone."""
     st = table[slot]
-    n = len(known)
+    n = len(known) if keep is None else keep
     # the checkpoints predicted inside ``known`` stay (the splice keeps the slot's first n_keep >=
     # len(known) tokens); those the aligned prefills make are not predicted (a reuse predicted low)
     return table.assign(slot, known, checkpoints=[c for c in st.checkpoints if c.n_tokens <= n],
@@ -267,6 +269,41 @@ class AlignRoute:
             return slot, seq, turn
         return None
 
+    def _owned(self, table: SlotTable, headers: Any) -> tuple[int, int, Turn] | None:
+        """The slot whose record is the requester's own conversation (``owner_of``, a session key
+        required) and whose content is still the one recorded: a candidate for a partial splice
+        only (:meth:`_partial`), the history having changed."""
+        if session_key(headers) is None:
+            return None
+        owner = owner_of(headers)
+        for slot, (seq, turn) in list(self.records.items()):
+            st = table[slot]
+            if owned(turn.owner, owner) and st.seq == seq and not st.pending:
+                return slot, seq, turn
+        return None
+
+    async def _partial(self, layer: Any, req: ParsedRequest, turn: Turn, tokens: Sequence[int],
+                       dec: AsSent) -> Decision:
+        """A partial splice of ``turn``'s slot (``ocache.align.decide_partial``) for a request the
+        guard sent as is (``dec``), its spans judged on their text and the proof cut before the
+        first that is not declared; ``dec`` when none is made (counted ``partial_as_sent_<why>``).
+        Only on a model that resumes at any token (no checkpoints to predict: the server reuses
+        exactly ``n_keep``)."""
+        table: SlotTable = layer.table
+        n_ctx = table.params.n_ctx_slot
+        got = decide_partial(turn, tokens, self.eot_id if self.eot_id is not None else -1, owner_of(req.headers),
+                             session_key(req.headers) is not None, n_ctx=n_ctx)
+        if isinstance(got, Aligned) and got.proof is not None:
+            k, names = await self._judge(layer, turn, tokens, got.proof)
+            if k < len(got.proof.spans):
+                got = partial_of(turn.ids, tokens, got.proof.cut(k), n_ctx)
+            if isinstance(got, Aligned):
+                self._names = names[:k]
+        if isinstance(got, AsSent):
+            self.counters["partial_as_sent_" + got.reason.replace(" ", "_")] += 1
+            return dec
+        return got
+
     def _park(self, turn: Turn) -> None:
         """Keep a record whose slot was taken (its conversation spilled, or gone) under its owner,
         at most ``PARKED_KEPT``: the conversation's next turn may be served from its spill
@@ -333,14 +370,22 @@ class AlignRoute:
         return plan
 
     async def _declared(self, layer: Any, turn: Turn, tokens: Sequence[int], dec: Aligned) -> str | None:
-        """Judge each span of the gate's proof on its text (``/detokenize`` of its two windows,
-        ``ocache.substitute.declared``): None when every one is a reasoning block dropped or
-        re-rendered (their names kept in ``self._names`` for the plan's context), else why not."""
-        proof = dec.proof
-        if proof is None:
+        """Judge each span of the gate's proof on its text (:meth:`_judge`): None when every one is
+        declared (their names kept in ``self._names`` for the plan's context), else why not."""
+        if dec.proof is None:
             return "no proof"
-        names = []
-        for sp in proof.spans:
+        k, names = await self._judge(layer, turn, tokens, dec.proof)
+        if k < len(dec.proof.spans):
+            return "undeclared difference"
+        self._names = names
+        return None
+
+    async def _judge(self, layer: Any, turn: Turn, tokens: Sequence[int], proof: Any) -> tuple[int, tuple[str, ...]]:
+        """Judge the spans of ``proof`` in order on their text (``/detokenize`` of their two windows,
+        ``ocache.substitute.declared``) up to the first that is not a reasoning block dropped or
+        re-rendered: (its index, ``len(proof.spans)`` when all are; the names of those before)."""
+        names: list[str] = []
+        for k, sp in enumerate(proof.spans):
             sides = (tuple(turn.ids[sp.window_slot[0]:sp.window_slot[1]]),
                      tuple(tokens[sp.window_render[0]:sp.window_render[1]]))
             key = (*sides, sp.generated)
@@ -360,10 +405,9 @@ class AlignRoute:
                     self._memo.pop(next(iter(self._memo)))
                 self._memo[key] = why
             if not why:
-                return "undeclared difference"
+                return k, tuple(names)
             names.append(f"{why}: slot {sp.slot_from}-{sp.slot_to} for render {sp.render_from}-{sp.render_to}")
-        self._names = tuple(names)
-        return None
+        return len(proof.spans), tuple(names)
 
     @staticmethod
     async def _detokenize(layer: Any, ids: Sequence[int]) -> str:
@@ -411,6 +455,9 @@ class AlignRoute:
             return None
         await self._settle(table, keys)
         found = self._candidate(table, msgs)
+        whole = found is not None
+        if found is None:
+            found = self._owned(table, req.headers)   # the requester's own slot: a partial splice only
         if found is None:
             if prepared_of is None or not self.parked:
                 return None
@@ -421,11 +468,14 @@ class AlignRoute:
         view = await view_of() if view_of is not None else await layer._viewer.view(path, body, head, keys)
         if view is None:   # the server rejects the body: the usual route forwards it as sent
             return None
-        dec = decide(turn, body, view.tokens, eot, n_ctx=table.params.n_ctx_slot, owner=owner_of(req.headers))
+        dec: Decision = (decide(turn, body, view.tokens, eot, n_ctx=table.params.n_ctx_slot,
+                                owner=owner_of(req.headers)) if whole else AsSent("history differs"))
         if isinstance(dec, Aligned):
             why = await self._declared(layer, turn, view.tokens, dec)
             if why is not None:
                 dec = AsSent(why)
+        if isinstance(dec, AsSent) and dec.reason not in NO_PARTIAL and table.params.checkpoints is False:
+            dec = await self._partial(layer, req, turn, view.tokens, dec)
         if isinstance(dec, AsSent):
             self.counters["as_sent_" + dec.reason.replace(" ", "_")] += 1
             if dec.reason != "extends":
@@ -441,13 +491,16 @@ class AlignRoute:
             return None
         sp = dec.splice
         self.counters["aligned_planned"] += 1
+        if dec.partial:
+            self.counters["aligned_partial_planned"] += 1
         self.last.append({"request_id": req.request_id, "time": time.time(), "slot": slot,
-                          "kept": sp.n_keep, "new": len(sp.tail), "saved": dec.saved})
-        log.info("[%s] aligned on slot %d: the slot's %d tokens + %d new of the request's %d",
-                 req.request_id, slot, sp.n_keep, len(sp.tail), len(view.tokens))
-        # the slot's whole prompt is known now: its ids, then the request's new part
+                          "kept": sp.n_keep, "new": len(sp.tail), "saved": dec.saved, "partial": dec.partial})
+        log.info("[%s] aligned%s on slot %d: the slot's %d tokens + %d new of the request's %d",
+                 req.request_id, " (partial)" if dec.partial else "", slot, sp.n_keep, len(sp.tail),
+                 len(view.tokens))
+        # the slot's whole prompt is known now: its ids kept, then the request's new part
         ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body,
-                           seq=hold_known(table, slot, tuple(turn.ids) + tuple(sp.tail)),
+                           seq=hold_known(table, slot, tuple(turn.ids[:sp.n_keep]) + tuple(sp.tail), keep=sp.n_keep),
                            declared=self._names)
         self.records.pop(slot, None)
         if ctx.declared:
