@@ -291,6 +291,15 @@ class Aligned:
     proof: Proof | None = None
     #: a partial splice (:func:`decide_partial`): the slot's first ``n_keep`` ids only
     partial: bool = False
+    #: the slot's ids the server reuses when fewer than ``n_keep``: a hybrid model resumes a
+    #: partial splice at its newest checkpoint at or before ``n_keep`` and prefills the kept ids
+    #: after it again (``ocache.llama.reuse.predict_reuse``); None: ``n_keep``
+    predicted: int | None = None
+
+    @property
+    def reused(self) -> int:
+        """The slot tokens the server reuses (its ``cache_n``)."""
+        return self.splice.n_keep if self.predicted is None else self.predicted
 
 
 @dataclass(frozen=True)

@@ -303,3 +303,49 @@ def test_an_edit_after_a_spliced_turn_is_served_as_a_partial_splice(serve_templa
     # as sent, the slot's kept reasoning of the first turn would have parted it much earlier
     first_think = next(i for i, (a, b) in enumerate(zip(held, rendered)) if a != b)
     assert k > first_think + 16
+
+
+def test_a_hybrid_model_resumes_a_partial_splice_at_a_checkpoint(serve_template, tmp_path):
+    """Tiny hybrid, Qwen3.5's template, the same edit as above: a hybrid model cannot drop the
+    slot's state back to any token, so a partial splice resumes at the newest checkpoint before the
+    edit. When it is made, its figures are that checkpoint's (the server's ``cache_n`` equals
+    ``X-OCache-Reused``, below K), the served prompt is the slot's K ids then the rendering's N,
+    and the prefill is at most alone's plus one ubatch; when no checkpoint gains, the request goes
+    as sent with the reason counted."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    alone = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on",
+                           slot_save_path=tmp_path / "slots-alone", log_path=tmp_path / "alone.log")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, "ses_alice")
+        assert "X-OCache-Aligned" in turns[2][2], turns[2][2]
+        for body, _, _ in turns:
+            assert _chat(alone.url, body)[0] == 200
+        body, res, headers = turns[2]
+        slot = int(headers["X-OCache-Slot"])
+        held = _saved(srv, tmp_path, slot, "before.bin")
+        msgs = [dict(m) for m in body["messages"]]
+        second = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        msgs[second]["content"] = msgs[second]["content"] + " Edited by the user."
+        nxt = dict(body, grammar=ANSWER, messages=msgs + [
+            {"role": "assistant", "content": res["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And the second file?"}])
+        status, got, h = _chat(prox.url, nxt, {"x-session-affinity": "ses_alice"})
+        a_status, a_got, _ = _chat(alone.url, nxt)
+        assert status == a_status == 200
+        align = prox.stats()["layer"]["align"]
+        after = _saved(srv, tmp_path, slot, "after.bin")
+    finally:
+        prox.stop()
+    t = got["timings"]
+    assert t["prompt_n"] <= a_got["timings"]["prompt_n"] + srv.ubatch, (t, a_got["timings"])
+    if "X-OCache-Aligned" not in h:
+        assert align.get("partial_as_sent_checkpoint_gains_too_little", 0) == 1, align
+        return
+    k, n = map(int, h["X-OCache-Aligned"].split("+"))
+    assert k < len(held) and align.get("aligned_partial_planned", 0) == 1
+    assert t["cache_n"] == int(h["X-OCache-Reused"]) <= k
+    served = after[:t["cache_n"] + t["prompt_n"]]
+    rendered = _tokens(srv.url, nxt)
+    assert served[:k] == held[:k] and served[k:] == rendered[len(rendered) - n:]

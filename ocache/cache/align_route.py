@@ -47,7 +47,8 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from ocache.align import (NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide,
+from ocache.llama.reuse import predict_reuse
+from ocache.align import (MIN_PARTIAL_GAIN, NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide,
                           decide_partial, partial_of, record, sampled_ids, text_calls, turn_end_marker)
 from ocache.fingerprint import session_key
 from ocache.substitute import declared, owned, owner_of
@@ -282,13 +283,15 @@ class AlignRoute:
                 return slot, seq, turn
         return None
 
-    async def _partial(self, layer: Any, req: ParsedRequest, turn: Turn, tokens: Sequence[int],
+    async def _partial(self, layer: Any, req: ParsedRequest, slot: int, turn: Turn, tokens: Sequence[int],
                        dec: AsSent) -> Decision:
         """A partial splice of ``turn``'s slot (``ocache.align.decide_partial``) for a request the
         guard sent as is (``dec``), its spans judged on their text and the proof cut before the
         first that is not declared; ``dec`` when none is made (counted ``partial_as_sent_<why>``).
-        Only on a model that resumes at any token (no checkpoints to predict: the server reuses
-        exactly ``n_keep``)."""
+        A model that resumes at any token reuses exactly ``n_keep``; a hybrid one resumes at its
+        newest checkpoint at or before it (``predict_reuse`` on the slot table's checkpoints), so
+        the splice is made only when that point is ``MIN_PARTIAL_GAIN`` past where the request sent
+        as is would resume, and its figures are that point's."""
         table: SlotTable = layer.table
         n_ctx = table.params.n_ctx_slot
         got = decide_partial(turn, tokens, self.eot_id if self.eot_id is not None else -1, owner_of(req.headers),
@@ -299,6 +302,14 @@ class AlignRoute:
                 got = partial_of(turn.ids, tokens, got.proof.cut(k), n_ctx)
             if isinstance(got, Aligned):
                 self._names = names[:k]
+        if isinstance(got, Aligned) and table.params.checkpoints:
+            st = table[slot]
+            sp = got.splice
+            held = list(turn.ids)
+            at = predict_reuse(held, len(held), st.checkpoints, held[:sp.n_keep] + list(sp.tail), table.params).cache_n
+            sent = predict_reuse(held, len(held), st.checkpoints, tokens, table.params).cache_n
+            got = (replace(got, predicted=at, saved=at - sent) if at - sent >= MIN_PARTIAL_GAIN
+                   else AsSent("checkpoint gains too little"))
         if isinstance(got, AsSent):
             self.counters["partial_as_sent_" + got.reason.replace(" ", "_")] += 1
             return dec
@@ -474,8 +485,8 @@ class AlignRoute:
             why = await self._declared(layer, turn, view.tokens, dec)
             if why is not None:
                 dec = AsSent(why)
-        if isinstance(dec, AsSent) and dec.reason not in NO_PARTIAL and table.params.checkpoints is False:
-            dec = await self._partial(layer, req, turn, view.tokens, dec)
+        if isinstance(dec, AsSent) and dec.reason not in NO_PARTIAL and table.params.checkpoints is not None:
+            dec = await self._partial(layer, req, slot, turn, view.tokens, dec)
         if isinstance(dec, AsSent):
             self.counters["as_sent_" + dec.reason.replace(" ", "_")] += 1
             if dec.reason != "extends":
@@ -500,7 +511,7 @@ class AlignRoute:
                  len(view.tokens))
         # the slot's whole prompt is known now: its ids kept, then the request's new part
         ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body,
-                           seq=hold_known(table, slot, tuple(turn.ids[:sp.n_keep]) + tuple(sp.tail), keep=sp.n_keep),
+                           seq=hold_known(table, slot, tuple(turn.ids[:sp.n_keep]) + tuple(sp.tail), keep=dec.reused),
                            declared=self._names)
         self.records.pop(slot, None)
         if ctx.declared:
@@ -511,12 +522,14 @@ class AlignRoute:
 
         # the figures of README's header table: the server serves the slot's n_keep tokens and
         # prefills the tail, nothing else (0008: cache_n = n_keep, prompt_n = len(tail);
-        # tests/test_align_exact.py checks them against the answer's timings)
+        # tests/test_align_exact.py checks them against the answer's timings); a hybrid model's
+        # partial splice resumes at a checkpoint before n_keep (``Aligned.reused``) and prefills the
+        # kept ids after it again
         return Plan(body_updates={"id_slot": slot, "ocache_splice": sp.field()},
                     headers={"X-OCache-Aligned": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Slot": str(slot),
                              "X-OCache-Kind": kind, "X-OCache-Tier": "resident", "X-OCache-Path": "aligned",
-                             "X-OCache-Split": "0", "X-OCache-Prefilled": str(len(sp.tail)),
-                             "X-OCache-Reused": str(sp.n_keep), "X-OCache-Predicted-Cache": str(sp.n_keep)},
+                             "X-OCache-Split": "0", "X-OCache-Prefilled": str(sp.n_prompt - dec.reused),
+                             "X-OCache-Reused": str(dec.reused), "X-OCache-Predicted-Cache": str(dec.reused)},
                     context=ctx, release=release, upstream_headers={SPLICE_HEADER: str(sp.n_keep)})
 
     async def epilogue(self, layer: Any, ctx: AlignContext, obs: Observation) -> None:
@@ -535,10 +548,10 @@ class AlignRoute:
         sp = ctx.decision.splice
         cache_n = timings.get("cache_n")
         if ctx.spliced:
-            if cache_n is not None and int(cache_n) != sp.n_keep:
+            if cache_n is not None and int(cache_n) != ctx.decision.reused:
                 self.counters["substituted_mispredicted"] += 1
                 log.warning("[%s] substituted on slot %d: predicted %d tokens of the slot, the server "
-                            "reused %s", ctx.request_id, ctx.slot, sp.n_keep, cache_n)
+                            "reused %s", ctx.request_id, ctx.slot, ctx.decision.reused, cache_n)
         st = table[ctx.slot]
         if st.seq != ctx.seq or st.pending or table.lock(ctx.slot).locked():
             return
