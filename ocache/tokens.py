@@ -322,23 +322,39 @@ class TextCache:
         self.n_bytes = 0
 
 
-class TokenViewer:
-    """Builds TokenViews through the upstream's ``/apply-template`` and ``/tokenize``.
+class ViewCalls:
+    """The token view's calls to one llama-server: ``POST /tokenize``, ``/apply-template`` and the
+    token-count routes, each idempotent and read-only, and the vocab probe built on them.
+
+    Where these calls can wait, in the pinned source (tools/server/): each is answered on the HTTP
+    thread that read it, with no task for the task loop, so none waits for a batch being decoded or
+    prefilled: ``/apply-template`` runs ``oaicompat_chat_params_parse`` in the handler
+    (server-context.cpp:5418-5428), ``/tokenize`` runs ``tokenize_mixed`` on the vocab
+    (server-context.cpp:5442-5481), ``/v1/chat/completions/input_tokens`` does both
+    (server-context.cpp:5901-5950); only ``GET /slots`` (not a view call) posts a task and waits for
+    the loop to take it between two ``update_slots`` batches (server-context.cpp:5094-5101,
+    server-queue.cpp:299-310). Every connection gets a thread: ``n_threads_http`` fixed threads
+    (``max(-np + 4, cores - 1)`` unless ``--threads-http``, server-http.cpp:162-166) plus up to 1024
+    more made on demand when none is idle (server-http.cpp:572-574; cpp-httplib ``ThreadPool::enqueue``,
+    vendor/cpp-httplib/httplib.cpp:7179-7198), so other clients' streams and idle keep-alive
+    connections do not hold the view back either (measured: ``scripts/measure-second-ocache``,
+    docs/benchmarks.md). What is left that can hold a view call: the server's CPU (the handler
+    tokenizes on a thread that competes with the decode threads; 0.04-0.05 s per 10k tokens
+    idle), a server that sleeps (``--sleep-idle-seconds``: every route but /health, /props and
+    /models waits for the model to be loaded again, ``create_response`` -> ``server_res_generator``,
+    server-context.cpp:4511-4517), and a stopped or hung process (no answer at all). Each is bounded
+    by ``TokenViewer.view_timeout_s``.
 
     ``upstream``: an ``ocache.upstream.Upstream`` (its shared ``session``, ``base_url``, ``api_key``
-    and ``epoch`` are used; a new epoch clears every cache, since a restarted server may have
-    another template or vocab) or a base URL string (a private aiohttp session is created; call
-    ``close()``). ``boundary``: the special token that starts a turn (ChatML ``<|im_start|>``);
-    ``user_delimiter``: the text that starts a user turn. Cache sizes: ``max_renders`` bodies,
-    ``max_texts`` rendered texts / ``max_tokens`` token ids.
+    and ``epoch`` are used) or a base URL string (a private aiohttp session is created; call
+    ``close()``). ``timeout_s``: seconds one call may take (aiohttp's total, connection included).
+    ``boundary``/``user_delimiter``: as :class:`TokenViewer`'s, for :meth:`probe`.
     """
 
-    def __init__(self, upstream: UpstreamPort | str, *, api_key: str | None = None, boundary: str = "<|im_start|>",
-                 user_delimiter: str = "<|im_start|>user", max_renders: int = 256, max_texts: int = 256,
-                 max_tokens: int = 4_000_000, timeout_s: float = 120.0,
-                 max_render_bytes: int = 8 << 20, max_token_bytes: int = 8 << 20,
-                 delta: bool = True, verify_first: int = 8, verify_every: int = 16,
-                 verify_wait_s: float = 60.0, view_timeout_s: float | None = None):
+    counters: dict[str, int]
+
+    def __init__(self, upstream: UpstreamPort | str, *, api_key: str | None, boundary: str,
+                 user_delimiter: str, timeout_s: float):
         if isinstance(upstream, str):
             self._upstream = None
             self.base_url = upstream.rstrip("/")
@@ -351,33 +367,7 @@ class TokenViewer:
         self.boundary = boundary
         self.user_delimiter = user_delimiter
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        #: seconds one :meth:`view` may take in all (None: each HTTP call bounded by ``timeout_s`` only)
-        self.view_timeout_s = view_timeout_s
-        self.renders = TextCache(max_renders, max_render_bytes)
-        self.max_renders = max_renders
-        self.texts = TokenCache(max_texts, max_tokens, max_token_bytes)
-        # delta render state: digest of (render fields, messages[:k]) -> (render key of a text that
-        # starts with that prefix's render, its length in characters); bounded with the renders
-        self.msg_prefixes: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
-        self.stubs: dict[bytes, tuple[str, str]] = {}  # delta-body key -> (stub text Q, gen prompt G)
-        self.rewriting: set[bytes] = set()  # delta-body keys whose template is not append-only (_appends)
-        self.delta = delta
-        self.delta_ok = True
-        self.verify_first, self.verify_every = verify_first, verify_every
-        self.verify_wait_s = verify_wait_s
-        self._n_delta = 0
-        self._verifying: set[asyncio.Task] = set()
-        # head.key -> (head prefix text, its tokens); a few harnesses at a time, so a small LRU
-        self.heads: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
-        self.max_heads = 32
-        #: image digest (ocache/media.py) -> prompt positions the server gives it, this epoch
-        self.media_positions: dict[str, int] = {}
         self._probe: dict | None = None
-        self._epoch = getattr(upstream, "epoch", None)
-        self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
-                         "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0,
-                         "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0, "delta_refused": 0,
-                         "delta_verify_late": 0, "view_timeouts": 0}
 
     # --- HTTP -----------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
@@ -389,9 +379,6 @@ class TokenViewer:
         return self._own_session
 
     async def close(self) -> None:
-        for task in list(self._verifying):
-            task.cancel()
-        await self.wait_verified()
         if self._own_session is not None:
             await self._own_session.close()
             self._own_session = None
@@ -432,25 +419,6 @@ class TokenViewer:
                                               "parse_special": True})
         return list(data["tokens"])
 
-    def _check_epoch(self) -> None:
-        epoch = getattr(self._upstream, "epoch", None)
-        if epoch != self._epoch:
-            self.clear()
-            self._epoch = epoch
-
-    def clear(self) -> None:
-        """Drop every cache (called on a new upstream epoch; also by hand)."""
-        self.renders.clear()
-        self.texts.clear()
-        self.heads.clear()
-        self.msg_prefixes.clear()
-        self.stubs.clear()
-        self.rewriting.clear()
-        self.media_positions.clear()
-        self.delta_ok = True
-        self._n_delta = 0
-        self._probe = None
-
     async def probe(self) -> dict:
         """Token ids of the boundary and the user delimiter, and whether incremental tokenization
         is sound for this vocab: the boundary must be one special token (one id with
@@ -471,6 +439,78 @@ class TokenViewer:
             self._probe = {"boundary_id": bid[0] if len(bid) == 1 else None, "user_ids": list(uid),
                            "n_bos": n_bos, "incremental": ok}
         return self._probe
+
+
+class TokenViewer(ViewCalls):
+    """Builds TokenViews through the upstream's ``/apply-template`` and ``/tokenize``.
+
+    ``upstream``: an ``ocache.upstream.Upstream`` (its shared ``session``, ``base_url``, ``api_key``
+    and ``epoch`` are used; a new epoch clears every cache, since a restarted server may have
+    another template or vocab) or a base URL string (a private aiohttp session is created; call
+    ``close()``). ``boundary``: the special token that starts a turn (ChatML ``<|im_start|>``);
+    ``user_delimiter``: the text that starts a user turn. Cache sizes: ``max_renders`` bodies,
+    ``max_texts`` rendered texts / ``max_tokens`` token ids.
+    """
+
+    def __init__(self, upstream: UpstreamPort | str, *, api_key: str | None = None, boundary: str = "<|im_start|>",
+                 user_delimiter: str = "<|im_start|>user", max_renders: int = 256, max_texts: int = 256,
+                 max_tokens: int = 4_000_000, timeout_s: float = 120.0,
+                 max_render_bytes: int = 8 << 20, max_token_bytes: int = 8 << 20,
+                 delta: bool = True, verify_first: int = 8, verify_every: int = 16,
+                 verify_wait_s: float = 60.0, view_timeout_s: float | None = None):
+        super().__init__(upstream, api_key=api_key, boundary=boundary, user_delimiter=user_delimiter,
+                         timeout_s=timeout_s)
+        #: seconds one :meth:`view` may take in all (None: each HTTP call bounded by ``timeout_s`` only)
+        self.view_timeout_s = view_timeout_s
+        self.renders = TextCache(max_renders, max_render_bytes)
+        self.max_renders = max_renders
+        self.texts = TokenCache(max_texts, max_tokens, max_token_bytes)
+        # delta render state: digest of (render fields, messages[:k]) -> (render key of a text that
+        # starts with that prefix's render, its length in characters); bounded with the renders
+        self.msg_prefixes: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
+        self.stubs: dict[bytes, tuple[str, str]] = {}  # delta-body key -> (stub text Q, gen prompt G)
+        self.rewriting: set[bytes] = set()  # delta-body keys whose template is not append-only (_appends)
+        self.delta = delta
+        self.delta_ok = True
+        self.verify_first, self.verify_every = verify_first, verify_every
+        self.verify_wait_s = verify_wait_s
+        self._n_delta = 0
+        self._verifying: set[asyncio.Task] = set()
+        # head.key -> (head prefix text, its tokens); a few harnesses at a time, so a small LRU
+        self.heads: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        self.max_heads = 32
+        #: image digest (ocache/media.py) -> prompt positions the server gives it, this epoch
+        self.media_positions: dict[str, int] = {}
+        self._epoch = getattr(upstream, "epoch", None)
+        self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
+                         "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0,
+                         "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0, "delta_refused": 0,
+                         "delta_verify_late": 0, "view_timeouts": 0}
+
+    async def close(self) -> None:
+        for task in list(self._verifying):
+            task.cancel()
+        await self.wait_verified()
+        await super().close()
+
+    def _check_epoch(self) -> None:
+        epoch = getattr(self._upstream, "epoch", None)
+        if epoch != self._epoch:
+            self.clear()
+            self._epoch = epoch
+
+    def clear(self) -> None:
+        """Drop every cache (called on a new upstream epoch; also by hand)."""
+        self.renders.clear()
+        self.texts.clear()
+        self.heads.clear()
+        self.msg_prefixes.clear()
+        self.stubs.clear()
+        self.rewriting.clear()
+        self.media_positions.clear()
+        self.delta_ok = True
+        self._n_delta = 0
+        self._probe = None
 
     # --- render + tokenize ----------------------------------------------------------------------
     async def render(self, body: Mapping, keys: tuple[dict, list[bytes], bytes] | None = None) -> str:
