@@ -74,13 +74,13 @@ from ocache.upstream import UpstreamPort
 
 log = logging.getLogger("ocache.tokens")
 
-#: Seconds a token view may wait beyond the prefill it could save (``TokenViewer.bound_s``; config
+#: Seconds a token view may wait beyond the prefill it could save (``ViewCalls.bound_s``; config
 #: ``view_slack_s`` overrides it): a view call that gets no answer costs a short prompt ~5 s before
 #: it goes as sent, while a loaded machine's slow view of a long prompt still has the prompt's own
 #: prefill time. The test suite widens it (tests/conftest.py): no test depends on how fast a loaded
 #: machine answers.
 VIEW_SLACK_S = 5.0
-#: Request-body bytes per prompt token, as ``TokenViewer.bound_s`` estimates a prompt before its
+#: Request-body bytes per prompt token, as ``ViewCalls.bound_s`` estimates a prompt before its
 #: view: BPE text runs 3-4 bytes per token and JSON adds its escapes and field names, so 2 errs on
 #: the side of more tokens (a longer bound).
 BYTES_PER_TOKEN = 2.0
@@ -360,19 +360,22 @@ class ViewCalls:
     idle), a server that sleeps (``--sleep-idle-seconds``: every route but /health, /props and
     /models waits for the model to be loaded again, ``create_response`` -> ``server_res_generator``,
     server-context.cpp:4511-4517), and a stopped or hung process (no answer at all). Each is bounded
-    by what the view buys: ``TokenViewer.bound_s`` for a view, ``TokenViewer.call_timeout`` for
-    each call (also those made outside a view).
+    by what the view buys: :meth:`bound_s` for a view, :meth:`call_timeout` for each call (also
+    those made outside a view).
 
     ``upstream``: an ``ocache.upstream.Upstream`` (its shared ``session``, ``base_url``, ``api_key``
     and ``epoch`` are used) or a base URL string (a private aiohttp session is created; call
-    ``close()``). ``timeout_s``: seconds one call may take (aiohttp's total, connection included).
-    ``boundary``/``user_delimiter``: as :class:`TokenViewer`'s, for :meth:`probe`.
+    ``close()``). ``timeout_s``: seconds one call may take at most (aiohttp's total, connection
+    included); ``view_timeout_s``, ``view_slack_s``, ``prefill_tps_of``: what :meth:`bound_s` prices
+    a view and :meth:`call_timeout` a call at. ``boundary``/``user_delimiter``: as
+    :class:`TokenViewer`'s, for :meth:`probe`.
     """
 
     counters: dict[str, int]
 
     def __init__(self, upstream: UpstreamPort | str, *, api_key: str | None, boundary: str,
-                 user_delimiter: str, timeout_s: float):
+                 user_delimiter: str, timeout_s: float, view_timeout_s: float | None = None,
+                 view_slack_s: float | None = None, prefill_tps_of: Callable[[], float | None] | None = None):
         if isinstance(upstream, str):
             self._upstream = None
             self.base_url = upstream.rstrip("/")
@@ -385,6 +388,14 @@ class ViewCalls:
         self.boundary = boundary
         self.user_delimiter = user_delimiter
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        #: the most seconds one view may take in all, whatever it could save (None: no bound of a
+        #: view, each call bounded by ``timeout_s`` only); :meth:`bound_s` is the bound
+        self.view_timeout_s = view_timeout_s
+        #: the server's measured prefill rate (tokens/s; None before one was measured), what
+        #: :meth:`bound_s` prices the prefill a view can save at (``OCacheLayer.prefill_tps``)
+        self.prefill_tps_of = prefill_tps_of
+        #: seconds beyond that prefill (None: ``VIEW_SLACK_S``, read when a view starts)
+        self.view_slack_s = view_slack_s
         self._probe: dict | None = None
 
     # --- HTTP -----------------------------------------------------------------------------------
@@ -436,10 +447,42 @@ class ViewCalls:
                 raise TokenViewError(f"{path}: upstream unreachable: {exc or type(exc).__name__}") from exc
         raise AssertionError("unreachable")
 
+    def bound_s(self, body: Mapping) -> tuple[float, int, float] | None:
+        """``(seconds, tokens, tokens/s)``: how long ``TokenViewer.view`` may wait for ``body``'s view, or
+        None when unbounded (``view_timeout_s`` None). The most a plan can save is the prefill of the
+        whole prompt: ``tokens`` = the body's bytes (compact JSON) / ``BYTES_PER_TOKEN``, at the
+        server's measured prefill rate (``prefill_tps_of``; ``UNMEASURED_PREFILL_TPS`` before one
+        was measured), plus :attr:`slack_s`, and never more than ``view_timeout_s``. Past it, the
+        request goes as sent: waiting longer would cost more than any reuse gives back."""
+        if self.view_timeout_s is None:
+            return None
+        try:
+            n_bytes = len(_key_bytes(body))
+        except (TypeError, ValueError):   # not JSON-encodable: priced by the slack alone
+            n_bytes = 0
+        tps = (self.prefill_tps_of() if self.prefill_tps_of is not None else None) or UNMEASURED_PREFILL_TPS
+        tokens = int(n_bytes / BYTES_PER_TOKEN)
+        return min(self.view_timeout_s, self.slack_s + tokens / tps), tokens, tps
+
     def call_timeout(self, payload: Any) -> aiohttp.ClientTimeout:
-        """The bound of one call that sends ``payload``: ``timeout_s`` here (``TokenViewer`` prices
-        a call by what it buys, as it prices a view)."""
-        return self.timeout
+        """One call's bound: :meth:`bound_s` of what it sends (at most ``timeout_s``; ``timeout_s``
+        alone without ``view_timeout_s``). It covers the
+        calls made outside a view as well: the alignment route's once-a-process probe of the
+        template's end-of-turn token (``AlignRoute._eot``: an ``/apply-template`` and a
+        ``/tokenize`` on the first request) waited for the 120 s ``timeout_s`` in front of a server
+        that did not answer them, and the first request with it (121 s,
+        ``scripts/measure-second-ocache --held 1``)."""
+        bound = self.bound_s(payload)
+        if bound is None:
+            return self.timeout
+        total = self.timeout.total
+        return aiohttp.ClientTimeout(total=min(total, bound[0]) if total else bound[0])
+
+    @property
+    def slack_s(self) -> float:
+        """Seconds a view may take beyond the prefill it could save: ``view_slack_s``, else
+        ``VIEW_SLACK_S``."""
+        return VIEW_SLACK_S if self.view_slack_s is None else self.view_slack_s
 
     async def _tokenize_remote(self, content: Any, add_special: bool) -> list[int]:
         self.counters["tokenize_calls"] += 1
@@ -491,15 +534,8 @@ class TokenViewer(ViewCalls):
                  view_slack_s: float | None = None,
                  prefill_tps_of: Callable[[], float | None] | None = None):
         super().__init__(upstream, api_key=api_key, boundary=boundary, user_delimiter=user_delimiter,
-                         timeout_s=timeout_s)
-        #: the most seconds one :meth:`view` may take in all, whatever it could save (None: no bound
-        #: of the view; each HTTP call bounded by ``timeout_s`` only); :meth:`bound_s` is the bound
-        self.view_timeout_s = view_timeout_s
-        #: the server's measured prefill rate (tokens/s; None before one was measured), what
-        #: :meth:`bound_s` prices the prefill a view can save at (``OCacheLayer.prefill_tps``)
-        self.prefill_tps_of = prefill_tps_of
-        #: seconds beyond that prefill (None: ``VIEW_SLACK_S``, read when a view starts)
-        self.view_slack_s = view_slack_s
+                         timeout_s=timeout_s, view_timeout_s=view_timeout_s, view_slack_s=view_slack_s,
+                         prefill_tps_of=prefill_tps_of)
         self.renders = TextCache(max_renders, max_render_bytes)
         self.max_renders = max_renders
         self.texts = TokenCache(max_texts, max_tokens, max_token_bytes)
@@ -827,42 +863,6 @@ class TokenViewer(ViewCalls):
             self.counters["head_mismatch"] += 1
             return None
         return len(head_tokens)
-
-    def bound_s(self, body: Mapping) -> tuple[float, int, float] | None:
-        """``(seconds, tokens, tokens/s)``: how long :meth:`view` may wait for ``body``'s view, or
-        None when unbounded (``view_timeout_s`` None). The most a plan can save is the prefill of the
-        whole prompt: ``tokens`` = the body's bytes (compact JSON) / ``BYTES_PER_TOKEN``, at the
-        server's measured prefill rate (``prefill_tps_of``; ``UNMEASURED_PREFILL_TPS`` before one
-        was measured), plus :attr:`slack_s`, and never more than ``view_timeout_s``. Past it, the
-        request goes as sent: waiting longer would cost more than any reuse gives back."""
-        if self.view_timeout_s is None:
-            return None
-        try:
-            n_bytes = len(_key_bytes(body))
-        except (TypeError, ValueError):   # not JSON-encodable: priced by the slack alone
-            n_bytes = 0
-        tps = (self.prefill_tps_of() if self.prefill_tps_of is not None else None) or UNMEASURED_PREFILL_TPS
-        tokens = int(n_bytes / BYTES_PER_TOKEN)
-        return min(self.view_timeout_s, self.slack_s + tokens / tps), tokens, tps
-
-    def call_timeout(self, payload: Any) -> aiohttp.ClientTimeout:
-        """One call's bound: :meth:`bound_s` of what it sends (at most ``timeout_s``). It covers the
-        calls made outside a view as well: the alignment route's once-a-process probe of the
-        template's end-of-turn token (``AlignRoute._eot``: an ``/apply-template`` and a
-        ``/tokenize`` on the first request) waited for the 120 s ``timeout_s`` in front of a server
-        that did not answer them, and the first request with it (121 s,
-        ``scripts/measure-second-ocache --held 1``)."""
-        bound = self.bound_s(payload)
-        if bound is None:
-            return self.timeout
-        total = self.timeout.total
-        return aiohttp.ClientTimeout(total=min(total, bound[0]) if total else bound[0])
-
-    @property
-    def slack_s(self) -> float:
-        """Seconds a view may take beyond the prefill it could save: ``view_slack_s``, else
-        ``VIEW_SLACK_S``."""
-        return VIEW_SLACK_S if self.view_slack_s is None else self.view_slack_s
 
     async def view(self, path: str, body: Mapping, head: Head | None = None,
                    keys: tuple[dict, list[bytes], bytes] | None = None) -> TokenView:

@@ -1,5 +1,5 @@
 """The token view of a request is bounded by what it buys (the prompt's prefill + ``view_slack_s``,
-at most ``view_timeout_s``: ``TokenViewer.bound_s``) and fails open, counted, whoever else the
+at most ``view_timeout_s``: ``ViewCalls.bound_s``) and fails open, counted, whoever else the
 server is serving; on the real server, a second ocache's first view is answered while another
 ocache keeps the server generating (the view's calls never wait for its task loop).
 

@@ -30,7 +30,7 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
     viewer = getattr(layer, "_viewer", None)
     if viewer is not None:
         # the token view's counters: ``view_timeouts`` are views that outlasted their bound
-        # (``TokenViewer.bound_s``) and went as sent (each also a ``fail_open``)
+        # (``ViewCalls.bound_s``, ``call_timeout``) and went as sent (each also a ``fail_open``)
         out["view"] = dict(viewer.counters)
     if table is not None and layer.head_tier is not None:
         out["slots"] = [{"id": s.id, "tokens": len(s.tokens), "n_total": s.n_total, "kind": s.kind,
