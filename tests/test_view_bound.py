@@ -186,3 +186,59 @@ async def test_a_second_ocaches_first_view_is_answered_while_another_ocache_keep
             for t in streams:
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
+
+
+@pytest.mark.server
+async def test_a_first_request_whose_template_probe_gets_no_answer_waits_only_for_what_it_buys(
+        start_server, tmp_path):
+    """The real patched server behind a relay that holds every ``/apply-template`` and
+    ``/tokenize`` (a server that cannot answer them: stopped, asleep, starved) and passes the rest.
+    The first request's calls outside the view (the alignment route's end-of-turn probe,
+    ``AlignRoute._eot``) are priced like the view's (``ViewCalls.call_timeout``): the request goes
+    as sent with the server's own answer, counted (``view.call_timeouts``, ``fail_open``). On the
+    old code the probe waited for the viewer's 120 s call timeout (121 s in
+    ``scripts/measure-second-ocache --held 1``): this test's 60 s bound fails first."""
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=2)
+    held: list[str] = []
+    release = asyncio.Event()
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        if request.path in ("/apply-template", "/tokenize"):
+            held.append(request.path)
+            await release.wait()
+            return web.Response(status=503)
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        async with c.request(request.method, srv.url + request.path_qs, data=body, headers=headers) as r:
+            data = await r.read()
+            out = {k: v for k, v in r.headers.items()
+                   if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")}
+            return web.Response(status=r.status, body=data, headers=out)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", relay)
+    server = TestServer(app, host="127.0.0.1")
+    tiers = {"resident": {"server_args": ["-np", "2", "--slot-save-path", str(tmp_path / "slots")]}}
+    async with client() as c:
+        await server.start_server()
+        try:
+            async with proxy_on(f"http://127.0.0.1:{server.port}", probe_interval_s=60, tiers=tiers,
+                                view_slack_s=0.5) as (base, _proxy):
+                body = chat("hello from the second ocache")
+
+                async def ask():
+                    async with c.post(base + "/v1/chat/completions", json=body) as r:
+                        return r.status, dict(r.headers), await r.json()
+
+                status, headers, data = await asyncio.wait_for(ask(), BOUND_S)
+                assert status == 200 and data["choices"], data
+                assert headers.get("X-OCache-Fail-Open") == "plan", headers
+                assert held, "no view call reached the relay"
+                async with c.get(base + "/v1/cache/stats") as r:
+                    stats = await r.json()
+                view = stats["layer"]["view"]
+                assert view["call_timeouts"] + view["view_timeouts"] >= 1, view
+                assert stats["fail_open"] == 1
+        finally:
+            release.set()
+            await server.close()
