@@ -350,7 +350,8 @@ class ViewCalls:
     (server-context.cpp:5442-5481), ``/v1/chat/completions/input_tokens`` does both
     (server-context.cpp:5901-5950); only ``GET /slots`` (not a view call) posts a task and waits for
     the loop to take it between two ``update_slots`` batches (server-context.cpp:5094-5101,
-    server-queue.cpp:299-310). Every connection gets a thread: ``n_threads_http`` fixed threads
+    server-queue.cpp:299-310): at most one batch, which the forwarded request's own task waits for
+    as well (its task is taken at the same point, after the ``GET /slots`` task: high priority). Every connection gets a thread: ``n_threads_http`` fixed threads
     (``max(-np + 4, cores - 1)`` unless ``--threads-http``, server-http.cpp:162-166) plus up to 1024
     more made on demand when none is idle (server-http.cpp:572-574; cpp-httplib ``ThreadPool::enqueue``,
     vendor/cpp-httplib/httplib.cpp:7179-7198), so other clients' streams and idle keep-alive
