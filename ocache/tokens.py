@@ -358,9 +358,10 @@ class ViewCalls:
     connections do not hold the view back either (measured: ``scripts/measure-second-ocache``,
     docs/benchmarks.md). What is left that can hold a view call: the server's CPU (the handler
     tokenizes on a thread that competes with the decode threads; 0.04-0.05 s per 10k tokens
-    idle), a server that sleeps (``--sleep-idle-seconds``: every route but /health, /props and
-    /models waits for the model to be loaded again, ``create_response`` -> ``server_res_generator``,
-    server-context.cpp:4511-4517), and a stopped or hung process (no answer at all). Each is bounded
+    idle), a server that sleeps (``--sleep-idle-seconds``: every route but /health, /metrics,
+    /props and /models waits for the model to be loaded again, ``create_response`` ->
+    ``server_res_generator``, server-context.cpp:4511-4517, 5012-5030, 5162, 5430), and a stopped
+    or hung process (no answer at all). Each is bounded
     by what the view buys: :meth:`bound_s` for a view, :meth:`call_timeout` for each call (also
     those made outside a view).
 
