@@ -351,9 +351,10 @@ class ViewCalls:
     (server-context.cpp:5901-5950); only ``GET /slots`` (not a view call) posts a task and waits for
     the loop to take it between two ``update_slots`` batches (server-context.cpp:5094-5101,
     server-queue.cpp:299-310): at most one batch, which the forwarded request's own task waits for
-    as well (its task is taken at the same point, after the ``GET /slots`` task: high priority). Every connection gets a thread: ``n_threads_http`` fixed threads
-    (``max(-np + 4, cores - 1)`` unless ``--threads-http``, server-http.cpp:162-166) plus up to 1024
-    more made on demand when none is idle (server-http.cpp:572-574; cpp-httplib ``ThreadPool::enqueue``,
+    as well (its task is taken at the same point, after the ``GET /slots`` task: high priority).
+    Every connection gets a thread: ``n_threads_http`` fixed threads (``max(-np + 4, cores - 1)``
+    unless ``--threads-http``, server-http.cpp:162-166) plus up to 1024 more made on demand when
+    none is idle (server-http.cpp:572-574; cpp-httplib ``ThreadPool::enqueue``,
     vendor/cpp-httplib/httplib.cpp:7179-7198), so other clients' streams and idle keep-alive
     connections do not hold the view back either (measured: ``scripts/measure-second-ocache``,
     docs/benchmarks.md). What is left that can hold a view call: the server's CPU (the handler
@@ -361,9 +362,8 @@ class ViewCalls:
     idle), a server that sleeps (``--sleep-idle-seconds``: every route but /health, /metrics,
     /props and /models waits for the model to be loaded again, ``create_response`` ->
     ``server_res_generator``, server-context.cpp:4511-4517, 5012-5030, 5162, 5430), and a stopped
-    or hung process (no answer at all). Each is bounded
-    by what the view buys: :meth:`bound_s` for a view, :meth:`call_timeout` for each call (also
-    those made outside a view).
+    or hung process (no answer at all). Each is bounded by what the view buys: :meth:`bound_s` for
+    a view, :meth:`call_timeout` for each call (also those made outside a view).
 
     ``upstream``: an ``ocache.upstream.Upstream`` (its shared ``session``, ``base_url``, ``api_key``
     and ``epoch`` are used) or a base URL string (a private aiohttp session is created; call
