@@ -47,6 +47,8 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+import aiohttp
+
 from ocache.llama.reuse import predict_reuse
 from ocache.align import (MIN_PARTIAL_GAIN, NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide,
                           decide_partial, partial_of, record, sampled_ids, text_calls, turn_end_marker)
@@ -58,7 +60,7 @@ from ocache.cache.execute import PlanContext
 from ocache.config import field_of
 from ocache.layer import Observation, Plan, ParsedRequest
 from ocache.slots import SlotTable
-from ocache.tokens import TokenView
+from ocache.tokens import TokenView, TokenViewError
 
 log = logging.getLogger("ocache.cache")
 
@@ -232,10 +234,18 @@ class AlignRoute:
         if not (props.get("ocache") or {}).get("splice"):
             self.off_why = "the server does not serve ocache_splice (patches/0008)"
             return None
-        rendered = (await layer._viewer._post("/apply-template", {
-            "messages": [{"role": "user", "content": PROBE}], "add_generation_prompt": False})).get("prompt", "")
-        marker = turn_end_marker(rendered) if isinstance(rendered, str) else None
-        toks = await layer._viewer._tokenize_remote(marker, False) if marker else []
+        try:
+            rendered = (await layer._viewer._post("/apply-template", {
+                "messages": [{"role": "user", "content": PROBE}], "add_generation_prompt": False})).get("prompt", "")
+            marker = turn_end_marker(rendered) if isinstance(rendered, str) else None
+            toks = await layer._viewer._tokenize_remote(marker, False) if marker else []
+            close = await layer._viewer._tokenize_remote("</think>", False)
+        except (TokenViewError, asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            # the probe's calls are bounded (``ocache.tokens`` prices them): a loaded or stopped
+            # server costs this request its alignment, not the process's; probed again next time
+            self._probed = False
+            self.off_why = f"the end-of-turn probe got no answer ({type(exc).__name__}); probed again"
+            return None
         self.eot_id = toks[0] if len(toks) == 1 else None
         # the sampled ids (patches/0010) make every token of the slot known; without them nothing
         # can be compared and nothing is aligned (``not_aligned_why``)
@@ -246,7 +256,6 @@ class AlignRoute:
         if self.eot_id is None:
             self.off_why = "the template shows no single end-of-turn token"
             return None
-        close = await layer._viewer._tokenize_remote("</think>", False)
         self.think_close = close[0] if len(close) == 1 else None
         self.off_why = None
         return self.eot_id
