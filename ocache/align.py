@@ -295,6 +295,8 @@ class Aligned:
     #: partial splice at its newest checkpoint at or before ``n_keep`` and prefills the kept ids
     #: after it again (``ocache.llama.reuse.predict_reuse``); None: ``n_keep``
     predicted: int | None = None
+    #: each declared span, named (``ocache.cache.align_judge.SpanJudge.judge``), for the debug record
+    names: tuple[str, ...] = ()
 
     @property
     def reused(self) -> int:
@@ -342,7 +344,7 @@ def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
     (``ocache.substitute.owner_of``; None: not checked, the caller proves it otherwise). The
     token-level proof is ``ocache.substitute.compare`` on the slot's ids (``Turn.ids``): where the
     answer ends is read from the generated span, never counted; the spans it declares are checked
-    on their text by the caller (``ocache.substitute.declared_text``)."""
+    on their text by the caller (``ocache.cache.align_judge.SpanJudge``)."""
     if turn is None:
         return AsSent("no record")
     if turn.finish_reason not in ENDED or turn.stop:

@@ -25,7 +25,7 @@ and three conditions, each required:
   ``<|im_end|>`` as text differs from its rendering (where the same text is one special token) in
   its content, and is refused.
 * **declared** (:class:`Span`, checked by the caller with the text of both sides,
-  :func:`declared_text`): the slot's side of a span is a reasoning block in a family's markup
+  :func:`declared`): the slot's side of a span is a reasoning block in a family's markup
   (``MARKUPS``: ``<think>`` ... ``</think>`` and whitespace; gpt-oss's analysis message; Gemma 4's
   thought channel) and the rendering's side is empty markup or the same reasoning text: reasoning the client *altered* is not declared and the request goes as
   sent.
@@ -39,8 +39,8 @@ holds a spliced history, and the client's edit would otherwise re-prefill from t
 block the slot kept, where llama-server alone, whose slot holds the template's rendering, reuses up
 to the edit.
 
-:func:`compare` is pure (no I/O): the caller (``ocache/cache/align_route.py``) detokenizes the spans'
-two sides and calls :func:`declared_text` on each pair. :func:`served` rebuilds the served prompt
+:func:`compare` is pure (no I/O): the caller (``ocache/cache/align_judge.py``) detokenizes the spans'
+two sides and calls :func:`declared` on each pair. :func:`served` rebuilds the served prompt
 and :func:`check` verifies the invariant on it (the spans applied to ``S`` give ``R[0, E)``), so a
 bug in the walk refuses, never serves.
 """

@@ -49,11 +49,11 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 
-from ocache.llama.reuse import predict_reuse
-from ocache.align import (MIN_PARTIAL_GAIN, NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide,
-                          decide_partial, partial_of, record, sampled_ids, text_calls, turn_end_marker)
+from ocache.align import (NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide, record,
+                          sampled_ids, text_calls, turn_end_marker)
+from ocache.cache.align_judge import SpanJudge
 from ocache.fingerprint import session_key
-from ocache.substitute import declared, owned, owner_of
+from ocache.substitute import owned, owner_of
 from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.exact import ExactWarmups
 from ocache.cache.execute import PlanContext
@@ -97,7 +97,7 @@ class AlignContext:
     body: Mapping
     #: the slot table's ``seq`` of the content this request leaves (``hold_known``), for ``finish``
     seq: int = -1
-    #: the declared spans, named (``ocache.substitute.declared_text``): the debug record of what
+    #: the declared spans, named (``ocache.cache.align_judge.SpanJudge``): the debug record of what
     #: the served prompt differs from the rendering in
     declared: tuple[str, ...] = ()
     #: set once the server answered it 200 (it was served and counted, ``aligned``)
@@ -190,8 +190,8 @@ class AlignRoute:
         self.parked: OrderedDict[str, Turn] = OrderedDict()
         #: requests planned by :meth:`_restored_plan`: (decision, the parked record), for observe
         self._restored: dict[str, tuple[Aligned, Turn]] = {}
-        self._memo: dict[tuple[tuple[int, ...], tuple[int, ...], bool], str] = {}
-        self._names: tuple[str, ...] = ()
+        #: the declared half of the gate: each span judged on its text (``/detokenize``)
+        self.judge: SpanJudge | None = None
         #: why alignment is off on this server (stats ``align.off``), None while it is on
         self.off_why: str | None = None
         self._probed = False
@@ -279,10 +279,16 @@ class AlignRoute:
             return slot, seq, turn
         return None
 
+    def _judge_of(self, layer: Any) -> SpanJudge:
+        """The span judge, its port the layer's token viewer's bounded call."""
+        if self.judge is None:
+            self.judge = SpanJudge(lambda: layer._viewer._post)
+        return self.judge
+
     def _owned(self, table: SlotTable, headers: Any) -> tuple[int, int, Turn] | None:
         """The slot whose record is the requester's own conversation (``owner_of``, a session key
         required) and whose content is still the one recorded: a candidate for a partial splice
-        only (:meth:`_partial`), the history having changed."""
+        only (``SpanJudge.partial``), the history having changed."""
         if session_key(headers) is None:
             return None
         owner = owner_of(headers)
@@ -291,38 +297,6 @@ class AlignRoute:
             if owned(turn.owner, owner) and st.seq == seq and not st.pending:
                 return slot, seq, turn
         return None
-
-    async def _partial(self, layer: Any, req: ParsedRequest, slot: int, turn: Turn, tokens: Sequence[int],
-                       dec: AsSent) -> Decision:
-        """A partial splice of ``turn``'s slot (``ocache.align.decide_partial``) for a request the
-        guard sent as is (``dec``), its spans judged on their text and the proof cut before the
-        first that is not declared; ``dec`` when none is made (counted ``partial_as_sent_<why>``).
-        A model that resumes at any token reuses exactly ``n_keep``; a hybrid one resumes at its
-        newest checkpoint at or before it (``predict_reuse`` on the slot table's checkpoints), so
-        the splice is made only when that point is ``MIN_PARTIAL_GAIN`` past where the request sent
-        as is would resume, and its figures are that point's."""
-        table: SlotTable = layer.table
-        n_ctx = table.params.n_ctx_slot
-        got = decide_partial(turn, tokens, self.eot_id if self.eot_id is not None else -1, owner_of(req.headers),
-                             session_key(req.headers) is not None, n_ctx=n_ctx)
-        if isinstance(got, Aligned) and got.proof is not None:
-            k, names = await self._judge(layer, turn, tokens, got.proof)
-            if k < len(got.proof.spans):
-                got = partial_of(turn.ids, tokens, got.proof.cut(k), n_ctx)
-            if isinstance(got, Aligned):
-                self._names = names[:k]
-        if isinstance(got, Aligned) and table.params.checkpoints:
-            st = table[slot]
-            sp = got.splice
-            held = list(turn.ids)
-            at = predict_reuse(held, len(held), st.checkpoints, held[:sp.n_keep] + list(sp.tail), table.params).cache_n
-            sent = predict_reuse(held, len(held), st.checkpoints, tokens, table.params).cache_n
-            got = (replace(got, predicted=at, saved=at - sent) if at - sent >= MIN_PARTIAL_GAIN
-                   else AsSent("checkpoint gains too little"))
-        if isinstance(got, AsSent):
-            self.counters["partial_as_sent_" + got.reason.replace(" ", "_")] += 1
-            return dec
-        return got
 
     def _park(self, turn: Turn) -> None:
         """Keep a record whose slot was taken (its conversation spilled, or gone) under its owner,
@@ -358,9 +332,7 @@ class AlignRoute:
         table: SlotTable = layer.table
         dec = decide(turn, body, prep.view.tokens, self.eot_id, n_ctx=table.params.n_ctx_slot, owner=owner)
         if isinstance(dec, Aligned):
-            why = await self._declared(layer, turn, prep.view.tokens, dec)
-            if why is not None:
-                dec = AsSent(why)
+            dec = await self._judge_of(layer).whole(turn, prep.view.tokens, dec)
         if isinstance(dec, AsSent):
             self.counters["restored_as_sent_" + dec.reason.replace(" ", "_")] += 1
             return None
@@ -389,58 +361,6 @@ class AlignRoute:
                  plan.headers.get("X-OCache-Tier"), sp.n_keep, len(sp.tail))
         return plan
 
-    async def _declared(self, layer: Any, turn: Turn, tokens: Sequence[int], dec: Aligned) -> str | None:
-        """Judge each span of the gate's proof on its text (:meth:`_judge`): None when every one is
-        declared (their names kept in ``self._names`` for the plan's context), else why not."""
-        if dec.proof is None:
-            return "no proof"
-        k, names = await self._judge(layer, turn, tokens, dec.proof)
-        if k < len(dec.proof.spans):
-            return "undeclared difference"
-        self._names = names
-        return None
-
-    async def _judge(self, layer: Any, turn: Turn, tokens: Sequence[int], proof: Any) -> tuple[int, tuple[str, ...]]:
-        """Judge the spans of ``proof`` in order on their text (``/detokenize`` of their two windows,
-        ``ocache.substitute.declared``) up to the first that is not a reasoning block dropped or
-        re-rendered: (its index, ``len(proof.spans)`` when all are; the names of those before)."""
-        names: list[str] = []
-        for k, sp in enumerate(proof.spans):
-            sides = (tuple(turn.ids[sp.window_slot[0]:sp.window_slot[1]]),
-                     tuple(tokens[sp.window_render[0]:sp.window_render[1]]))
-            key = (*sides, sp.generated)
-            why = self._memo.get(key)
-            if why is None:
-                texts = await asyncio.gather(*(self._detokenize(layer, side) for side in sides))
-                why = declared(texts[0], texts[1], generated=sp.generated) or ""
-                if not why and any(t.count("<think>") != t.count("</think>") for t in texts):
-                    # the windows cut a think block: widened over every equal id around the span
-                    ws, wr = sp.widened()
-                    texts = list(await asyncio.gather(self._detokenize(layer, turn.ids[ws[0]:ws[1]]),
-                                                      self._detokenize(layer, tokens[wr[0]:wr[1]])))
-                    why = declared(texts[0], texts[1], generated=sp.generated) or ""
-                if not why:
-                    log.debug("undeclared span %s: slot %r, render %r", sp, *texts)
-                if len(self._memo) >= 1024:
-                    self._memo.pop(next(iter(self._memo)))
-                self._memo[key] = why
-            if not why:
-                return k, tuple(names)
-            names.append(f"{why}: slot {sp.slot_from}-{sp.slot_to} for render {sp.render_from}-{sp.render_to}")
-        return len(proof.spans), tuple(names)
-
-    @staticmethod
-    async def _detokenize(layer: Any, ids: Sequence[int]) -> str:
-        """The server's text of ``ids`` (``POST /detokenize``, tools/server/server-context.cpp
-        ``handle_detokenize``)."""
-        if not ids:
-            return ""
-        got = await layer._viewer._post("/detokenize", {"tokens": list(ids)})
-        text = got.get("content") if isinstance(got, Mapping) else None
-        if not isinstance(text, str):
-            raise ValueError("/detokenize answered without content")
-        return text
-
     async def _settle(self, table: SlotTable, keys: Any) -> None:
         """An agent sends its next turn the moment the previous answer ends, before the proxy has
         observed that answer (and this route recorded it): wait (bounded, ``SETTLE_WAIT_S``) for a
@@ -454,6 +374,27 @@ class AlignRoute:
                 self.counters["settle_waits"] += 1
                 await table.wait_settled(st.id, SETTLE_WAIT_S)
                 return
+
+    async def _decision(self, layer: Any, req: ParsedRequest, body: Mapping, slot: int, turn: Turn,
+                        tokens: Sequence[int], whole: bool) -> Decision:
+        """The gate's decision for a request (its rendering ``tokens``) on ``turn``'s slot: the
+        whole splice (``decide``, its spans judged) when the record's history opens the request
+        (``whole``), else or failing that a partial one (``SpanJudge.partial``); counted
+        ``partial_as_sent_<why>`` when neither is made."""
+        table: SlotTable = layer.table
+        eot = self.eot_id if self.eot_id is not None else -1
+        dec: Decision = (decide(turn, body, tokens, eot, n_ctx=table.params.n_ctx_slot, owner=owner_of(req.headers))
+                         if whole else AsSent("history differs"))
+        if isinstance(dec, Aligned):
+            dec = await self._judge_of(layer).whole(turn, tokens, dec)
+        if isinstance(dec, AsSent) and dec.reason not in NO_PARTIAL and table.params.checkpoints is not None:
+            part = await self._judge_of(layer).partial(table, slot, turn, tokens, eot, owner_of(req.headers),
+                                                       session_key(req.headers) is not None)
+            if isinstance(part, AsSent):
+                self.counters["partial_as_sent_" + part.reason.replace(" ", "_")] += 1
+            else:
+                dec = part
+        return dec
 
     async def plan(self, layer: Any, req: ParsedRequest, body: Mapping, path: str, kind: str,
                    head: Any, keys: Any, view_of: Callable[[], Awaitable[Any]] | None = None,
@@ -483,19 +424,10 @@ class AlignRoute:
                 return None
             return await self._restored_plan(layer, req, body, msgs, prepared_of, kind)
         slot, seq, turn = found
-        eot = self.eot_id
-        assert eot is not None
         view = await view_of() if view_of is not None else await layer._viewer.view(path, body, head, keys)
         if view is None:   # the server rejects the body: the usual route forwards it as sent
             return None
-        dec: Decision = (decide(turn, body, view.tokens, eot, n_ctx=table.params.n_ctx_slot,
-                                owner=owner_of(req.headers)) if whole else AsSent("history differs"))
-        if isinstance(dec, Aligned):
-            why = await self._declared(layer, turn, view.tokens, dec)
-            if why is not None:
-                dec = AsSent(why)
-        if isinstance(dec, AsSent) and dec.reason not in NO_PARTIAL and table.params.checkpoints is not None:
-            dec = await self._partial(layer, req, slot, turn, view.tokens, dec)
+        dec = await self._decision(layer, req, body, slot, turn, view.tokens, whole)
         if isinstance(dec, AsSent):
             self.counters["as_sent_" + dec.reason.replace(" ", "_")] += 1
             if dec.reason != "extends":
@@ -521,7 +453,7 @@ class AlignRoute:
         # the slot's whole prompt is known now: its ids kept, then the request's new part
         ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body,
                            seq=hold_known(table, slot, tuple(turn.ids[:sp.n_keep]) + tuple(sp.tail), keep=dec.reused),
-                           declared=self._names)
+                           declared=dec.names)
         self.records.pop(slot, None)
         if ctx.declared:
             log.debug("[%s] declared: %s", req.request_id, "; ".join(ctx.declared))
