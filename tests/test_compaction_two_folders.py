@@ -12,13 +12,16 @@ The setup (all real: opencode from npm, ``ocache serve --record``, the patched l
 
 * the tiny hybrid model with Qwen3's chat template (the pinned source's ``Qwen-Qwen3-0.6B.jinja``),
   4 slots, and ``--logit-bias`` on ``<|im_end|>``: every generation is the end of turn alone, so an
-  answer is ended by the model (the continued route needs that) and equal in both projects. A hybrid
-  model is not reused part way, so the second project's agent turn is placed on another slot than
-  the first's, and both conversations are resident when the second compaction arrives;
+  answer is ended by the model (the continued route needs that) and equal in both projects. On the
+  dense model ocache placed the second project's turn on the first's slot (they share its first
+  ~1.8k tokens) and spilled the first conversation; the hybrid model resumes only where a checkpoint
+  was kept, so the second turn goes to the slot holding the harness head and both conversations are
+  resident when the second compaction arrives (asserted: the two turns' slots differ);
 * each folder holds its own ``AGENTS.md`` and source file (opencode puts ``AGENTS.md`` and the
   working directory into its system prompt, so a prompt served from a project's conversation names
   that project), and an ``opencode.json`` with a context limit below the first agent turn (~7.3k
-  tokens): after its first answer opencode compacts the session by itself;
+  tokens): after its first answer opencode compacts the session by itself. Each project's runs
+  have a HOME of their own (two first runs at once in one HOME race to create opencode's database);
 * a project plugin (``.opencode/plugins/``, opencode's own hook ``experimental.compaction.autocontinue``)
   turns off the turn opencode adds after an automatic compaction, so ``opencode run`` exits after
   its compaction instead of compacting again until stopped;
@@ -36,7 +39,6 @@ answer and the instruction turn), the slot the compaction ran on (saved after th
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import urllib.request
 
@@ -57,7 +59,7 @@ PROMPT = "what does this project do?"
 CONTEXT_LIMIT = 7000
 #: Qwen's ``<|im_end|>`` (the end of turn of both tiny models' vocabulary)
 IM_END = 151645
-#: bound on one ``opencode run`` (seconds): measured 22-94 s each on the 2 shared cores
+#: bound on one ``opencode run`` (seconds): measured 32-59 s each on the 2 shared cores
 RUN_TIMEOUT_S = 150.0
 
 #: opencode plugin: no "Continue if you have next steps" turn after an automatic compaction
@@ -92,12 +94,12 @@ def _post(url: str, path: str, body: dict) -> dict:
 
 
 def _run(binary, folders: dict, env: dict, at_once: bool, proxy: OcacheProcess) -> dict:
-    """``opencode run PROMPT`` in each folder (``--title``: no title request), one after the other
+    """``opencode run PROMPT`` in each folder with its ``env`` (``--title``: no title request), one after the other
     (the next once the previous run's compaction is recorded) or all at once; the runs by folder name."""
     runs: dict = {}
 
     def one(name: str) -> None:
-        runs[name] = clients.run_opencode(binary, folders[name], PROMPT, env, timeout=RUN_TIMEOUT_S,
+        runs[name] = clients.run_opencode(binary, folders[name], PROMPT, env[name], timeout=RUN_TIMEOUT_S,
                                           args=("--print-logs", "--title", name))
 
     if at_once:
@@ -127,14 +129,11 @@ def test_each_projects_compaction_is_served_from_its_own_conversation(serve_temp
     srv = serve_template("hybrid", template=TEMPLATES["dense"], n_parallel=4, ctx_size=4 * 12288,
                          args=["-n", "64", "--logit-bias", f"{IM_END}+100"])
     proxy = OcacheProcess(srv.url, tmp_path, server_args=srv.command()[1:])
-    env = clients.isolated_env(tmp_path / "home")     # one user, two folders
+    # a HOME per project: two first runs at once in one HOME race to create opencode's database
+    env = {name: clients.isolated_env(tmp_path / f"home-{name}") for name in PROJECTS}
     try:
         proxy.wait_ready()
         folders = {name: _project(tmp_path, name, proxy.url + "/v1") for name in PROJECTS}
-        # opencode's database is created (and migrated) by its first command: before two start at once
-        init = subprocess.run([str(binary), "session", "list"], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=60, stdin=subprocess.DEVNULL)
-        assert init.returncode == 0, init.stderr[-3000:]
         runs = _run(binary, folders, env, at_once, proxy)
         for name in PROJECTS:
             assert name in runs and runs[name].returncode == 0, runs.get(name) and runs[name].describe()
@@ -186,6 +185,9 @@ def test_each_projects_compaction_is_served_from_its_own_conversation(serve_temp
             assert "X-OCache-Continued" not in headers and "messages" not in updates \
                 and "ocache_splice" not in updates, (name, headers, updates)
             assert other not in _text(c["body"]["messages"]), name
+
+    continued = [name for name in PROJECTS if comp[name]["plan"]["headers"].get("X-OCache-Path") == "continued"]
+    assert stats["recognised"] == len(PROJECTS) and stats["requests"] == len(continued), stats
 
     # the prompts the server was given, read back from the slot each continued compaction ran on
     # (the last request on it): the first usage.prompt_tokens ids of the saved slot, detokenized
