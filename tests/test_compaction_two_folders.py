@@ -94,8 +94,9 @@ def _post(url: str, path: str, body: dict) -> dict:
 
 
 def _run(binary, folders: dict, env: dict, at_once: bool, proxy: OcacheProcess) -> dict:
-    """``opencode run PROMPT`` in each folder with its ``env`` (``--title``: no title request), one after the other
-    (the next once the previous run's compaction is recorded) or all at once; the runs by folder name."""
+    """``opencode run PROMPT`` in each folder with its ``env`` (``--title``: no title request), one
+    after the other (the next once the previous run's compaction is recorded) or all at once; the
+    runs by folder name."""
     runs: dict = {}
 
     def one(name: str) -> None:
