@@ -289,6 +289,19 @@ class Aligned:
     saved: int
     #: the gate's proof (``ocache.substitute.compare``): the answer's end and the declared spans
     proof: Proof | None = None
+    #: a partial splice (:func:`decide_partial`): the slot's first ``n_keep`` ids only
+    partial: bool = False
+    #: the slot's ids the server reuses when fewer than ``n_keep``: a hybrid model resumes a
+    #: partial splice at its newest checkpoint at or before ``n_keep`` and prefills the kept ids
+    #: after it again (``ocache.llama.reuse.predict_reuse``); None: ``n_keep``
+    predicted: int | None = None
+    #: each declared span, named (``ocache.cache.align_judge.SpanJudge.judge``), for the debug record
+    names: tuple[str, ...] = ()
+
+    @property
+    def reused(self) -> int:
+        """The slot tokens the server reuses (its ``cache_n``)."""
+        return self.splice.n_keep if self.predicted is None else self.predicted
 
 
 @dataclass(frozen=True)
@@ -331,7 +344,7 @@ def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
     (``ocache.substitute.owner_of``; None: not checked, the caller proves it otherwise). The
     token-level proof is ``ocache.substitute.compare`` on the slot's ids (``Turn.ids``): where the
     answer ends is read from the generated span, never counted; the spans it declares are checked
-    on their text by the caller (``ocache.substitute.declared_text``)."""
+    on their text by the caller (``ocache.cache.align_judge.SpanJudge``)."""
     if turn is None:
         return AsSent("no record")
     if turn.finish_reason not in ENDED or turn.stop:
@@ -370,12 +383,69 @@ def decide(turn: Turn | None, body: Mapping, tokens: Sequence[int], eot_id: int,
     splice = Splice(n_keep=len(ids), checked=ids, tail=tail)
     if n_ctx is not None and splice.n_prompt > n_ctx:
         return AsSent("splice exceeds the context")
-    lcp = 0
-    for a, b in zip(ids, tokens):
-        if a != b:
+    return Aligned(splice, saved=max(0, proof.end - lcp(ids, tokens)), proof=proof)
+
+
+#: the fewest slot tokens a partial splice must keep beyond what the request sent as is would
+#: reuse (its common prefix with the slot): below it, the request goes as sent
+MIN_PARTIAL_GAIN = 16
+
+#: the reasons of :func:`decide` after which a partial splice is not tried: nothing of the slot may
+#: be served (not the requester's, not known), or the request sent as is reuses the whole slot
+NO_PARTIAL = frozenset({"no record", "not the requester's conversation", "slot tokens unknown", "extends",
+                        "no messages", "malformed message", "splice exceeds the context"})
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
             break
-        lcp += 1
-    return Aligned(splice, saved=max(0, proof.end - lcp), proof=proof)
+        n += 1
+    return n
+
+
+def decide_partial(turn: Turn | None, tokens: Sequence[int], eot_id: int, owner: str,
+                   has_session: bool, n_ctx: int | None = None) -> Decision:
+    """A partial splice of ``turn``'s slot for a request (its prompt ``tokens``) that :func:`decide`
+    sent as is: the slot's ids up to where they part for good from the rendering
+    (``ocache.substitute.compare(partial=True)``), then the rest of the rendering. Only for the
+    requester's own conversation, named by a session key (``has_session``: without one, two
+    sessions with equal prompts are one owner), and only when it keeps at least
+    ``MIN_PARTIAL_GAIN`` tokens more than the request's common prefix with the slot (what it would
+    reuse sent as is). The proof's spans are still to be declared on their text by the caller,
+    which cuts the proof before a span that is not (``Proof.cut``)."""
+    if turn is None:
+        return AsSent("no record")
+    if not has_session or not owned(turn.owner, owner):
+        return AsSent("not the requester's conversation")
+    ids = turn.ids
+    if not ids or len(ids) != turn.n_held or not turn.regions:
+        return AsSent("slot tokens unknown")
+    ends = frozenset(t for t in (eot_id, turn.regions[-1].eog) if t >= 0)
+    proof = compare(ids, turn.regions, tokens, ends, partial=True)
+    if isinstance(proof, Refused):
+        return AsSent(proof.reason)
+    return partial_of(ids, tokens, proof, n_ctx)
+
+
+def partial_of(ids: Sequence[int], tokens: Sequence[int], proof: Proof, n_ctx: int | None = None) -> Decision:
+    """The partial splice of ``proof`` (its first ``n_keep`` slot ids ``ids``, then ``tokens`` from
+    ``end``), or why not: it must keep ``MIN_PARTIAL_GAIN`` more than the common prefix, hold the
+    invariant (``ocache.substitute.check``), leave a new part and fit ``n_ctx``."""
+    common = lcp(ids, tokens)
+    if proof.n_keep - common < MIN_PARTIAL_GAIN:
+        return AsSent("partial gains too little")
+    if not check(ids, tokens, proof):
+        return AsSent("invariant not verified")
+    tail = tuple(tokens[proof.end:])
+    if not tail:
+        return AsSent("nothing new after the answer")
+    splice = Splice(n_keep=proof.n_keep, checked=tuple(ids[:proof.n_keep]), tail=tail)
+    if n_ctx is not None and splice.n_prompt > n_ctx:
+        return AsSent("splice exceeds the context")
+    return Aligned(splice, saved=proof.n_keep - common, proof=proof, partial=True)
 
 
 def generated_region(start: int, generated: Sequence[int], think_close: int | None) -> Region:
@@ -418,7 +488,9 @@ def record(body: Mapping, tokens: Sequence[int], eot_id: int, answer: Mapping, f
                      if start < sp.n_keep)
         segments = kept + ((sp.n_keep, sp.tail),)
         prompt = tuple(previous.ids[:sp.n_keep]) + tuple(sp.tail) if len(previous.ids) >= sp.n_keep else ()
-        regions = previous.regions
+        # a partial splice keeps the generated spans before its n_keep (one cut there ends at it)
+        regions = tuple(Region(g.start, min(g.end, sp.n_keep), min(g.content, sp.n_keep), g.eog)
+                        for g in previous.regions if g.start < sp.n_keep)
     else:
         known = tuple(tokens)
         segments = ((0, known),)

@@ -97,12 +97,15 @@ class Config:
                           "their tasks cancelled) only after this many /health probes in a row "
                           "got no answer in probe_timeout_s each (one slow probe on a loaded "
                           "machine is not a stopped server)", min=1, max=100)
-    view_timeout_s: float = _f(30.0, "seconds a request's token view (llama-server's /apply-template "
-                               "and /tokenize of its prompt) may take; then the request is forwarded "
-                               "as sent (X-OCache-Fail-Open: plan), whoever else the server is serving "
-                               "(5 s failed requests open on a loaded 2-core machine, where one "
-                               "/tokenize of a 12k-token prompt took longer)",
-                               min=0.05)
+    view_timeout_s: float = _f(30.0, "the most seconds a request's token view (llama-server's "
+                               "/apply-template and /tokenize of its prompt) may take, however long "
+                               "its prompt; then the request is forwarded as sent (X-OCache-Fail-Open: "
+                               "plan), whoever else the server is serving", min=0.05)
+    view_slack_s: float | None = _f(None, "seconds a token view may take beyond the prefill it "
+                                    "could save (the prompt's estimated tokens at the measured "
+                                    "prefill rate), at most view_timeout_s; then the request is "
+                                    "forwarded as sent; unset: 5 (ocache.tokens.VIEW_SLACK_S)",
+                                    min=0.0)
     loading_wait_s: float = _f(120.0, "requests that arrive while llama-server loads its model are "
                                "held until it is ready, at most this many seconds; then they get "
                                "the server's 503 with Retry-After", min=0)

@@ -7,7 +7,7 @@ tokens), the continued route (a compaction served as the conversation's next tur
 for a slot that holds ``S`` (``n_held`` token ids, every one known: the prompts ocache sent, then
 the ids the server reported it sampled, ``patches/0010``)::
 
-    served = S[0, K) + R[E, len(R))        K = len(S)
+    served = S[0, K) + R[E, len(R))        K = len(S), or less for a partial splice
 
 and three conditions, each required:
 
@@ -25,13 +25,22 @@ and three conditions, each required:
   ``<|im_end|>`` as text differs from its rendering (where the same text is one special token) in
   its content, and is refused.
 * **declared** (:class:`Span`, checked by the caller with the text of both sides,
-  :func:`declared_text`): the slot's side of a span is a reasoning block in a family's markup
+  :func:`declared`): the slot's side of a span is a reasoning block in a family's markup
   (``MARKUPS``: ``<think>`` ... ``</think>`` and whitespace; gpt-oss's analysis message; Gemma 4's
   thought channel) and the rendering's side is empty markup or the same reasoning text: reasoning the client *altered* is not declared and the request goes as
   sent.
 
-:func:`compare` is pure (no I/O): the caller (``ocache/cache/align_route.py``) detokenizes the spans'
-two sides and calls :func:`declared_text` on each pair. :func:`served` rebuilds the served prompt
+A *partial* splice keeps less of the slot: ``K`` is where the slot and the rendering part for
+good (an edited or removed message, an answer the client changed) and ``E`` the rendering's
+position there; everything before is proven as above (owned, compared, declared), everything after
+is the request's own rendering. It is made only for a requester with a session key, when it keeps
+more of the slot than the request sent as is would (``ocache.align.decide_partial``): the slot
+holds a spliced history, and the client's edit would otherwise re-prefill from the first reasoning
+block the slot kept, where llama-server alone, whose slot holds the template's rendering, reuses up
+to the edit.
+
+:func:`compare` is pure (no I/O): the caller (``ocache/cache/align_judge.py``) detokenizes the spans'
+two sides and calls :func:`declared` on each pair. :func:`served` rebuilds the served prompt
 and :func:`check` verifies the invariant on it (the spans applied to ``S`` give ``R[0, E)``), so a
 bug in the walk refuses, never serves.
 """
@@ -130,11 +139,18 @@ class Span:
 class Proof:
     """What :func:`compare` found: the rendering's answer end ``end`` (``R[end]`` is the end of turn
     that follows the slot's last generated id), the ``spans`` where the two differ (each still to be
-    :func:`declared`), and ``n_keep`` = ``len(S)``."""
+    :func:`declared`), and ``n_keep`` = ``len(S)``; for a partial proof (``compare(partial=True)``)
+    ``n_keep`` < ``len(S)`` and ``end`` are where the two parted."""
 
     end: int
     spans: tuple[Span, ...]
     n_keep: int
+
+    def cut(self, k: int) -> "Proof":
+        """The partial proof that stops before span ``k`` (one :func:`declared` refused): the slot
+        and the rendering agree up to that span's start, but for the spans before it."""
+        sp = self.spans[k]
+        return Proof(end=sp.render_from, spans=self.spans[:k], n_keep=sp.slot_from)
 
 
 @dataclass(frozen=True)
@@ -205,7 +221,7 @@ def _resync(slot: Sequence[int], r: list[int], hay: bytes, regions: Sequence[Reg
 
 
 def compare(slot: Sequence[int], regions: Sequence[Region], render: Sequence[int],
-            ends: frozenset[int]) -> Proof | Refused:
+            ends: frozenset[int], partial: bool = False) -> Proof | Refused:
     """Walk the slot's ids ``slot`` (``S``) and the rendering ``render`` (``R``) token by token.
     Where they part, the next point where they agree again is the first rendering position ``j2``
     (at most ``MAX_FILLER`` ids on: a template's markup; inside a generated turn, as far as the
@@ -216,7 +232,13 @@ def compare(slot: Sequence[int], regions: Sequence[Region], render: Sequence[int
     its last generated span (``regions[-1]``, ids the server reported it sampled) and the rendering
     continue there with an id of ``ends``: that is where the answer ends, read from the generated
     ids, never counted. Returns the :class:`Proof` (its spans still to be :func:`declared`) or why
-    not."""
+    not.
+
+    ``partial``: where the walk would refuse (the two part for good: an edited message, an answer
+    the client changed), the proof of the longest part that agrees instead: ``n_keep`` the slot
+    position and ``end`` the rendering position where they parted, ``S[0, n_keep)`` equal to
+    ``R[0, end)`` but for the spans found before (a *partial* splice: the rest of the rendering
+    from there is the request's own)."""
     n = len(slot)
     if not regions or regions[-1].end != n:
         return Refused("the slot does not end with a generated turn")
@@ -232,6 +254,8 @@ def compare(slot: Sequence[int], regions: Sequence[Region], render: Sequence[int
         if i == n:
             if j < len(r) and r[j] in ends:
                 break
+            if partial:
+                return Proof(end=j, spans=tuple(spans), n_keep=i)
             return Refused("answer end not found")
         # inside a generated turn (or its generation prompt) the rendering may write the turn's
         # text in other ids all along it; elsewhere only a template's markup stands in between
@@ -239,6 +263,8 @@ def compare(slot: Sequence[int], regions: Sequence[Region], render: Sequence[int
         j_max, s_hi = (j + (reg.end - i) + MAX_FILLER, reg.end) if reg is not None else (j + MAX_FILLER, n)
         got = _resync(slot, r, hay, regions, reg, ends, i, j, j_max, s_hi)
         if got is None:
+            if partial:
+                return Proof(end=j, spans=tuple(spans), n_keep=i)
             return Refused("no agreement after a difference")
         i2, j2 = got
         before = min(CONTEXT, i, j)

@@ -59,7 +59,7 @@ import logging
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,21 @@ from ocache.media import MARKER as MEDIA_MARKER
 from ocache.upstream import UpstreamPort
 
 log = logging.getLogger("ocache.tokens")
+
+#: Seconds a token view may wait beyond the prefill it could save (``ViewCalls.bound_s``; config
+#: ``view_slack_s`` overrides it): a view call that gets no answer costs a short prompt ~5 s before
+#: it goes as sent, while a loaded machine's slow view of a long prompt still has the prompt's own
+#: prefill time. The test suite widens it (tests/conftest.py): no test depends on how fast a loaded
+#: machine answers.
+VIEW_SLACK_S = 5.0
+#: Request-body bytes per prompt token, as ``ViewCalls.bound_s`` estimates a prompt before its
+#: view: BPE text runs 3-4 bytes per token and JSON adds its escapes and field names, so 2 errs on
+#: the side of more tokens (a longer bound).
+BYTES_PER_TOKEN = 2.0
+#: Prefill rate (tokens/s) a view's bound prices the prompt at before the server's rate was
+#: measured: a slow GPU's (the remote tier's ``UNMEASURED_PREFILL_TPS``), so an unmeasured bound
+#: errs long.
+UNMEASURED_PREFILL_TPS = 1000.0
 
 #: The stand-in first message of a delta render (see ``TokenViewer.render``).
 _STUB = {"role": "user", "content": "x"}
@@ -96,9 +111,11 @@ class TokenViewError(RuntimeError):
     """The upstream could not render or tokenize the request (``status`` = its HTTP status, or 0
     when it was unreachable). The proxy forwards the request untouched (fail open)."""
 
-    def __init__(self, message: str, status: int = 0):
+    def __init__(self, message: str, status: int = 0, timed_out: bool = False):
         super().__init__(message)
         self.status = status
+        #: the server gave no answer within the call's or the view's bound
+        self.timed_out = timed_out
 
 
 @dataclass
@@ -322,23 +339,45 @@ class TextCache:
         self.n_bytes = 0
 
 
-class TokenViewer:
-    """Builds TokenViews through the upstream's ``/apply-template`` and ``/tokenize``.
+class ViewCalls:
+    """The token view's calls to one llama-server: ``POST /tokenize``, ``/apply-template`` and the
+    token-count routes, each idempotent and read-only, and the vocab probe built on them.
+
+    Where these calls can wait, in the pinned source (tools/server/): each is answered on the HTTP
+    thread that read it, with no task for the task loop, so none waits for a batch being decoded or
+    prefilled: ``/apply-template`` runs ``oaicompat_chat_params_parse`` in the handler
+    (server-context.cpp:5418-5428), ``/tokenize`` runs ``tokenize_mixed`` on the vocab
+    (server-context.cpp:5442-5481), ``/v1/chat/completions/input_tokens`` does both
+    (server-context.cpp:5901-5950); only ``GET /slots`` (not a view call) posts a task and waits for
+    the loop to take it between two ``update_slots`` batches (server-context.cpp:5094-5101,
+    server-queue.cpp:299-310): at most one batch, which the forwarded request's own task waits for
+    as well (its task is taken at the same point, after the ``GET /slots`` task: high priority).
+    Every connection gets a thread: ``n_threads_http`` fixed threads (``max(-np + 4, cores - 1)``
+    unless ``--threads-http``, server-http.cpp:162-166) plus up to 1024 more made on demand when
+    none is idle (server-http.cpp:572-574; cpp-httplib ``ThreadPool::enqueue``,
+    vendor/cpp-httplib/httplib.cpp:7179-7198), so other clients' streams and idle keep-alive
+    connections do not hold the view back either (measured: ``scripts/measure-second-ocache``,
+    docs/benchmarks.md). What is left that can hold a view call: the server's CPU (the handler
+    tokenizes on a thread that competes with the decode threads; 0.04-0.05 s per 10k tokens
+    idle), a server that sleeps (``--sleep-idle-seconds``: every route but /health, /metrics,
+    /props and /models waits for the model to be loaded again, ``create_response`` ->
+    ``server_res_generator``, server-context.cpp:4511-4517, 5012-5030, 5162, 5430), and a stopped
+    or hung process (no answer at all). Each is bounded by what the view buys: :meth:`bound_s` for
+    a view, :meth:`call_timeout` for each call (also those made outside a view).
 
     ``upstream``: an ``ocache.upstream.Upstream`` (its shared ``session``, ``base_url``, ``api_key``
-    and ``epoch`` are used; a new epoch clears every cache, since a restarted server may have
-    another template or vocab) or a base URL string (a private aiohttp session is created; call
-    ``close()``). ``boundary``: the special token that starts a turn (ChatML ``<|im_start|>``);
-    ``user_delimiter``: the text that starts a user turn. Cache sizes: ``max_renders`` bodies,
-    ``max_texts`` rendered texts / ``max_tokens`` token ids.
+    and ``epoch`` are used) or a base URL string (a private aiohttp session is created; call
+    ``close()``). ``timeout_s``: seconds one call may take at most (aiohttp's total, connection
+    included); ``view_timeout_s``, ``view_slack_s``, ``prefill_tps_of``: what :meth:`bound_s` prices
+    a view and :meth:`call_timeout` a call at. ``boundary``/``user_delimiter``: as
+    :class:`TokenViewer`'s, for :meth:`probe`.
     """
 
-    def __init__(self, upstream: UpstreamPort | str, *, api_key: str | None = None, boundary: str = "<|im_start|>",
-                 user_delimiter: str = "<|im_start|>user", max_renders: int = 256, max_texts: int = 256,
-                 max_tokens: int = 4_000_000, timeout_s: float = 120.0,
-                 max_render_bytes: int = 8 << 20, max_token_bytes: int = 8 << 20,
-                 delta: bool = True, verify_first: int = 8, verify_every: int = 16,
-                 verify_wait_s: float = 60.0, view_timeout_s: float | None = None):
+    counters: dict[str, int]
+
+    def __init__(self, upstream: UpstreamPort | str, *, api_key: str | None, boundary: str,
+                 user_delimiter: str, timeout_s: float, view_timeout_s: float | None = None,
+                 view_slack_s: float | None = None, prefill_tps_of: Callable[[], float | None] | None = None):
         if isinstance(upstream, str):
             self._upstream = None
             self.base_url = upstream.rstrip("/")
@@ -351,33 +390,15 @@ class TokenViewer:
         self.boundary = boundary
         self.user_delimiter = user_delimiter
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        #: seconds one :meth:`view` may take in all (None: each HTTP call bounded by ``timeout_s`` only)
+        #: the most seconds one view may take in all, whatever it could save (None: no bound of a
+        #: view, each call bounded by ``timeout_s`` only); :meth:`bound_s` is the bound
         self.view_timeout_s = view_timeout_s
-        self.renders = TextCache(max_renders, max_render_bytes)
-        self.max_renders = max_renders
-        self.texts = TokenCache(max_texts, max_tokens, max_token_bytes)
-        # delta render state: digest of (render fields, messages[:k]) -> (render key of a text that
-        # starts with that prefix's render, its length in characters); bounded with the renders
-        self.msg_prefixes: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
-        self.stubs: dict[bytes, tuple[str, str]] = {}  # delta-body key -> (stub text Q, gen prompt G)
-        self.rewriting: set[bytes] = set()  # delta-body keys whose template is not append-only (_appends)
-        self.delta = delta
-        self.delta_ok = True
-        self.verify_first, self.verify_every = verify_first, verify_every
-        self.verify_wait_s = verify_wait_s
-        self._n_delta = 0
-        self._verifying: set[asyncio.Task] = set()
-        # head.key -> (head prefix text, its tokens); a few harnesses at a time, so a small LRU
-        self.heads: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
-        self.max_heads = 32
-        #: image digest (ocache/media.py) -> prompt positions the server gives it, this epoch
-        self.media_positions: dict[str, int] = {}
+        #: the server's measured prefill rate (tokens/s; None before one was measured), what
+        #: :meth:`bound_s` prices the prefill a view can save at (``OCacheLayer.prefill_tps``)
+        self.prefill_tps_of = prefill_tps_of
+        #: seconds beyond that prefill (None: ``VIEW_SLACK_S``, read when a view starts)
+        self.view_slack_s = view_slack_s
         self._probe: dict | None = None
-        self._epoch = getattr(upstream, "epoch", None)
-        self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
-                         "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0,
-                         "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0, "delta_refused": 0,
-                         "delta_verify_late": 0, "view_timeouts": 0}
 
     # --- HTTP -----------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
@@ -389,9 +410,6 @@ class TokenViewer:
         return self._own_session
 
     async def close(self) -> None:
-        for task in list(self._verifying):
-            task.cancel()
-        await self.wait_verified()
         if self._own_session is not None:
             await self._own_session.close()
             self._own_session = None
@@ -402,15 +420,17 @@ class TokenViewer:
         session's pooled keep-alive connection still points at the dead process, and its first use
         fails with "Server disconnected" (seen in ``tests/test_disk_tier.py`` under load). Both
         endpoints are idempotent. Raises TokenViewError (also once the shared session is closed:
-        ocache is stopping, and a background check still running then is only skipped)."""
+        ocache is stopping, and a background check still running then is only skipped). Each try
+        is bounded by :meth:`call_timeout`; one that outlasts it is counted ``call_timeouts``."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        timeout = self.call_timeout(payload)
         for attempt in (0, 1):
             session = self._session()
             if session.closed:
                 raise TokenViewError(f"{path}: the HTTP session is closed (ocache is stopping)")
             try:
                 async with session.post(self.base_url + path, json=payload, headers=headers,
-                                                timeout=self.timeout) as resp:
+                                        timeout=timeout) as resp:
                     raw = await resp.read()
                     if resp.status != 200:
                         raise TokenViewError(f"{path}: HTTP {resp.status}: "
@@ -420,9 +440,51 @@ class TokenViewer:
                 if attempt == 0:
                     continue
                 raise TokenViewError(f"{path}: upstream unreachable: {exc or type(exc).__name__}") from exc
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except asyncio.TimeoutError as exc:
+                self.counters["call_timeouts"] = self.counters.get("call_timeouts", 0) + 1
+                raise TokenViewError(f"{path}: no answer within {timeout.total:.3g} s (what the call "
+                                     f"could save; the server is stopped, asleep or starved)",
+                                     timed_out=True) from exc
+            except aiohttp.ClientError as exc:
                 raise TokenViewError(f"{path}: upstream unreachable: {exc or type(exc).__name__}") from exc
         raise AssertionError("unreachable")
+
+    def bound_s(self, body: Mapping) -> tuple[float, int, float] | None:
+        """``(seconds, tokens, tokens/s)``: how long ``TokenViewer.view`` may wait for ``body``'s view, or
+        None when unbounded (``view_timeout_s`` None). The most a plan can save is the prefill of the
+        whole prompt: ``tokens`` = the body's bytes (compact JSON) / ``BYTES_PER_TOKEN``, at the
+        server's measured prefill rate (``prefill_tps_of``; ``UNMEASURED_PREFILL_TPS`` before one
+        was measured), plus :attr:`slack_s`, and never more than ``view_timeout_s``. Past it, the
+        request goes as sent: waiting longer would cost more than any reuse gives back."""
+        if self.view_timeout_s is None:
+            return None
+        try:
+            n_bytes = len(_key_bytes(body))
+        except (TypeError, ValueError):   # not JSON-encodable: priced by the slack alone
+            n_bytes = 0
+        tps = (self.prefill_tps_of() if self.prefill_tps_of is not None else None) or UNMEASURED_PREFILL_TPS
+        tokens = int(n_bytes / BYTES_PER_TOKEN)
+        return min(self.view_timeout_s, self.slack_s + tokens / tps), tokens, tps
+
+    def call_timeout(self, payload: Any) -> aiohttp.ClientTimeout:
+        """One call's bound: :meth:`bound_s` of what it sends (at most ``timeout_s``; ``timeout_s``
+        alone without ``view_timeout_s``). It covers the
+        calls made outside a view as well: the alignment route's once-a-process probe of the
+        template's end-of-turn token (``AlignRoute._eot``: an ``/apply-template`` and a
+        ``/tokenize`` on the first request) waited for the 120 s ``timeout_s`` in front of a server
+        that did not answer them, and the first request with it (121 s,
+        ``scripts/measure-second-ocache --held 1``)."""
+        bound = self.bound_s(payload)
+        if bound is None:
+            return self.timeout
+        total = self.timeout.total
+        return aiohttp.ClientTimeout(total=min(total, bound[0]) if total else bound[0])
+
+    @property
+    def slack_s(self) -> float:
+        """Seconds a view may take beyond the prefill it could save: ``view_slack_s``, else
+        ``VIEW_SLACK_S``."""
+        return VIEW_SLACK_S if self.view_slack_s is None else self.view_slack_s
 
     async def _tokenize_remote(self, content: Any, add_special: bool) -> list[int]:
         self.counters["tokenize_calls"] += 1
@@ -431,25 +493,6 @@ class TokenViewer:
         data = await self._post("/tokenize", {"content": content, "add_special": add_special,
                                               "parse_special": True})
         return list(data["tokens"])
-
-    def _check_epoch(self) -> None:
-        epoch = getattr(self._upstream, "epoch", None)
-        if epoch != self._epoch:
-            self.clear()
-            self._epoch = epoch
-
-    def clear(self) -> None:
-        """Drop every cache (called on a new upstream epoch; also by hand)."""
-        self.renders.clear()
-        self.texts.clear()
-        self.heads.clear()
-        self.msg_prefixes.clear()
-        self.stubs.clear()
-        self.rewriting.clear()
-        self.media_positions.clear()
-        self.delta_ok = True
-        self._n_delta = 0
-        self._probe = None
 
     async def probe(self) -> dict:
         """Token ids of the boundary and the user delimiter, and whether incremental tokenization
@@ -471,6 +514,79 @@ class TokenViewer:
             self._probe = {"boundary_id": bid[0] if len(bid) == 1 else None, "user_ids": list(uid),
                            "n_bos": n_bos, "incremental": ok}
         return self._probe
+
+
+class TokenViewer(ViewCalls):
+    """Builds TokenViews through the upstream's ``/apply-template`` and ``/tokenize``.
+
+    ``upstream``: an ``ocache.upstream.Upstream`` (its shared ``session``, ``base_url``, ``api_key``
+    and ``epoch`` are used; a new epoch clears every cache, since a restarted server may have
+    another template or vocab) or a base URL string (a private aiohttp session is created; call
+    ``close()``). ``boundary``: the special token that starts a turn (ChatML ``<|im_start|>``);
+    ``user_delimiter``: the text that starts a user turn. Cache sizes: ``max_renders`` bodies,
+    ``max_texts`` rendered texts / ``max_tokens`` token ids.
+    """
+
+    def __init__(self, upstream: UpstreamPort | str, *, api_key: str | None = None, boundary: str = "<|im_start|>",
+                 user_delimiter: str = "<|im_start|>user", max_renders: int = 256, max_texts: int = 256,
+                 max_tokens: int = 4_000_000, timeout_s: float = 120.0,
+                 max_render_bytes: int = 8 << 20, max_token_bytes: int = 8 << 20,
+                 delta: bool = True, verify_first: int = 8, verify_every: int = 16,
+                 verify_wait_s: float = 60.0, view_timeout_s: float | None = None,
+                 view_slack_s: float | None = None,
+                 prefill_tps_of: Callable[[], float | None] | None = None):
+        super().__init__(upstream, api_key=api_key, boundary=boundary, user_delimiter=user_delimiter,
+                         timeout_s=timeout_s, view_timeout_s=view_timeout_s, view_slack_s=view_slack_s,
+                         prefill_tps_of=prefill_tps_of)
+        self.renders = TextCache(max_renders, max_render_bytes)
+        self.max_renders = max_renders
+        self.texts = TokenCache(max_texts, max_tokens, max_token_bytes)
+        # delta render state: digest of (render fields, messages[:k]) -> (render key of a text that
+        # starts with that prefix's render, its length in characters); bounded with the renders
+        self.msg_prefixes: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
+        self.stubs: dict[bytes, tuple[str, str]] = {}  # delta-body key -> (stub text Q, gen prompt G)
+        self.rewriting: set[bytes] = set()  # delta-body keys whose template is not append-only (_appends)
+        self.delta = delta
+        self.delta_ok = True
+        self.verify_first, self.verify_every = verify_first, verify_every
+        self.verify_wait_s = verify_wait_s
+        self._n_delta = 0
+        self._verifying: set[asyncio.Task] = set()
+        # head.key -> (head prefix text, its tokens); a few harnesses at a time, so a small LRU
+        self.heads: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        self.max_heads = 32
+        #: image digest (ocache/media.py) -> prompt positions the server gives it, this epoch
+        self.media_positions: dict[str, int] = {}
+        self._epoch = getattr(upstream, "epoch", None)
+        self.counters = {"renders": 0, "render_hits": 0, "tokenize_calls": 0, "tokenized_chars": 0,
+                         "text_hits": 0, "prefix_hits": 0, "head_renders": 0, "head_mismatch": 0,
+                         "delta_renders": 0, "delta_verified": 0, "delta_mismatch": 0, "delta_refused": 0,
+                         "delta_verify_late": 0, "view_timeouts": 0, "call_timeouts": 0}
+
+    async def close(self) -> None:
+        for task in list(self._verifying):
+            task.cancel()
+        await self.wait_verified()
+        await super().close()
+
+    def _check_epoch(self) -> None:
+        epoch = getattr(self._upstream, "epoch", None)
+        if epoch != self._epoch:
+            self.clear()
+            self._epoch = epoch
+
+    def clear(self) -> None:
+        """Drop every cache (called on a new upstream epoch; also by hand)."""
+        self.renders.clear()
+        self.texts.clear()
+        self.heads.clear()
+        self.msg_prefixes.clear()
+        self.stubs.clear()
+        self.rewriting.clear()
+        self.media_positions.clear()
+        self.delta_ok = True
+        self._n_delta = 0
+        self._probe = None
 
     # --- render + tokenize ----------------------------------------------------------------------
     async def render(self, body: Mapping, keys: tuple[dict, list[bytes], bytes] | None = None) -> str:
@@ -754,22 +870,31 @@ class TokenViewer:
                    keys: tuple[dict, list[bytes], bytes] | None = None) -> TokenView:
         """The TokenView of a completion request. ``keys``: ``message_keys(body)`` of a chat body when
         the caller computed it already. Raises TokenViewError (render/tokenize failed or an
-        unsupported prompt shape; status 0 also when the view took more than ``view_timeout_s``
-        seconds: its HTTP calls are cancelled) and ValueError (a route that is not a completion
-        route).
+        unsupported prompt shape; status 0 also when the view took longer than :meth:`bound_s`:
+        its HTTP calls are cancelled; or when one call outlasted its own bound, :meth:`call_timeout`;
+        both counted ``view_timeouts``, ``timed_out`` set) and ValueError (a route that is not
+        a completion route).
 
-        The bound holds whoever else the server is serving: a second ocache's first request waited
-        121.5 s for ``/tokenize`` (the 120 s ``timeout_s``) while the server answered another ocache,
-        then was forwarded as sent anyway."""
-        if self.view_timeout_s is None:
+        The bound holds whoever else the server is serving (the calls never wait for the task
+        loop: :class:`ViewCalls`); it stands for what the server cannot promise, a loaded CPU, a
+        sleeping or stopped process. Before it, a second ocache's first request waited 121.5 s for
+        ``/tokenize`` (the 120 s ``timeout_s``), then was forwarded as sent anyway."""
+        bound = self.bound_s(body)
+        if bound is None:
             return await self._view(path, body, head, keys)
         try:
-            async with asyncio.timeout(self.view_timeout_s):
+            async with asyncio.timeout(bound[0]):
                 return await self._view(path, body, head, keys)
+        except TokenViewError as exc:
+            if exc.timed_out:   # one of its calls outlasted the call's own bound (call_timeout)
+                self.counters["view_timeouts"] += 1
+            raise
         except TimeoutError as exc:
             self.counters["view_timeouts"] += 1
-            raise TokenViewError(f"{path}: no token view within {self.view_timeout_s:g} s "
-                                 f"(view_timeout_s; the server is busy or slow)") from exc
+            raise TokenViewError(
+                f"{path}: no token view within {bound[0]:.3g} s (what it could save: ~{bound[1]} prompt "
+                f"tokens at {bound[2]:.0f} tokens/s, + {self.slack_s:g} s; at most view_timeout_s "
+                f"{self.view_timeout_s:g} s): forwarded as sent", timed_out=True) from exc
 
     async def _view(self, path: str, body: Mapping, head: Head | None,
                     keys: tuple[dict, list[bytes], bytes] | None) -> TokenView:

@@ -22,9 +22,9 @@ Probing is *shared*: ``probe()`` starts one ``GET /health`` (bounded by ``probe_
 every caller that comes while it runs awaits that same probe; ``check(wait_s)`` waits for it at
 most ``wait_s`` and, while the upstream is known to be hung (its last probe timed out), not at all.
 llama-server answers ``/health`` without the task queue, even while it is busy or sleeping
-(tools/server/server-context.cpp:4635-4646, ``create_response(true)``), so a probe that times out
+(tools/server/server-context.cpp:5012-5023, ``create_response(true)``), so a probe that times out
 means a stopped or hung process, not a long prefill (every request gets an HTTP thread: a pool of
-``n_threads_http`` fixed plus up to 1024 dynamic threads, server-http.cpp:150-152 and 526-528).
+``n_threads_http`` fixed plus up to 1024 dynamic threads, server-http.cpp:162-166 and 572-574).
 When the upstream becomes hung, the ``on_hung`` callbacks run (the proxy ends the forwards in
 flight: their answers would never come).
 

@@ -68,6 +68,13 @@ def _private_state(tmp_path, monkeypatch):
     # tests/test_known_turn.py sets the default back and checks both)
     import ocache.proxy
     monkeypatch.setattr(ocache.proxy, "FIGURES_WAIT_S", 30.0)
+    # A token view may take its prompt's prefill time + 5 s (ocache.tokens.VIEW_SLACK_S), then the
+    # request goes as sent: on the loaded 2-core machine a view took longer, and a test that
+    # expects reuse would then depend on the machine's speed. The suite's views have view_timeout_s
+    # (30 s) in all, in process and in the `ocache serve` children; tests of the bound set it
+    import ocache.tokens
+    monkeypatch.setattr(ocache.tokens, "VIEW_SLACK_S", 30.0)
+    monkeypatch.setenv("OCACHE_VIEW_SLACK_S", "30")
 
 
 def _engine(stock: bool) -> engine.EngineBuild:

@@ -701,6 +701,13 @@ async def p_view_timeout_s(tmp_path, mp):
     assert bound == 0.2 and headers.get("X-OCache-Fail-Open") == "plan"
 
 
+async def p_view_slack_s(tmp_path, mp):
+    from test_view_bound import first_request
+
+    _status, headers, _body, _fake, bound = await first_request(view_slack_s=0.2, view_timeout_s=30)
+    assert bound == 30 and headers.get("X-OCache-Fail-Open") == "plan"
+
+
 PROBES = {
     "host": p_host, "port": p_port, "upstream": p_upstream, "upstream_api_key": p_upstream_api_key,
     "admin_token": p_admin_token, "allowed_hosts": p_allowed_hosts, "cache_dir": p_cache_dir,
@@ -711,6 +718,7 @@ PROBES = {
     "launch_max_failures": p_launch_max_failures, "upstream_read_timeout_s": p_upstream_read_timeout_s,
     "stream_idle_timeout_s": p_stream_idle_timeout_s, "probe_timeout_s": p_probe_timeout_s,
     "hung_probes": p_hung_probes, "view_timeout_s": p_view_timeout_s,
+    "view_slack_s": p_view_slack_s,
     "loading_wait_s": p_loading_wait_s, "client_idle_timeout_s": p_client_idle_timeout_s,
     "client_keepalive_s": p_client_keepalive_s, "disk_budget_gb": p_disk_budget_gb,
     "disk_ttl_days": p_disk_ttl_days, "disk_min_tokens": p_disk_min_tokens,

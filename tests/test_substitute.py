@@ -172,3 +172,52 @@ def test_a_span_knows_the_equal_ids_around_it_to_widen_its_windows():
     assert THINK in slot[a:b] and ENDTHINK in slot[a:b] and THINK in render[c:d] and ENDTHINK in render[c:d]
     assert ENDTHINK not in slot[sp.window_slot[0]:sp.window_slot[1]]     # cut by CONTEXT
     assert slot[a:b][len(slot[a:sp.slot_from]):] == slot[sp.slot_from:b]
+
+
+def test_a_partial_proof_is_cut_before_the_first_span_not_declared():
+    """Two generated turns, the first's reasoning dropped by the rendering, then the client edits
+    the second turn's answer (another id): the walk reports the edit as a second span (inside a
+    generated turn: judged on its text, where it is not the same text, so not declared); the proof
+    cut before it keeps the slot's ids up to the edit (the first turn's span declared), and the
+    served prompt is those ids, then the rendering's own."""
+    from ocache.align import partial_of, MIN_PARTIAL_GAIN
+
+    p1 = user(5) + gen_prompt()
+    g1 = [200, 201, NL, ENDTHINK, NN, 300, 301, EOT]
+    s1, r1 = slot_of(p1, g1)
+    p2 = s1 + [EOT, NL] + user(*range(20, 20 + MIN_PARTIAL_GAIN)) + gen_prompt()
+    g2 = [ENDTHINK, NN, 310, 311, 312, 313, EOT]
+    slot, r2 = slot_of(p2, g2)
+    edited = [310, 311, 999, 313]                   # the client changed the second answer
+    render = user(5) + rendered_turn([300, 301]) + user(*range(20, 20 + MIN_PARTIAL_GAIN)) \
+        + [START, ASSIST, NL, THINK, NN, ENDTHINK, NN, *edited, EOT, NL] + user(6) + gen_prompt()
+    proof = compare(slot, [r1, r2], render, frozenset({EOT}), partial=True)
+    assert isinstance(proof, Proof) and len(proof.spans) >= 2
+    assert check(slot, render, proof)
+    k = next(i for i, sp in enumerate(proof.spans) if 999 in render[sp.render_from:sp.render_to])
+    assert declared("A B C D", "A B X D", generated=True) is None     # its text: not declared
+    part = proof.cut(k)
+    assert k >= 1 and part.spans == proof.spans[:k] and part.n_keep >= proof.spans[0].slot_to
+    assert slot[:part.n_keep] != render[:part.end] and check(slot, render, part)
+    assert 999 in render[part.end:]
+    dec = partial_of(slot, render, part)
+    assert getattr(dec, "partial", False), dec
+    out = served(slot, render, part)
+    assert out == slot[:part.n_keep] + render[part.end:] and out.count(999) == 1
+    # cut before the first span: nothing of the slot's reasoning is kept, and it gains nothing
+    first = proof.cut(0)
+    assert first.spans == () and check(slot, render, first) and slot[:first.n_keep] == render[:first.end]
+    assert getattr(partial_of(slot, render, first), "reason", "") == "partial gains too little"
+
+
+def test_decide_partial_needs_the_requesters_own_conversation_named_by_a_session():
+    from ocache.align import AsSent, Turn, decide_partial
+
+    p1 = user(5) + gen_prompt()
+    slot, reg = slot_of(p1, [200, ENDTHINK, NN, 300, EOT])
+    turn = Turn(messages=(), fields={}, answer={}, finish_reason="stop", stop=False, known=tuple(p1),
+                n_prompt_eot=1, n_held=len(slot), slot=0, ids=tuple(slot), regions=(reg,), owner="s|x")
+    render = user(5) + rendered_turn([300]) + user(6) + gen_prompt()
+    for owner, has in (("t|x", True), ("s|y", True), ("s|x", False)):
+        got = decide_partial(turn, render, EOT, owner, has)
+        assert isinstance(got, AsSent) and got.reason == "not the requester's conversation"

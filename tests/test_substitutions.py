@@ -242,3 +242,95 @@ def test_a_compaction_of_an_answer_quoting_the_marker_is_never_served_past_its_e
             assert text.count("Close each turn with") == 1
     finally:
         prox.stop()
+
+
+def _edit_after_splice(serve_template, tmp_path, model: str, opens: bool, extra: dict) -> dict:
+    """The loop on ``model`` through ocache and on llama-server alone (the same requests), then the
+    client sends the second answer back edited (" Edited by the user.") with one more user message
+    (``extra``: more body fields), to both. Returns what the tests read: the slot, its ids before
+    and after that request (saved), the request, both answers, ocache's headers and align stats."""
+    srv = serve_template(model, n_parallel=2, ctx_size=16384, flash_attn="on")
+    alone = serve_template(model, n_parallel=2, ctx_size=16384, flash_attn="on",
+                           slot_save_path=tmp_path / "slots-alone", log_path=tmp_path / "alone.log")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, "ses_alice", opens=opens)
+        assert "X-OCache-Aligned" in turns[2][2], turns[2][2]
+        for body, _, _ in turns:
+            assert _chat(alone.url, body)[0] == 200
+        body, res, headers = turns[2]
+        slot = int(headers["X-OCache-Slot"])
+        held = _saved(srv, tmp_path, slot, "before.bin")
+        msgs = [dict(m) for m in body["messages"]]
+        second = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        msgs[second]["content"] = msgs[second]["content"] + " Edited by the user."
+        nxt = dict(body, grammar=opening(ANSWER) if opens else ANSWER, **extra, messages=msgs + [
+            {"role": "assistant", "content": res["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And the second file?"}])
+        status, got, h = _chat(prox.url, nxt, {"x-session-affinity": "ses_alice"})
+        a_status, a_got, _ = _chat(alone.url, nxt)
+        assert status == a_status == 200
+        align = prox.stats()["layer"]["align"]
+        after = _saved(srv, tmp_path, slot, "after.bin")
+    finally:
+        prox.stop()
+    return {"srv": srv, "slot": slot, "held": held, "after": after, "body": nxt, "got": got, "headers": h,
+            "alone": a_got, "align": align, "rendered": _tokens(srv.url, nxt)}
+
+
+def test_an_edit_after_a_spliced_turn_is_served_as_a_partial_splice(serve_template, tmp_path):
+    """Tiny dense, Qwen3's template: a tool turn, its answer, a new user message (aligned: the slot
+    keeps the model's reasoning the rendering drops), then the client sends the second answer back
+    edited with one more user message. The slot's ids are served only up to the edit (a partial
+    splice: ``K`` below what the slot held), then the request's own rendering; the served prompt,
+    read back from the saved slot, is the rendering with reasoning blocks aside; the answer equals a
+    cold prefill of the served ids; and the server prefilled no more than llama-server alone does
+    for the same four requests (whose slot holds the rendering: it re-prefills from the edit),
+    where sending it as is would re-prefill from the first reasoning block the slot kept."""
+    from ocache.bench.exact import PROBS_FIELDS, Generation, compare
+
+    r = _edit_after_splice(serve_template, tmp_path, "dense", True, PROBS_FIELDS)
+    srv, h, held, got, rendered = r["srv"], r["headers"], r["held"], r["got"], r["rendered"]
+    assert "X-OCache-Aligned" in h, h
+    k, n = map(int, h["X-OCache-Aligned"].split("+"))
+    assert k < len(held), "not a partial splice"
+    assert r["align"].get("aligned_partial_planned", 0) == 1
+    t = got["timings"]
+    served = r["after"][:t["cache_n"] + t["prompt_n"]]
+    assert served[:k] == held[:k] and served[k:] == rendered[len(rendered) - n:]
+    text = _post(srv.url, "/detokenize", {"tokens": served})["content"]
+    want = _post(srv.url, "/detokenize", {"tokens": rendered})["content"]
+    drop = re.compile(r"(<\|im_start\|>assistant\n)\s*<think>(?:(?!<\|im_end\|>).)*?</think>\s*", re.S)
+    assert drop.sub(r"\1", text) == drop.sub(r"\1", want)
+    assert text.count("Edited by the user.") == 1
+    cold = _post(srv.url, "/completion", {"prompt": served, "n_predict": 200, "grammar": r["body"]["grammar"],
+                                          "id_slot": 1 - r["slot"], "cache_prompt": False, "temperature": 0,
+                                          "return_tokens": True, **PROBS_FIELDS})
+    verdict = compare(Generation.from_response(cold), Generation.from_response(got))
+    assert verdict, verdict.reason
+    # rule 2 on this request: no more than alone (a few ids of slack for where the walk cuts)
+    assert t["prompt_n"] <= r["alone"]["timings"]["prompt_n"] + 8, (t, r["alone"]["timings"])
+    # as sent, the slot's kept reasoning of the first turn would have parted it much earlier
+    first_think = next(i for i, (a, b) in enumerate(zip(held, rendered)) if a != b)
+    assert k > first_think + 16
+
+
+def test_a_hybrid_model_resumes_a_partial_splice_at_a_checkpoint(serve_template, tmp_path):
+    """Tiny hybrid, Qwen3.5's template, the same edit as above: a hybrid model cannot drop the
+    slot's state back to any token, so a partial splice resumes at the newest checkpoint before the
+    edit. When it is made, its figures are that checkpoint's (the server's ``cache_n`` equals
+    ``X-OCache-Reused``, below K), the served prompt is the slot's K ids then the rendering's N,
+    and the prefill is at most alone's plus one ubatch; when no checkpoint gains, the request goes
+    as sent with the reason counted."""
+    r = _edit_after_splice(serve_template, tmp_path, "hybrid", False, {})
+    h, held, t, rendered = r["headers"], r["held"], r["got"]["timings"], r["rendered"]
+    assert t["prompt_n"] <= r["alone"]["timings"]["prompt_n"] + r["srv"].ubatch, (t, r["alone"]["timings"])
+    if "X-OCache-Aligned" not in h:
+        assert r["align"].get("partial_as_sent_checkpoint_gains_too_little", 0) == 1, r["align"]
+        return
+    k, n = map(int, h["X-OCache-Aligned"].split("+"))
+    assert k < len(held) and r["align"].get("aligned_partial_planned", 0) == 1
+    assert t["cache_n"] == int(h["X-OCache-Reused"]) <= k
+    served = r["after"][:t["cache_n"] + t["prompt_n"]]
+    assert served[:k] == held[:k] and served[k:] == rendered[len(rendered) - n:]

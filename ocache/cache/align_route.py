@@ -47,16 +47,20 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from ocache.align import (PROBE, Aligned, AsSent, Turn, canonical, decide, record, sampled_ids,
-                          text_calls, turn_end_marker)
-from ocache.substitute import declared, owner_of
+import aiohttp
+
+from ocache.align import (NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide, record,
+                          sampled_ids, text_calls, turn_end_marker)
+from ocache.cache.align_judge import SpanJudge
+from ocache.fingerprint import session_key
+from ocache.substitute import owned, owner_of
 from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.exact import ExactWarmups
 from ocache.cache.execute import PlanContext
 from ocache.config import field_of
 from ocache.layer import Observation, Plan, ParsedRequest
 from ocache.slots import SlotTable
-from ocache.tokens import TokenView
+from ocache.tokens import TokenView, TokenViewError
 
 log = logging.getLogger("ocache.cache")
 
@@ -93,7 +97,7 @@ class AlignContext:
     body: Mapping
     #: the slot table's ``seq`` of the content this request leaves (``hold_known``), for ``finish``
     seq: int = -1
-    #: the declared spans, named (``ocache.substitute.declared_text``): the debug record of what
+    #: the declared spans, named (``ocache.cache.align_judge.SpanJudge``): the debug record of what
     #: the served prompt differs from the rendering in
     declared: tuple[str, ...] = ()
     #: set once the server answered it 200 (it was served and counted, ``aligned``)
@@ -112,7 +116,7 @@ def held_after(timings: Mapping) -> int | None:
         return None
 
 
-def hold_known(table: SlotTable, slot: int, known: tuple[int, ...]) -> int:
+def hold_known(table: SlotTable, slot: int, known: tuple[int, ...], keep: int | None = None) -> int:
     """Record in the slot table (whose lease the caller holds) what an aligned request to ``slot``
     leaves there: the ids ocache knows begin it (``known``: the first prompt sent as is in this
     chain, checked by the server's 0008 hash), then tokens it cannot name (the generated turns and
@@ -124,9 +128,10 @@ def hold_known(table: SlotTable, slot: int, known: tuple[int, ...]) -> int:
     every new request go server-placed (``tiers/resident.py`` ``server_should_choose``), which
     then placed two new chats one after the other on one slot while the other sat idle; the table
     vouches for ``known`` as it does for any prompt it sent (the tokens after a prompt are counted,
-    never named, docs/llama-server.md §7)."""
+    never named, docs/llama-server.md §7). ``keep``: the slot's ids the splice keeps (``n_keep``;
+    None: all of ``known`` that the slot held); what the slot held past it is gone."""
     st = table[slot]
-    n = len(known)
+    n = len(known) if keep is None else keep
     # the checkpoints predicted inside ``known`` stay (the splice keeps the slot's first n_keep >=
     # len(known) tokens); those the aligned prefills make are not predicted (a reuse predicted low)
     return table.assign(slot, known, checkpoints=[c for c in st.checkpoints if c.n_tokens <= n],
@@ -185,8 +190,8 @@ class AlignRoute:
         self.parked: OrderedDict[str, Turn] = OrderedDict()
         #: requests planned by :meth:`_restored_plan`: (decision, the parked record), for observe
         self._restored: dict[str, tuple[Aligned, Turn]] = {}
-        self._memo: dict[tuple[tuple[int, ...], tuple[int, ...], bool], str] = {}
-        self._names: tuple[str, ...] = ()
+        #: the declared half of the gate: each span judged on its text (``/detokenize``)
+        self.judge: SpanJudge | None = None
         #: why alignment is off on this server (stats ``align.off``), None while it is on
         self.off_why: str | None = None
         self._probed = False
@@ -229,10 +234,18 @@ class AlignRoute:
         if not (props.get("ocache") or {}).get("splice"):
             self.off_why = "the server does not serve ocache_splice (patches/0008)"
             return None
-        rendered = (await layer._viewer._post("/apply-template", {
-            "messages": [{"role": "user", "content": PROBE}], "add_generation_prompt": False})).get("prompt", "")
-        marker = turn_end_marker(rendered) if isinstance(rendered, str) else None
-        toks = await layer._viewer._tokenize_remote(marker, False) if marker else []
+        try:
+            rendered = (await layer._viewer._post("/apply-template", {
+                "messages": [{"role": "user", "content": PROBE}], "add_generation_prompt": False})).get("prompt", "")
+            marker = turn_end_marker(rendered) if isinstance(rendered, str) else None
+            toks = await layer._viewer._tokenize_remote(marker, False) if marker else []
+            close = await layer._viewer._tokenize_remote("</think>", False)
+        except (TokenViewError, asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            # the probe's calls are bounded (``ocache.tokens`` prices them): a loaded or stopped
+            # server costs this request its alignment, not the process's; probed again next time
+            self._probed = False
+            self.off_why = f"the end-of-turn probe got no answer ({type(exc).__name__}); probed again"
+            return None
         self.eot_id = toks[0] if len(toks) == 1 else None
         # the sampled ids (patches/0010) make every token of the slot known; without them nothing
         # can be compared and nothing is aligned (``not_aligned_why``)
@@ -243,7 +256,6 @@ class AlignRoute:
         if self.eot_id is None:
             self.off_why = "the template shows no single end-of-turn token"
             return None
-        close = await layer._viewer._tokenize_remote("</think>", False)
         self.think_close = close[0] if len(close) == 1 else None
         self.off_why = None
         return self.eot_id
@@ -265,6 +277,25 @@ class AlignRoute:
                 self._park(self.records.pop(slot, (seq, turn))[1])
                 continue
             return slot, seq, turn
+        return None
+
+    def _judge_of(self, layer: Any) -> SpanJudge:
+        """The span judge, its port the layer's token viewer's bounded call."""
+        if self.judge is None:
+            self.judge = SpanJudge(lambda: layer._viewer._post)
+        return self.judge
+
+    def _owned(self, table: SlotTable, headers: Any) -> tuple[int, int, Turn] | None:
+        """The slot whose record is the requester's own conversation (``owner_of``, a session key
+        required) and whose content is still the one recorded: a candidate for a partial splice
+        only (``SpanJudge.partial``), the history having changed."""
+        if session_key(headers) is None:
+            return None
+        owner = owner_of(headers)
+        for slot, (seq, turn) in list(self.records.items()):
+            st = table[slot]
+            if owned(turn.owner, owner) and st.seq == seq and not st.pending:
+                return slot, seq, turn
         return None
 
     def _park(self, turn: Turn) -> None:
@@ -301,9 +332,7 @@ class AlignRoute:
         table: SlotTable = layer.table
         dec = decide(turn, body, prep.view.tokens, self.eot_id, n_ctx=table.params.n_ctx_slot, owner=owner)
         if isinstance(dec, Aligned):
-            why = await self._declared(layer, turn, prep.view.tokens, dec)
-            if why is not None:
-                dec = AsSent(why)
+            dec = await self._judge_of(layer).whole(turn, prep.view.tokens, dec)
         if isinstance(dec, AsSent):
             self.counters["restored_as_sent_" + dec.reason.replace(" ", "_")] += 1
             return None
@@ -332,51 +361,6 @@ class AlignRoute:
                  plan.headers.get("X-OCache-Tier"), sp.n_keep, len(sp.tail))
         return plan
 
-    async def _declared(self, layer: Any, turn: Turn, tokens: Sequence[int], dec: Aligned) -> str | None:
-        """Judge each span of the gate's proof on its text (``/detokenize`` of its two windows,
-        ``ocache.substitute.declared``): None when every one is a reasoning block dropped or
-        re-rendered (their names kept in ``self._names`` for the plan's context), else why not."""
-        proof = dec.proof
-        if proof is None:
-            return "no proof"
-        names = []
-        for sp in proof.spans:
-            sides = (tuple(turn.ids[sp.window_slot[0]:sp.window_slot[1]]),
-                     tuple(tokens[sp.window_render[0]:sp.window_render[1]]))
-            key = (*sides, sp.generated)
-            why = self._memo.get(key)
-            if why is None:
-                texts = await asyncio.gather(*(self._detokenize(layer, side) for side in sides))
-                why = declared(texts[0], texts[1], generated=sp.generated) or ""
-                if not why and any(t.count("<think>") != t.count("</think>") for t in texts):
-                    # the windows cut a think block: widened over every equal id around the span
-                    ws, wr = sp.widened()
-                    texts = list(await asyncio.gather(self._detokenize(layer, turn.ids[ws[0]:ws[1]]),
-                                                      self._detokenize(layer, tokens[wr[0]:wr[1]])))
-                    why = declared(texts[0], texts[1], generated=sp.generated) or ""
-                if not why:
-                    log.debug("undeclared span %s: slot %r, render %r", sp, *texts)
-                if len(self._memo) >= 1024:
-                    self._memo.pop(next(iter(self._memo)))
-                self._memo[key] = why
-            if not why:
-                return "undeclared difference"
-            names.append(f"{why}: slot {sp.slot_from}-{sp.slot_to} for render {sp.render_from}-{sp.render_to}")
-        self._names = tuple(names)
-        return None
-
-    @staticmethod
-    async def _detokenize(layer: Any, ids: Sequence[int]) -> str:
-        """The server's text of ``ids`` (``POST /detokenize``, tools/server/server-context.cpp
-        ``handle_detokenize``)."""
-        if not ids:
-            return ""
-        got = await layer._viewer._post("/detokenize", {"tokens": list(ids)})
-        text = got.get("content") if isinstance(got, Mapping) else None
-        if not isinstance(text, str):
-            raise ValueError("/detokenize answered without content")
-        return text
-
     async def _settle(self, table: SlotTable, keys: Any) -> None:
         """An agent sends its next turn the moment the previous answer ends, before the proxy has
         observed that answer (and this route recorded it): wait (bounded, ``SETTLE_WAIT_S``) for a
@@ -390,6 +374,27 @@ class AlignRoute:
                 self.counters["settle_waits"] += 1
                 await table.wait_settled(st.id, SETTLE_WAIT_S)
                 return
+
+    async def _decision(self, layer: Any, req: ParsedRequest, body: Mapping, slot: int, turn: Turn,
+                        tokens: Sequence[int], whole: bool) -> Decision:
+        """The gate's decision for a request (its rendering ``tokens``) on ``turn``'s slot: the
+        whole splice (``decide``, its spans judged) when the record's history opens the request
+        (``whole``), else or failing that a partial one (``SpanJudge.partial``); counted
+        ``partial_as_sent_<why>`` when neither is made."""
+        table: SlotTable = layer.table
+        eot = self.eot_id if self.eot_id is not None else -1
+        dec: Decision = (decide(turn, body, tokens, eot, n_ctx=table.params.n_ctx_slot, owner=owner_of(req.headers))
+                         if whole else AsSent("history differs"))
+        if isinstance(dec, Aligned):
+            dec = await self._judge_of(layer).whole(turn, tokens, dec)
+        if isinstance(dec, AsSent) and dec.reason not in NO_PARTIAL and table.params.checkpoints is not None:
+            part = await self._judge_of(layer).partial(table, slot, turn, tokens, eot, owner_of(req.headers),
+                                                       session_key(req.headers) is not None)
+            if isinstance(part, AsSent):
+                self.counters["partial_as_sent_" + part.reason.replace(" ", "_")] += 1
+            else:
+                dec = part
+        return dec
 
     async def plan(self, layer: Any, req: ParsedRequest, body: Mapping, path: str, kind: str,
                    head: Any, keys: Any, view_of: Callable[[], Awaitable[Any]] | None = None,
@@ -411,21 +416,18 @@ class AlignRoute:
             return None
         await self._settle(table, keys)
         found = self._candidate(table, msgs)
+        whole = found is not None
+        if found is None:
+            found = self._owned(table, req.headers)   # the requester's own slot: a partial splice only
         if found is None:
             if prepared_of is None or not self.parked:
                 return None
             return await self._restored_plan(layer, req, body, msgs, prepared_of, kind)
         slot, seq, turn = found
-        eot = self.eot_id
-        assert eot is not None
         view = await view_of() if view_of is not None else await layer._viewer.view(path, body, head, keys)
         if view is None:   # the server rejects the body: the usual route forwards it as sent
             return None
-        dec = decide(turn, body, view.tokens, eot, n_ctx=table.params.n_ctx_slot, owner=owner_of(req.headers))
-        if isinstance(dec, Aligned):
-            why = await self._declared(layer, turn, view.tokens, dec)
-            if why is not None:
-                dec = AsSent(why)
+        dec = await self._decision(layer, req, body, slot, turn, view.tokens, whole)
         if isinstance(dec, AsSent):
             self.counters["as_sent_" + dec.reason.replace(" ", "_")] += 1
             if dec.reason != "extends":
@@ -441,14 +443,17 @@ class AlignRoute:
             return None
         sp = dec.splice
         self.counters["aligned_planned"] += 1
+        if dec.partial:
+            self.counters["aligned_partial_planned"] += 1
         self.last.append({"request_id": req.request_id, "time": time.time(), "slot": slot,
-                          "kept": sp.n_keep, "new": len(sp.tail), "saved": dec.saved})
-        log.info("[%s] aligned on slot %d: the slot's %d tokens + %d new of the request's %d",
-                 req.request_id, slot, sp.n_keep, len(sp.tail), len(view.tokens))
-        # the slot's whole prompt is known now: its ids, then the request's new part
+                          "kept": sp.n_keep, "new": len(sp.tail), "saved": dec.saved, "partial": dec.partial})
+        log.info("[%s] aligned%s on slot %d: the slot's %d tokens + %d new of the request's %d",
+                 req.request_id, " (partial)" if dec.partial else "", slot, sp.n_keep, len(sp.tail),
+                 len(view.tokens))
+        # the slot's whole prompt is known now: its ids kept, then the request's new part
         ctx = AlignContext(req.request_id, slot, dec, turn, list(view.tokens), body,
-                           seq=hold_known(table, slot, tuple(turn.ids) + tuple(sp.tail)),
-                           declared=self._names)
+                           seq=hold_known(table, slot, tuple(turn.ids[:sp.n_keep]) + tuple(sp.tail), keep=dec.reused),
+                           declared=dec.names)
         self.records.pop(slot, None)
         if ctx.declared:
             log.debug("[%s] declared: %s", req.request_id, "; ".join(ctx.declared))
@@ -458,12 +463,14 @@ class AlignRoute:
 
         # the figures of README's header table: the server serves the slot's n_keep tokens and
         # prefills the tail, nothing else (0008: cache_n = n_keep, prompt_n = len(tail);
-        # tests/test_align_exact.py checks them against the answer's timings)
+        # tests/test_align_exact.py checks them against the answer's timings); a hybrid model's
+        # partial splice resumes at a checkpoint before n_keep (``Aligned.reused``) and prefills the
+        # kept ids after it again
         return Plan(body_updates={"id_slot": slot, "ocache_splice": sp.field()},
                     headers={"X-OCache-Aligned": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Slot": str(slot),
                              "X-OCache-Kind": kind, "X-OCache-Tier": "resident", "X-OCache-Path": "aligned",
-                             "X-OCache-Split": "0", "X-OCache-Prefilled": str(len(sp.tail)),
-                             "X-OCache-Reused": str(sp.n_keep), "X-OCache-Predicted-Cache": str(sp.n_keep)},
+                             "X-OCache-Split": "0", "X-OCache-Prefilled": str(sp.n_prompt - dec.reused),
+                             "X-OCache-Reused": str(dec.reused), "X-OCache-Predicted-Cache": str(dec.reused)},
                     context=ctx, release=release, upstream_headers={SPLICE_HEADER: str(sp.n_keep)})
 
     async def epilogue(self, layer: Any, ctx: AlignContext, obs: Observation) -> None:
@@ -482,10 +489,10 @@ class AlignRoute:
         sp = ctx.decision.splice
         cache_n = timings.get("cache_n")
         if ctx.spliced:
-            if cache_n is not None and int(cache_n) != sp.n_keep:
+            if cache_n is not None and int(cache_n) != ctx.decision.reused:
                 self.counters["substituted_mispredicted"] += 1
                 log.warning("[%s] substituted on slot %d: predicted %d tokens of the slot, the server "
-                            "reused %s", ctx.request_id, ctx.slot, sp.n_keep, cache_n)
+                            "reused %s", ctx.request_id, ctx.slot, ctx.decision.reused, cache_n)
         st = table[ctx.slot]
         if st.seq != ctx.seq or st.pending or table.lock(ctx.slot).locked():
             return

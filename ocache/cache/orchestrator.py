@@ -205,7 +205,9 @@ class OCacheLayer:
                 return
             if self._viewer is None:
                 self._viewer = TokenViewer(self.upstream,
-                                           view_timeout_s=getattr(self.config, "view_timeout_s", None))
+                                           view_timeout_s=getattr(self.config, "view_timeout_s", None),
+                                           view_slack_s=getattr(self.config, "view_slack_s", None),
+                                           prefill_tps_of=lambda: self.prefill_tps)
             props = getattr(self.upstream, "props", None)
             if self.table is None:
                 self.table = SlotTable(self.session, self.base_url, headers=self._headers())

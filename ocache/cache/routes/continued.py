@@ -188,10 +188,10 @@ async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction | None,
     # the substitution gate's last condition, as for an aligned request: every span the proof
     # declares is judged on its text (a compaction of an answer quoting the end-of-turn marker
     # served the answer's tail twice without it)
-    why = await layer.align._declared(layer, turn, view.tokens, dec)
-    if why is not None:
-        return why
-    return slot, turn, fields, dec, view.tokens, True
+    judged = await layer.align._judge_of(layer).whole(turn, view.tokens, dec)
+    if isinstance(judged, AsSent):
+        return judged.reason
+    return slot, turn, fields, judged, view.tokens, True
 
 
 def _updates(req: ParsedRequest, body: Any, turn: Turn, fields: dict, slot: int) -> dict:
