@@ -179,3 +179,121 @@ def test_the_continuation_is_the_recorded_conversation_then_the_instruction():
 
 
 # --- the real client ---------------------------------------------------------------------------
+
+#: pi's settings for the run: compaction once the context passes 24000 - 3000 tokens; keep 8 tokens
+#: (estimated as characters / 4), so the cut falls inside the last turn and pi sends both requests
+PI_WINDOW, PI_RESERVE, PI_KEEP = 24000, 3000, 8
+#: the server: answers that end (the tiny model never ends on its own), greedy, no reasoning
+SERVER_ARGS = ["--temp", "0", "--reasoning", "off", "-l", "151645+11", "-n", "96"]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _compactions(recs: list[dict]) -> list[dict]:
+    return [r for r in recs if not r["body"].get("tools") and (parse(r["body"]) or turn()).client == "pi"]
+
+
+def _pi_session(binary, url: str, tmp_path: Path, name: str):
+    """pi in a fresh home and project against ``url`` (``ocache serve --record``): ``pi -p`` then
+    ``pi -c -p`` with ~6,000-character prompts (ocache's own source files) until pi has compacted
+    (at most 24 runs; the records read after each run), then one more turn. Returns the runs and
+    the proxy's records once every request of the runs is recorded."""
+    from ocache.toolchain import clients
+    from test_e2e_clients import _wait_recorded
+
+    home, project = tmp_path / f"home-{name}", tmp_path / f"proj-{name}"
+    project.mkdir()
+    env = clients.isolated_env(home)
+    clients.write_pi_models(home, url + "/v1", output_tokens=96, context_tokens=PI_WINDOW)
+    (home / ".pi" / "agent" / "settings.json").write_text(json.dumps(
+        {"compaction": {"reserveTokens": PI_RESERVE, "keepRecentTokens": PI_KEEP}}))
+    sources = sorted((Path(__file__).resolve().parent.parent / "ocache").glob("*.py"))
+    prompts = [f"Review this code:\n\n{p.read_text()[:6000]}" for p in sources if p.stat().st_size > 6000][:24]
+    runs: list = []
+    proxy_records: list[dict] = []
+    for i, prompt in enumerate(prompts):
+        argv = [str(binary), "--model", "local/qwen", *(["-c"] if i else []), "-p", prompt]
+        runs.append(clients._run(argv, project, env, 300))
+        assert runs[-1].returncode == 0, runs[-1].describe(5)
+        proxy_records = _wait_recorded(PROXIES[name], lambda rs: len(rs) >= len(runs))
+        if len(_compactions(proxy_records)) >= 2:
+            break
+    argv = [str(binary), "--model", "local/qwen", "-c", "-p", "Now list what we reviewed."]
+    runs.append(clients._run(argv, project, env, 300))
+    n = len(proxy_records) + 1
+    return runs, _wait_recorded(PROXIES[name], lambda rs: len(rs) >= n)
+
+
+#: the recording proxy of each session (``_pi_session`` reads its records)
+PROXIES: dict = {}
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_the_real_pi_compaction_is_served_as_the_conversations_continuation(start_server, tmp_path):
+    """The same pi session twice, through ``ocache serve --no-cache`` (llama-server alone, every
+    request forwarded untouched, recorded with the server's timings) and through ocache, each on
+    its own llama-server (tiny hybrid, ``-np 2``): once the conversation passes 21,000 tokens pi
+    compacts it with two requests in parallel (a split turn). Alone the history request prefills
+    all of it. Through ocache it is served from the conversation's slot (``X-OCache-Continued``):
+    the server prefills the instruction turn only (<= 1,000 tokens); the turn's prefix goes as
+    sent, on the other slot; and pi's next turn prefills no more than alone."""
+    from ocache.toolchain import clients
+    from test_e2e_clients import OcacheProcess, _install
+
+    binary = _install(clients.PI)
+    got = {}
+    for name, extra in (("alone", ("--no-cache",)), ("ocache", ())):
+        srv = start_server("hybrid", n_parallel=2, ctx_size=65536, args=SERVER_ARGS)
+        (tmp_path / name).mkdir()
+        proxy = OcacheProcess(srv.url, tmp_path / name, extra_args=extra, server_args=srv.command()[1:])
+        PROXIES[name] = proxy
+        try:
+            proxy.wait_ready()
+            runs, recs = _pi_session(binary, proxy.url, tmp_path, name)
+            stats = proxy.stats()["layer"]
+        finally:
+            proxy.stop()
+            srv.stop()
+        got[name] = runs, recs, stats
+    figures = {}
+    for name, (runs, recs, stats) in got.items():
+        comps = _compactions(recs)
+        report = "\n".join(r.describe(3) for r in runs[-2:]) + "\n" + json.dumps(stats.get("continued"))
+        assert len(comps) == 2, (name, report)
+        history, prefix = sorted(comps, key=lambda r: -r["body"]["max_completion_tokens"])
+        after = recs.index(max(comps, key=lambda r: recs.index(r))) + 1
+        nxt = next(r for r in recs[after:] if r["body"].get("tools"))
+        before = [r for r in recs[:recs.index(min(comps, key=lambda r: recs.index(r)))] if r["body"].get("tools")][-1]
+        figures[name] = {k: {"prompt_n": r["obs"]["timings"]["prompt_n"], "cache_n": r["obs"]["timings"]["cache_n"],
+                             "headers": {h: v for h, v in (r.get("plan") or {}).get("headers", {}).items()
+                                         if h in ("X-OCache-Path", "X-OCache-Continued", "X-OCache-Slot")}}
+                         for k, r in (("turn", before), ("history", history), ("prefix", prefix), ("next", nxt))}
+        # the shape stored: the fields, the summariser's prompt, each request's instructions
+        for r, stored in ((history, DATA["compaction"][0]), (prefix, DATA["compaction"][1])):
+            body = r["body"]
+            text = body["messages"][1]["content"][0]["text"]
+            assert sorted(body) == stored["fields"], (name, sorted(body))
+            assert _digest(body["messages"][0]["content"]) == stored["messages"][0]["sha256"]
+            assert _digest(text[text.index(PI_CLOSE) + len(PI_CLOSE):]) == \
+                stored["messages"][1]["content"][0]["after"]["sha256"]
+        assert [k for k, _ in pi_entries(parse(prefix["body"]).history)] == ["user"]
+    print("\n" + json.dumps(figures, indent=1))
+    alone, oc = figures["alone"], figures["ocache"]
+    # the conversation is long: more than 20,000 tokens held before the compaction
+    assert oc["turn"]["prompt_n"] + oc["turn"]["cache_n"] > 20000, figures
+    # alone the history request prefills all of it
+    assert alone["history"]["prompt_n"] > 15000, figures
+    # through ocache: continued from the conversation's slot, the instruction turn prefilled
+    h = oc["history"]
+    assert h["headers"].get("X-OCache-Path") == "continued", (figures, got["ocache"][2].get("continued"))
+    assert h["prompt_n"] <= 1000 and h["cache_n"] > 20000, figures
+    # the turn's prefix as sent, kept off the conversation's slot
+    p = oc["prefix"]
+    assert p["headers"].get("X-OCache-Path") != "continued"
+    assert p["headers"].get("X-OCache-Slot") != h["headers"].get("X-OCache-Slot"), figures
+    # the next turn prefills no more than alone
+    assert oc["next"]["prompt_n"] <= alone["next"]["prompt_n"], figures
+    assert got["ocache"][2]["continued"]["requests"] == 1, got["ocache"][2]["continued"]
