@@ -192,11 +192,11 @@ def _digest(text: str) -> str:
 
 
 def _compactions(recs: list[dict]) -> list[dict]:
-    return [r for r in recs if not r["body"].get("tools") and (parse(r["body"]) or turn()).client == "pi"]
+    return [r for r in recs if not r["body"].get("tools") and getattr(parse(r["body"]), "client", None) == "pi"]
 
 
-def _pi_session(binary, url: str, tmp_path: Path, name: str):
-    """pi in a fresh home and project against ``url`` (``ocache serve --record``): ``pi -p`` then
+def _pi_session(binary, proxy, tmp_path: Path, name: str):
+    """pi in a fresh home and project against ``proxy`` (``ocache serve --record``): ``pi -p`` then
     ``pi -c -p`` with ~6,000-character prompts (ocache's own source files) until pi has compacted
     (at most 24 runs; the records read after each run), then one more turn. Returns the runs and
     the proxy's records once every request of the runs is recorded."""
@@ -206,7 +206,7 @@ def _pi_session(binary, url: str, tmp_path: Path, name: str):
     home, project = tmp_path / f"home-{name}", tmp_path / f"proj-{name}"
     project.mkdir()
     env = clients.isolated_env(home)
-    clients.write_pi_models(home, url + "/v1", output_tokens=96, context_tokens=PI_WINDOW)
+    clients.write_pi_models(home, proxy.url + "/v1", output_tokens=96, context_tokens=PI_WINDOW)
     (home / ".pi" / "agent" / "settings.json").write_text(json.dumps(
         {"compaction": {"reserveTokens": PI_RESERVE, "keepRecentTokens": PI_KEEP}}))
     sources = sorted((Path(__file__).resolve().parent.parent / "ocache").glob("*.py"))
@@ -217,17 +217,13 @@ def _pi_session(binary, url: str, tmp_path: Path, name: str):
         argv = [str(binary), "--model", "local/qwen", *(["-c"] if i else []), "-p", prompt]
         runs.append(clients._run(argv, project, env, 300))
         assert runs[-1].returncode == 0, runs[-1].describe(5)
-        proxy_records = _wait_recorded(PROXIES[name], lambda rs: len(rs) >= len(runs))
+        proxy_records = _wait_recorded(proxy, lambda rs: len(rs) >= len(runs))
         if len(_compactions(proxy_records)) >= 2:
             break
     argv = [str(binary), "--model", "local/qwen", "-c", "-p", "Now list what we reviewed."]
     runs.append(clients._run(argv, project, env, 300))
     n = len(proxy_records) + 1
-    return runs, _wait_recorded(PROXIES[name], lambda rs: len(rs) >= n)
-
-
-#: the recording proxy of each session (``_pi_session`` reads its records)
-PROXIES: dict = {}
+    return runs, _wait_recorded(proxy, lambda rs: len(rs) >= n)
 
 
 @pytest.mark.server
@@ -249,10 +245,9 @@ def test_the_real_pi_compaction_is_served_as_the_conversations_continuation(star
         srv = start_server("hybrid", n_parallel=2, ctx_size=65536, args=SERVER_ARGS)
         (tmp_path / name).mkdir()
         proxy = OcacheProcess(srv.url, tmp_path / name, extra_args=extra, server_args=srv.command()[1:])
-        PROXIES[name] = proxy
         try:
             proxy.wait_ready()
-            runs, recs = _pi_session(binary, proxy.url, tmp_path, name)
+            runs, recs = _pi_session(binary, proxy, tmp_path, name)
             stats = proxy.stats()["layer"]
         finally:
             proxy.stop()
