@@ -452,12 +452,22 @@ def pi_matches(comp: Compaction, turn: Turn) -> str | None:
     relayed answer (:func:`pi_history`), each equal, a tool result as pi cuts it
     (:func:`pi_truncated`); else why not. pi leaves its newest messages out of the summary
     (``keepRecentTokens``); a history that starts later in the conversation (the prefix of a split
-    turn, ``generateTurnPrefixSummary``) is not these entries and goes as sent."""
+    turn, ``generateTurnPrefixSummary``) is not these entries and goes as sent. A later compaction
+    (its instructions open with the previous summary, :func:`pi_previous_summary`) of a conversation
+    that opens with a user message ending in that summary in ``<summary>`` tags (pi's compaction
+    summary, ``convertToLlm`` in its ``dist/core/messages.js``) compares its history with the
+    entries after that message."""
     try:
         recorded = pi_history([*turn.messages, {"role": "assistant", **turn.answer}])
     except (AttributeError, TypeError, ValueError):
         return "malformed message"
     sent = pi_entries(comp.history)
+    prev = pi_previous_summary(comp.after)
+    if prev is not None and recorded and recorded[0][0] == "user" and \
+            recorded[0][1].endswith(f"{PI_SUMMARY_OPEN}{prev}{PI_SUMMARY_CLOSE}"):
+        # a later compaction: the conversation opens with the previous compaction's summary, which
+        # the request re-states in its previous-summary block; its history starts after it
+        recorded = recorded[1:]
     if not sent or len(sent) > len(recorded):
         return "history differs"
     for (kind, text), (r_kind, r_text) in zip(sent, recorded):
@@ -466,10 +476,32 @@ def pi_matches(comp: Compaction, turn: Turn) -> str | None:
     return None
 
 
-def pi_request(messages: Sequence[Mapping], system: str, after: str, **fields: Any) -> dict:
+#: how pi's compaction summary message ends (``COMPACTION_SUMMARY_PREFIX`` / ``_SUFFIX`` in its
+#: ``dist/core/messages.js``: the summary between these tags, at the end of a user message)
+PI_SUMMARY_OPEN = "<summary>\n"
+PI_SUMMARY_CLOSE = "\n</summary>"
+#: the block a later compaction's instructions open with (``generateSummary``)
+PI_PREVIOUS_OPEN = "<previous-summary>\n"
+PI_PREVIOUS_CLOSE = "\n</previous-summary>"
+
+
+def pi_previous_summary(after: str) -> str | None:
+    """The previous summary a later pi compaction re-states (the text of the ``<previous-summary>``
+    block its instructions ``after`` open with), or None."""
+    if not after.startswith(PI_PREVIOUS_OPEN):
+        return None
+    end = after.find(PI_PREVIOUS_CLOSE, len(PI_PREVIOUS_OPEN) - 1)
+    return after[len(PI_PREVIOUS_OPEN):end] if end >= 0 else None
+
+
+def pi_request(messages: Sequence[Mapping], system: str, after: str, previous: str | None = None,
+               **fields: Any) -> dict:
     """pi's compaction request of the conversation ``messages`` (for the tests): its summariser's
     ``system`` text, one user message (one text part) with the history block (:func:`pi_history`,
-    tool results cut as pi cuts them) and ``after`` (the instructions), ``fields`` beside them."""
+    tool results cut as pi cuts them), the ``previous`` summary's block if any, and ``after`` (the
+    instructions), ``fields`` beside them."""
+    if previous is not None:
+        after = f"{PI_PREVIOUS_OPEN}{previous}{PI_PREVIOUS_CLOSE}\n\n{after}"
     parts = []
     for kind, text in pi_history(messages):
         tag = {"user": "User", "assistant": "Assistant", "calls": "Assistant tool calls", "tool": "Tool result"}[kind]

@@ -30,7 +30,7 @@ import pytest
 
 from ocache.align import Turn
 from ocache.compaction import (PI_CLOSE, PI_OPEN, continuation, instruction, matches, parse, pi_entries,
-                               pi_history, pi_request, pi_truncated)
+                               pi_history, pi_previous_summary, pi_request, pi_truncated)
 from ocache.substitute import owner_of
 
 DATA = json.loads((Path(__file__).parent / "data" / "pi-compaction.json").read_text())
@@ -159,6 +159,26 @@ def test_a_tool_result_pi_cut_is_the_recorded_one():
     assert _matches(request(conv), turn(conv)) is None
     other = [*CONVERSATION[:3], dict(CONVERSATION[3], content="y" + long[1:]), *CONVERSATION[4:]]
     assert _matches(request(other), turn(conv)) == "history differs"
+
+
+def test_a_later_compaction_starts_after_the_previous_summary():
+    """After a compaction pi's conversation opens with the summary (a user message, the summary in
+    ``<summary>`` tags at its end); its next compaction leaves that message out of the history and
+    re-states the summary in a previous-summary block before its instructions. That is the
+    conversation's history after its first message; another summary, or none, is not."""
+    summary = "## Goal\nReview a.py."
+    wrapped = {"role": "user", "content": [{"type": "text", "text": f"Earlier:\n\n<summary>\n{summary}\n</summary>"}]}
+    conv = [CONVERSATION[0], wrapped, *CONVERSATION[1:]]
+    t = turn(conv)
+    assert _matches(request(CONVERSATION, previous=summary), t) is None
+    assert _matches(request(CONVERSATION[:3], previous=summary), t) is None
+    assert parse(request(CONVERSATION, previous=summary)).after.startswith("<previous-summary>\n")
+    assert _matches(request(CONVERSATION, previous="## Goal\nSomething else."), t) == "history differs"
+    assert _matches(request(CONVERSATION), t) == "history differs"
+    # a previous summary the conversation does not open with: compared from its first message
+    assert _matches(request(CONVERSATION, previous=summary)) is None
+    # (pi never serialises the summary message itself: a history that holds it again is not pi's)
+    assert _matches(request(conv, previous=summary), t) == "history differs"
 
 
 @pytest.mark.parametrize("what, owner, why", [
@@ -292,3 +312,46 @@ def test_the_real_pi_compaction_is_served_as_the_conversations_continuation(star
     # the next turn prefills no more than alone
     assert oc["next"]["prompt_n"] <= alone["next"]["prompt_n"], figures
     assert got["ocache"][2]["continued"]["requests"] == 1, got["ocache"][2]["continued"]
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_the_real_pis_later_compaction_is_continued_too(start_server, tmp_path):
+    """pi with a small window (``contextWindow`` 8000, ``reserveTokens`` 2000, ``keepRecentTokens``
+    600: no split turn) compacts at least twice in eight turns through ocache. The second compaction's
+    history starts after the first one's summary, which its instructions re-state: both are served
+    from the conversation's slot, each prefilling its instruction turn only. Measured: three
+    compactions, 270, 364 and 367 tokens prefilled (as sent: 3,433, 4,866 and 3,573)."""
+    from ocache.toolchain import clients
+    from test_e2e_clients import OcacheProcess, _install, _wait_recorded
+
+    binary = _install(clients.PI)
+    srv = start_server("hybrid", n_parallel=2, ctx_size=65536, args=SERVER_ARGS)
+    proxy = OcacheProcess(srv.url, tmp_path, server_args=srv.command()[1:])
+    try:
+        proxy.wait_ready()
+        home, project = tmp_path / "home", tmp_path / "proj"
+        project.mkdir()
+        env = clients.isolated_env(home)
+        clients.write_pi_models(home, proxy.url + "/v1", output_tokens=96, context_tokens=8000)
+        (home / ".pi" / "agent" / "settings.json").write_text(json.dumps(
+            {"compaction": {"reserveTokens": 2000, "keepRecentTokens": 600}}))
+        sources = sorted((Path(__file__).resolve().parent.parent / "ocache").glob("*.py"))
+        prompts = [f"Review this code:\n\n{p.read_text()[:6000]}" for p in sources if p.stat().st_size > 6000][:8]
+        runs = []
+        for i, prompt in enumerate(prompts):
+            argv = [str(binary), "--model", "local/qwen", *(["-c"] if i else []), "-p", prompt]
+            runs.append(clients._run(argv, project, env, 300))
+            assert runs[-1].returncode == 0, runs[-1].describe(5)
+        recs = _wait_recorded(proxy, lambda rs: len(rs) >= len(runs) + 2)
+        stats = proxy.stats()["layer"]["continued"]
+    finally:
+        proxy.stop()
+    comps = _compactions(recs)
+    figures = [(r["plan"]["headers"].get("X-OCache-Continued"), r["obs"]["timings"]["prompt_n"],
+                pi_previous_summary(parse(r["body"]).after) is not None) for r in comps]
+    assert len(comps) >= 2 and figures[1][2], (figures, stats)
+    for r in comps:
+        t = r["obs"]["timings"]
+        assert r["plan"]["headers"].get("X-OCache-Path") == "continued", (figures, stats)
+        assert t["prompt_n"] <= 1000 and t["cache_n"] > 4000, (figures, stats)
