@@ -203,8 +203,11 @@ def test_the_continuation_is_the_recorded_conversation_then_the_instruction():
 #: pi's settings for the run: compaction once the context passes 24000 - 3000 tokens; keep 8 tokens
 #: (estimated as characters / 4), so the cut falls inside the last turn and pi sends both requests
 PI_WINDOW, PI_RESERVE, PI_KEEP = 24000, 3000, 8
-#: the server: answers that end (the tiny model never ends on its own), greedy, no reasoning
-SERVER_ARGS = ["--temp", "0", "--reasoning", "off", "-l", "151645+11", "-n", "96"]
+#: the server: answers that end (the tiny model never ends on its own: the end of turn made likely,
+#: and room to reach it: an answer cut by the limit leaves no end of turn in the slot, and its
+#: compaction goes as sent), greedy, no reasoning
+MAX_OUT = 512
+SERVER_ARGS = ["--temp", "0", "--reasoning", "off", "-l", "151645+11", "-n", str(MAX_OUT)]
 
 
 def _digest(text: str) -> str:
@@ -226,7 +229,7 @@ def _pi_session(binary, proxy, tmp_path: Path, name: str):
     home, project = tmp_path / f"home-{name}", tmp_path / f"proj-{name}"
     project.mkdir()
     env = clients.isolated_env(home)
-    clients.write_pi_models(home, proxy.url + "/v1", output_tokens=96, context_tokens=PI_WINDOW)
+    clients.write_pi_models(home, proxy.url + "/v1", output_tokens=MAX_OUT, context_tokens=PI_WINDOW)
     (home / ".pi" / "agent" / "settings.json").write_text(json.dumps(
         {"compaction": {"reserveTokens": PI_RESERVE, "keepRecentTokens": PI_KEEP}}))
     sources = sorted((Path(__file__).resolve().parent.parent / "ocache").glob("*.py"))
@@ -321,7 +324,7 @@ def test_the_real_pis_later_compaction_is_continued_too(start_server, tmp_path):
     600: no split turn) compacts at least twice in eight turns through ocache. The second compaction's
     history starts after the first one's summary, which its instructions re-state: both are served
     from the conversation's slot, each prefilling its instruction turn only. Measured: three
-    compactions, 270, 364 and 367 tokens prefilled (as sent: 3,433, 4,866 and 3,573)."""
+    compactions, 270, 380 and 402 tokens prefilled (as sent: 3,482, 4,891 and 3,593)."""
     from ocache.toolchain import clients
     from test_e2e_clients import OcacheProcess, _install, _wait_recorded
 
@@ -333,7 +336,7 @@ def test_the_real_pis_later_compaction_is_continued_too(start_server, tmp_path):
         home, project = tmp_path / "home", tmp_path / "proj"
         project.mkdir()
         env = clients.isolated_env(home)
-        clients.write_pi_models(home, proxy.url + "/v1", output_tokens=96, context_tokens=8000)
+        clients.write_pi_models(home, proxy.url + "/v1", output_tokens=MAX_OUT, context_tokens=8000)
         (home / ".pi" / "agent" / "settings.json").write_text(json.dumps(
             {"compaction": {"reserveTokens": 2000, "keepRecentTokens": 600}}))
         sources = sorted((Path(__file__).resolve().parent.parent / "ocache").glob("*.py"))
