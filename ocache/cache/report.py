@@ -24,8 +24,7 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
                            "setup_warnings": [str(f) for f in layer.findings if f.level != "ok"],
                            "tiers_off": [t.__dict__ for t in tiers_off(layer)],
                            "tiers_checked": bool(layer.findings),
-                           "alone": {**layer.alone.stats(), "ocache_prefill": layer.ocache_prefill,
-                                     "saved": layer.alone.prefill - layer.ocache_prefill},
+                           "alone": layer.alone.stats(),
                            "align": layer.align.stats(), "continued": layer.continued.stats()}
     if table is not None and layer.head_tier is not None:
         out["slots"] = [{"id": s.id, "tokens": len(s.tokens), "n_total": s.n_total, "kind": s.kind,
