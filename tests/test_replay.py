@@ -312,6 +312,7 @@ def test_rule2_report_lists_every_request_where_c_prefilled_more_and_judges_the_
     even when an agent turn's gain keeps the total under."""
     from ocache.bench.oracle import OracleResult
     from ocache.bench.replay import Row
+    from ocache.bench.rule2 import over_requests, rule2
     from ocache.bench.run import Bench, ConfigRun
 
     def row(i, label, prefill, kind=None):
@@ -332,10 +333,10 @@ def test_rule2_report_lists_every_request_where_c_prefilled_more_and_judges_the_
                                       row(2, "title", 20), row(3, "agent", 250)])
     bench = Bench.__new__(Bench)
     bench.results = {"hybrid": {"runs": title_lost}}
-    over = bench.over_requests(title_lost)
+    over = over_requests(title_lost)
     assert [(o["row"].label, o["a"], o["b"], o["c"], o["excess"], o["title"]) for o in over] == \
         [("title", 18, 20, 542, 524, True)]
-    v = bench.rule2(title_lost)
+    v = rule2(title_lost)
     # 8,352 against 8,062 for (b), and a title was lost
     assert v["holds"] is False and v["ratio"] == pytest.approx(8352 / 8062)
     text = bench.worse_requests()
@@ -346,21 +347,21 @@ def test_rule2_report_lists_every_request_where_c_prefilled_more_and_judges_the_
     # an agent turn's gain does not excuse a title's loss: total under, title over -> fails
     gain = runs([row(0, "title", 541, "guest"), row(1, "agent", 7251, "agent"),
                  row(2, "title", 60, "guest"), row(3, "agent", 10, "agent")], alone, alone)
-    v = bench.rule2(gain)
+    v = rule2(gain)
     assert v["ratio"] < 1.0 and v["holds"] is False
     # equal or lower everywhere: nothing listed, the rule holds
     same = runs([row(0, "title", 541, "guest"), row(1, "agent", 7251, "agent"),
                  row(2, "title", 18, "guest"), row(3, "agent", 290, "agent")], alone, alone)
-    assert bench.over_requests(same) == [] and bench.rule2(same)["holds"] is True
+    assert over_requests(same) == [] and rule2(same)["holds"] is True
     bench.results = {"hybrid": {"runs": same}}
     assert bench.worse_requests() == "(none)"
     # a non-title request over (a) or (b) is listed, and the total decides
     agent_over = runs([row(0, "title", 541, "guest"), row(1, "agent", 7251, "agent"),
                        row(2, "title", 18, "guest"), row(3, "agent", 310, "agent")], alone,
                       alone[:3] + [row(3, "agent", 305)])
-    over = bench.over_requests(agent_over)
+    over = over_requests(agent_over)
     assert [(o["row"].index, o["excess"], o["title"]) for o in over] == [(3, 10, False)]
-    assert bench.rule2(agent_over)["holds"] is False      # 8,120 > 8,110 * 1.00
+    assert rule2(agent_over)["holds"] is False      # 8,120 > 8,110 * 1.00
 
 
 def test_bench_ctx_per_slot_overrides_the_presets(tmp_path):
