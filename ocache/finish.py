@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ocache.api import figures
+from ocache.api.figures import Figures
 from ocache.layer import Observation, ParsedRequest, Plan
 
 if TYPE_CHECKING:
@@ -100,20 +101,18 @@ class Finisher:
         elif preq.body is not None and isinstance(preq.body.get("id_slot"), int) \
                 and preq.body["id_slot"] >= 0:
             slot = preq.body["id_slot"]
-        headers = plan.headers if plan is not None else {}
+        fig = plan.read_figures() if plan is not None else Figures()
         t = timings or {}
-        restore_ms = headers.get("X-OCache-Restore-Ms")
         record = {
             "request_id": preq.request_id, "path": preq.path, "status": obs.status,
-            "stream": preq.stream, "slot": slot, "tier": headers.get("X-OCache-Tier") or "none",
-            "kind": headers.get("X-OCache-Kind"), "split": split,
+            "stream": preq.stream, "slot": slot, "tier": fig.tier or "none",
+            "kind": fig.kind, "split": split,
             "n_prompt": (int((obs.timings or {}).get("cache_n") or 0)
                          + int((obs.timings or {}).get("prompt_n") or 0)) if obs.timings else None,
             "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n"),
             "prompt_ms": t.get("prompt_ms"), "predicted_n": t.get("predicted_n"),
-            "restore_ms": float(restore_ms) if restore_ms else None,
-            "predicted": int(headers["X-OCache-Predicted-Cache"])
-            if "X-OCache-Predicted-Cache" in headers else None,
+            "restore_ms": fig.restore_ms,
+            "predicted": fig.predicted_cache,
             "ttft_s": obs.ttft_s, "total_s": round(obs.total_s, 6), "completed": obs.completed,
             "epoch": up.epoch, "time": time.time(),
         }

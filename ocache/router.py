@@ -395,11 +395,7 @@ class Router:
         plan.upstream = server.url
         plan.headers["X-OCache-Upstream"] = server.url
         plan.headers["X-OCache-Route"] = choice.reason
-        try:
-            prefill = int(plan.headers.get("X-OCache-Prefilled") or 0)
-        except ValueError:
-            prefill = 0
-        server.inflight[rid] = _InFlight(prefill, time.monotonic())
+        server.inflight[rid] = _InFlight(plan.read_figures().prefilled or 0, time.monotonic())
         server.routed += 1
         key = choice.reason.split(":", 1)[0]
         server.reasons[key] = server.reasons.get(key, 0) + 1

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ocache.cache.execute import ServerPlaced
 from ocache.cache.prepare import Prepared
 from ocache.cache.routes.usual import LEASE_WAIT_S
+from ocache.api.figures import Figures
 from ocache.layer import ParsedRequest, Plan
 from ocache.slots import SlotError, SlotLease
 from ocache.tiers.base import RequestContext
@@ -100,5 +101,4 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: Requ
             for lease in leases:
                 lease.release()
 
-    return Plan(headers={"X-OCache-Tier": "none", "X-OCache-Kind": prep.kind, "X-OCache-Slot": "server"},
-                context=placed, release=release)
+    return Plan(figures=Figures(tier="none", kind=prep.kind, slot="server"), context=placed, release=release)
