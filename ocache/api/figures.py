@@ -137,22 +137,6 @@ def correct_timings(timings: Mapping | None, split: int, split_ms: float = 0.0) 
     return t
 
 
-def correct_usage(usage: Mapping | None, split: int) -> dict | None:
-    """``usage`` with ``prompt_tokens_details.cached_tokens`` (and the Responses API's
-    ``input_tokens_details.cached_tokens``) corrected."""
-    if usage is None:
-        return None
-    u = dict(usage)
-    if isinstance(u.get("cache_read_input_tokens"), int) and isinstance(u.get("input_tokens"), int):
-        u["cache_read_input_tokens"] = max(0, u["cache_read_input_tokens"] - split)
-        u["input_tokens"] += split
-    for k in ("prompt_tokens_details", "input_tokens_details"):
-        d = u.get(k)
-        if isinstance(d, Mapping) and isinstance(d.get("cached_tokens"), (int, float)):
-            u[k] = {**d, "cached_tokens": max(0, int(d["cached_tokens"]) - split)}
-    return u
-
-
 #: the sampled ids ocache asked for (``"ocache_generated": [...]`` inside ``timings``,
 #: patches/0010), with the comma that joins them to the object; a ``"`` inside a JSON string is
 #: always escaped, so generated text cannot match
