@@ -181,7 +181,7 @@ async def test_client_cached_tokens_equal_prompt_minus_server_prefill(start_serv
 
     # restores after a server restart (a new process, a new /metrics counter): A and B (streamed)
     # from their spilled conversations, a new session in A's folder from A's disk anchor or from
-    # A's spill (its first turn is A's byte for byte: any session's spill is offered, issue 27)
+    # A's spill (its first turn is A's byte for byte: any session's spill is offered: tests/test_session_shared_spill.py)
     forget_store(cache)
     srv.restart()
     c1 = body_of("opencode_run2_agent_turn1.json")

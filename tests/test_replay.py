@@ -41,7 +41,7 @@ def test_shipped_scenarios_load():
     assert {"growth", "title_interleave", "restart_mid_session", "aba_one_slot", "date_change",
             "mid_prompt_insertion", "new_session_same_folder",
             "new_session_other_folder",
-            # every everyday pattern without a restart (issue 27)
+            # every everyday pattern without a restart
             "opencode_runs_same_folder", "opencode_runs_two_folders", "opencode_pi_alternating",
             "claude_code_runs", "codex_runs", "everyday_day_no_restart"} <= names
     for p in (REPO / "scenarios").glob("*.yaml"):
@@ -223,7 +223,7 @@ steps:
     assert (f"| hybrid | smoke | {runs['a'].observed} | {runs['b'].observed} | "
             f"{runs['c'].observed} |") in text and f"{ratio:.3f}" in text
     assert "Requests where (c) prefilled more than (a) or (b)" in text
-    # the headline ocache served beside (b) - (c) (issue 29); (c) was told nothing of the server
+    # the headline ocache served beside (b) - (c); (c) was told nothing of the server
     assert "The headline saving ocache reported, against the measured (b) - (c)" in text
     alone = runs["c"].ocache_stats["layer"]["alone"]
     assert f"| {runs['b'].observed - runs['c'].observed:,} | {alone['saved']:,} |" in text
@@ -268,7 +268,7 @@ steps:
 
 
 def test_bench_plots_keep_title_and_labels_inside_and_one_plot_per_scenario(tmp_path):
-    """The bench PNGs (issue 14 §6): the title (wrapped) and axis labels lie inside the figure, the
+    """The bench PNGs: the title (wrapped) and axis labels lie inside the figure, the
     axes name their units, and each scenario gets a plot of its own besides the combined one."""
     from types import SimpleNamespace as NS
 
@@ -306,7 +306,7 @@ def test_bench_plots_keep_title_and_labels_inside_and_one_plot_per_scenario(tmp_
 
 
 def test_rule2_report_lists_every_request_where_c_prefilled_more_and_judges_the_scenario():
-    """The rule-2 report (issue 27): each request where (c) prefilled more than (a) or (b),
+    """The rule-2 report: each request where (c) prefilled more than (a) or (b),
     matched by label and occurrence (a parallel group may be sent in another order); a scenario
     fails when (c) / min((a), (b)) > 1.00 or any title request (ocache's ``guest``) is among them,
     even when an agent turn's gain keeps the total under."""

@@ -1,4 +1,4 @@
-"""Rule 2's measure compares the same requests (issue 27, dense *growth* 1.001 where (c) = (b)).
+"""Rule 2's measure compares the same requests (dense *growth* 1.001 where (c) = (b)).
 
 A ``turn`` step is built from each configuration's own answers. On the tiny dense model the stock
 flags' (a) answered turn 4 differently at a near-tie (``ocache bench --preset tiny --scenario growth

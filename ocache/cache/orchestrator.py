@@ -117,9 +117,9 @@ class OCacheLayer:
         self.markers = getattr(config, "volatile_markers", None) or fp_mod.DEFAULT_MARKERS
         self._viewer = viewer
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.align = AlignRoute(align_enabled(config), exact=align_mode(config) == "exact")   # issue 26, ocache/cache/align_route.py
+        self.align = AlignRoute(align_enabled(config), exact=align_mode(config) == "exact")   # ocache/cache/align_route.py
         self.wants_message = self.align.on                # the proxy collects streamed answers
-        self.continued = ContinueRoute(continue_enabled(config))   # issue 26, routes/continued.py
+        self.continued = ContinueRoute(continue_enabled(config))   # ocache/cache/routes/continued.py
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
         self.tiers: list[TierBase] = list(tiers)
