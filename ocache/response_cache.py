@@ -404,7 +404,7 @@ def _book(proxy: Proxy, att: Attempt, plan: Plan, obs: Observation) -> None:
     log.info("[%s] %s", att.rid, request_line(record, preq.method, not obs.completed))
     recorder = proxy.recorder
     if recorder is not None:
-        proxy._spawn(asyncio.to_thread(recorder.record, preq, plan, obs))
+        proxy._spawn(asyncio.to_thread(recorder.record, preq, plan, obs), "record")
 
 
 def _timings_of(entry: Entry) -> dict | None:

@@ -41,9 +41,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any, Coroutine, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ocache import fingerprint as fp_mod
+from ocache.background import Background
 from ocache.cache import core, report, routes, stopping, warmup, wiring
 from ocache.cache.align_route import AlignContext, AlignRoute, enabled as align_enabled, mode as align_mode
 from ocache.cache.routes.continued import ContinueRoute, enabled as continue_enabled
@@ -127,7 +128,8 @@ class OCacheLayer:
         self.observer = Observer(self.counters, on_view_mismatch=self._view_mismatch)
         self._ready = False
         self._ready_lock = asyncio.Lock()
-        self._bg: set[asyncio.Task] = set()
+        #: the layer's background work (reconcile, origin upkeep): a stop waits for it
+        self.background = Background("layer")
         self.ids = IdentityKeeper(lambda: getattr(self.upstream, "props", None), lambda: self.argv,
                                   self._ready_lock, self._digested)
         self._epoch = getattr(upstream, "epoch", None)
@@ -457,21 +459,15 @@ class OCacheLayer:
         if self.opt_reconcile:
             # the server's count for the slot just used (and a restart seen in the id_task values),
             # off the next request's path
-            self._spawn(self.refresh(pctx.request_id))
+            self.background.spawn(self.refresh(pctx.request_id), "reconcile")
         if ok and self.head_tier is not None:
-            self._spawn(self.head_tier.maintain_origin())
+            self.background.spawn(self.head_tier.maintain_origin(), "origin")
 
     # -- background ------------------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
-
     async def idle(self) -> None:
         """Wait for background work (origin re-establishment, the tiers' commits) to finish."""
-        while self._bg:
-            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        await self.background.join()
         for tier in (self.head_tier, *self.tiers):
             if tier is not None:
                 await tier.flush()

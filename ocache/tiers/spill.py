@@ -144,6 +144,7 @@ from typing import Any, Sequence
 
 import xxhash
 
+from ocache.background import Background
 from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.config import field_of as _get, slot_save_path
 from ocache.llama.checks import FLAGS_FIX
@@ -278,7 +279,7 @@ class SessionTier(TierBase):
         self.bytes_per_token: float = 0.0
         self._seen: dict[int, SlotSeen] = {}
         self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, tokens expected reused)
-        self._bg: set[asyncio.Task] = set()
+        self.background = Background(self.name)   # the commits of spills
         # evictions being spilled -> (their tokens, a guest's)
         self._inflight: dict[asyncio.Future, tuple[list[int], bool]] = {}
         self._recent: list[tuple[float, str, int]] = []  # (time, entry key, slot) of spills this run
@@ -327,7 +328,7 @@ class SessionTier(TierBase):
         done: asyncio.Future = loop.create_future()
         st = self.table[slot]
         self._inflight[done] = (list(st.tokens), st.kind == "guest")
-        before = set(self._bg)
+        before = self.background.tasks
 
         def finish(_: Any = None) -> None:
             self._inflight.pop(done, None)
@@ -337,7 +338,7 @@ class SessionTier(TierBase):
         try:
             await self._spill(slot, "evict")
         finally:
-            commits = [t for t in self._bg - before if not t.done()]
+            commits = [t for t in self.background.tasks - before if not t.done()]
             if commits:
                 asyncio.gather(*commits, return_exceptions=True).add_done_callback(finish)
             else:
@@ -454,9 +455,7 @@ class SessionTier(TierBase):
                 "prompt_n": seen.prompt_n, "reason": reason, "head_key": seen.head_key,
                 **({"interrupted": True} if seen.partial else {}),
                 **{k: v for k, v in (getattr(st, "labels", None) or {}).items() if v}}
-        task = asyncio.create_task(self._commit(pkey, tmp, tokens, meta, slot, seen.head_key))
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self.background.spawn(self._commit(pkey, tmp, tokens, meta, slot, seen.head_key), "commit")
         self._recent.append((time.time(), key, slot))
         return key
 
@@ -495,8 +494,7 @@ class SessionTier(TierBase):
 
     async def flush(self) -> None:
         """Wait for background commits."""
-        while self._bg:
-            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        await self.background.join()
 
     async def on_drain(self, table: Any = None) -> dict:
         """Planned stop (after in-flight requests finished and ``before_evict`` ran on every live
