@@ -57,7 +57,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ADMIN_POST = frozenset({"/v1/cache/clear", "/v1/cache/warm", "/v1/cache/drain"})
 #: GET routes that only report: open (stats redacted without the token).
 ADMIN_GET = frozenset({"/v1/cache/stats", "/v1/cache/metrics"})
-ADMIN_ROUTES = ADMIN_POST | ADMIN_GET
 #: llama-server's slot actions: ``POST /slots/:id_slot`` (tools/server/server.cpp:291) dispatches
 #: ``action`` = save / restore / erase, anything else is 400 (server-context.cpp:4841-4871).
 SLOT_ACTIONS = frozenset({"save", "restore", "erase"})

@@ -1,4 +1,4 @@
-"""Alignment: serve a rewritten history from the slot's own tokens (issue 26, seed 000 §13.5).
+"""Alignment: serve a rewritten history from the slot's own tokens (docs/benchmarks.md, "Rewritten histories"; ``scripts/measure-align``).
 
 The chat templates people run rewrite the history: Qwen3/3.5 render an assistant turn's reasoning
 only after the last user message (``loop.index0 > ns.last_query_index`` in

@@ -148,25 +148,6 @@ def view(stats: dict, admin: bool = False) -> dict:
     unparsed = sum(_int(n) for by_status in (stats.get("unparsed") or {}).values()
                    for n in by_status.values())
     up = stats.get("upstream") or {}
-    slots = []
-    for s in layer.get("slots") or []:
-        owner = s.get("owner")
-        slots.append({"id": s.get("id"), "kind": s.get("kind"), "tokens": _int(s.get("tokens")),
-                      "head_len": _int(s.get("head_len")), "checkpoints": _int(s.get("checkpoints")),
-                      "busy": bool(s.get("busy")), "origin": bool(s.get("origin")),
-                      "idle_s": s.get("idle_s"),
-                      "owner": owner if admin else None,
-                      "owner_hidden": bool(owner) and not admin})
-    requests = []
-    for r in stats.get("last_completions") or []:
-        ttft = r.get("ttft_s")
-        requests.append({"request_id": r.get("request_id"), "time": r.get("time"),
-                         "kind": r.get("kind"), "slot": r.get("slot"), "tier": r.get("tier"),
-                         "prefilled": _int(r.get("prompt_n")), "reused": _int(r.get("cache_n")),
-                         "restore_ms": r.get("restore_ms"),
-                         "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
-                         "status": r.get("status"),
-                         **({"upstream": r["upstream"]} if r.get("upstream") else {})})
     by_kind = {KIND_NAMES.get(k, k): v for k, v in (store.get("by_kind") or {}).items()}
     return {
         "time": time.time(),
@@ -187,8 +168,8 @@ def view(stats: dict, admin: bool = False) -> dict:
         "upstream": {"state": up.get("state"), "epoch": up.get("epoch"),
                      "restarts": _int(up.get("restarts")), "build_info": up.get("build_info"),
                      "url": up.get("url")},
-        "slots": slots,
-        "requests": requests,
+        "slots": [_slot_row(s, admin) for s in layer.get("slots") or []],
+        "requests": [_request_row(r) for r in stats.get("last_completions") or []],
         "tiers": {
             "head": {"saves": _int(layer.get("head_saves")), "restores": _int(layer.get("head_restores"))},
             "disk": {"enabled": bool(disk), "anchors": _int(disk.get("anchors_written")),
@@ -212,6 +193,31 @@ def view(stats: dict, admin: bool = False) -> dict:
         "tiers_off_lines": tiers_off_lines(layer.get("tiers_off") or []) if layer.get("tiers_off") else [],
         "servers": _servers(layer),
     }
+
+
+def _slot_row(s: dict, admin: bool) -> dict:
+    """One slot of the layer's stats as the dashboard shows it; its owner (a session id) only to
+    an ``admin``, else only whether it has one."""
+    owner = s.get("owner")
+    return {"id": s.get("id"), "kind": s.get("kind"), "tokens": _int(s.get("tokens")),
+            "head_len": _int(s.get("head_len")), "checkpoints": _int(s.get("checkpoints")),
+            "busy": bool(s.get("busy")), "origin": bool(s.get("origin")),
+            "idle_s": s.get("idle_s"),
+            "owner": owner if admin else None,
+            "owner_hidden": bool(owner) and not admin}
+
+
+def _request_row(r: dict) -> dict:
+    """One of the proxy's last completions (``last_completions``) as the dashboard shows it:
+    tokens prefilled and reused, the restore's milliseconds, the time to first token in ms."""
+    ttft = r.get("ttft_s")
+    return {"request_id": r.get("request_id"), "time": r.get("time"),
+            "kind": r.get("kind"), "slot": r.get("slot"), "tier": r.get("tier"),
+            "prefilled": _int(r.get("prompt_n")), "reused": _int(r.get("cache_n")),
+            "restore_ms": r.get("restore_ms"),
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
+            "status": r.get("status"),
+            **({"upstream": r["upstream"]} if r.get("upstream") else {})}
 
 
 def _align(layer: dict) -> dict:

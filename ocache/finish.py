@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ocache.api import figures
+from ocache.api.figures import Figures
 from ocache.layer import Observation, ParsedRequest, Plan
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class Finisher:
         """The request's log line, stats record and ``after`` (release, observe, recorder); for a
         plan whose ``completion`` is still running, once it is done (``_plan_completed``)."""
         if plan is not None and plan.completion is not None and not plan.completion.done():
-            self.proxy._spawn(self._finish_completed(preq, plan, obs, disconnected, observe))
+            self.proxy._spawn(self._finish_completed(preq, plan, obs, disconnected, observe), "finish")
             return
         if plan is not None and plan.completion is not None:
             self.completion_failed(preq.request_id, plan.completion)
@@ -87,7 +88,7 @@ class Finisher:
         elif obs.completed or disconnected:
             stats.completion(preq.path, record["tier"], timings, obs.ttft_s, record, split=split)
         log.info("[%s] %s", preq.request_id, request_line(record, preq.method, disconnected))
-        self.proxy._spawn(self.after(preq, plan, obs, observe))
+        self.proxy._spawn(self.after(preq, plan, obs, observe), "after")
 
     def record(self, preq: ParsedRequest, plan: Plan | None, obs: Observation, timings: dict | None,
                split: int) -> dict[str, Any]:
@@ -100,20 +101,18 @@ class Finisher:
         elif preq.body is not None and isinstance(preq.body.get("id_slot"), int) \
                 and preq.body["id_slot"] >= 0:
             slot = preq.body["id_slot"]
-        headers = plan.headers if plan is not None else {}
+        fig = plan.read_figures() if plan is not None else Figures()
         t = timings or {}
-        restore_ms = headers.get("X-OCache-Restore-Ms")
         record = {
             "request_id": preq.request_id, "path": preq.path, "status": obs.status,
-            "stream": preq.stream, "slot": slot, "tier": headers.get("X-OCache-Tier") or "none",
-            "kind": headers.get("X-OCache-Kind"), "split": split,
+            "stream": preq.stream, "slot": slot, "tier": fig.tier or "none",
+            "kind": fig.kind, "split": split,
             "n_prompt": (int((obs.timings or {}).get("cache_n") or 0)
                          + int((obs.timings or {}).get("prompt_n") or 0)) if obs.timings else None,
             "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n"),
             "prompt_ms": t.get("prompt_ms"), "predicted_n": t.get("predicted_n"),
-            "restore_ms": float(restore_ms) if restore_ms else None,
-            "predicted": int(headers["X-OCache-Predicted-Cache"])
-            if "X-OCache-Predicted-Cache" in headers else None,
+            "restore_ms": fig.restore_ms,
+            "predicted": fig.predicted_cache,
             "ttft_s": obs.ttft_s, "total_s": round(obs.total_s, 6), "completed": obs.completed,
             "epoch": up.epoch, "time": time.time(),
         }

@@ -43,7 +43,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, runtime_checkable
 
-if TYPE_CHECKING:  # the contract imports no runtime module
+from ocache.api.figures import Figures   # a value, pure (no I/O, no other ocache module)
+
+if TYPE_CHECKING:  # the contract imports no other runtime module
     from ocache.upstream import UpstreamPort
 
 log = logging.getLogger("ocache.layer")
@@ -120,8 +122,26 @@ class Plan:
     upstream: str | None = None
     completion: Any = None
     upstream_headers: dict[str, str] = field(default_factory=dict)
+    #: what the plan tells of the request (``ocache.api.figures.Figures``), written once: given
+    #: here or by :meth:`set_figures`, which sends them as ``headers``; read with :meth:`read_figures`
+    figures: Figures | None = None
     #: the plan's one release receipt, once taken (``ReceiptLedger.take``)
     _receipt: Receipt | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.figures is not None:
+            self.headers.update(self.figures.headers())
+
+    def set_figures(self, figures: Figures) -> None:
+        """The plan's figures, now known (a known turn's completion): kept, and added to
+        ``headers`` (the ones sent when the answer begins)."""
+        self.figures = figures
+        self.headers.update(figures.headers())
+
+    def read_figures(self) -> Figures:
+        """The plan's figures; for a route that wrote only header strings (the aligned and
+        continued routes), those parsed (``Figures.from_headers``)."""
+        return self.figures if self.figures is not None else Figures.from_headers(self.headers)
 
 
 class Receipt:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 from aiohttp import web
 
+from ocache.background import Background
 from ocache.config import Config
 from ocache.stats import Stats
 from ocache.upstream import Upstream, UpstreamPort
@@ -49,7 +50,7 @@ class Lifecycle:
     _layer_factory: Callable[[UpstreamPort, Config], Any]
     _monitor: bool
     _idle: asyncio.Event
-    _tasks: set[asyncio.Task[Any]]
+    background: Background
 
     @property
     def upstream(self) -> Upstream:
@@ -136,8 +137,7 @@ class Lifecycle:
         bound = 0.0 if hung else timeout_s
         for up in self.upstreams:
             await up.stop_monitor(max(0.0, min(bound, deadline - time.monotonic())))
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=max(0.0, deadline - time.monotonic()))
+        await self.background.wait(deadline - time.monotonic())
         fn = getattr(self.layer, "quiesce", None)
         if fn is not None:
             try:
@@ -177,8 +177,7 @@ class Lifecycle:
 
     async def wait_background(self) -> None:
         """Wait for pending release()/observe() tasks."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.background.join()
 
     async def drain(self, timeout: float) -> None:
         """Planned stop: wait for in-flight requests (up to ``timeout`` s), their observe() tasks,
@@ -192,10 +191,8 @@ class Lifecycle:
             self.stats.layer_error("drain")
             log.exception("cache layer drain() failed")
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run ``coro`` in the background (the task); ``wait_background`` and a stop wait for it."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def _spawn(self, coro: Coroutine[Any, Any, Any], what: str = "request") -> asyncio.Task[Any]:
+        """Run ``coro`` in the background (the task, named ``proxy:what``: ``Background.spawn``);
+        ``wait_background`` and a stop wait for it."""
+        return self.background.spawn(coro, what)
 

@@ -38,14 +38,6 @@ def state_root() -> Path:
     return root
 
 
-def private_dir(*parts: str) -> Path:
-    """Return ``cache_root()/parts...``, created with mode 0700 (it may hold prompts or KV state)."""
-    path = cache_root().joinpath(*parts)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-    return path
-
-
 def repo_root() -> Path:
     """The source checkout this package was imported from (holds ``patches/``); for an installed
     package (``pip install``, not editable) the ``site-packages`` folder: see :func:`checkout`."""

@@ -117,6 +117,7 @@ from aiohttp import web
 
 from ocache import admin
 from ocache.admin import AdminRoutes
+from ocache.background import Background
 from ocache.api import figures
 from ocache.attempts import PROBE_ROUTES as _PROBE_ROUTES, STALE_REPLANS, Attempt, Attempts
 from ocache.config import Config
@@ -208,7 +209,7 @@ class Proxy(Lifecycle):
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.background = Background("proxy")   # a request's release, observe and record
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(2)
         self._monitor = monitor

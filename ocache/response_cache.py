@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from aiohttp import web
 
 from ocache.api.convert import ANTHROPIC_ROUTES, RESPONSES_ROUTES
+from ocache.api.figures import Figures
 from ocache.api.refresh import Fresh
 from ocache.config import field_of
 from ocache.layer import Observation, Plan
@@ -364,18 +365,17 @@ class ResponseCache:
         and do the request's bookkeeping (stats, log line, record) as for a relayed one."""
         fresh = Fresh(entry.n_prompt, anthropic=att.path in ANTHROPIC_ROUTES)
         data = fresh.stream(entry.data) if entry.sse else fresh.body(entry.data)
-        headers = {"X-OCache-Request-Id": att.rid, "X-OCache-Tier": "response", "X-OCache-Split": "0",
-                   "X-OCache-Prefilled": "0", "X-OCache-Reused": str(entry.n_prompt),
-                   "X-OCache-Predicted-Cache": str(entry.n_prompt)}
+        plan = Plan(headers={"X-OCache-Request-Id": att.rid},
+                    figures=Figures(tier="response", split=0, prefilled=0, reused=entry.n_prompt,
+                                    predicted_cache=entry.n_prompt))
         obs = att.obs
         obs.status = entry.status
         resp = web.StreamResponse(status=entry.status, headers=dict(entry.headers))
-        resp.headers.update(headers)
+        resp.headers.update(plan.headers)
         if entry.sse:
             resp.headers["X-Accel-Buffering"] = "no"
         else:
             resp.content_length = len(data)
-        plan = Plan(headers=dict(headers))
         try:
             await resp.prepare(att.request)
             await resp.write(data)
@@ -404,7 +404,7 @@ def _book(proxy: Proxy, att: Attempt, plan: Plan, obs: Observation) -> None:
     log.info("[%s] %s", att.rid, request_line(record, preq.method, not obs.completed))
     recorder = proxy.recorder
     if recorder is not None:
-        proxy._spawn(asyncio.to_thread(recorder.record, preq, plan, obs))
+        proxy._spawn(asyncio.to_thread(recorder.record, preq, plan, obs), "record")
 
 
 def _timings_of(entry: Entry) -> dict | None:

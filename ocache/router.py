@@ -85,6 +85,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ocache.background import Background
 from ocache.layer import ParsedRequest, Plan
 from ocache.upstream import UpstreamPort
 
@@ -189,7 +190,7 @@ class Router:
         #: the longest wait for another request's plan of the same prefix (seconds)
         self.gate_wait_s = GATE_WAIT_S
         self._heads: dict = {}
-        self._bg: set[asyncio.Task] = set()  # gates opening once a plan's saves are committed
+        self.background = Background("router")  # gates opening once a plan's saves are committed
         #: gates opened so far, and the count at which each key's gate opened last
         self._gate_seq = 0
         self._opened: dict[Any, int] = {}
@@ -390,16 +391,12 @@ class Router:
         if gate is not None:
             # the waiters go on once what this plan saved is committed (not this request: it is
             # forwarded now)
-            self._spawn(self._open_gate(choice.gate, gate, _pending_commits(server.layer)))
+            self.background.spawn(self._open_gate(choice.gate, gate, _pending_commits(server.layer)), "gate")
         self.share_heads()
         plan.upstream = server.url
         plan.headers["X-OCache-Upstream"] = server.url
         plan.headers["X-OCache-Route"] = choice.reason
-        try:
-            prefill = int(plan.headers.get("X-OCache-Prefilled") or 0)
-        except ValueError:
-            prefill = 0
-        server.inflight[rid] = _InFlight(prefill, time.monotonic())
+        server.inflight[rid] = _InFlight(plan.read_figures().prefilled or 0, time.monotonic())
         server.routed += 1
         key = choice.reason.split(":", 1)[0]
         server.reasons[key] = server.reasons.get(key, 0) + 1
@@ -459,11 +456,6 @@ class Router:
             if self._planning.get(key) is gate:
                 self._planning.pop(key, None)
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
-
     def _server_of(self, req: Any, plan: Plan) -> Server | None:
         """The server a plan was made for (``Plan.upstream``); a plan the router did not make (the
         proxy's fail-open ``Plan()``) belongs to the first ready server, where the proxy sent it."""
@@ -514,8 +506,7 @@ class Router:
         return sum(int(getattr(s.layer, "calls_inflight", lambda: 0)()) for s in self.servers)
 
     async def idle(self) -> None:
-        while self._bg:
-            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        await self.background.join()
         for s in self.servers:
             idle = getattr(s.layer, "idle", None)
             if idle is not None:

@@ -45,7 +45,7 @@ import aiohttp
 from ocache.llama.flags import ServerParams
 from ocache.llama.reuse import Checkpoint, predict_reuse
 # the slot calls' HTTP, its constants and errors: re-exported, importers use ocache.slots
-from ocache.llama.slot_api import (BOOT_CHECK_TIMEOUT_S, BOOT_HEADER, IF_BOOT_HEADER, SlotBusy,  # noqa: F401
+from ocache.llama.slot_api import (BOOT_CHECK_TIMEOUT_S, BOOT_HEADER, IF_BOOT_HEADER,  # noqa: F401
                                    SlotClient, SlotError, SlotFileError, SlotHashMismatch, SlotInvalid,
                                    SlotNotSupported, TaskIds, UpstreamError, check_filename,
                                    error_from_response, file_refused)

@@ -44,9 +44,6 @@ KNOWN_ROUTES = COMPLETION_ROUTES | {
     "/v1/cache/metrics", "/v1/cache/clear",
 }
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
 def route_label(path: str) -> str:
     if path in KNOWN_ROUTES:
         return path

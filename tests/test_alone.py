@@ -1,4 +1,4 @@
-"""The headline saving is against llama-server alone (issue 29): ``ocache.llama.alone`` models what
+"""The headline saving is against llama-server alone: ``ocache.llama.alone`` models what
 the same server with the same flags would have prefilled without ocache (its own slot choice and
 reuse), the layer feeds it every answered request, and the dashboard / ``ocache stats`` lead with
 that saving and label the one against a cold prefill as such. The model is checked here against a

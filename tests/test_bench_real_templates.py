@@ -1,4 +1,4 @@
-"""The bench on the templates people run (issue 26): scenario keys, the turns built from the
+"""The bench on the templates people run: scenario keys, the turns built from the
 server's generations, the prompt an aligned request was served, the dashboard's align figures.
 No server: the pieces are pure (``ocache/bench/agent.py``, ``served.py``, ``replay.py``,
 ``ocache/dashboard.py``); the runs themselves are ``ocache bench --scenario real_template_agent_keep

@@ -1,4 +1,4 @@
-"""Claude Code's re-prefill of ~2.3k tokens a request (issue 26), on the real client.
+"""Claude Code's re-prefill of ~2.3k tokens a request, on the real client.
 
 Claude Code 2.1.328 sends its environment (cwd, OS, model id, deferred tools, agent types, skills,
 the date) as a ``role: system`` message right after the first user message, keeps no answer cut at

@@ -1,4 +1,4 @@
-"""What the terminal commands print for a user (issue 29): ``ocache top --once`` piped keeps
+"""What the terminal commands print for a user: ``ocache top --once`` piped keeps
 every line whole (it was cut at 80 columns, rich's width without a terminal), and ``ocache cache
 ls`` names the folder of Claude Code and Codex requests (it showed ``-``: their folder is said
 elsewhere than opencode's) and keeps the model a client asked for apart from the server identity

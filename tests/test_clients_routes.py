@@ -6,7 +6,7 @@ llama-server on the tiny models with the settings of tests/test_resident.py (``-
 one ubatch" is a tight bound, ``-b 512``, ``--cache-ram 0``), except where a test says otherwise;
 requests go through the proxy in-process (``Proxy`` + ``OCacheLayer``) and stream as the clients do.
 
-What is checked, per issue 11:
+What is checked:
 * the token view of both routes (``ocache.api.convert`` + ``/apply-template`` + ``/tokenize``) has exactly
   the server's own ``/v1/messages/count_tokens`` / ``/v1/responses/input_tokens`` count;
 * both clients' harness heads are one key across folders and prompts (``ocache.fingerprint``);

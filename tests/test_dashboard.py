@@ -1,4 +1,4 @@
-"""The live view (issue 14): ``GET /ocache/`` + ``/ocache/api/view`` (ocache/dashboard.py), the
+"""The live view: ``GET /ocache/`` + ``/ocache/api/view`` (ocache/dashboard.py), the
 per-request log line, ``ocache stats`` / ``ocache top`` (ocache/commands/top.py).
 
 The integration tests run ``python -m ocache serve`` as a child in front of the real tiny
@@ -333,7 +333,7 @@ def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
         # requests (its split inside them is already out of cache_n: counted once)
         outside = max(0, layer["table"]["own_prefill_tokens"] - stats["tokens"].get("split", 0))
         assert num("t-saved") == stats["tokens"]["cache_n"] - outside
-        # the headline: the saving against llama-server alone with the same flags, as served (issue 29)
+        # the headline: the saving against llama-server alone with the same flags, as served
         assert num("t-saved-alone") == layer["alone"]["prefill"] - layer["alone"]["ocache_prefill"]
         assert num("t-alone-prefill") == layer["alone"]["prefill"] and layer["alone"]["requests"] == 3
         assert not drv.find_element(By.ID, "tiers-off").is_displayed()      # every tier on
@@ -341,7 +341,7 @@ def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
         assert text("t-disk-bytes") == _human(layer["tier_disk"]["store"]["bytes"])
         assert num("t-disk-entries") == layer["tier_disk"]["store"]["entries"] > 0
         assert num("t-fail-open") == stats["fail_open"]
-        # aligned requests (issue 26): none on ocache's own append-only template; the table stays hidden
+        # aligned requests: none on ocache's own append-only template; the table stays hidden
         assert num("t-aligned") == layer["align"].get("aligned", 0) == 0
         assert num("t-aligned-saved") == layer["align"].get("aligned_saved_tokens", 0)
         assert not drv.find_element(By.ID, "aligned").is_displayed()
@@ -397,7 +397,7 @@ def test_dashboard_in_chromium_shows_the_stats(running, browser_paths):
 @server
 def test_dashboard_in_chromium_says_which_tiers_are_off_in_front_of_a_stock_server(start_server, tmp_path,
                                                                                  browser_paths):
-    """Issue 29: ``ocache serve`` with no flags given in front of the stock server (it does not report
+    """``ocache serve`` with no flags given in front of the stock server (it does not report
     its ``--slot-save-path``): the page opens with the "tiers off" box, the line ``ocache stats`` and
     the log say (before any request)."""
     from selenium.webdriver.common.by import By

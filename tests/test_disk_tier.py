@@ -460,14 +460,12 @@ async def test_a_head_already_in_the_slot_is_saved_without_a_prefill(harness):
 @pytest.mark.parametrize("model", ["dense", "hybrid"])
 async def test_through_the_proxy_a_restart_resumes_from_the_disk(harness, model, tmp_path):
     """Anchors written before a restart are offered by the disk tier to ocache's planner after it:
-    the request goes through ``ocache serve``'s proxy and OCacheLayer (the disk tier registered
-    with ``make_disk_tier``), is restored from disk (X-OCache-Tier: disk) and its cache_n confirms it."""
+    the request goes through ``ocache serve``'s proxy and OCacheLayer (the disk tier the layer
+    builds from ``tiers.disk.slot_save_path``), is restored from disk (X-OCache-Tier: disk) and its cache_n confirms it."""
     from aiohttp.test_utils import TestServer
 
-    from ocache.cache import OCacheLayer
     from ocache.config import Config
     from ocache.proxy import RUNNER_KWARGS, Proxy
-    from ocache.tiers.disk import make_disk_tier
 
     h = await harness(model)
     t1 = load_fixture("opencode_agent_turn1.json")
@@ -484,15 +482,7 @@ async def test_through_the_proxy_a_restart_resumes_from_the_disk(harness, model,
     # the harness wrote its store under meta_dir; the layer reads <cache_dir>/store
     h.meta_dir.rename(tmp_path / "store")
 
-    class LayerWithDisk(OCacheLayer):
-        async def _session_tier_ready(self) -> None:
-            await super()._session_tier_ready()
-            if getattr(self, "_disk_tier", None) is None:
-                self._disk_tier = make_disk_tier(self.config, self.table, self._ident,
-                                                 ubatch=self.table.params.n_ubatch)
-                self.add_tier(self._disk_tier)
-
-    proxy = Proxy(config, layer_factory=lambda u, c: LayerWithDisk(u, c), monitor=False)
+    proxy = Proxy(config, monitor=False)
     server = TestServer(proxy.make_app(), host="127.0.0.1")
     await server.start_server(**RUNNER_KWARGS)
     try:
@@ -505,7 +495,7 @@ async def test_through_the_proxy_a_restart_resumes_from_the_disk(harness, model,
                 tier = r.headers.get("X-OCache-Tier")
         await proxy.wait_background()
         await proxy.layer.idle()
-        disk = proxy.layer._disk_tier
+        disk = proxy.layer.disk_tier
         assert tier == "disk", (tier, disk.stats())
         assert data["timings"]["cache_n"] >= anchors[-1] - h.srv.ubatch
         assert disk.counters["restores"] == 1 and disk.counters["hits"] == 1

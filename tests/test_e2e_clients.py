@@ -421,7 +421,7 @@ def _prompt_tokens_total(url: str) -> float:
     raise AssertionError("no llamacpp:prompt_tokens_total on /metrics")
 
 
-# --- Claude Code and Codex CLI (issue 11) ---------------------------------------------------------
+# --- Claude Code and Codex CLI ---------------------------------------------------------------
 #
 # The hybrid tiny model, ONE slot (so the second folder's session really takes the slot of the
 # first), the stock checkpoint spacing (--checkpoint-min-step 8192: plain llama-server then reuses
@@ -592,7 +592,7 @@ def test_an_everyday_opencode_day_prefills_no_more_than_the_server_alone(opencod
     its title request) and one in another, through ocache and, side by side, through ``ocache
     serve --no-cache`` (the server alone) on a second identical server. The server's own prefill
     counter with ocache (its warm-ups and split prefills included) is at most the server alone's
-    (issue 27: it read 8,028 vs 7,972, 1.007, on the dense model before guests were priced)."""
+    (it read 8,028 vs 7,972, 1.007, on the dense model before guests were priced)."""
     totals, _recs, report = _side_by_side(opencode_bin, start_server, tmp_path, model,
                                           ["proj-a", "proj-a", "proj-a", "proj-b"])
     print("\n" + report)
@@ -600,7 +600,7 @@ def test_an_everyday_opencode_day_prefills_no_more_than_the_server_alone(opencod
     assert totals["ocache"] <= totals["direct"], report
 
 
-#: Six prompts a user might give six ``opencode run`` in one project (issue 27's day)
+#: Six prompts a user might give six ``opencode run`` in one project
 SIX_PROMPTS = ["list the files here", "what does main.py do?", "explain util.py in two lines",
                "add a docstring to main.py", "is there a test for util.py?", "summarise the README"]
 
@@ -609,7 +609,7 @@ SIX_PROMPTS = ["list the files here", "what does main.py do?", "explain util.py 
 @pytest.mark.slow
 def test_everyday_repeated_opencode_runs_in_one_folder_never_lose_the_title(opencode_bin, start_server,
                                                                           tmp_path):
-    """Issue 27: six ``opencode run`` in one folder, one after the other, each with its own prompt,
+    """Six ``opencode run`` in one folder, one after the other, each with its own prompt,
     no restart, on the tiny hybrid model, ocache vs the server alone side by side. Before guests
     were priced the next run's agent turn took the title's slot for a disk restore and every later
     title was prefilled in full (9,158 vs 8,360 reported by a new user). Now: the total at most the

@@ -1,4 +1,4 @@
-"""GPU builds are found by every command that finds the CPU one (issue 17, item 5).
+"""GPU builds are found by every command that finds the CPU one.
 
 No GPU backend is built: a fake *installed* build (the layout ``ocache.toolchain.engine.build`` leaves:
 ``engine/llama-server-<key>/bin/llama-server`` + ``stamp.json``, keyed by ``build_key(patches,
@@ -104,7 +104,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_a_wheel_carries_the_patches_and_its_engine_build_is_the_patched_one(wheel, tmp_path, monkeypatch):
-    """Issue 29: ``pip install <checkout>`` (not editable) built the *stock* server under the patched
+    """``pip install <checkout>`` (not editable) built the *stock* server under the patched
     name: the patches were not in the package. The wheel now carries ``patches/`` as
     ``ocache/data/patches`` (a link in the checkout), and an install without a checkout beside it
     keys and applies those: the same build key as the checkout's."""
@@ -125,7 +125,7 @@ def test_a_wheel_carries_the_patches_and_its_engine_build_is_the_patched_one(whe
 
 
 def test_the_wheel_installed_in_a_fresh_venv_finds_the_patched_build_and_its_scenarios(wheel, tmp_path, cache_dir):
-    """Issue 29, the real install: the wheel ``pip install``-ed (``--no-deps``) into a fresh venv, run
+    """The real install: the wheel ``pip install``-ed (``--no-deps``) into a fresh venv, run
     from outside the checkout (its dependencies read from this venv's ``site-packages`` through a
     ``.pth`` line, so no index is needed). Its ``ocache engine path`` finds the build keyed by the
     checkout's patches (so ``engine build`` from it is the patched server, and finds the cached one),

@@ -181,7 +181,7 @@ async def test_client_cached_tokens_equal_prompt_minus_server_prefill(start_serv
 
     # restores after a server restart (a new process, a new /metrics counter): A and B (streamed)
     # from their spilled conversations, a new session in A's folder from A's disk anchor or from
-    # A's spill (its first turn is A's byte for byte: any session's spill is offered, issue 27)
+    # A's spill (its first turn is A's byte for byte: any session's spill is offered: tests/test_session_shared_spill.py)
     forget_store(cache)
     srv.restart()
     c1 = body_of("opencode_run2_agent_turn1.json")
@@ -219,3 +219,31 @@ def test_rewrite_changes_only_the_figures():
     assert lr.feed(b'data: {"timings":{"cache_n":20,"prom') == b"" and lr.holding
     assert lr.feed(b'pt_n":5}}\n\ndata: [DONE]\n\n') == b'data: {"timings":{"cache_n":10,"prompt_n":15}}\n\ndata: [DONE]\n\n'
     assert not lr.holding and lr.flush() == b""
+
+
+def test_a_plans_figures_are_written_once_and_read_as_values():
+    """``Figures``: the plan's ``X-OCache-*`` headers are written from the value (``Plan.figures``,
+    ``Plan.set_figures``), and every reader (``ocache/finish.py``, ``ocache/router.py``) reads the
+    value, or the headers parsed back for a route that wrote only strings (``Plan.read_figures``)."""
+    from ocache.layer import Plan
+
+    fig = figures.Figures(tier="disk", kind="agent", slot=1, predicted_cache=900, split=128, prefilled=228,
+                          reused=900, restore_ms=12.3)
+    plan = Plan(headers={"X-OCache-Path": "known"}, figures=fig)
+    assert plan.headers == {"X-OCache-Path": "known", "X-OCache-Slot": "1", "X-OCache-Predicted-Cache": "900",
+                            "X-OCache-Tier": "disk", "X-OCache-Kind": "agent", "X-OCache-Split": "128",
+                            "X-OCache-Prefilled": "228", "X-OCache-Reused": "900", "X-OCache-Restore-Ms": "12.3"}
+    assert plan.read_figures() is fig
+    assert figures.Figures.from_headers(plan.headers) == fig
+    # a route that wrote header strings only (the aligned route's)
+    strings = Plan(headers={"X-OCache-Slot": "0", "X-OCache-Tier": "resident", "X-OCache-Prefilled": "40",
+                            "X-OCache-Reused": "7000", "X-OCache-Predicted-Cache": "7000", "X-OCache-Split": "0"})
+    assert strings.read_figures() == figures.Figures(tier="resident", slot=0, prefilled=40, reused=7000,
+                                                     predicted_cache=7000, split=0)
+    # the server-placed route's slot is a word; an unknown figure is not sent
+    assert Plan(figures=figures.Figures(tier="none", kind="other", slot="server")).headers == {
+        "X-OCache-Slot": "server", "X-OCache-Tier": "none", "X-OCache-Kind": "other"}
+    known = Plan(figures=figures.Figures(kind="agent", slot=2))
+    assert known.read_figures().prefilled is None    # the router counts 0 until its completion ran
+    known.set_figures(figures.Figures(tier="cold", kind="agent", slot=2))
+    assert known.headers["X-OCache-Tier"] == "cold" and known.read_figures().tier == "cold"

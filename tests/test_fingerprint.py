@@ -402,7 +402,7 @@ def test_gguf_identity_hashes_the_header_not_the_path(tmp_path):
 
 
 def test_gguf_identity_changes_with_the_weights_under_the_same_header_size_and_mtime(tmp_path):
-    """Issue 28 #1: a model regenerated with other weights but the same metadata, copied over the served
+    """A model regenerated with other weights but the same metadata, copied over the served
     path with its old mtime (``cp -p``, ``rsync -a``, ``touch -r``), is another identity. Before the data
     sample the identity was (size, mtime, header hash) and memoised on (path, size, mtime): equal."""
     a = tmp_path / "model.gguf"

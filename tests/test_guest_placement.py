@@ -1,4 +1,4 @@
-"""The planner's placement of guests and of the agent turn beside them (issue 27), pure inputs.
+"""The planner's placement of guests and of the agent turn beside them, pure inputs.
 
 The shape is the one ``ocache bench --preset tiny --scenario opencode_runs_same_folder --models
 hybrid`` showed (the bench's logs, before the fix): ``opencode run`` twice in one folder with
@@ -75,7 +75,7 @@ ANCHOR = Offer("disk", SYSTEM_END, cost_s=0.02, verified=True)
 def test_next_run_agent_turn_takes_the_previous_runs_slot_not_the_titles(params, title_busy, can_spill):
     """Run 2's agent turn reuses 7,234 tokens in run 1's slot (hybrid: the checkpoint at the user
     message; dense: the common prefix) and the disk anchor would bring the same 7,234 into the
-    title's slot. Before issue 27 the guest's slot counted as free: the agent turn took it (a
+    title's slot. Before, the guest's slot counted as free: the agent turn took it (a
     restore, waiting for the title when it was in flight), the title's 541 tokens were lost, and
     every later title was prefilled in full. Now the title's tokens are priced: slot 0."""
     slots = [agent_slot(1, params, last=2.0), title_slot(2 if title_busy else 1, busy=title_busy, last=1.0)]
@@ -169,7 +169,7 @@ def test_a_guest_goes_where_its_own_prefix_is_unless_that_destroys_more_than_it_
 
 
 def test_a_side_request_of_the_same_session_is_priced_like_another_conversation():
-    """Issue 28 item 6: a long no-tools request of the agent's own session (a compaction, a side
+    """A long no-tools request of the agent's own session (a compaction, a side
     question: kind ``other``) sharing only the head's 3,000 tokens with the session's live agent turn.
     It is not the slot's own conversation, so the overwrite is priced: when the session tier would
     spill the agent turn, it is taken after ``before_evict`` (the spill); when it would not, the

@@ -1,4 +1,4 @@
-"""Guests parked by the session tier (issue 27, rule 2 on the models' real chat templates).
+"""Guests parked by the session tier (rule 2 on the models' real chat templates).
 
 ``ocache bench --preset tiny --template real --scenario opencode_pi_alternating --models
 hybrid,dense`` (report /tmp/runs/bench-real/bench-tiny.md of the lead's run): pi's first turn took

@@ -1,4 +1,4 @@
-"""Cache-side hardening (issue 12 items 1, 5, 8, 12, 13) against the real patched llama-server on the
+"""Cache-side hardening against the real patched llama-server on the
 tiny models, through the proxy in-process (``ocache.proxy.Proxy`` + ``OCacheLayer``) as in
 tests/test_spill.py, with the same server settings (``-ub 128 -b 512 --ctx-checkpoints 32
 --checkpoint-min-step 256 --cache-ram 0``).

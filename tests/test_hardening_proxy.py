@@ -1,7 +1,6 @@
-"""Issue 12, the proxy side: every bad input gets the upstream's answer, every wait is bounded.
+"""The proxy side of the fault campaign (``scripts/faults``): every bad input gets the upstream's answer, every wait is bounded.
 
-Each test reproduces one finding of the fault campaign (issue 12 §2, 3, 4, 6, 7, 9, 10, 11) and
-fails on the code before the fix. The real patched llama-server (tiny models) is used wherever it
+Each test reproduces one finding of the fault campaign and fails on the code before the fix. The real patched llama-server (tiny models) is used wherever it
 can produce the fault; a fake upstream only for what it cannot: a listener that never answers, a
 scripted "Loading model" phase. A plain ``python -m http.server`` is the "not llama-server" case.
 """
@@ -122,7 +121,7 @@ async def test_bodies_ocache_cannot_reencode_are_forwarded_byte_for_byte(dense, 
 @pytest.mark.server
 @pytest.mark.parametrize("case", ["utf8-bom", "deep", "escaped-key"])
 async def test_unparseable_body_never_pins_a_client_slot(dense, case):
-    """Issue 28 item 5: a body ocache cannot parse but llama-server can (a UTF-8 BOM, 3,000 nested
+    """A body ocache cannot parse but llama-server can (a UTF-8 BOM, 3,000 nested
     arrays) with the client's ``id_slot`` was forwarded byte for byte, and the server ran it in that
     slot, over another session's live conversation. Now ocache answers 400 and the server never sees
     it (the server itself answers 200 to the same bytes). On the old code: 200."""
@@ -618,7 +617,7 @@ async def test_client_slot_actions_refused(dense):
                 body = await r.json()
                 assert r.status == 403, body
                 assert "ocache owns" in body["error"]["message"]
-        # the spellings llama-server routes too (issue 28 #5: each reached the server before)
+        # the spellings llama-server routes too (each reached the server before)
         for path in ("/slots/0/?action=erase", "//slots/0?action=save", "/slots/0?action=foo&action=restore",
                      "/slots/0?action=restore&action=foo", "/slots/0?%61ction=%65rase", "/slots/0%2F?action=erase"):
             async with c.post(base + path, json={"filename": "x.bin"}) as r:
@@ -771,7 +770,7 @@ def test_doctor_checks_a_command_line_offline(models_tiny, tmp_path):
 def test_doctor_without_command_line_says_unknown_not_warning(start_server, tmp_path):
     """A stock server (it does not report its flags; the patched one does, tests/test_tiers_off.py)
     without the command line: what only the command line can tell is unknown, never a warning;
-    the folder of its slot files is unknown too, which turns the file tiers off (issue 29)."""
+    the folder of its slot files is unknown too, which turns the file tiers off."""
     srv = start_server("dense", stock=True, n_parallel=2)
     p = doctor("--upstream", srv.url, cwd=tmp_path)
     lines = flag_lines(p.stdout)

@@ -1,4 +1,4 @@
-"""The hung verdict (issue 28 item 4): it needs ``hung_probes`` missed ``/health`` probes in a row,
+"""The hung verdict: it needs ``hung_probes`` missed ``/health`` probes in a row,
 and it cancels what it abandons.
 
 One ``/health`` without an answer in ``probe_timeout_s`` on a loaded machine cut a generation

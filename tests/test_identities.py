@@ -238,7 +238,7 @@ async def test_a_model_over_the_inline_bound_is_digested_in_the_background(start
         assert provisional.fields["gguf"]["pending"] and not provisional.fields["gguf"]["file_xxh3_128"]
         disk = proxy.layer.disk_tier
         assert disk.store.identity == provisional.key
-        await proxy.layer._digest_task
+        await proxy.layer.ids.digest_task
         ident = proxy.layer._ident()
         assert "pending" not in ident.fields["gguf"]
         assert ident.fields["gguf"]["file_xxh3_128"] == llama_gguf.known_digest(srv.model)

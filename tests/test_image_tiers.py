@@ -1,6 +1,6 @@
 """Image prompts through the session tier (spills) and the disk tier, against the real patched
 llama-server with the tiny vision projector (``ocache/toolchain/vision.py``) and real PNG bytes,
-two images per conversation (issue 31's "done when").
+two images per conversation.
 
 What the server does with them (the pinned source): a slot file of an image prompt holds the
 token list with ``-1`` at each image's positions and each image's chunk with its id, the SHA-256 of

@@ -1,5 +1,5 @@
 """The tiny vision projector (ocache/toolchain/vision.py) on the pinned llama-server, and what the
-server's own prompt cache does with image prompts: the facts ocache's image keys rest on (issue 31).
+server's own prompt cache does with image prompts: the facts ocache's image keys rest on.
 
 Real parts: the patched llama-server with ``--mmproj`` on the tiny dense model, real PNG bytes
 (made here with zlib, two different pictures). What the test shows:

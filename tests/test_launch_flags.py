@@ -42,7 +42,7 @@ from ocache.config import Config  # noqa: E402
 @pytest.mark.server
 @pytest.mark.parametrize("stock", [False, True])
 async def test_serve_upstream_alone_reads_the_patched_servers_flags(start_server, tmp_path, stock):
-    """Issue 29: ``ocache serve --upstream URL`` with no ``ocache.yaml`` (``Config`` defaults but the
+    """``ocache serve --upstream URL`` with no ``ocache.yaml`` (``Config`` defaults but the
     upstream and the state folder) in front of the patched server reads its launch flags from
     ``/props`` (patches/0009): the disk tier is on, and after a llama-server restart the next
     opencode turn (the tiny hybrid: it resumes only where a state was saved) restores at least the

@@ -1,4 +1,4 @@
-"""``./scripts/main`` talks to its user (issue 29): the bench's progress on stdout with the runs
+"""``./scripts/main`` talks to its user: the bench's progress on stdout with the runs
 done and the time left (``ocache.bench.verdict.progress``), pip and server noise kept out, and one
 sentence of verdict in tokens and seconds from the bench's JSON (``verdict``); ``alone_check`` sets
 the headline saving ocache reported beside the bench's (b) - (c). No server: log lines and JSON

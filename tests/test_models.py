@@ -369,7 +369,7 @@ def test_batching_noise_is_far_below_the_margin(start_server, kind):
 
 def test_a_waiter_for_a_held_build_lock_is_told_and_then_gets_it(tmp_path):
     """``file_lock(waiting=...)``: `ocache engine build` says it waits on another build's lock
-    (issue 14: silent for minutes before), and goes on once the holder lets go."""
+    (silent for minutes before), and goes on once the holder lets go."""
     import threading
 
     from ocache.paths import file_lock

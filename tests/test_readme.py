@@ -1,4 +1,4 @@
-"""The README stays short and every command it cites still works (issue 25).
+"""The README stays short and every command it cites still works.
 
 Checked without a server (about 30 s on the shared 2-core machine, most of it two subprocess steps):
 
@@ -36,7 +36,7 @@ from ocache.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-#: issue 25: "README.md under 300 lines"
+#: the README stays under this many lines
 MAX_LINES = 300
 #: the docs whose commands are checked like the README's (each figure's command must still run)
 COMMAND_DOCS = ["README.md", "docs/benchmarks.md", "docs/testing.md", "docs/usage.md", "docs/architecture.md",

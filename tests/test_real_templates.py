@@ -1,5 +1,5 @@
 """The tiny models served with the chat templates users run (the pinned source's
-``models/templates/``), beside ocache's own append-only one (issue 26).
+``models/templates/``), beside ocache's own append-only one.
 
 ``serve_template`` starts a tiny model with ``--chat-template-file``; the tests here show the
 history rewrite that makes a new user message re-prefill a whole agent loop on those templates and
@@ -160,7 +160,7 @@ def _loop(url: str, server: str, stream: bool = False) -> list[tuple[dict, dict,
 
 def test_a_rewritten_history_is_served_from_the_slots_own_tokens_through_ocache(serve_template, tmp_path,
                                                                                 monkeypatch):
-    """Issue 26 on the real Qwen3.5 template, tiny hybrid, the server's own generations: through
+    """Alignment on the real Qwen3.5 template, tiny hybrid, the server's own generations: through
     ocache each turn after the first is aligned (``X-OCache-Aligned``: the slot's tokens + the new
     part) and the server prefills only the new part (its counter moves by ``prompt_n``, tens of
     tokens for the new user message where alone the template's rewrite re-prefills the whole

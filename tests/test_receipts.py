@@ -1,4 +1,4 @@
-"""Every release of a plan is a receipt spent once (``ocache.layer.Receipt``; issue 25).
+"""Every release of a plan is a receipt spent once (``ocache.layer.Receipt``).
 
 The contract (``ocache/layer.py``): ``release`` is called exactly once per plan. The real-server
 test reproduces the confirmed defect: a client that leaves while the proxy plans its request again

@@ -41,7 +41,7 @@ def test_shipped_scenarios_load():
     assert {"growth", "title_interleave", "restart_mid_session", "aba_one_slot", "date_change",
             "mid_prompt_insertion", "new_session_same_folder",
             "new_session_other_folder",
-            # every everyday pattern without a restart (issue 27)
+            # every everyday pattern without a restart
             "opencode_runs_same_folder", "opencode_runs_two_folders", "opencode_pi_alternating",
             "claude_code_runs", "codex_runs", "everyday_day_no_restart"} <= names
     for p in (REPO / "scenarios").glob("*.yaml"):
@@ -223,7 +223,7 @@ steps:
     assert (f"| hybrid | smoke | {runs['a'].observed} | {runs['b'].observed} | "
             f"{runs['c'].observed} |") in text and f"{ratio:.3f}" in text
     assert "Requests where (c) prefilled more than (a) or (b)" in text
-    # the headline ocache served beside (b) - (c) (issue 29); (c) was told nothing of the server
+    # the headline ocache served beside (b) - (c); (c) was told nothing of the server
     assert "The headline saving ocache reported, against the measured (b) - (c)" in text
     alone = runs["c"].ocache_stats["layer"]["alone"]
     assert f"| {runs['b'].observed - runs['c'].observed:,} | {alone['saved']:,} |" in text
@@ -268,7 +268,7 @@ steps:
 
 
 def test_bench_plots_keep_title_and_labels_inside_and_one_plot_per_scenario(tmp_path):
-    """The bench PNGs (issue 14 §6): the title (wrapped) and axis labels lie inside the figure, the
+    """The bench PNGs: the title (wrapped) and axis labels lie inside the figure, the
     axes name their units, and each scenario gets a plot of its own besides the combined one."""
     from types import SimpleNamespace as NS
 
@@ -306,12 +306,13 @@ def test_bench_plots_keep_title_and_labels_inside_and_one_plot_per_scenario(tmp_
 
 
 def test_rule2_report_lists_every_request_where_c_prefilled_more_and_judges_the_scenario():
-    """The rule-2 report (issue 27): each request where (c) prefilled more than (a) or (b),
+    """The rule-2 report: each request where (c) prefilled more than (a) or (b),
     matched by label and occurrence (a parallel group may be sent in another order); a scenario
     fails when (c) / min((a), (b)) > 1.00 or any title request (ocache's ``guest``) is among them,
     even when an agent turn's gain keeps the total under."""
     from ocache.bench.oracle import OracleResult
     from ocache.bench.replay import Row
+    from ocache.bench.rule2 import over_requests, rule2
     from ocache.bench.run import Bench, ConfigRun
 
     def row(i, label, prefill, kind=None):
@@ -332,10 +333,10 @@ def test_rule2_report_lists_every_request_where_c_prefilled_more_and_judges_the_
                                       row(2, "title", 20), row(3, "agent", 250)])
     bench = Bench.__new__(Bench)
     bench.results = {"hybrid": {"runs": title_lost}}
-    over = bench.over_requests(title_lost)
+    over = over_requests(title_lost)
     assert [(o["row"].label, o["a"], o["b"], o["c"], o["excess"], o["title"]) for o in over] == \
         [("title", 18, 20, 542, 524, True)]
-    v = bench.rule2(title_lost)
+    v = rule2(title_lost)
     # 8,352 against 8,062 for (b), and a title was lost
     assert v["holds"] is False and v["ratio"] == pytest.approx(8352 / 8062)
     text = bench.worse_requests()
@@ -346,21 +347,21 @@ def test_rule2_report_lists_every_request_where_c_prefilled_more_and_judges_the_
     # an agent turn's gain does not excuse a title's loss: total under, title over -> fails
     gain = runs([row(0, "title", 541, "guest"), row(1, "agent", 7251, "agent"),
                  row(2, "title", 60, "guest"), row(3, "agent", 10, "agent")], alone, alone)
-    v = bench.rule2(gain)
+    v = rule2(gain)
     assert v["ratio"] < 1.0 and v["holds"] is False
     # equal or lower everywhere: nothing listed, the rule holds
     same = runs([row(0, "title", 541, "guest"), row(1, "agent", 7251, "agent"),
                  row(2, "title", 18, "guest"), row(3, "agent", 290, "agent")], alone, alone)
-    assert bench.over_requests(same) == [] and bench.rule2(same)["holds"] is True
+    assert over_requests(same) == [] and rule2(same)["holds"] is True
     bench.results = {"hybrid": {"runs": same}}
     assert bench.worse_requests() == "(none)"
     # a non-title request over (a) or (b) is listed, and the total decides
     agent_over = runs([row(0, "title", 541, "guest"), row(1, "agent", 7251, "agent"),
                        row(2, "title", 18, "guest"), row(3, "agent", 310, "agent")], alone,
                       alone[:3] + [row(3, "agent", 305)])
-    over = bench.over_requests(agent_over)
+    over = over_requests(agent_over)
     assert [(o["row"].index, o["excess"], o["title"]) for o in over] == [(3, 10, False)]
-    assert bench.rule2(agent_over)["holds"] is False      # 8,120 > 8,110 * 1.00
+    assert rule2(agent_over)["holds"] is False      # 8,120 > 8,110 * 1.00
 
 
 def test_bench_ctx_per_slot_overrides_the_presets(tmp_path):

@@ -1,4 +1,4 @@
-"""The response cache on the real server (ocache/response_cache.py; issue 31's done-when).
+"""The response cache on the real server (ocache/response_cache.py).
 
 Real parts: the patched llama-server on the tiny dense model (``-np 1``, ``--metrics``), the
 in-process proxy with OCacheLayer and ``response_cache: {enabled: true}``. What the server did for

@@ -357,8 +357,7 @@ async def test_new_session_goes_to_the_server_holding_its_folder(start_server, t
 async def test_busy_servers_second_conversation_goes_to_the_idle_one(start_server, tmp_path):
     """Two conversations live on server 1; while the first generates a long answer, the second's
     next turn is served by the server that is not generating it (server 2, from the shared store,
-    when A's turn runs on server 1), exactly. No assertion on a choice made by measured seconds
-    (issue 28 #8)."""
+    when A's turn runs on server 1), exactly. No assertion on a choice made by measured seconds."""
     s1, s2 = two_servers(start_server)
     a1, b1, b2 = body(A1), body(B1), body(B2)
     ha, hb = session_headers(A1), session_headers(B1)

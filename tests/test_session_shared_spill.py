@@ -1,4 +1,4 @@
-"""A spilled conversation is read by whichever session shares its longest usable prefix (issue 27).
+"""A spilled conversation is read by whichever session shares its longest usable prefix.
 
 ``SessionTier.lookup`` (``ocache/tiers/spill.py``) offered a spill only to the session that spilled
 it. Two `opencode run` in one folder with the same first message send byte-identical agent turns

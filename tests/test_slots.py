@@ -365,7 +365,7 @@ def test_a_new_session_sharing_more_with_a_conversation_than_the_head_takes_it_w
     without it, the conversation stays protected and the head is brought to a side slot."""
     start = HEAD + toks(250, 9)                  # head + the folder's volatile system text
     a = start + toks(400, 1)
-    # the side slot is empty: a guest's prompt there would be lost too (priced since issue 27,
+    # the side slot is empty: a guest's prompt there would be lost too (priced since ``tests/test_guest_placement.py``,
     # ``tests/test_guest_placement.py``)
     slots = [slot(0, a, len(a) + 20, "agent", "A", last=3), slot(1, last=4)]
     b = start + toks(300, 2)
@@ -440,7 +440,7 @@ def test_a_slot_whose_id_task_vanishes_or_goes_back_means_a_new_server_process()
 
 
 def test_a_conversation_the_session_tier_will_not_spill_is_not_overwritten_for_a_shared_system_prompt():
-    """cache-pressure 0.6.3's shape (issue 16, ``scripts/bench-retention``): slot 0 holds an
+    """cache-pressure 0.6.3's shape (``scripts/bench-retention``): slot 0 holds an
     8,000-token context that the session tier would not spill (its client closed right after
     ``[DONE]``: "not seen complete"), slot 1 is empty. The next context shares only the 14-token
     system prompt with it: overwriting slot 0 destroys 7,986 tokens to save 14, so it goes to the
@@ -463,7 +463,7 @@ def test_a_conversation_the_session_tier_will_not_spill_is_not_overwritten_for_a
 def test_with_every_slot_protected_the_one_the_session_tier_would_spill_is_overwritten():
     """Both slots hold other conversations; the least recently used one (slot 0) would not be
     spilled ("not seen complete"), slot 1 would: slot 1 is overwritten, slot 0 keeps its context
-    (cache-pressure on the tiny hybrid model, issue 16). With both spillable: LRU, as before."""
+    (cache-pressure on the tiny hybrid model, ``scripts/bench-retention``). With both spillable: LRU, as before."""
     system = toks(14, 3)
     x0, x1 = system + toks(7986, 4), system + toks(7986, 6)
     slots = [slot(0, x0, len(x0) + 1, "other", "X0", last=1), slot(1, x1, len(x1) + 1, "other", "X1", last=2)]

@@ -467,7 +467,7 @@ async def test_interrupted_stream_is_spilled_and_its_next_turn_restored(start_se
 async def test_a_conversation_too_short_to_spill_keeps_its_slot_while_another_is_empty(start_server, tmp_path):
     """The planner counts an overwrite as free only for slots the session tier would really spill
     (``SessionTier.will_spill``). A finished 700-token conversation (under ``spill_min_tokens``)
-    and a new one sharing only the system prompt with it (cache-pressure's shape, issue 16): the
+    and a new one sharing only the system prompt with it (cache-pressure's shape, ``scripts/bench-retention``): the
     new one goes to the empty slot instead of overwriting the first for ~10 shared tokens, and the
     first one's return reuses its whole prompt. (Before: it was overwritten, nothing spilled, and
     its return prefilled again.)"""

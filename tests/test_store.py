@@ -502,7 +502,7 @@ def test_grid_hashes_are_chained_prefix_identities():
 
 
 def test_two_stores_sharing_a_slot_dir_never_remove_each_others_files(tmp_path):
-    """Issue 28 item 2: two ocaches with their own cache_dir and one ``--slot-save-path``. The second
+    """Two ocaches with their own cache_dir and one ``--slot-save-path``. The second
     store's open keeps the first's committed files and its in-flight temp file (the first verifies
     them after); each removes its own orphans; a store whose meta directory is gone has its files
     removed by the registry. On the old sweep the second open removed the first's files."""
@@ -537,7 +537,7 @@ def test_two_stores_sharing_a_slot_dir_never_remove_each_others_files(tmp_path):
 
 
 def test_unreturned_spills_decay_and_expire_so_their_bytes_stay_bounded(tmp_path):
-    """Issue 28 item 9: two-turn sessions spill and never come back. A spill never restored loses
+    """Two-turn sessions spill and never come back. A spill never restored loses
     value by the hour (it goes before an older anchor of equal size) and is deleted at the first
     commit two hours after it was written, so what unreturned spills hold is bounded by the spill
     rate times two hours; a spill that was restored once keeps the day's half-life. On the old policy

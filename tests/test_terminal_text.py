@@ -1,4 +1,4 @@
-"""Text from requests is escaped for the terminal (issue 28 #5): a project folder named with
+"""Text from requests is escaped for the terminal: a project folder named with
 ``ESC ] 0 ; … BEL`` (retitle) and ``ESC [ 2 J`` (clear) must print as escapes in ``ocache cache ls``,
 ``ocache stats`` and ``ocache top``, and ``[...]`` must not become rich markup."""
 
@@ -60,7 +60,7 @@ def test_stats_and_top_escape_request_text():
 
 
 def test_stats_without_the_token_name_no_folder_or_path():
-    """Issue 28 #5: ``/v1/cache/stats`` and the view without the admin token named project folders
+    """``/v1/cache/stats`` and the view without the admin token named project folders
     and the state directory; ``admin.redact`` drops them (string values only: a counter keeps its
     number)."""
     from ocache import admin

@@ -1,4 +1,4 @@
-"""Which tiers are off, said everywhere (issue 29): in front of a stock llama-server (its launch
+"""Which tiers are off, said everywhere: in front of a stock llama-server (its launch
 flags unknown) or one whose flags turn a tier off, ``ocache serve``'s first log lines
 (``commands/serve.announce_tiers``), ``ocache stats`` (``commands/top.summary_lines``), the
 dashboard's view (its top box) and ``ocache doctor --upstream URL`` each name the tiers that are

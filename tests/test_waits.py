@@ -1,4 +1,4 @@
-"""Bounded waits in the request path (issue 28 item 3), on the real llama-server (tiny models).
+"""Bounded waits in the request path, on the real llama-server (tiny models).
 
 In front of a server whose slots ocache does not know (it started after other clients used the
 server), a request is forwarded without ``id_slot`` (the server-placed route) and ocache held every

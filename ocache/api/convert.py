@@ -44,9 +44,6 @@ from typing import Any
 ANTHROPIC_ROUTES = frozenset({"/v1/messages"})
 #: Routes whose body is an OpenAI Responses request (tools/server/server.cpp:264-265).
 RESPONSES_ROUTES = frozenset({"/v1/responses", "/responses"})
-#: Token-counting routes of the two APIs (tools/server/server.cpp:283-285): forwarded, never planned.
-COUNT_ROUTES = frozenset({"/v1/messages/count_tokens", "/v1/responses/input_tokens",
-                          "/responses/input_tokens"})
 CONVERTED_ROUTES = ANTHROPIC_ROUTES | RESPONSES_ROUTES
 
 _BILLING = b"x-anthropic-billing-header:"

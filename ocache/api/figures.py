@@ -38,6 +38,7 @@ generated text can never match those patterns.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Mapping
 
 _NUM = rb"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
@@ -47,6 +48,69 @@ _PATTERN = re.compile(rb'"(cache_n|cached_tokens|prompt_n|prompt_ms|prompt_per_s
 _TIMINGS = re.compile(rb'"timings"\s*:\s*\{[^{}]*\}')
 #: A flat ``usage`` object (Anthropic's carries ``cache_read_input_tokens``).
 _USAGE = re.compile(rb'"usage"\s*:\s*\{[^{}]*\}')
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What one plan tells of its request, written once by the route that planned it
+    (``Plan.figures``) and read as values: the response's ``X-OCache-*`` headers (:meth:`headers`,
+    the header names in ``ocache/cache/orchestrator.py``'s module docstring), the log line and the
+    ``last_completions`` record (``ocache/finish.py``), the stats by tier, the router's queued
+    prefill (``ocache/router.py``). None: the figure is not known (not sent).
+
+    ``tier``: where the reused prefix came from (``resident``, ``head``, ``disk``, ``session``,
+    ``cold``, ``none``, ``response``); ``kind``: the request class (``agent``, ``guest``,
+    ``other``); ``slot``: the slot pinned, or ``"server"`` when the server places it; tokens:
+    ``predicted_cache`` (the forwarded request's predicted ``cache_n`` less ``split``), ``split``
+    (what ocache prefilled itself in ``n_predict: 0`` steps), ``prefilled`` (what the server
+    prefills for the request, ``split`` included), ``reused`` (from before the request);
+    ``restore_ms``: milliseconds the restore of the reused prefix took (0.1 ms resolution)."""
+
+    tier: str | None = None
+    kind: str | None = None
+    slot: int | str | None = None
+    predicted_cache: int | None = None
+    split: int | None = None
+    prefilled: int | None = None
+    reused: int | None = None
+    restore_ms: float | None = None
+
+    #: field -> header, in the order the headers are sent
+    HEADERS = (("slot", "X-OCache-Slot"), ("predicted_cache", "X-OCache-Predicted-Cache"),
+               ("tier", "X-OCache-Tier"), ("kind", "X-OCache-Kind"), ("split", "X-OCache-Split"),
+               ("prefilled", "X-OCache-Prefilled"), ("reused", "X-OCache-Reused"),
+               ("restore_ms", "X-OCache-Restore-Ms"))
+
+    def headers(self) -> dict[str, str]:
+        """The figures as response headers (the known ones only)."""
+        out = {}
+        for name, header in self.HEADERS:
+            v = getattr(self, name)
+            if v is not None:
+                out[header] = f"{v:.1f}" if name == "restore_ms" else str(v)
+        return out
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> Figures:
+        """The figures a route wrote as header strings only (the aligned and continued routes:
+        ``ocache/cache/align_route.py``, ``ocache/cache/routes/continued.py``); a figure that does
+        not parse is None."""
+        def num(header: str) -> float | None:
+            try:
+                return float(headers[header])
+            except (KeyError, TypeError, ValueError):
+                return None
+
+        def count(header: str) -> int | None:
+            v = num(header)
+            return None if v is None else int(v)
+
+        slot = headers.get("X-OCache-Slot")
+        return cls(tier=headers.get("X-OCache-Tier"), kind=headers.get("X-OCache-Kind"),
+                   slot=int(slot) if slot is not None and slot.isdigit() else slot,
+                   predicted_cache=count("X-OCache-Predicted-Cache"), split=count("X-OCache-Split"),
+                   prefilled=count("X-OCache-Prefilled"), reused=count("X-OCache-Reused"),
+                   restore_ms=num("X-OCache-Restore-Ms"))
 
 
 def _fmt(x: float) -> bytes:
@@ -71,22 +135,6 @@ def correct_timings(timings: Mapping | None, split: int, split_ms: float = 0.0) 
         if t["prompt_n"] > 0 and "prompt_per_token_ms" in t:
             t["prompt_per_token_ms"] = t["prompt_ms"] / t["prompt_n"]
     return t
-
-
-def correct_usage(usage: Mapping | None, split: int) -> dict | None:
-    """``usage`` with ``prompt_tokens_details.cached_tokens`` (and the Responses API's
-    ``input_tokens_details.cached_tokens``) corrected."""
-    if usage is None:
-        return None
-    u = dict(usage)
-    if isinstance(u.get("cache_read_input_tokens"), int) and isinstance(u.get("input_tokens"), int):
-        u["cache_read_input_tokens"] = max(0, u["cache_read_input_tokens"] - split)
-        u["input_tokens"] += split
-    for k in ("prompt_tokens_details", "input_tokens_details"):
-        d = u.get(k)
-        if isinstance(d, Mapping) and isinstance(d.get("cached_tokens"), (int, float)):
-            u[k] = {**d, "cached_tokens": max(0, int(d["cached_tokens"]) - split)}
-    return u
 
 
 #: the sampled ids ocache asked for (``"ocache_generated": [...]`` inside ``timings``,

@@ -174,6 +174,37 @@ class HostsBench:
         self.s3 = SeaweedS3(root).start()
 
     # --- one run ----------------------------------------------------------------------------
+    async def _start_hosts(self, config: str, model: str, scenario: Scenario, work: Path,
+                           servers: dict[str, LlamaServer], proxies: dict[str, OCacheProcess],
+                           facts: dict[str, Any]) -> None:
+        """Start one llama-server per host named in ``facts["hosts"]`` (under ``work/host-X``) into
+        ``servers`` and, but for ``plain``, an ocache in front of each into ``proxies``; ``shared``
+        gives them one fresh bucket of the loopback S3 server as their remote store. What the
+        report tells of the run (``bucket``, ``layer``) goes into ``facts``. The caller stops what
+        started, also when this raises."""
+        store = None
+        env: dict[str, str] = {}
+        if config == "shared":
+            bucket = await asyncio.to_thread(self.s3.create_bucket, f"oc-{secrets.token_hex(6)}")
+            store = {"remote": {**bucket, **REMOTE_TIMINGS}}
+            env = self.s3.credentials_env()
+            facts["bucket"] = bucket["url"]
+        for h in facts["hosts"]:
+            hw = work / f"host-{h}"
+            hw.mkdir(parents=True, exist_ok=True, mode=0o700)
+            srv = self.bench._server("b" if config == "plain" else "c", model, scenario, hw,
+                                     tag=f"{config}-{h}")
+            servers[h] = srv
+            await asyncio.to_thread(srv.start, 300.0)
+        if config != "plain":
+            for h, srv in servers.items():
+                logf = self.bench.logs / f"{model}-{scenario.name}-{config}-{h}-ocache.log"
+                logf.unlink(missing_ok=True)
+                proxies[h] = OCacheProcess(srv.url, work / f"host-{h}" / "ocache-cache", logf,
+                                           slot_save_path=srv.slot_save_path, store=store, env=env)
+                await asyncio.to_thread(proxies[h].start)
+            facts["layer"] = layer_name(proxies["a"].stats())
+
     async def run_one(self, config: str, model: str, scenario: Scenario) -> ConfigRun:
         """Start ``config``'s hosts, replay ``scenario`` through the balancer, measure, stop them."""
         import shutil
@@ -189,28 +220,7 @@ class HostsBench:
         self.hosts_of[(model, scenario.name, config)] = facts
         t0 = time.monotonic()
         try:
-            store = None
-            env: dict[str, str] = {}
-            if config == "shared":
-                bucket = await asyncio.to_thread(self.s3.create_bucket, f"oc-{secrets.token_hex(6)}")
-                store = {"remote": {**bucket, **REMOTE_TIMINGS}}
-                env = self.s3.credentials_env()
-                facts["bucket"] = bucket["url"]
-            for h in names:
-                hw = work / f"host-{h}"
-                hw.mkdir(parents=True, exist_ok=True, mode=0o700)
-                srv = self.bench._server("b" if config == "plain" else "c", model, scenario, hw,
-                                         tag=f"{config}-{h}")
-                servers[h] = srv
-                await asyncio.to_thread(srv.start, 300.0)
-            if config != "plain":
-                for h, srv in servers.items():
-                    logf = self.bench.logs / f"{model}-{scenario.name}-{config}-{h}-ocache.log"
-                    logf.unlink(missing_ok=True)
-                    proxies[h] = OCacheProcess(srv.url, work / f"host-{h}" / "ocache-cache", logf,
-                                               slot_save_path=srv.slot_save_path, store=store, env=env)
-                    await asyncio.to_thread(proxies[h].start)
-                facts["layer"] = layer_name(proxies["a"].stats())
+            await self._start_hosts(config, model, scenario, work, servers, proxies, facts)
             balancer = AffinityBalancer({h: (proxies[h] if proxies else servers[h]).url for h in names})
             meter = HostsMeter({h: s.url for h, s in servers.items()})
             down: list[str] = []

@@ -289,6 +289,47 @@ async def tokens_of(s: aiohttp.ClientSession, base: str, body: dict) -> list[int
         return (await r.json())["tokens"]
 
 
+class Steps:
+    """The requests of one size's run (``run_size``), each sent to both sides in turn (which side
+    goes first alternates) and measured: the tokens, the grid oracle's new tokens
+    (``oracle_new``), and per side the answer (``chat``), the server's prefill
+    (``llamacpp:prompt_tokens_total``, tokens), the bytes its processes wrote and ocache's RSS (MiB).
+    ``rows``: one dict per request; ``srv_url``: the stock server that tokenizes (set again after
+    a restart)."""
+
+    def __init__(self, http: aiohttp.ClientSession, sides: list[Side], size: int) -> None:
+        self.http, self.sides, self.size = http, sides, size
+        self.srv_url = sides[0].srv.url
+        self.rows: list[dict] = []
+        self.prompts: list[list[int]] = []
+        self.order = 0
+
+    async def step(self, label: str, conv: Conversation, warm: bool) -> None:
+        s = self.http
+        toks = await tokens_of(s, self.srv_url, conv.body)
+        row: dict[str, Any] = {"label": label, "tokens": len(toks), "warm": warm,
+                               "oracle": oracle_new(self.prompts, toks)}
+        self.prompts.append(toks)
+        seq = self.sides if self.order % 2 == 0 else self.sides[::-1]
+        self.order += 1
+        for sd in seq:
+            p0 = await metric(s, sd.srv.url, "llamacpp:prompt_tokens_total")
+            w0 = sum(proc_written(p) for p in sd.pids())
+            res = await chat(s, sd.url, conv.body)
+            res["prefilled"] = await metric(s, sd.srv.url, "llamacpp:prompt_tokens_total") - p0
+            res["written"] = sum(proc_written(p) for p in sd.pids()) - w0
+            if sd.proxy:
+                proc = sd.proxy.proc
+                res["rss_mib"] = rss_mib(proc.pid if proc is not None else None)
+            row[sd.name] = res
+        d, o = row["direct"], row["ocache"]
+        self.rows.append(row)
+        print(f"  {self.size:>6} {label:22} {len(toks):7d} tok  prefilled d/o/oracle "
+              f"{d['prefilled']:7.0f}/{o['prefilled']:7.0f}/{row['oracle']:6d}  ttft d/o "
+              f"{d['ttft_s'] * 1e3:8.1f}/{o['ttft_s'] * 1e3:8.1f} ms  tier {o['headers'].get('X-OCache-Tier')}"
+              f"  rss {o.get('rss_mib', 0):.0f} MiB  written {o['written'] / 1e6:.1f} MB", flush=True)
+
+
 async def run_size(binary_stock: Path, binary_patched: Path, model: Path, size: int, a: Any,
                    work: Path, fixture: Path) -> dict:
     # two slots of the size plus room: the growth overshoots by up to one piece, and the turns after
@@ -301,39 +342,13 @@ async def run_size(binary_stock: Path, binary_patched: Path, model: Path, size: 
         sd.start()
     base = json.loads(fixture.read_text())
     rows: list[dict] = []
-    prompts: list[list[int]] = []
-    order = 0
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             srv_url = sides[0].srv.url
             A = Conversation(base, 0, a.long_max_tokens)
             B = Conversation(base, 5, a.long_max_tokens)
-
-            async def step(label: str, conv: Conversation, warm: bool) -> None:
-                nonlocal order
-                toks = await tokens_of(s, srv_url, conv.body)
-                row: dict[str, Any] = {"label": label, "tokens": len(toks), "warm": warm,
-                       "oracle": oracle_new(prompts, toks)}
-                prompts.append(toks)
-                seq = sides if order % 2 == 0 else sides[::-1]
-                order += 1
-                for sd in seq:
-                    p0 = await metric(s, sd.srv.url, "llamacpp:prompt_tokens_total")
-                    w0 = sum(proc_written(p) for p in sd.pids())
-                    res = await chat(s, sd.url, conv.body)
-                    res["prefilled"] = await metric(s, sd.srv.url, "llamacpp:prompt_tokens_total") - p0
-                    res["written"] = sum(proc_written(p) for p in sd.pids()) - w0
-                    if sd.proxy:
-                        proc = sd.proxy.proc
-                        res["rss_mib"] = rss_mib(proc.pid if proc is not None else None)
-                    row[sd.name] = res
-                d, o = row["direct"], row["ocache"]
-                rows.append(row)
-                print(f"  {size:>6} {label:22} {len(toks):7d} tok  prefilled d/o/oracle "
-                      f"{d['prefilled']:7.0f}/{o['prefilled']:7.0f}/{row['oracle']:6d}  ttft d/o "
-                      f"{d['ttft_s'] * 1e3:8.1f}/{o['ttft_s'] * 1e3:8.1f} ms  tier {o['headers'].get('X-OCache-Tier')}"
-                      f"  rss {o.get('rss_mib', 0):.0f} MiB  written {o['written'] / 1e6:.1f} MB", flush=True)
-
+            steps = Steps(s, sides, size)
+            step, rows = steps.step, steps.rows
             await grow(s, srv_url, A, size)
             await step("growth: A grown", A, False)
             for k in range(a.long_turns):
@@ -352,7 +367,7 @@ async def run_size(binary_stock: Path, binary_patched: Path, model: Path, size: 
                         await asyncio.to_thread(drop_cache, f)
                 else:
                     await asyncio.to_thread(sd.srv.restart, 600)
-            srv_url = sides[0].srv.url
+            srv_url = steps.srv_url = sides[0].srv.url
             A.add_small()
             log_mark = sides[1].log.stat().st_size
             await step("restart: A", A, False)

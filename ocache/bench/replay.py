@@ -79,7 +79,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, TypedDict
+from typing import Any, Awaitable, Callable, Iterable, Mapping, TypedDict
 
 import aiohttp
 import yaml
@@ -832,6 +832,38 @@ async def step_grammars(http: aiohttp.ClientSession, server_url: str) -> dict[st
     return {name: grammar(name, call_format(template), opens=opens) for name in GRAMMARS}
 
 
+def step_request(scenario: Scenario, step: Step, sessions: dict[str, dict], turn_counts: dict[str, int],
+                 grammars: Mapping[str, str]) -> tuple[dict, dict, str, str]:
+    """``(body, headers, label, path)`` of the request a ``send`` or ``turn`` step sends: a ``send``
+    its own body (``prepare_body``), a ``turn`` the next turn of its session's last request and
+    answer (``next_turn``; ``sessions``: name -> ``{"body", "headers", "path", "answer"}``,
+    ``turn_counts`` counted up here), then the step's ``edits`` and ``grammar`` (``grammars``:
+    name -> GBNF text). Raises ReplayError for a turn whose session has no answer."""
+    if step.kind == "send":
+        body = prepare_body(step.body or {}, scenario.max_tokens)
+        headers = dict(step.headers)
+        label = step.label or Path(step.source or "request").stem
+        path = step.path
+    else:
+        name = step.session or ""
+        st = sessions.get(name)
+        if st is None or st["answer"] is None:
+            raise ReplayError(f"{scenario.name}: turn on session {step.session!r} "
+                              "whose last request failed or never ran")
+        turn_counts[name] = turn_counts.get(name, 1) + 1
+        body = next_turn(st["body"], st["answer"], step.user, step.tool_result,
+                         turn_counts[name], then=step.then,
+                         reasoning=scenario.reasoning == "keep")
+        headers = dict(st["headers"])
+        label = step.label or f"{name} turn {turn_counts[name]}"
+        path = st["path"]
+    if step.edits:
+        body = apply_edits(body, step.edits)
+    if step.grammar:
+        body["grammar"] = grammars[step.grammar]
+    return body, headers, label, path
+
+
 async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
                  timeout_s: float = 1800.0) -> list[Sent]:
     """Send the scenario's requests to ``target.url``; return them in the order they were sent.
@@ -854,28 +886,7 @@ async def replay(scenario: Scenario, target: Target, time_scale: float = 1.0,
 
         async def run_one(step: Step) -> None:
             nonlocal restarted
-            if step.kind == "send":
-                body = prepare_body(step.body or {}, scenario.max_tokens)
-                headers = dict(step.headers)
-                label = step.label or Path(step.source or "request").stem
-                path = step.path
-            else:
-                name = step.session or ""
-                st = sessions.get(name)
-                if st is None or st["answer"] is None:
-                    raise ReplayError(f"{scenario.name}: turn on session {step.session!r} "
-                                      "whose last request failed or never ran")
-                turn_counts[name] = turn_counts.get(name, 1) + 1
-                body = next_turn(st["body"], st["answer"], step.user, step.tool_result,
-                                 turn_counts[name], then=step.then,
-                                 reasoning=scenario.reasoning == "keep")
-                headers = dict(st["headers"])
-                label = step.label or f"{name} turn {turn_counts[name]}"
-                path = st["path"]
-            if step.edits:
-                body = apply_edits(body, step.edits)
-            if step.grammar:
-                body["grammar"] = grammars[step.grammar]
+            body, headers, label, path = step_request(scenario, step, sessions, turn_counts, grammars)
             host, base = target.route(headers) if target.route is not None else (None, target.url)
             rec = Sent(index=len(sent), label=label, session=step.session, path=path, body=body,
                        headers=headers, t_sent=time.monotonic() - t_start,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ocache.cache.execute import PlanContext
 from ocache.cache.plan import Decision, plan_request
 from ocache.cache.prepare import Prepared, memo_of
+from ocache.api.figures import Figures
 from ocache.layer import ParsedRequest, Plan
 from ocache.tiers.base import Offer, RequestContext
 
@@ -56,7 +57,7 @@ class Lookups:
 
 def unplanned(tier: str, kind: str) -> Plan:
     """The plan of a request forwarded as it is (no slot pinned): ``X-OCache-Tier`` ``tier``."""
-    return Plan(headers={"X-OCache-Tier": tier, "X-OCache-Kind": kind})
+    return Plan(figures=Figures(tier=tier, kind=kind))
 
 
 def _versions(layer: OCacheLayer) -> tuple[int, ...]:
@@ -155,17 +156,13 @@ async def context(layer: OCacheLayer, req: ParsedRequest, prep: Prepared) -> Req
     return prep.context(layer.ready_table.next_task())
 
 
-def planned(layer: OCacheLayer, pctx: PlanContext, kind: str) -> dict[str, str]:
-    """Count a planned request and return its ``X-OCache-*`` headers. They are sent before the
-    body, so Prefilled/Reused come from the plan (what ocache prefilled itself, measured, plus
-    the predicted reuse of the forwarded request)."""
+def planned(layer: OCacheLayer, pctx: PlanContext, kind: str) -> Figures:
+    """Count a planned request and return its figures (``X-OCache-*`` headers). They are sent
+    before the body, so Prefilled/Reused come from the plan (what ocache prefilled itself,
+    measured, plus the predicted reuse of the forwarded request)."""
     layer.counters["planned"] += 1
     layer.counters["split_tokens"] += pctx.split
     layer.by_tier[pctx.decision.tier] = layer.by_tier.get(pctx.decision.tier, 0) + 1
-    headers = {"X-OCache-Slot": str(pctx.slot), "X-OCache-Predicted-Cache": str(pctx.reused),
-               "X-OCache-Tier": pctx.decision.tier, "X-OCache-Kind": kind,
-               "X-OCache-Split": str(pctx.split), "X-OCache-Prefilled": str(pctx.prefilled),
-               "X-OCache-Reused": str(pctx.reused)}
-    if pctx.restore_s is not None:
-        headers["X-OCache-Restore-Ms"] = f"{pctx.restore_s * 1e3:.1f}"
-    return headers
+    return Figures(tier=pctx.decision.tier, kind=kind, slot=pctx.slot, predicted_cache=pctx.reused,
+                   split=pctx.split, prefilled=pctx.prefilled, reused=pctx.reused,
+                   restore_ms=None if pctx.restore_s is None else float(f"{pctx.restore_s * 1e3:.1f}"))

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ocache.api import convert
 from ocache.cache.execute import PlanContext, ServerPlaced
 from ocache.layer import Observation, ParsedRequest
+from ocache.llama.alone import AloneModel
+from ocache.llama.flags import ServerParams
 from ocache.llama.reuse import media_spans, simulate_prefill
 from ocache.slots import SlotTable
 from ocache.tiers.base import TierBase
@@ -153,3 +155,56 @@ class Observer:
         table.predict_checkpoints(placed.slot, placed.seq,
                                   simulate_prefill([], int(cache_n), len(placed.tokens), placed.ctx.user_starts,
                                                    table.params, placed.ctx.task, media=media_spans(placed.tokens)))
+
+
+class AloneTally:
+    """The saving against llama-server alone (``report.stats`` ``alone``): ``model`` is the server
+    alone with the same flags (``ocache.llama.alone.AloneModel``), fed every answered request;
+    ``ocache_prefill`` the tokens the server prefilled through ocache for them (the answer's
+    ``prompt_n`` plus ocache's own steps for it)."""
+
+    def __init__(self) -> None:
+        self.model = AloneModel()
+        self.ocache_prefill = 0
+
+    @property
+    def prefill(self) -> int:
+        """Tokens the server alone would have prefilled so far."""
+        return self.model.prefill
+
+    def restart(self) -> None:
+        """A new server process: the server alone would have lost every slot too."""
+        self.model.restart()
+
+    def stats(self) -> dict:
+        return {**self.model.stats(), "ocache_prefill": self.ocache_prefill,
+                "saved": self.model.prefill - self.ocache_prefill}
+
+    def feed(self, pctx: Any, obs: Observation, params: ServerParams) -> int | None:
+        """Feed the model an answered request: its prompt tokens (the plan's token view, the aligned
+        request's own render, a server-placed request's tokens) and the server's prefill for it
+        through ocache (the answer's raw ``prompt_n`` plus the tokens ocache prefilled on the slot
+        for it first, ``PlanContext.split``). Returns the tokens the server alone would have
+        prefilled for it (None: not modelled). Never raises."""
+        from ocache.cache.align_route import AlignContext
+
+        timings = obs.timings or {}
+        if obs.status != 200 or "prompt_n" not in timings:
+            return None
+        if isinstance(pctx, PlanContext):
+            view = getattr(pctx, "view", None)
+            tokens, starts, split = getattr(view, "tokens", None), pctx.ctx.user_starts, pctx.split
+        elif isinstance(pctx, (AlignContext, ServerPlaced)):
+            tokens, split = pctx.tokens, 0
+            starts = pctx.ctx.user_starts if isinstance(pctx, ServerPlaced) else ()
+        else:
+            return None
+        if not tokens:
+            return None
+        try:   # a figure for the dashboard: never in the way of the request's own bookkeeping
+            alone = self.model.serve(tokens, params, starts or (), int(timings.get("predicted_n") or 0))
+        except Exception:
+            log.debug("server-alone model failed", exc_info=True)
+            return None
+        self.ocache_prefill += int(timings.get("prompt_n") or 0) + int(split or 0)
+        return alone

@@ -41,22 +41,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any, Coroutine, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ocache import fingerprint as fp_mod
+from ocache.background import Background
 from ocache.cache import core, report, routes, stopping, warmup, wiring
 from ocache.cache.align_route import AlignContext, AlignRoute, enabled as align_enabled, mode as align_mode
 from ocache.cache.routes.continued import ContinueRoute, enabled as continue_enabled
 from ocache.cache.estimate import estimate as estimate_of
 from ocache.cache.execute import PlanContext, ServerPlaced
-from ocache.cache.observe import Observer
+from ocache.cache.identity import IdentityKeeper
+from ocache.cache.observe import AloneTally, Observer
 from ocache.cache.plan import Estimate
-from ocache.cache.prepare import Prepared, Refusal, Rejected, Shape, prepare, shape_of
+from ocache.cache.prepare import Prepared, Refusal, Rejected, Shape, anthropic_pin_ok, prepare, shape_of
 from ocache.cache.routes import known
 from ocache.config import Config
 from ocache.fingerprint import Identity
 from ocache.layer import Observation, ParsedRequest, Plan
-from ocache.llama.alone import AloneModel
 from ocache.llama.flags import argv_from_launch, params_from_argv
 from ocache.slots import SlotError, SlotTable
 from ocache.tiers.base import TierBase
@@ -117,9 +118,9 @@ class OCacheLayer:
         self.markers = getattr(config, "volatile_markers", None) or fp_mod.DEFAULT_MARKERS
         self._viewer = viewer
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.align = AlignRoute(align_enabled(config), exact=align_mode(config) == "exact")   # issue 26, ocache/cache/align_route.py
+        self.align = AlignRoute(align_enabled(config), exact=align_mode(config) == "exact")   # ocache/cache/align_route.py
         self.wants_message = self.align.on                # the proxy collects streamed answers
-        self.continued = ContinueRoute(continue_enabled(config))   # issue 26, routes/continued.py
+        self.continued = ContinueRoute(continue_enabled(config))   # ocache/cache/routes/continued.py
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
         self.tiers: list[TierBase] = list(tiers)
@@ -127,24 +128,19 @@ class OCacheLayer:
         self.observer = Observer(self.counters, on_view_mismatch=self._view_mismatch)
         self._ready = False
         self._ready_lock = asyncio.Lock()
-        self._bg: set[asyncio.Task] = set()
-        self._identity: Identity | None = None
-        #: the model file's full digest being taken (``_take_digest``), and the file versions logged
-        self._digest_task: asyncio.Task | None = None
-        self._digest_logged: set[tuple] = set()
+        #: the layer's background work (reconcile, origin upkeep): a stop waits for it
+        self.background = Background("layer")
+        self.ids = IdentityKeeper(lambda: getattr(self.upstream, "props", None), lambda: self.argv,
+                                  self._ready_lock, self._digested)
         self._epoch = getattr(upstream, "epoch", None)
         self.findings: list[Any] = []
         self._no_save = False
-        #: llama-server alone with the same flags, fed every answered request (ocache/llama/alone.py),
-        #: and what the server prefilled through ocache for them (the answer's prompt_n + ocache's
-        #: own steps for it): the saving against the server alone (report.stats ``alone``)
-        self.alone = AloneModel()
-        self.ocache_prefill = 0
+        #: the saving against llama-server alone (report.stats ``alone``)
+        self.alone = AloneTally()
+        #: the disk, session and remote tiers built from the config (``ensure_ready``)
+        self.built = wiring.BuiltTiers(self.tiers)
         self.disk_tier: DiskTier | None = None
-        self._disk_tier_off = False
         self._session_tier: SessionTier | None = None
-        self._session_tier_off = False
-        self._remote_tier_tried = False
         #: a planned stop began (:meth:`begin_stop`): no new GET /slots reconcile or origin upkeep
         self._stopping = False
         self.journal: FolderJournal | None = None
@@ -230,154 +226,42 @@ class OCacheLayer:
             self.table.if_boot = isinstance(caps, Mapping) and caps.get("if_boot") is True
             await self.table.refresh()
             self._epoch = epoch
-            self._identity = None
-            await self._digest_first()
+            self.ids.forget()
+            await self.ids.digest_first()
             # before any tier reads the store (identities coexist)
             wiring.sync_store_identity(self.tiers, self.identity().key)
-            await self._session_tier_ready()  # session tier (tiers/spill.py): register; resume after a drain
-            self._disk_tier_ready()           # disk tier (tiers/disk.py): anchors on disk
-            await self._remote_tier_ready()   # remote tier (tiers/remote.py): a bucket under the store
+            # session (tiers/spill.py: resume after a drain), disk (tiers/disk.py), remote (tiers/remote.py)
+            await self.built.ready(self.config, self.table, self.identity, no_save=self._no_save,
+                                   prefill_tps_of=lambda: self.prefill_tps)
+            self.disk_tier, self._session_tier = self.built.disk, self.built.session
             # head files through the same verified store (tiers/store.py)
             open_head_store(self.head_tier, self.config, self.table.params, self.identity().key)
             self._ready = True
             found = await wiring.setup_findings(self.session, self.base_url, self._headers(),
-                                                self._checked_params(), props, data, self.argv)
+                                                wiring.checked_params(self.ready_table.params, self.config), props, data, self.argv)
             if found is not None:
                 self.findings, actions_ok = found
                 self._no_save = actions_ok is False
                 self.head_tier.no_save = self.head_tier.no_save or self._no_save
 
-    def _checked_params(self) -> Any:
-        """The table's parameters for the setup checks, with the slot-save folder the config gives
-        (``config.slot_save_path``) where the launch flags do not say it: the checks then see the
-        folder the tiers use."""
-        import contextlib
-        import dataclasses
-
-        params = self.ready_table.params
-        if params.slot_save_path is None:
-            from ocache.config import slot_save_path
-
-            with contextlib.suppress(ValueError):
-                known = slot_save_path(self.config, params)
-                if known is not None:
-                    params = dataclasses.replace(params, slot_save_path=str(known))
-        return params
-
     def identity(self) -> Identity:
-        """The server's identity (``wiring.server_identity``), computed once per epoch and again when
-        the model file's digest becomes known (``_digest_first``). While the file version was never
-        digested the identity is provisional (``GGUFIdentity.pending``: keyed by that version's
-        ``os.stat``, so nothing stored under it is served for other bytes)."""
-        if self._identity is None:
-            self._identity = wiring.server_identity(getattr(self.upstream, "props", None), self.argv)
-        return self._identity
+        """The server's identity (``IdentityKeeper.current``: once per epoch, again once the model
+        file's digest is known)."""
+        return self.ids.current()
 
-    async def _digest_first(self) -> None:
-        """When the identity is provisional, take the model file's XXH3-128 (``gguf.ensure_digest``,
-        a worker thread): awaited here for a file of at most ``gguf.DIGEST_INLINE_BYTES`` (under a
-        second once per file version), else in the background (``_take_digest``, logged once per
-        file version) while requests are served under the provisional identity."""
-        from ocache.llama import gguf as llama_gguf
-
-        pending = (self.identity().fields.get("gguf") or {}).get("pending")
-        path = (getattr(self.upstream, "props", None) or {}).get("model_path")
-        if not pending or not path:
-            return
-        if pending[2] <= llama_gguf.DIGEST_INLINE_BYTES:
-            try:
-                await llama_gguf.ensure_digest(path)
-            except OSError as exc:
-                log.warning("model file %s not digested (%s): entries stay under its provisional identity",
-                            path, exc)
-                return
-            self._identity = None
-            pending = (self.identity().fields.get("gguf") or {}).get("pending")
-            if not pending:
-                return
-        if self._digest_task is not None and not self._digest_task.done():
-            return
-        if tuple(pending) not in self._digest_logged:
-            self._digest_logged.add(tuple(pending))
-            log.info("model file %s (%.2f GB) not digested before: its XXH3-128 is taken in the background; "
-                     "until then entries are stored and served only for this version of the file (its "
-                     "device, inode, size, mtime and ctime)", path, pending[2] / 1e9)
-        self._digest_task = asyncio.get_running_loop().create_task(self._take_digest(path, list(pending)))
-
-    async def _take_digest(self, path: str, pending: list) -> None:
-        """The digest of ``path`` (``gguf.ensure_digest``), then the identity computed again and the
-        tiers' stores switched to it, if the server still serves that file version."""
-        import time
-
-        from ocache.llama import gguf as llama_gguf
-
-        t0 = time.monotonic()
-        try:
-            await llama_gguf.ensure_digest(path)
-        except OSError as exc:
-            log.warning("model file %s not digested (%s): entries stay under its provisional identity", path, exc)
-            return
-        async with self._ready_lock:
-            cur = self._identity
-            if cur is None or (cur.fields.get("gguf") or {}).get("pending") != pending:
-                return
-            self._identity = None
-            new = self.identity()
-            wiring.sync_store_identity(self.tiers, new.key)
-            if self._ready and self.head_tier is not None and self.table is not None:
-                open_head_store(self.head_tier, self.config, self.table.params, new.key)
-            log.info("model file %s digested in %.1f s: identity %s -> %s", path, time.monotonic() - t0,
-                     cur.key, new.key)
+    def _digested(self, key: str) -> None:
+        """A background digest's new identity ``key``: the tiers' stores and the head files under it."""
+        wiring.sync_store_identity(self.tiers, key)
+        if self._ready and self.head_tier is not None and self.table is not None:
+            open_head_store(self.head_tier, self.config, self.table.params, key)
 
     #: the names tests and subclasses use
     _ensure_ready = ensure_ready
     _ident = identity
 
-    async def _session_tier_ready(self) -> None:
-        """Register the session tier once (when the server can save slots), then restore the
-        conversation a drained stop left for this start, before any request is planned (the caller
-        holds the ready lock, so requests wait: a restore never races a prefill)."""
-        if self._session_tier is None and not self._session_tier_off:
-            tier = wiring.build_session_tier(self.config, self.table, self.identity())
-            self._session_tier = tier
-            self._session_tier_off = tier is None
-            if tier is not None:
-                self.add_tier(tier)
-        if self._session_tier is not None:
-            await self._session_tier.after_start()
-
-    def _disk_tier_ready(self) -> None:
-        """Register the disk tier once, when the server can save slots and its slot-save-path is
-        known (config ``tiers.disk.slot_save_path`` or the launch argv; ocache/tiers/disk.py)."""
-        if self.disk_tier is not None or self._disk_tier_off:
-            return
-        tier = None if self._no_save else wiring.build_disk_tier(self.config, self.table, self.identity)
-        self._disk_tier_off = tier is None
-        if tier is not None:
-            self.disk_tier = tier
-            self.add_tier(tier)
-
-    async def _remote_tier_ready(self) -> None:
-        """Register the remote tier once, after the tiers whose store it shares (``store.remote``)."""
-        if self._remote_tier_tried:
-            return
-        self._remote_tier_tried = True
-        tier = await wiring.build_remote_tier(self.config, self.table, self.tiers)
-        if tier is not None:
-            tier.prefill_tps_of = lambda: self.prefill_tps   # its downloads' deadlines are priced by it
-            self.add_tier(tier)
-
     def _anthropic_pin_ok(self) -> bool:
-        """Whether a ``/v1/messages`` request can be pinned to a slot: one slot (nothing to pin),
-        or a server whose ``/props`` reports ``ocache.anthropic_id_slot`` (patches/0003: the stock
-        converter drops ``id_slot``, server-chat.cpp:592-597; the patched build reports the result
-        of running its own converter on a probe). Otherwise such requests are forwarded unplanned
-        (counted as ``unpinnable``) and ``GET /slots`` tells the table what they changed."""
-        props = getattr(self.upstream, "props", None) or {}
-        caps = props.get("ocache") if isinstance(props, Mapping) else None
-        if isinstance(caps, Mapping) and caps.get("anthropic_id_slot") is True:
-            return True
-        return self.table is not None and len(self.table) == 1
+        """``prepare.anthropic_pin_ok`` for this server and its slot count."""
+        return anthropic_pin_ok(getattr(self.upstream, "props", None), len(self.table or ()))
 
     # -- the request path: shape, the routes, prepare (ocache/cache/routes/, prepare.py) -----------
 
@@ -559,7 +443,7 @@ class OCacheLayer:
         table = self.table
         if table is None:
             return
-        alone_n = self._observe_alone(pctx, obs)
+        alone_n = self.alone.feed(pctx, obs, table.params)
         if isinstance(pctx, AlignContext):
             if alone_n is not None:   # [align] its saving against the server alone, measured
                 self.align.saved_vs_alone(pctx, alone_n - int((obs.timings or {}).get("prompt_n") or 0))
@@ -577,48 +461,15 @@ class OCacheLayer:
         if self.opt_reconcile:
             # the server's count for the slot just used (and a restart seen in the id_task values),
             # off the next request's path
-            self._spawn(self.refresh(pctx.request_id))
+            self.background.spawn(self.refresh(pctx.request_id), "reconcile")
         if ok and self.head_tier is not None:
-            self._spawn(self.head_tier.maintain_origin())
-
-    def _observe_alone(self, pctx: Any, obs: Observation) -> int | None:
-        """Feed the server-alone model (``ocache.llama.alone``) an answered request: its prompt
-        tokens (the plan's token view, the aligned request's own render, a server-placed request's
-        tokens) and the server's prefill for it through ocache (the answer's raw ``prompt_n`` plus
-        the tokens ocache prefilled on the slot for it first, ``PlanContext.split``). Returns the
-        tokens the server alone would have prefilled for it (None: not modelled). Never raises."""
-        timings = obs.timings or {}
-        if obs.status != 200 or "prompt_n" not in timings or self.table is None:
-            return None
-        if isinstance(pctx, PlanContext):
-            view = getattr(pctx, "view", None)
-            tokens, starts, split = getattr(view, "tokens", None), pctx.ctx.user_starts, pctx.split
-        elif isinstance(pctx, (AlignContext, ServerPlaced)):
-            tokens, split = pctx.tokens, 0
-            starts = pctx.ctx.user_starts if isinstance(pctx, ServerPlaced) else ()
-        else:
-            return None
-        if not tokens:
-            return None
-        try:   # a figure for the dashboard: never in the way of the request's own bookkeeping
-            alone = self.alone.serve(tokens, self.table.params, starts or (), int(timings.get("predicted_n") or 0))
-        except Exception:
-            log.debug("server-alone model failed", exc_info=True)
-            return None
-        self.ocache_prefill += int(timings.get("prompt_n") or 0) + int(split or 0)
-        return alone
+            self.background.spawn(self.head_tier.maintain_origin(), "origin")
 
     # -- background ------------------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
-
     async def idle(self) -> None:
         """Wait for background work (origin re-establishment, the tiers' commits) to finish."""
-        while self._bg:
-            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        await self.background.join()
         for tier in (self.head_tier, *self.tiers):
             if tier is not None:
                 await tier.flush()
@@ -649,7 +500,7 @@ class OCacheLayer:
             else:
                 self.table.reset_all(getattr(self.upstream, "epoch", None))
         self._ready = False
-        self._identity = None
+        self.ids.forget()
         for tier in self.tiers:  # tiers forget per-slot beliefs about the old process
             try:
                 await tier.on_upstream_restart()
@@ -675,7 +526,6 @@ class OCacheLayer:
         """``stopping.drain``: a planned stop's drain of every tier (bounded by the config's
         ``drain_timeout_s`` and the server going down)."""
         await stopping.drain(self)
-
 
     def stats(self) -> dict:
         """``report.stats``: what ``GET /v1/cache/stats`` shows of this layer."""

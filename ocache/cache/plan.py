@@ -157,7 +157,7 @@ def guest_loss(slots: Sequence[Any], can_spill: bool | Collection[int] = False) 
     other unprotected slot loses nothing here (empty, unknown, a kept head the head tier restores;
     a harness head's own loss is already in the ranking's score).
 
-    Why (issue 27, ``ocache bench --preset tiny --scenario opencode_runs_same_folder --models
+    Why (``ocache bench --preset tiny --scenario opencode_runs_same_folder --models
     hybrid``): on the next ``opencode run`` in a folder the agent turn reused 7,234 tokens in the
     previous run's slot (its checkpoint at the user message) and the disk tier offered the same
     7,234 for the title's slot; the tie went to the title's slot, the title's 541 tokens were lost,

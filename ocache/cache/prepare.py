@@ -135,10 +135,22 @@ def labels_of(body: Mapping, headers: Any, kind: str) -> tuple[tuple[str, str | 
         return ()
 
 
+def anthropic_pin_ok(props: Any, n_slots: int) -> bool:
+    """Whether a ``/v1/messages`` request can be pinned to a slot: one slot (nothing to pin), or a
+    server whose ``/props`` (``props``) reports ``ocache.anthropic_id_slot`` (patches/0003: the
+    stock converter drops ``id_slot``, server-chat.cpp:592-597; the patched build reports the
+    result of running its own converter on a probe). Otherwise such requests are forwarded
+    unplanned (counted as ``unpinnable``) and ``GET /slots`` tells the table what they changed."""
+    caps = props.get("ocache") if isinstance(props, Mapping) else None
+    if isinstance(caps, Mapping) and caps.get("anthropic_id_slot") is True:
+        return True
+    return n_slots == 1
+
+
 def _as_chat(req: ParsedRequest, pin_ok: Callable[[], bool]) -> tuple[Mapping, str] | Refusal:
     """``(body, path)``: a ``/v1/messages`` / ``/v1/responses`` request as the chat body the server
     itself renders (path ``/v1/chat/completions``), any other as it is; or the refusal. ``pin_ok``:
-    whether this server can pin an Anthropic request (``OCacheLayer._anthropic_pin_ok``). The
+    whether this server can pin an Anthropic request (``anthropic_pin_ok``). The
     converted body is kept in ``req.memo["chat"]``."""
     body, path = req.body or {}, req.path
     if path not in convert.CONVERTED_ROUTES:

@@ -12,8 +12,16 @@ if TYPE_CHECKING:
     from ocache.cache.orchestrator import OCacheLayer
 
 
+def background(layer: OCacheLayer) -> dict[str, dict[str, int]]:
+    """The background work pending now (``ocache.background.Background.pending``), by owner: the
+    layer's (reconcile, origin) and each tier's (commits)."""
+    owners = [layer.background] + [b for t in (layer.head_tier, *layer.tiers)
+                                   if (b := getattr(t, "background", None)) is not None]
+    return {b.owner: b.pending() for b in owners}
+
+
 def stats(layer: OCacheLayer) -> dict[str, Any]:
-    """The layer's counters, per-tier plan counts, measured prefill rate (tokens/s), recent
+    """The layer's counters, per-tier plan counts, the background work pending by owner, measured prefill rate (tokens/s), recent
     mispredictions, setup warnings, each slot (tokens, kind, owner, idle seconds), the table's
     counters, the warmed heads and every tier's own stats (an error there is reported, never
     raised)."""
@@ -24,9 +32,9 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
                            "setup_warnings": [str(f) for f in layer.findings if f.level != "ok"],
                            "tiers_off": [t.__dict__ for t in tiers_off(layer)],
                            "tiers_checked": bool(layer.findings),
-                           "alone": {**layer.alone.stats(), "ocache_prefill": layer.ocache_prefill,
-                                     "saved": layer.alone.prefill - layer.ocache_prefill},
-                           "align": layer.align.stats(), "continued": layer.continued.stats()}
+                           "alone": layer.alone.stats(),
+                           "align": layer.align.stats(), "continued": layer.continued.stats(),
+                           "background": background(layer)}
     viewer = getattr(layer, "_viewer", None)
     if viewer is not None:
         # the token view's counters: ``view_timeouts`` are views that outlasted their bound

@@ -23,8 +23,7 @@ async def quiesce(layer: OCacheLayer, timeout_s: float) -> int:
     README "Limitations"). Returns the slot calls still in flight (0 when none)."""
     layer.begin_stop()
     deadline = time.monotonic() + timeout_s
-    if layer._bg:
-        await asyncio.wait(list(layer._bg), timeout=max(0.0, deadline - time.monotonic()))
+    await layer.background.wait(deadline - time.monotonic())
     if layer.table is None:
         return 0
     return await layer.table.wait_calls(max(0.0, deadline - time.monotonic()))

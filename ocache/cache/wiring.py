@@ -7,6 +7,8 @@ fails to set up stays off, the layer serves without it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -111,6 +113,62 @@ async def build_remote_tier(config: Any, table: Any, tiers: Sequence[Any]) -> An
     except Exception:
         log.exception("remote tier setup failed; it stays off")
         return None
+
+
+class BuiltTiers:
+    """The disk, session and remote tiers built from the config once the server is known, each
+    once per layer (a tier that could not be built stays off). ``tiers``: the layer's list of
+    registered tiers; each tier built here is appended to it."""
+
+    def __init__(self, tiers: list[Any]) -> None:
+        self.tiers = tiers
+        self.session: Any = None
+        self.disk: Any = None
+        self._session_off = False
+        self._disk_off = False
+        self._remote_tried = False
+
+    async def ready(self, config: Any, table: Any, identity_fn: Any, *, no_save: bool,
+                    prefill_tps_of: Any) -> None:
+        """Called when the layer gets ready for a process, under its ready lock (requests wait):
+        the session tier (registered once when the server can save slots, then the conversation a
+        drained stop left restored before any request is planned: a restore never races a
+        prefill); the disk tier (once, when the slot-save-path is known: config
+        ``tiers.disk.slot_save_path`` or the launch argv); the remote tier (once, after the tiers
+        whose store it shares, ``store.remote``; its downloads' deadlines priced by
+        ``prefill_tps_of()``, tokens/s). ``identity_fn()``: the server's current ``Identity``."""
+        if self.session is None and not self._session_off:
+            self.session = build_session_tier(config, table, identity_fn())
+            self._session_off = self.session is None
+            if self.session is not None:
+                self.tiers.append(self.session)
+        if self.session is not None:
+            await self.session.after_start()
+        if self.disk is None and not self._disk_off:
+            self.disk = None if no_save else build_disk_tier(config, table, identity_fn)
+            self._disk_off = self.disk is None
+            if self.disk is not None:
+                self.tiers.append(self.disk)
+        if not self._remote_tried:
+            self._remote_tried = True
+            remote = await build_remote_tier(config, table, self.tiers)
+            if remote is not None:
+                remote.prefill_tps_of = prefill_tps_of
+                self.tiers.append(remote)
+
+
+def checked_params(params: ServerParams, config: Any) -> ServerParams:
+    """``params`` for the setup checks, with the slot-save folder the config gives
+    (``config.slot_save_path``) where the launch flags do not say it: the checks then see the
+    folder the tiers use."""
+    if params.slot_save_path is None:
+        from ocache.config import slot_save_path
+
+        with contextlib.suppress(ValueError):
+            known = slot_save_path(config, params)
+            if known is not None:
+                params = dataclasses.replace(params, slot_save_path=str(known))
+    return params
 
 
 async def setup_findings(session: Any, base_url: str, headers: dict, params: ServerParams, props: Any,

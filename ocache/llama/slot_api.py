@@ -48,10 +48,6 @@ class SlotNotSupported(SlotError):
     or without the ``/slots`` endpoint (``--no-slots``)."""
 
 
-class SlotBusy(SlotError):
-    """The slot is processing (or locked by ocache) and the call would wait or race."""
-
-
 class SlotFileError(SlotError):
     """400 on save/restore: invalid filename, or the file could not be restored (missing, corrupt,
     another model, does not fit). **After a failed restore the slot is erased** (docs/llama-server.md §5)."""

@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from ocache.background import Background
 from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.config import field_of as _get, slot_save_path
 from ocache.llama.checks import FLAGS_FIX
@@ -183,7 +184,7 @@ class DiskTier(TierBase):
         self.fixed_bytes: float = 0.0
         self._lines: OrderedDict[str, int] = OrderedDict()
         self._pending: dict[int, _Pending] = {}
-        self._bg: set[asyncio.Task] = set()
+        self.background = Background(self.name)   # the commits of saved slot files
         self.counters: dict[str, int] = {
             "lookups": 0, "offers": 0, "restores": 0, "hits": 0, "unconfirmed": 0,
             "verify_failed": 0, "restore_failed": 0, "anchors_written": 0, "save_failed": 0,
@@ -359,9 +360,7 @@ class DiskTier(TierBase):
             self.store.discard_temp(tmp)
             return False
         meta = {"reason": reason, **{k: v for k, v in dict(labels or ()).items() if v}}
-        task = asyncio.create_task(self._commit(tokens, tmp, fingerprint, meta, int(_get(resp, "n_written", 0))))
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self.background.spawn(self._commit(tokens, tmp, fingerprint, meta, int(_get(resp, "n_written", 0))), "commit")
         return True
 
     async def _commit(self, tokens: list[int], tmp: str, fingerprint: str | None, meta: dict,
@@ -387,12 +386,11 @@ class DiskTier(TierBase):
 
     async def flush(self) -> None:
         """Wait for background commits (tests, drain)."""
-        while self._bg:
-            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        await self.background.join()
 
     def pending_commits(self) -> list:
         """The background commits running now (:meth:`TierBase.pending_commits`)."""
-        return list(self._bg)
+        return list(self.background.tasks)
 
     # ------------------------------------------------------------------ lookup / bring
     def read_cost_s(self, nbytes: int) -> float:

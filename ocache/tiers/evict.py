@@ -47,7 +47,7 @@ class EvictionPolicy(Protocol):
 SPILL_KIND = "s"
 #: a spill never restored loses half its value every hour, and is expired two hours after it was
 #: written (``ValuePolicy.expired``): most conversations that are spilled never come back (171
-#: spills, 874 MB after 10 minutes of two-turn sessions, issue 28 item 9), so the bytes of the
+#: spills, 874 MB after 10 minutes of two-turn sessions, ``scripts/bench-spill``), so the bytes of the
 #: unreturned ones stay below (spill rate x 2 h): ~10.5 GB at that rate, not the whole 40 GB budget
 UNRETURNED_HALF_LIFE_S = 3600.0
 UNRETURNED_TTL_S = 2 * 3600.0
@@ -137,3 +137,15 @@ def make_room(victims: list[Entry], nbytes: int, *, kind: str | None, budget_byt
         v = pool[0]
         victims.remove(v)
         evict(v)
+
+
+def next_eviction(order: list[Entry], now: float) -> dict | None:
+    """The first entry of a policy's ``order`` (the next to go) as ``Store.stats`` shows it: key
+    (16 characters), kind, tokens, bytes, hits, seconds idle at ``now`` (Unix seconds) and its
+    meta without the checkpoints; None when there is none."""
+    if not order:
+        return None
+    e = order[0]
+    return {"key": e.key[:16], "kind": e.kind, "n_tokens": e.n_tokens, "bytes": e.bytes, "hits": e.hits,
+            "idle_s": round(max(0.0, now - e.last_used), 1),
+            "meta": {k: v for k, v in e.meta.items() if k != "checkpoints"}}

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ocache.background import Background
 from ocache.llama.reuse import Checkpoint
 from ocache.slots import SlotError, SlotNotSupported, SlotTable
 from ocache.tiers.base import Offer, TierBase
@@ -90,7 +91,7 @@ class HeadTier(TierBase):
         self.no_save = False
         self._store_off = False  # the store could not be opened (open_head_store): not tried again
         self._maint_lock = asyncio.Lock()
-        self._bg: set[asyncio.Task] = set()
+        self.background = Background(self.name)   # the commits of saved slot files
         self.counters: dict[str, int] = {
             "saves": 0, "save_failed": 0, "skipped_budget": 0, "restores": 0, "verify_failed": 0,
             "restore_failed": 0, "restore_upstream_failed": 0,
@@ -209,9 +210,7 @@ class HeadTier(TierBase):
         n_ck = saved.get("n_checkpoints")  # patched build: checkpoints in the sidecar
         st = self.table[slot]
         cps = (list(st.checkpoints)[-int(n_ck):] if n_ck else []) if n_ck is not None else []
-        task = asyncio.get_running_loop().create_task(self._commit(rec, key, tmp, cps, rid))
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self.background.spawn(self._commit(rec, key, tmp, cps, rid), "commit")
         return True
 
     async def _commit(self, rec: HeadRecord, key: str, tmp: str, cps: list[Checkpoint], rid: str) -> None:
@@ -228,12 +227,11 @@ class HeadTier(TierBase):
 
     async def flush(self) -> None:
         """Wait for background commits."""
-        while self._bg:
-            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        await self.background.join()
 
     def pending_commits(self) -> list:
         """The background commits running now (:meth:`TierBase.pending_commits`)."""
-        return list(self._bg)
+        return list(self.background.tasks)
 
     async def clear(self) -> dict:
         """Forget every head and delete the head entries. Returns ``{"deleted": heads + entries}``."""

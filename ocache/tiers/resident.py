@@ -92,7 +92,7 @@ def classify_slot(s: SlotState, reuse: Reuse, ctx: RequestContext, params: Serve
             same = ctx.session == s.owner and (ctx.kind == "guest") == (s.kind == "guest")
             # a request of another kind in the same session (a compaction, a side question: no
             # tools, beside an agent turn) that does not continue the slot's conversation would
-            # destroy it: priced like any other overwrite (issue 28 item 6: it overwrote the live
+            # destroy it: priced like any other overwrite (before, it overwrote the live
             # conversation without a spill, and the next turn prefilled 112 tokens, not 19-22)
             same = same and (ctx.kind == s.kind or reuse.lcp >= held - params.n_ubatch)
         else:

@@ -57,7 +57,7 @@ Session identity
     unknown) the request must contain the whole prompt the conversation was last sent (within one
     ubatch), the resident tier's rule for "same conversation".
 
-    Why any session's spill (issue 27, ``ocache bench --preset tiny --scenario
+    Why any session's spill (``ocache bench --preset tiny --scenario
     opencode_pi_alternating --models hybrid``): two opencode runs sent byte-identical agent turns
     under two session keys; the server alone reused 7,247 tokens of the first run's slot while
     ocache, offered the first run's spill only for its own session, restored the 7,234-token disk
@@ -71,7 +71,7 @@ Guests
     the old prompt in its RAM cache (``--cache-ram``, default 8 GiB, docs/llama-server.md §10) and the
     next title, byte for byte the same system prompt every run, restores it there; ocache runs the
     server with ``--cache-ram 0`` (below), so without this tier's spill the next title was prefilled
-    whole: issue 27, ``ocache bench --preset tiny --template real --scenario opencode_pi_alternating
+    whole: ``ocache bench --preset tiny --template real --scenario opencode_pi_alternating
     --models hybrid,dense``, request #5 ``opencode_run2_title``: 4 tokens prefilled alone (cache_n
     537), 541 through ocache (1.031 over the scenario). So a guest is spilled like a conversation,
     apart from it: its entry's ``kind`` is ``guest`` (:func:`is_guest`); guests read only guests'
@@ -144,6 +144,7 @@ from typing import Any, Sequence
 
 import xxhash
 
+from ocache.background import Background
 from ocache.tiers.base import Offer, Rate, TierBase
 from ocache.config import field_of as _get, slot_save_path
 from ocache.llama.checks import FLAGS_FIX
@@ -151,6 +152,7 @@ from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
                     prefix_hash, read_slot_tokens, reserve_async, shared_store)
 from ocache.slots import SlotHashMismatch, file_refused
+from ocache.tiers.spill_policy import SlotSeen, SpillConfig, SpillPolicy, is_guest
 
 log = logging.getLogger("ocache.spill")
 
@@ -171,39 +173,6 @@ class SpillError(RuntimeError):
 
 
 @dataclass
-class SpillConfig:
-    """Session tier settings (tokens, bytes/s as noted)."""
-
-    # eviction: shortest conversation worth a spill. By cost, not by size: writing a slot costs
-    # 2-3 orders of magnitude less than prefilling it (README "Measured": 16k tokens, bench models,
-    # save 0.16-0.23 s vs 56-103 s prefill; tiny models 53 ms vs 30-40 s), so every conversation a
-    # client may resume is worth it; below ~1k tokens a prefill is as fast as a save + restore
-    # round trip. Was 16,384: cache-pressure's 8k contexts were then lost (docs/decisions.md D3).
-    min_tokens: int = 1024
-    drain_min_tokens: int = 1024     # planned stop: shortest conversation worth a spill
-    # a guest's slot (opencode's title request: 541 tokens on the tiny models, 524 of them its
-    # fixed system prompt) is spilled when a request overwrites it and it holds at least this many
-    # tokens. Not ``min_tokens``: a guest comes back byte for byte (the same title prompt every
-    # run), and llama-server alone keeps it in its RAM cache when its slot is overwritten
-    # (``--cache-ram``, default 8 GiB; docs/llama-server.md §10): without the spill the next title
-    # prefilled 541 tokens where the server alone prefilled 4 (issue 27, ``ocache bench --preset
-    # tiny --template real --scenario opencode_pi_alternating --models hybrid``). 256 lets a title
-    # in and keeps out the few-dozen-token guests a prefill serves as fast as a restore.
-    guest_min_tokens: int = 256
-    # guests' entries: one per session and guest (a session's newer guest spill supersedes its
-    # older one, never its agent spill), at most this many in all (the least recently used goes):
-    # a client's guests share their system prompt, so a few entries serve every later one
-    guest_max_entries: int = 8
-    ubatch: int = 512                # server -ub: tolerance when confirming a restore by cache_n
-    restore_bytes_s: float = 5e8     # initial guess until measured (server restore)
-    verify_bytes_s: float = 2e9      # initial guess until measured (xxh3 of the files)
-    resume: bool = True              # restore the most recent conversation after a drained stop
-    # a lookup waits at most this long for an eviction's spill of tokens it shares (the save plus
-    # the commit: 53-55 ms + 117-128 ms for 16k tokens on the tiny models, measured below)
-    inflight_wait_s: float = 5.0
-
-
-@dataclass
 class SpillRef:
     """``Offer.ref`` of the session tier."""
 
@@ -211,29 +180,6 @@ class SpillRef:
     n_tokens: int
     bytes: int
     lcp: int
-
-
-@dataclass
-class _SlotSeen:
-    """What ``admit`` saw on a slot: the slot table's ``seq`` then, the session identity, and the
-    prompt length (tokens) the conversation was last sent."""
-
-    seq: int
-    session: str | None
-    prompt_n: int
-    kind: str | None
-    owner: str | None
-    head_key: str | None
-    #: the response was cut short (``SessionTier.interrupted``): the slot holds the prompt plus a
-    #: partial answer
-    partial: bool = False
-
-
-def is_guest(meta: Any) -> bool:
-    """Whether a session entry's record (``Entry.meta``) is a guest's spill (``kind`` ``guest``):
-    guests' entries are read by guests only and the others' by the others (``SessionTier.lookup``),
-    and each class supersedes only its own (``SessionTier._commit``)."""
-    return isinstance(meta, dict) and meta.get("kind") == "guest"
 
 
 def hint_key(hint: str | None) -> str | None:
@@ -272,6 +218,42 @@ def session_key(hint: str | None, view: Any) -> str | None:
     return "t:" + prefix_hash(toks[:end])
 
 
+def entry_checkpoints(e: Any) -> list:
+    """The checkpoints (``ocache.llama.reuse.Checkpoint``) an entry's record lists."""
+    from ocache.llama.reuse import Checkpoint
+
+    return [Checkpoint(int(n)) for n in (e.meta.get("checkpoints") or [])]
+
+
+def write_marker(path: Path, identity: str | None, resume: str, slots: dict[int, str]) -> None:
+    """Write the resume marker a drained stop leaves at ``path`` (JSON: ``identity``, ``written``
+    in Unix seconds, ``resume``: the entry key to restore, ``slots``: ``[{"slot", "key"}]`` of
+    every committed spill). A failure is logged."""
+    doc = {"identity": identity, "written": time.time(), "resume": resume,
+           "slots": [{"slot": s, "key": k} for s, k in slots.items()]}
+    try:
+        atomic_write(path, json.dumps(doc).encode())
+    except OSError as exc:
+        log.warning("session: could not write the resume marker: %s", exc)
+
+
+def take_marker(path: Path, identity: str | None) -> str | None:
+    """The entry key the resume marker at ``path`` names for ``identity`` (None: no marker, an
+    unreadable one, another identity's); the marker is consumed whatever it says."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("session: unreadable resume marker (%s); ignored", exc)
+        doc = None
+    with contextlib.suppress(OSError):
+        path.unlink()
+    if not isinstance(doc, dict) or doc.get("identity") != identity or not doc.get("resume"):
+        return None
+    return str(doc["resume"])
+
+
 class SessionTier(TierBase):
     """The session tier over the shared :class:`Store` and the cache layer's ``SlotTable``.
 
@@ -286,6 +268,7 @@ class SessionTier(TierBase):
         self.store = store
         self.table = table
         self.cfg = config or SpillConfig()
+        self.policy = SpillPolicy(self.cfg)
         self.resume_path = Path(resume_path) if resume_path else Path(store.meta_dir) / RESUME_MARKER
         # bytes/s of a restore: the slot table's, end to end over every tier in this process
         # (ocache.slots.RestoreRate); a table without one gets the tier's own
@@ -294,9 +277,9 @@ class SessionTier(TierBase):
         self.restore_rate = Rate(self.cfg.restore_bytes_s) if shared is None else shared
         self.verify_rate = Rate(self.cfg.verify_bytes_s)
         self.bytes_per_token: float = 0.0
-        self._seen: dict[int, _SlotSeen] = {}
+        self._seen: dict[int, SlotSeen] = {}
         self._pending: dict[int, tuple[str, int]] = {}   # slot -> (entry key, tokens expected reused)
-        self._bg: set[asyncio.Task] = set()
+        self.background = Background(self.name)   # the commits of spills
         # evictions being spilled -> (their tokens, a guest's)
         self._inflight: dict[asyncio.Future, tuple[list[int], bool]] = {}
         self._recent: list[tuple[float, str, int]] = []  # (time, entry key, slot) of spills this run
@@ -319,48 +302,17 @@ class SessionTier(TierBase):
     def params(self) -> Any:
         return self.table.params
 
-    def _entry_checkpoints(self, e: Any) -> list:
-        from ocache.llama.reuse import Checkpoint
-
-        return [Checkpoint(int(n)) for n in (e.meta.get("checkpoints") or [])]
-
     def read_cost_s(self, nbytes: int) -> float:
         """Seconds to verify and restore ``nbytes`` at the measured rates (the restore's: the slot
         table's, end to end, ``ocache.slots.RestoreRate``)."""
         return nbytes / self.verify_rate.value + nbytes / self.restore_rate.value
 
-    def _spillable(self, slot: int) -> tuple[bool, str]:
-        st = self.table[slot]
-        seen = self._seen.get(slot)
-        if not st.tokens or st.foreign:
-            return False, "unknown content"
-        if st.pending:
-            if st.interrupted and seen is not None and seen.partial and seen.seq == st.seq:
-                return False, "answer cut short, its length not read yet (GET /slots)"
-            return False, "response not finished"
-        if st.kind not in ("agent", "other", "guest") or st.origin:
-            return False, f"kind {st.kind}"
-        if seen is None or seen.seq != st.seq:
-            return False, "not seen complete"
-        return True, ""
-
-    def _min_tokens(self, kind: str | None, reason: str) -> int | None:
-        """The shortest slot of ``kind`` worth a spill for ``reason`` (``evict``/``drain``), or None
-        when it is never spilled then: a guest only on eviction, from ``guest_min_tokens`` (a
-        planned stop loses the guest as it loses the server's own RAM cache)."""
-        if kind == "guest":
-            return self.cfg.guest_min_tokens if reason == "evict" else None
-        return self.cfg.min_tokens if reason == "evict" else self.cfg.drain_min_tokens
-
     def will_spill(self, slot: int) -> bool:
         """Whether :meth:`before_evict` would save ``slot``'s conversation if it were evicted now
-        (safe to spill and at least ``min_tokens`` long, ``guest_min_tokens`` for a guest), so the
-        planner can count an overwrite of it as free. Pure (reads the table); never raises."""
+        (``SpillPolicy.will_spill``), so the planner can count an overwrite of it as free. Pure
+        (reads the table); never raises."""
         try:
-            ok, _why = self._spillable(slot)
-            st = self.table[slot]
-            least = self._min_tokens(st.kind, "evict")
-            return ok and least is not None and max(int(st.n_total or 0), len(st.tokens)) >= least
+            return self.policy.will_spill(self.table[slot], self._seen.get(slot))
         except Exception:  # noqa: BLE001 - an unknown slot is one we would not spill
             return False
 
@@ -376,7 +328,7 @@ class SessionTier(TierBase):
         done: asyncio.Future = loop.create_future()
         st = self.table[slot]
         self._inflight[done] = (list(st.tokens), st.kind == "guest")
-        before = set(self._bg)
+        before = self.background.tasks
 
         def finish(_: Any = None) -> None:
             self._inflight.pop(done, None)
@@ -386,7 +338,7 @@ class SessionTier(TierBase):
         try:
             await self._spill(slot, "evict")
         finally:
-            commits = [t for t in self._bg - before if not t.done()]
+            commits = [t for t in self.background.tasks - before if not t.done()]
             if commits:
                 asyncio.gather(*commits, return_exceptions=True).add_done_callback(finish)
             else:
@@ -419,7 +371,7 @@ class SessionTier(TierBase):
             self._seen.pop(slot, None)
             return
         self.counters["interrupted_seen"] += 1
-        self._seen[slot] = _SlotSeen(st.seq, session_key(st.owner, view), len(view.tokens), st.kind,
+        self._seen[slot] = SlotSeen(st.seq, session_key(st.owner, view), len(view.tokens), st.kind,
                                      st.owner, st.head_key, partial=True)
 
     async def _settle(self, slot: int) -> None:
@@ -436,10 +388,10 @@ class SessionTier(TierBase):
 
     async def _spill(self, slot: int, reason: str) -> str | None:
         """Save ``slot`` as a session entry (``reason``: ``evict`` or ``drain``; the shortest slot
-        spilled: :meth:`_min_tokens`). Returns the entry key (also when already stored), or None
+        spilled: ``SpillPolicy.min_tokens``). Returns the entry key (also when already stored), or None
         when skipped or failed. The commit runs in the background (:meth:`flush` waits for it)."""
         await self._settle(slot)
-        ok, why = self._spillable(slot)
+        ok, why = self.policy.spillable(self.table[slot], self._seen.get(slot))
         if not ok:
             self.counters["spill_skipped_unsafe"] += 1
             log.info("session: slot %d not spilled (%s)", slot, why)
@@ -447,12 +399,12 @@ class SessionTier(TierBase):
         st = self.table[slot]
         seen = self._seen[slot]
         n = max(int(st.n_total or 0), len(st.tokens))
-        min_tokens = self._min_tokens(seen.kind, reason)
+        min_tokens = self.policy.min_tokens(seen.kind, reason)
         if min_tokens is None or n < min_tokens:
             self.counters["spill_skipped_short"] += 1
             return None
         # the same content already stored (a restored slot not used since, a repeated drain)
-        cached = self._dedup(st.tokens, n, seen)
+        cached = self.policy.same_content(self.store.entries(KIND), self.store.tokens, st.tokens, n, seen)
         if cached is not None:
             self.counters["spill_dedup"] += 1
             self._recent.append((time.time(), cached, slot))
@@ -503,28 +455,9 @@ class SessionTier(TierBase):
                 "prompt_n": seen.prompt_n, "reason": reason, "head_key": seen.head_key,
                 **({"interrupted": True} if seen.partial else {}),
                 **{k: v for k, v in (getattr(st, "labels", None) or {}).items() if v}}
-        task = asyncio.create_task(self._commit(pkey, tmp, tokens, meta, slot, seen.head_key))
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self.background.spawn(self._commit(pkey, tmp, tokens, meta, slot, seen.head_key), "commit")
         self._recent.append((time.time(), key, slot))
         return key
-
-    def _dedup(self, slot_tokens: Sequence[int], n: int, seen: _SlotSeen) -> str | None:
-        """An entry holding exactly this content: the same session's (same class), or for a guest
-        any guest's (two runs' identical title requests leave the same state)."""
-        guest = seen.kind == "guest"
-        for e in self.store.entries(KIND):
-            if e.n_tokens != n or is_guest(e.meta) != guest:
-                continue
-            if not guest and e.meta.get("session") != seen.session:
-                continue
-            try:
-                toks = self.store.tokens(e.key)
-            except (IntegrityError, KeyError):
-                continue
-            if toks[:len(slot_tokens)] == list(slot_tokens) and len(toks) == n:
-                return e.key
-        return None
 
     async def _commit(self, pkey: str, tmp: str, tokens: list[int], meta: dict, slot: int,
                       fingerprint: str | None) -> None:
@@ -549,33 +482,19 @@ class SessionTier(TierBase):
             self.counters["interrupted_spills"] += 1
         log.info("session: spilled slot %d (%s, %d tokens, %d bytes, %s)", slot, meta["reason"],
                  e.n_tokens, e.bytes, (meta.get("session") or "-")[:12])
-        # a session's newer state supersedes its older spills (same identity; without one, only an
-        # older spill whose tokens are a prefix of this one), within its class: a guest's spill
-        # (opencode's title shares its session key with the agent turns) never supersedes the
-        # session's agent spill, nor the other way round
-        guest = is_guest(meta)
-        for old in self.store.entries(KIND):
-            if old.key == e.key or is_guest(old.meta) != guest:
-                continue
-            same = meta.get("session") is not None and old.meta.get("session") == meta.get("session")
-            if not same and old.meta.get("session") is None and meta.get("session") is None:
-                with contextlib.suppress(IntegrityError, KeyError):
-                    same = self.store.tokens(old.key) == tokens[:old.n_tokens]
-            if same:
-                self.counters["superseded"] += 1
-                await asyncio.to_thread(self.store.delete, old.key, "superseded by a newer spill")
-        if guest:
+        # a session's newer state supersedes its older spills, within its class (SpillPolicy.superseded)
+        for old in self.policy.superseded(e, tokens, self.store.entries(KIND), self.store.tokens):
+            self.counters["superseded"] += 1
+            await asyncio.to_thread(self.store.delete, old.key, "superseded by a newer spill")
+        if is_guest(meta):
             self.counters["guest_spills"] += 1
-            guests = sorted((x for x in self.store.entries(KIND) if is_guest(x.meta) and x.key != e.key),
-                            key=lambda x: x.last_used)
-            for old in guests[:max(0, len(guests) + 1 - self.cfg.guest_max_entries)]:
+            for old in self.policy.guests_over(e, self.store.entries(KIND)):
                 self.counters["guest_dropped"] += 1
                 await asyncio.to_thread(self.store.delete, old.key, "more guest spills than guest_max_entries")
 
     async def flush(self) -> None:
         """Wait for background commits."""
-        while self._bg:
-            await asyncio.gather(*list(self._bg), return_exceptions=True)
+        await self.background.join()
 
     async def on_drain(self, table: Any = None) -> dict:
         """Planned stop (after in-flight requests finished and ``before_evict`` ran on every live
@@ -595,18 +514,10 @@ class SessionTier(TierBase):
         # the conversation to resume is an agent's or another's, never a guest's spill
         committed = [(t, k, s) for t, k, s in self._recent
                      if (e := self.store.get(k)) is not None and not is_guest(e.meta)]
-        resume = None
-        if committed:
-            # the most recent conversation: the slot used last, else the latest spill
-            by_slot = {s: k for _, k, s in committed}
-            order = sorted(self.table.slots, key=lambda s: s.last_used, reverse=True)
-            resume = next((by_slot[s.id] for s in order if s.id in by_slot), committed[-1][1])
-            slots = [{"slot": s, "key": k} for s, k in by_slot.items()]
-            doc = {"identity": self.store.identity, "written": time.time(), "resume": resume, "slots": slots}
-            try:
-                atomic_write(self.resume_path, json.dumps(doc).encode())
-            except OSError as exc:
-                log.warning("session: could not write the resume marker: %s", exc)
+        order = [st.id for st in sorted(self.table.slots, key=lambda st: st.last_used, reverse=True)]
+        resume = self.policy.resume_choice(committed, order)
+        if resume is not None:
+            write_marker(self.resume_path, self.store.identity, resume, {s: k for _, k, s in committed})
         log.info("session: drain spilled %d conversation(s)%s; resume %s", len(kept),
                  f" ({lost} not kept)" if lost else "", resume)
         return {"spilled": kept, "resume": resume}
@@ -619,20 +530,9 @@ class SessionTier(TierBase):
         Returns the slot restored, or None. Never raises."""
         if not self.cfg.resume:
             return None
-        try:
-            doc = json.loads(self.resume_path.read_bytes())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            log.warning("session: unreadable resume marker (%s); ignored", exc)
-            doc = None
-        with contextlib.suppress(OSError):
-            self.resume_path.unlink()
-        if not isinstance(doc, dict) or doc.get("identity") != self.store.identity or not doc.get("resume"):
-            return None
-        key = str(doc["resume"])
-        e = self.store.get(key)
-        if e is None or not len(self.table):
+        key = take_marker(self.resume_path, self.store.identity)
+        e = None if key is None else self.store.get(key)
+        if key is None or e is None or not len(self.table):
             return None
         slot = int(e.meta.get("slot", 0) or 0) % len(self.table)
         async with self.table.lock(slot):
@@ -644,7 +544,7 @@ class SessionTier(TierBase):
                 return None
             owner, kind, head_key = e.meta.get("owner"), e.meta.get("kind") or "agent", e.meta.get("head_key")
             seq = self.table.adopt(slot, owner=owner, kind=kind, head_key=head_key)
-            self._seen[slot] = _SlotSeen(seq, e.meta.get("session"), int(e.meta.get("prompt_n") or 0),
+            self._seen[slot] = SlotSeen(seq, e.meta.get("session"), int(e.meta.get("prompt_n") or 0),
                                          kind, owner, head_key)
         self.counters["resumed"] += 1
         log.info("session: resumed %d tokens into slot %d after a drained stop", e.n_tokens, slot)
@@ -665,10 +565,7 @@ class SessionTier(TierBase):
         committed that shares tokens past the head is waited for first (:meth:`before_evict`).
         """
         guest = _get(ctx, "kind") == "guest"
-        # a guest has no harness head the disk/head tiers keep: its floor is a useful reuse (the
-        # resident ranking's ``SlotChoice.min_useful``), below which a shared ``<|im_start|>system``
-        # line would be offered
-        floor = min(64, self.cfg.ubatch) if guest else int(_get(view, "head_end") or 0)
+        floor = self.policy.offer_floor(guest, int(_get(view, "head_end") or 0))
         if self._inflight:
             await self._await_inflight(view.tokens, floor, guest)
         entries = [e for e in self.store.entries(KIND) if is_guest(e.meta) == guest]
@@ -691,13 +588,12 @@ class SessionTier(TierBase):
             lcp = common_prefix(stored, toks)
             if lcp <= floor:
                 continue
-            if skey is None and lcp < int(e.meta.get("prompt_n") or len(stored)) - self.cfg.ubatch:
+            if not self.policy.matches(e, len(stored), lcp, skey):
                 continue
-            reuse = predict_reuse(stored, len(stored), self._entry_checkpoints(e), toks, self.params)
+            reuse = predict_reuse(stored, len(stored), entry_checkpoints(e), toks, self.params)
             if reuse.cache_n <= floor:
                 continue
-            # the longest usable prefix; on a tie the request's own session's, then the smaller file
-            rank = (reuse.cache_n, skey is not None and e.meta.get("session") == skey, -e.bytes)
+            rank = self.policy.rank(reuse.cache_n, e, skey)
             if best is None or rank > best[0]:
                 best = (rank, e, lcp)
         offer = None
@@ -732,7 +628,7 @@ class SessionTier(TierBase):
         self.verify_rate.add(e.bytes, t1 - t0)
         toks = self.store.tokens(key)
         try:
-            resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=self._entry_checkpoints(e),
+            resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=entry_checkpoints(e),
                                             xxh3=e.files["bin"].xxh3 if self.table.checks_xxh3 else None)
         except Exception as exc:  # noqa: BLE001
             if not isinstance(exc, SlotHashMismatch):
@@ -781,7 +677,7 @@ class SessionTier(TierBase):
         if st.tokens != list(view.tokens):
             self._seen.pop(slot, None)
             return
-        self._seen[slot] = _SlotSeen(st.seq, session_key(st.owner, view), len(view.tokens), st.kind,
+        self._seen[slot] = SlotSeen(st.seq, session_key(st.owner, view), len(view.tokens), st.kind,
                                      st.owner, st.head_key)
 
     async def on_upstream_restart(self) -> None:

@@ -68,7 +68,6 @@ the budget procedure). The names of the first four are importable from here too.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -83,7 +82,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ocache.tiers.entry import (DAY_S, PREFIX, STORE_VERSION, TMP_PREFIX, BudgetError, Entry,  # noqa: F401
                                 FileInfo, IntegrityError, LockedError, StoreError, TokenCache, entry_key,
                                 grid_hashes, prefix_hash)
-from ocache.tiers.evict import EvictionPolicy, ValuePolicy, make_room
+from ocache.tiers.evict import EvictionPolicy, ValuePolicy, make_room, next_eviction
 from ocache.tiers.slotfile import (SIDECAR_ENTRY, SIDECAR_HEADER, SLOT_MAGIC, TOKENS_OFFSET,  # noqa: F401
                                    file_xxh3, read_slot_tokens, sidecar_checkpoints, token_bytes,
                                    tokens_from_bytes)
@@ -129,7 +128,7 @@ class Store:
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
         self._reserved: dict[str, tuple[str | None, int]] = {}  # key -> (kind, bytes)
-        self._sizes: list[tuple[int, int]] = []  # (tokens, bytes) of files commit measured
+        self._sizes = SlotSizes()   # (tokens, bytes) of the files commit measured
         self._tok_cache = TokenCache()
         self._lock_fd: int | None = None
         self._want_lock = lock
@@ -174,7 +173,8 @@ class Store:
                 raise StoreError(f"no store at {self.meta_dir}")
             if not readonly:
                 sf.prepare_dirs(self.meta_dir, self.records_dir, self.data_dir)
-                self._take_lock()
+                if self._want_lock and self._lock_fd is None:
+                    self._lock_fd = sf.take_lock(self.meta_dir)   # raises LockedError
                 sf.write_store_json(self.meta_dir, self.data_dir)
                 try:
                     sf.register(self.data_dir, self.tag, self.meta_dir)
@@ -202,16 +202,6 @@ class Store:
             log.info("store %s: %s", self.meta_dir, rep)
             return rep
 
-    def _take_lock(self) -> None:
-        if not self._want_lock or self._lock_fd is not None:
-            return
-        try:
-            self._lock_fd = sf.take_lock(self.meta_dir)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise LockedError(f"store {self.meta_dir} is in use by another process") from exc
-            raise
-
     def set_identity(self, identity: str) -> int:
         """The server now has another identity (restarted with other weights, build, template or
         flags): from now on only its entries are served. Entries of every other identity are kept
@@ -224,7 +214,7 @@ class Store:
             log.info("store: identity %s -> %s (%d entries of it, %d of other identities kept)",
                      self.identity, identity, mine, len(self._entries) - mine)
             self.identity = identity
-            self._sizes.clear()  # another model or KV layout: old sizes say nothing
+            self._sizes = SlotSizes()  # another model or KV layout: old sizes say nothing
             self.counters["identity_switches"] += 1
             return mine
 
@@ -351,29 +341,18 @@ class Store:
             self._reserved.pop(key, None)
 
     def note_size(self, n_tokens: int, nbytes: int) -> None:
-        """Record the bytes a saved slot state of ``n_tokens`` tokens took (``.bin`` + ``.ckpt``), for
-        :meth:`estimate_bytes`. Called by :meth:`commit` for every file it sees, kept or not."""
-        if n_tokens > 0 and nbytes > 0:
-            with self._lock:
-                self._sizes.append((int(n_tokens), int(nbytes)))
-                del self._sizes[:-64]
+        """Record the bytes a saved slot state of ``n_tokens`` tokens took (``SlotSizes.note``)."""
+        with self._lock:
+            self._sizes.note(n_tokens, nbytes)
 
     def estimate_bytes(self, n_tokens: int) -> int | None:
-        """Estimated bytes of a slot state of ``n_tokens`` tokens before it is written, or None when
-        nothing of this identity was ever measured (then the first write measures it).
-
-        A slot file is a fixed part (header, recurrent state of a hybrid model, the sidecar's
-        checkpoints) plus the KV cache of each token (llama_state_seq_save_file, docs/llama-server.md §6), so the
-        estimate is the least-squares line ``a + b * n_tokens`` (a, b >= 0) through the sizes of this
-        identity's entries and of the files :meth:`commit` measured (also the ones it refused); one
-        point gives ``b = bytes / tokens``. The slot files of one identity share one KV layout, so
-        anchors, spills and heads inform each other. The commit still checks the real size.
-        """
+        """Estimated bytes of a slot state of ``n_tokens`` tokens before it is written
+        (``SlotSizes.estimate`` over this identity's entries), or None when nothing of this
+        identity was ever measured (then the first write measures it)."""
         with self._lock:
-            pts = [(e.n_tokens, e.bytes) for e in self._entries.values()
-                   if e.n_tokens > 0 and (self.identity is None or e.identity == self.identity)]
-            pts += self._sizes
-        return fit_bytes(pts, n_tokens)
+            return self._sizes.estimate([(e.n_tokens, e.bytes) for e in self._entries.values()
+                                         if e.n_tokens > 0 and (self.identity is None or e.identity == self.identity)],
+                                        n_tokens)
 
     def _free_bytes(self) -> int:
         return shutil.disk_usage(self.data_dir).free
@@ -558,12 +537,7 @@ class Store:
         with self._lock:
             now = self.clock()
             by_kind, by_folder = usage(self._entries.values())
-            order = self.policy.candidates(list(self._entries.values()), now)
-            nxt = None if not order else {
-                "key": order[0].key[:16], "kind": order[0].kind, "n_tokens": order[0].n_tokens,
-                "bytes": order[0].bytes, "hits": order[0].hits,
-                "idle_s": round(max(0.0, now - order[0].last_used), 1),
-                "meta": {k: v for k, v in order[0].meta.items() if k != "checkpoints"}}
+            nxt = next_eviction(self.policy.candidates(list(self._entries.values()), now), now)
             return {"entries": len(self._entries), "bytes": self.used_bytes(),
                     "budget_bytes": self.budget_bytes, "index": self.report.index, **self.counters,
                     "by_kind": by_kind, "next_eviction": nxt,
@@ -641,6 +615,35 @@ def seal_files(tokens: Sequence[int], roles: Iterable[tuple[str, Path, str]]) ->
         size, digest = file_xxh3(src)
         out[role] = FileInfo(name, size, digest)
     return out
+
+
+class SlotSizes:
+    """The bytes saved slot states took, by token count: the last 64 files :meth:`Store.commit`
+    measured (``.bin`` + ``.ckpt``, kept or not), and the estimate of a state before it is
+    written. Not thread-safe: the store calls it under its lock."""
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self.points: list[tuple[int, int]] = []
+
+    def note(self, n_tokens: int, nbytes: int) -> None:
+        """One measured file of ``n_tokens`` tokens and ``nbytes`` bytes (ignored when either is 0)."""
+        if n_tokens > 0 and nbytes > 0:
+            self.points.append((int(n_tokens), int(nbytes)))
+            del self.points[:-self.KEEP]
+
+    def estimate(self, entries: Sequence[tuple[int, int]], n_tokens: int) -> int | None:
+        """Estimated bytes of a slot state of ``n_tokens`` tokens, from ``entries`` (``(tokens,
+        bytes)`` of the committed entries of the identity) and the files measured; None without any.
+
+        A slot file is a fixed part (header, recurrent state of a hybrid model, the sidecar's
+        checkpoints) plus the KV cache of each token (llama_state_seq_save_file,
+        docs/llama-server.md §6), so the estimate is the least-squares line ``a + b * n_tokens``
+        (a, b >= 0) through those sizes (:func:`fit_bytes`); one point gives ``b = bytes /
+        tokens``. The slot files of one identity share one KV layout, so anchors, spills and heads
+        inform each other. The commit still checks the real size."""
+        return fit_bytes([*entries, *self.points], n_tokens)
 
 
 def fit_bytes(points: Sequence[tuple[int, int]], n_tokens: int) -> int | None:

@@ -18,13 +18,14 @@ Every name a store gives a data file carries its *tag* (:func:`store_tag`, from 
 tag and meta directory in ``data_dir/.ocache-stores/<tag>.json`` (:func:`register`). A store's
 sweep deletes a file no record of its own claims only when the name proves it its own (its tag) or
 the registry proves nobody else's: a tag whose registered meta directory is gone, or an untagged
-(older) name while no other store is registered (:func:`remove_orphans`). Issue 28 item 2: a second
+(older) name while no other store is registered (:func:`remove_orphans`). Before, a second
 store's open removed a running store's slot files as orphans.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -37,7 +38,7 @@ from typing import Iterable, Mapping
 
 import xxhash
 
-from ocache.tiers.entry import PREFIX, STORE_VERSION, TMP_PREFIX, Entry
+from ocache.tiers.entry import PREFIX, STORE_VERSION, TMP_PREFIX, Entry, LockedError
 
 log = logging.getLogger("ocache.tiers.store")
 
@@ -153,13 +154,15 @@ def prepare_dirs(meta_dir: Path, records_dir: Path, data_dir: Path) -> None:
 
 def take_lock(meta_dir: Path) -> int:
     """An exclusive, non-blocking ``flock`` on ``meta_dir/lock``; returns its file descriptor (held
-    until closed). Raises BlockingIOError (errno EWOULDBLOCK/EAGAIN) when another process holds
-    it, another OSError when the file cannot be opened."""
+    until closed). Raises LockedError when another process holds it, an OSError when the file
+    cannot be opened."""
     fd = os.open(meta_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
         os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise LockedError(f"store {meta_dir} is in use by another process") from exc
         raise
     return fd
 

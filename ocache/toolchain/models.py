@@ -545,8 +545,7 @@ def write_reseeded(preset: str, kind: str, dest: Path, seed: int) -> Path:
     """Write to ``dest`` the preset's model with other weights: the same spec under another
     ``seed``, the same name, vocab and template. The seed is not in the metadata, so the file's
     header (every key/value and tensor info) and its size equal ``make_one(preset, kind)``'s and
-    only the tensor data differs: a model "replaced with an equal header and size" (issue 28
-    item 1; ``scripts/faults``). Not cached. Raises ModelError for an unknown preset/kind."""
+    only the tensor data differs: a model "replaced with an equal header and size" (``scripts/faults``). Not cached. Raises ModelError for an unknown preset/kind."""
     from dataclasses import replace
 
     spec = replace(_spec(preset, kind), seed=seed)

@@ -1,5 +1,5 @@
 """Generate a tiny random-weight vision projector (``--mmproj``) that the pinned ``mtmd`` loads, for
-the image-prompt tests (issue 31; the text models are ``ocache/toolchain/models.py``).
+the image-prompt tests (``tests/test_images.py``, ``tests/test_image_tiers.py``; the text models are ``ocache/toolchain/models.py``).
 
 The projector is LLaVA-shaped (``clip.projector_type`` ``mlp``: tools/mtmd/models/llava.cpp of the
 pinned source): a ViT of ``VisionSpec.n_layer`` blocks over ``patch_size`` pixel patches of an

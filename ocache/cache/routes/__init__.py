@@ -4,8 +4,8 @@
 * ``BEFORE_VIEW`` — routes that decide on the request's :class:`~ocache.cache.prepare.Shape`
   alone, before its token view is built: ``known`` (the next turn of a conversation a slot holds,
   forwarded at once, viewed while the server works), ``aligned`` (a rewritten history served from
-  the slot's own tokens plus the new part, issue 26), ``continued`` (a client's compaction of a
-  conversation a slot holds, served as its continuation, issue 26);
+  the slot's own tokens plus the new part, ``ocache/align.py``), ``continued`` (a client's compaction of a
+  conversation a slot holds, served as its continuation, ``ocache/compaction.py``);
 * ``AFTER_VIEW`` — routes that need the :class:`~ocache.cache.prepare.Prepared` request (view and
   context on this server): ``server_placed`` (the server chooses the slot), ``usual`` (the planner
   chooses slot and steps; it plans every request it is given, so it comes last).

@@ -1,4 +1,4 @@
-"""The aligned route (issue 26): a chat request that is the conversation a slot holds except for
+"""The aligned route (docs/usage.md, rewritten histories): a chat request that is the conversation a slot holds except for
 what the template or the client rewrote (past reasoning dropped or re-rendered), plus a new part,
 is served as the slot's own tokens up to the end of its last generation and then the new part
 (patches/0008 ``ocache_splice``). The guard and the splice are ``ocache/align.py``; the record per

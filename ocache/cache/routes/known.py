@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from ocache.cache import core
 from ocache.cache.execute import execute
 from ocache.cache.prepare import Prepared, Rejected, Shape
+from ocache.api.figures import Figures
 from ocache.layer import ParsedRequest, Plan
 from ocache.slots import IF_BOOT_HEADER, SlotState
 from ocache.tiers.resident import known_conversation_slot
@@ -141,8 +142,8 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
         lease.release()
         return None
     layer.counters["fast_path"] += 1
-    out = Plan(body_updates={"id_slot": slot},
-               headers={"X-OCache-Slot": str(slot), "X-OCache-Kind": shape.kind, "X-OCache-Path": "known"})
+    out = Plan(body_updates={"id_slot": slot}, headers={"X-OCache-Path": "known"},
+               figures=Figures(kind=shape.kind, slot=slot))
     if if_boot is not None:
         out.upstream_headers[IF_BOOT_HEADER] = if_boot
     try:
@@ -181,7 +182,7 @@ async def _prepared(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Pre
 async def complete(layer: OCacheLayer, req: ParsedRequest, plan: Plan, shape: Shape, slot: int) -> None:
     """``Plan.completion`` of :func:`plan`: the prepared request, the planner's own decision (only
     counted), the forced decision for ``slot`` without steps, ``execute`` (the table's record),
-    then ``plan.headers`` / ``plan.context``. A prompt too long for the slot is counted
+    then ``plan.figures`` (``Plan.set_figures``) / ``plan.context``. A prompt too long for the slot is counted
     ``too_long`` (``X-OCache-Tier: cold``, no record: the server refuses it without touching the
     slot). Raises what the view raises (``release`` then marks the slot unknown)."""
     table = layer.ready_table
@@ -193,7 +194,7 @@ async def complete(layer: OCacheLayer, req: ParsedRequest, plan: Plan, shape: Sh
             # of the pinned source; GET /slots' n_prompt_tokens is the cache's size, :747), so
             # the slot keeps what the table records and the next turn is known again
             layer.counters["too_long"] += 1
-            plan.headers.update({"X-OCache-Tier": "cold"})
+            plan.set_figures(replace(plan.read_figures(), tier="cold"))
             return
         ctx = await core.context(layer, req, prep)
         lk = await core.lookups(layer, req, prep, ctx)
@@ -214,5 +215,5 @@ async def complete(layer: OCacheLayer, req: ParsedRequest, plan: Plan, shape: Sh
     except BaseException:
         layer.counters["fast_path_failed"] += 1
         raise
-    plan.headers.update(core.planned(layer, pctx, shape.kind))
+    plan.set_figures(core.planned(layer, pctx, shape.kind))
     plan.context = pctx

@@ -31,7 +31,7 @@ log = logging.getLogger("ocache.cache")
 #: times a plan moves to another slot when the one it waited for changed meanwhile
 REPLANS_MAX = 3
 #: seconds a plan waits for a busy slot's lease while another slot is idle; then it takes the best
-#: idle slot (a busy slot is held by a request in flight: a whole generation, issue 28 item 3). A
+#: idle slot (a busy slot is held by a request in flight: a whole generation: tests/test_waits.py). A
 #: turn finding its own slot still being released (its previous answer just relayed) waits less
 LEASE_WAIT_S = 5.0
 
@@ -129,5 +129,5 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: Requ
     async def release() -> None:
         lease.release()
 
-    return Plan(body_updates={"id_slot": dec.slot}, headers=core.planned(layer, pctx, prep.kind),
+    return Plan(body_updates={"id_slot": dec.slot}, figures=core.planned(layer, pctx, prep.kind),
                 context=pctx, release=release, split_tokens=pctx.split, split_ms=pctx.split_ms)
