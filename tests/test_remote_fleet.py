@@ -320,7 +320,7 @@ async def test_a_black_hole_bucket_never_holds_a_request_longer_than_its_cold_pr
         asked = [w for w in black_hole.entered if not w.startswith("list")]
         assert sorted(asked) == sorted(f"get records/{k}.json" for _, _, k in tier.candidates("id-A", view, ctx))
         assert len(asked) == 5 and set(asked) <= set(black_hole.cancelled)    # 100..500; none left running
-        assert tier.counters["lookup_abandoned"] == 1 and tier.bucket.unreachable()
+        assert tier.counters["lookup_abandoned"] == 1 and tier.bucket.reach.unreachable()
         n = len(black_hole.entered)
         assert await tier.lookup(view, ctx) is None            # the backoff: nothing asked
         assert tier.counters["bucket_down"] == 1

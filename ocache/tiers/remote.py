@@ -25,7 +25,7 @@ What it does
       rate; nothing until one was measured) plus ``DEADLINE_SLACK_S``; a download at most the
       prefill its offer replaces plus the slack, less what its lookup waited. Past either, the
       request goes on without the bucket (local tiers or cold), and requests leave the bucket alone
-      for a backoff (1 s, doubling to 60 s; ``RemoteBucket.trip``).
+      for a backoff (1 s, doubling to 60 s; ``Backoff.trip``).
     * **Bring**: download into the local slot directory under a temporary name, verify size, xxh3,
       identity and the token header (``RemoteBucket.fetch``), commit it to the local store (from then
       on it is a local entry the disk/session tiers find too), verify it as every local restore is
@@ -317,11 +317,11 @@ class RemoteTier(TierBase):
         first, ``LOOKUP_BATCH`` at a time, stopping at the first batch with a match, and the session
         pointer of the request's session; never a listing. Waits at most
         :meth:`lookup_deadline_s` of the prompt: past it, or when the bucket fails, the lookup
-        answers None and the bucket is left alone for a backoff (``RemoteBucket.trip``)."""
+        answers None and the bucket is left alone for a backoff (``Backoff.trip``)."""
         ident = self.store.identity
         if ident is None:
             return None
-        if self.bucket.unreachable():
+        if self.bucket.reach.unreachable():
             self.counters["bucket_down"] += 1
             return None
         self.counters["lookups"] += 1
@@ -330,17 +330,17 @@ class RemoteTier(TierBase):
             best = await asyncio.wait_for(self._find(ident, view, ctx), self.lookup_deadline_s(len(view.tokens)))
         except asyncio.TimeoutError:
             self.counters["lookup_abandoned"] += 1
-            self.bucket.trip()
+            self.bucket.reach.trip()
             log.warning("remote: lookup abandoned after %.1f s (the prompt's cold prefill); the bucket is "
-                        "left alone for %.0f s", time.monotonic() - t0, self.bucket.backoff_s)
+                        "left alone for %.0f s", time.monotonic() - t0, self.bucket.reach.backoff_s)
             return None
         except Exception as exc:  # noqa: BLE001 - the bucket failed: local tiers or cold
             self.counters["lookup_failed"] += 1
-            self.bucket.trip()
+            self.bucket.reach.trip()
             log.warning("remote: lookup failed (%s: %s); the bucket is left alone for %.0f s",
-                        type(exc).__name__, exc, self.bucket.backoff_s)
+                        type(exc).__name__, exc, self.bucket.reach.backoff_s)
             return None
-        self.bucket.answered()
+        self.bucket.reach.answered()
         if best is None:
             return None
         usable, r = best
@@ -416,7 +416,7 @@ class RemoteTier(TierBase):
         except asyncio.TimeoutError as exc:
             self.counters["bring_failed"] += 1
             self.counters["deadline_abandoned"] += 1
-            self.bucket.trip()
+            self.bucket.reach.trip()
             log.warning("remote: download of %s abandoned after %.1f s (what it saves)", ref.key[:16],
                         time.monotonic() - t0)
             raise RemoteTierError("deadline", ref.key) from exc

@@ -95,7 +95,7 @@ ABSENT_MAX = 65536
 #: records read (and use objects) per round of eviction when the bucket is over its budget
 EVICTION_POOL = 64
 #: seconds the tier leaves a bucket alone after a lookup or download it abandoned or that failed:
-#: the first backoff, doubled on each failure in a row up to the last (``RemoteBucket.trip``)
+#: the first backoff, doubled on each failure in a row up to the last (``Backoff.trip``)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 
@@ -301,6 +301,74 @@ def open_checked(path: Path, size: int, xxh3: str) -> BinaryIO:
         raise
 
 
+class Backoff:
+    """Whether requests leave the bucket alone: a lookup or download on a request's path that was
+    abandoned or failed :meth:`trip` s it for ``backoff_s`` (``BACKOFF_FIRST_S``, doubled on each
+    trip in a row, at most ``BACKOFF_MAX_S``); the first lookup after it asks again. The background
+    sync is not held back by it (its own failures are retried by its next round)."""
+
+    def __init__(self) -> None:
+        self.backoff_s = 0.0
+        self.down_until = 0.0
+
+    def trip(self) -> None:
+        self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * self.backoff_s))
+        self.down_until = time.monotonic() + self.backoff_s
+
+    def answered(self) -> None:
+        """The bucket answered a request's lookup: the backoff starts from the first again."""
+        self.backoff_s = 0.0
+
+    def unreachable(self) -> bool:
+        return time.monotonic() < self.down_until
+
+
+class AbsentKeys:
+    """Keys found missing, each not asked again for ``seconds`` (monotonic), at most
+    ``ABSENT_MAX`` of them (the oldest dropped)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = float(seconds)
+        self._at: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def recent(self, key: str) -> bool:
+        """Whether ``key`` was found missing less than ``seconds`` ago (no request)."""
+        t = self._at.get(key)
+        if t is not None and time.monotonic() - t < self.seconds:
+            return True
+        self._at.pop(key, None)
+        return False
+
+    def mark(self, key: str) -> None:
+        self._at[key] = time.monotonic()
+        self._at.move_to_end(key)
+        while len(self._at) > ABSENT_MAX:
+            self._at.popitem(last=False)
+
+    def discard(self, key: str) -> None:
+        self._at.pop(key, None)
+
+
+async def point_session(objects: S3Objects, absent: AbsentKeys, e: Entry) -> None:
+    """After a session spill's record is in the bucket: its session's pointer
+    (:func:`session_pointer`) names it, and the pointer is no longer remembered absent (best
+    effort: the entry is uploaded either way; a failure is logged)."""
+    from ocache.tiers.spill import is_guest
+
+    session = e.meta.get("session")
+    if e.kind != "s" or not session or is_guest(e.meta) or not e.identity:
+        return
+    ptr = session_pointer(e.identity, str(session))
+    try:
+        await objects.put(ptr, json.dumps({"key": e.key}).encode())
+        absent.discard(ptr)
+    except Exception as exc:  # noqa: BLE001 - the entry is uploaded; only its pointer is missing
+        log.info("remote: session pointer of %s not written: %s", e.key[:16], exc)
+
+
 class RemoteBucket:
     """The bucket of a remote tier, in front of one host's local :class:`Store`.
 
@@ -327,8 +395,7 @@ class RemoteBucket:
         self.policy: EvictionPolicy = policy or ValuePolicy()
         self._fleet_key = fleet_key or None     # never logged, printed or counted
         self.index = BoundedIndex(index_max_entries, index_max_bytes)
-        self.absent: OrderedDict[str, float] = OrderedDict()   # key -> monotonic time it was missing
-        self.absent_s = float(absent_s)
+        self.absent = AbsentKeys(absent_s)
         #: records the last listing showed (and those a HEAD before an upload found since): key -> info
         self.catalog: dict[str, ObjectInfo] = {}
         #: bytes of each entry believed in the bucket and not held (the record's files when read,
@@ -343,8 +410,8 @@ class RemoteBucket:
         self._use_etags: dict[str, str] = {}
         self._quarantined_etags: dict[str, str] = {}   # key -> etag of the record it was quarantined under
         self.refreshed_at = 0.0
-        self.backoff_s = 0.0
-        self.down_until = 0.0
+        #: whether requests leave the bucket alone now (a lookup or download abandoned)
+        self.reach = Backoff()
         self.counters: dict[str, int] = {
             "uploads": 0, "upload_bytes": 0, "upload_lost_race": 0, "upload_failed": 0,
             "downloads": 0, "download_bytes": 0, "verify_failed": 0, "download_failed": 0,
@@ -352,23 +419,6 @@ class RemoteBucket:
             "skipped_budget": 0, "newer_records": 0, "quarantined": 0,
             "record_gets": 0, "record_absent": 0, "lists": 0,
         }
-
-    # ------------------------------------------------------------------ reachability
-    def trip(self) -> None:
-        """A lookup or download on a request's path was abandoned or failed: requests leave the
-        bucket alone for ``backoff_s`` (``BACKOFF_FIRST_S``, doubled on each trip in a row, at
-        most ``BACKOFF_MAX_S``); the first lookup after it asks again. The background sync is not
-        held back by it (its own failures are retried by its next round)."""
-        self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * self.backoff_s))
-        self.down_until = time.monotonic() + self.backoff_s
-
-    def answered(self) -> None:
-        """The bucket answered a request's lookup: the backoff starts from the first again."""
-        self.backoff_s = 0.0
-
-    def unreachable(self) -> bool:
-        """Whether requests leave the bucket alone now (:meth:`trip`)."""
-        return time.monotonic() < self.down_until
 
     # ------------------------------------------------------------------ index
     def used_bytes(self) -> int:
@@ -379,22 +429,6 @@ class RemoteBucket:
         """Whether the last listing, an upload or a read since showed a record of ``key`` (no
         request)."""
         return key in self.sizes or key in self.index
-
-    def is_absent(self, key: str) -> bool:
-        """Whether ``key`` was found missing less than ``absent_s`` seconds ago (no request)."""
-        t = self.absent.get(key)
-        if t is None:
-            return False
-        if time.monotonic() - t < self.absent_s:
-            return True
-        self.absent.pop(key, None)
-        return False
-
-    def _mark_absent(self, key: str) -> None:
-        self.absent[key] = time.monotonic()
-        self.absent.move_to_end(key)
-        while len(self.absent) > ABSENT_MAX:
-            self.absent.popitem(last=False)
 
     def _forget(self, key: str) -> None:
         """Drop ``key`` from what this host believes the bucket holds (its record is gone)."""
@@ -415,7 +449,7 @@ class RemoteBucket:
             if r is not None:
                 self.index.touch(key)
                 return r
-            if key in self.held or self.is_absent(key):
+            if key in self.held or self.absent.recent(key):
                 return None
         self.counters["record_gets"] += 1
         got = await self.objects.get_tagged(f"{RECORDS}{key}.json")
@@ -423,9 +457,9 @@ class RemoteBucket:
             self.counters["record_absent"] += 1
             self._forget(key)
             self.held.pop(key, None)
-            self._mark_absent(key)
+            self.absent.mark(key)
             return None
-        self.absent.pop(key, None)
+        self.absent.discard(key)
         raw, etag = got
         return await self._parsed(key, raw, etag)
 
@@ -474,12 +508,12 @@ class RemoteBucket:
         the record is not that session's agent spill of that identity. Raises what the bucket
         raises."""
         ptr = session_pointer(identity, session)
-        if self.is_absent(ptr):
+        if self.absent.recent(ptr):
             return None
         self.counters["record_gets"] += 1
         raw = await self.objects.get(ptr)
         if raw is None:
-            self._mark_absent(ptr)
+            self.absent.mark(ptr)
             return None
         try:
             key = str(json.loads(raw)["key"])
@@ -516,7 +550,7 @@ class RemoteBucket:
                 del self.held[k]
         sizes = {}
         for k in catalog:
-            self.absent.pop(k, None)
+            self.absent.discard(k)
             if k in self.held:
                 continue
             r = self.index.get(k)
@@ -594,26 +628,12 @@ class RemoteBucket:
         self.index[e.key] = RemoteEntry(Entry.from_dict(e.summary(), with_tokens=False),
                                         token_bytes(toks), objects, self.host)
         self.sizes[e.key] = e.bytes
-        self.absent.pop(e.key, None)
+        self.absent.discard(e.key)
         self.counters["uploads"] += 1
         self.counters["upload_bytes"] += e.bytes
         log.info("remote: uploaded %s (%s, %d tokens, %d bytes)", e.key[:16], e.kind, e.n_tokens, e.bytes)
-        await self._point_session(e)
+        await point_session(self.objects, self.absent, e)
         return True
-
-    async def _point_session(self, e: Entry) -> None:
-        """After a session spill's record: its session's pointer names it (best effort)."""
-        from ocache.tiers.spill import is_guest
-
-        session = e.meta.get("session")
-        if e.kind != "s" or not session or is_guest(e.meta) or not e.identity:
-            return
-        ptr = session_pointer(e.identity, str(session))
-        try:
-            await self.objects.put(ptr, json.dumps({"key": e.key}).encode())
-            self.absent.pop(ptr, None)
-        except Exception as exc:  # noqa: BLE001 - the entry is uploaded; only its pointer is missing
-            log.info("remote: session pointer of %s not written: %s", e.key[:16], exc)
 
     # ------------------------------------------------------------------ eviction
     def _last_active(self, k: str) -> float:
@@ -664,7 +684,7 @@ class RemoteBucket:
         for name in sorted(names):
             await self.objects.delete(name)
         await self.objects.delete(f"{USE}{key}.json")
-        self._mark_absent(key)
+        self.absent.mark(key)
 
     async def sweep(self) -> int:
         """Delete data objects of no record and older than ``orphan_age_s`` (a host died between its
