@@ -139,9 +139,9 @@ class Plan:
         self.headers.update(figures.headers())
 
     def read_figures(self) -> Figures:
-        """The plan's figures; for a route that wrote only header strings (the aligned and
-        continued routes), those parsed (``Figures.from_headers``)."""
-        return self.figures if self.figures is not None else Figures.from_headers(self.headers)
+        """The plan's figures (every route writes them as a value; a plan without any: none known).
+        Header strings are never parsed back."""
+        return self.figures if self.figures is not None else Figures()
 
 
 class Receipt:

@@ -90,28 +90,6 @@ class Figures:
                 out[header] = f"{v:.1f}" if name == "restore_ms" else str(v)
         return out
 
-    @classmethod
-    def from_headers(cls, headers: Mapping[str, str]) -> Figures:
-        """The figures a route wrote as header strings only (the aligned and continued routes:
-        ``ocache/cache/align_route.py``, ``ocache/cache/routes/continued.py``); a figure that does
-        not parse is None."""
-        def num(header: str) -> float | None:
-            try:
-                return float(headers[header])
-            except (KeyError, TypeError, ValueError):
-                return None
-
-        def count(header: str) -> int | None:
-            v = num(header)
-            return None if v is None else int(v)
-
-        slot = headers.get("X-OCache-Slot")
-        return cls(tier=headers.get("X-OCache-Tier"), kind=headers.get("X-OCache-Kind"),
-                   slot=int(slot) if slot is not None and slot.isdigit() else slot,
-                   predicted_cache=count("X-OCache-Predicted-Cache"), split=count("X-OCache-Split"),
-                   prefilled=count("X-OCache-Prefilled"), reused=count("X-OCache-Reused"),
-                   restore_ms=num("X-OCache-Restore-Ms"))
-
 
 def _fmt(x: float) -> bytes:
     return repr(float(x)).encode()

@@ -49,6 +49,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 
+from ocache.api.figures import Figures
 from ocache.align import (NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide, record,
                           sampled_ids, text_calls, turn_end_marker)
 from ocache.cache.align_judge import SpanJudge
@@ -467,10 +468,9 @@ class AlignRoute:
         # partial splice resumes at a checkpoint before n_keep (``Aligned.reused``) and prefills the
         # kept ids after it again
         return Plan(body_updates={"id_slot": slot, "ocache_splice": sp.field()},
-                    headers={"X-OCache-Aligned": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Slot": str(slot),
-                             "X-OCache-Kind": kind, "X-OCache-Tier": "resident", "X-OCache-Path": "aligned",
-                             "X-OCache-Split": "0", "X-OCache-Prefilled": str(sp.n_prompt - dec.reused),
-                             "X-OCache-Reused": str(dec.reused), "X-OCache-Predicted-Cache": str(dec.reused)},
+                    headers={"X-OCache-Aligned": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Path": "aligned"},
+                    figures=Figures(tier="resident", kind=kind, slot=slot, split=0, prefilled=sp.n_prompt - dec.reused,
+                                    reused=dec.reused, predicted_cache=dec.reused),
                     context=ctx, release=release, upstream_headers={SPLICE_HEADER: str(sp.n_keep)})
 
     async def epilogue(self, layer: Any, ctx: AlignContext, obs: Observation) -> None:

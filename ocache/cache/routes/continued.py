@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from ocache.align import Aligned, AsSent, Splice, Turn, decide
 from ocache.api.convert import RESPONSES_ROUTES
+from ocache.api.figures import Figures
 from ocache.cache.align_route import SETTLE_WAIT_S, SPLICE_HEADER, AlignContext, held_after, hold_known
 from ocache.cache.prepare import Prepared, Shape
 from ocache.compaction import Compaction, continuation, matches, parse, without_tools
@@ -280,7 +281,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     if splice:
         updates["ocache_splice"] = sp.field()
     return Plan(body_updates=updates,
-                headers={"X-OCache-Continued": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Slot": str(slot),
-                         "X-OCache-Kind": shape.kind, "X-OCache-Tier": "resident", "X-OCache-Path": "continued"},
+                headers={"X-OCache-Continued": f"{sp.n_keep}+{len(sp.tail)}", "X-OCache-Path": "continued"},
+                figures=Figures(tier="resident", kind=shape.kind, slot=slot),
                 context=ctx, release=release,
                 upstream_headers={SPLICE_HEADER: str(sp.n_keep)} if splice else {})
