@@ -35,11 +35,11 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
                            "alone": layer.alone.stats(),
                            "align": layer.align.stats(), "continued": layer.continued.stats(),
                            "background": background(layer)}
-    viewer = getattr(layer, "_viewer", None)
-    if viewer is not None:
+    counters = getattr(getattr(layer, "_viewer", None), "counters", None)
+    if counters is not None:
         # the token view's counters: ``view_timeouts`` are views that outlasted their bound
         # (``ViewCalls.bound_s``, ``call_timeout``) and went as sent (each also a ``fail_open``)
-        out["view"] = dict(viewer.counters)
+        out["view"] = dict(counters)
     if table is not None and layer.head_tier is not None:
         out["slots"] = [{"id": s.id, "tokens": len(s.tokens), "n_total": s.n_total, "kind": s.kind,
                          "owner": s.owner, "origin": s.origin, "checkpoints": len(s.checkpoints),
