@@ -24,6 +24,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from ocache.config import Config
+from ocache.api.figures import Figures
 from ocache.layer import NullLayer, Plan
 from ocache.proxy import RUNNER_KWARGS, Proxy, forward_request_headers, host_name
 from ocache.llama.server import free_port
@@ -323,7 +324,7 @@ class RaisingLayer(NullLayer):
             raise RuntimeError("boom in plan")
         if self.stage == "updates":
             return Plan(body_updates={"bad": object()})
-        return Plan(body_updates={"id_slot": 0}, headers={"X-OCache-Tier": "disk"})
+        return Plan(body_updates={"id_slot": 0}, figures=Figures(tier="disk"))
 
     async def observe(self, req, plan, obs):
         self.observed.append(obs)
