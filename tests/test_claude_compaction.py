@@ -87,8 +87,9 @@ def test_the_real_claude_code_compaction_is_served_from_the_slot(start_server, t
     The compaction request is the conversation's last request, its answer and the instruction
     turn; on both it is served from the conversation's slot: the previous prompt is reused and the
     answer and the instruction turn are prefilled (~1,450 tokens, Claude Code's text: above the
-    1,000 a continuation's instruction turn takes elsewhere); the retry prefills its appended
-    paragraph; the next turn reuses as much as alone. Measured (prefilled: the compaction, the
+    1,000 a continuation's instruction turn takes elsewhere); the retry, when the answer lacked
+    its summary tags and Claude Code asked again, prefills its appended paragraph; the next turn
+    reuses as much as alone. Measured (prefilled: the compaction, the
     retry, the next turn): ``compact`` after 22,813 tokens alone 1,479, 599, 2,715, through ocache
     (22,621) 1,432, 590, 2,677; ``auto`` after 21,217 alone 1,432, 599, 4,055, through ocache
     (21,173) 1,499, 223, 4,127. The answers differ (the hybrid model's numerics follow where a
@@ -121,14 +122,20 @@ def test_the_real_claude_code_compaction_is_served_from_the_slot(start_server, t
         # (the same texts: only where ``cache_control`` stands, and so a text part or a string, moves)
         assert _texts(comp["messages"][:-2]) == _texts(prev["messages"]), report
         assert comp["messages"][-2]["role"] == "assistant"
-        retry = recs[i + 1]["body"]
-        grown = _text(retry["messages"][-1])
-        assert _texts(retry["messages"][:-1]) == _texts(comp["messages"][:-1])
-        assert grown.startswith(_text(comp["messages"][-1]))
-        assert _digest(grown[len(_text(comp["messages"][-1])):]) == DATA["retry"]["appended"]["sha256"]
-        nxt = next(r for r in recs[i + 2:] if _digest(_text(r["body"]["messages"][-1])) != DATA["retry"]["sha256"])
-        t = {k: r["obs"]["timings"] for k, r in (("turn", recs[i - 1]), ("compaction", recs[i]),
-                                                  ("retry", recs[i + 1]), ("next", nxt))}
+        # the retry (the instruction with one paragraph appended) comes only when the answer lacks
+        # its summary tags: the model's answer decides, so it is looked for, not assumed; Claude
+        # Code may also send the compaction again as it was
+        instruction = _text(comp["messages"][-1])
+        later = recs[i + 1:]
+        retries = [j for j, r in enumerate(later, i + 1) if _text(r["body"]["messages"][-1]).startswith(instruction)
+                   and _digest(_text(r["body"]["messages"][-1])[len(instruction):]) == DATA["retry"]["appended"]["sha256"]]
+        for j in retries[:1]:
+            assert _texts(recs[j]["body"]["messages"][:-1]) == _texts(comp["messages"][:-1])
+        nxt = next(r for r in later if not _text(r["body"]["messages"][-1]).startswith(instruction))
+        steps = [("turn", recs[i - 1]), ("compaction", recs[i]), ("next", nxt)]
+        if retries:
+            steps.append(("retry", recs[retries[0]]))
+        t = {k: r["obs"]["timings"] for k, r in steps}
         figures[name] = {k: {"prompt_n": v["prompt_n"], "cache_n": v["cache_n"]} for k, v in t.items()}
         figures[name]["turn"]["predicted_n"] = t["turn"]["predicted_n"]
     print("\n" + json.dumps(figures, indent=1))
@@ -140,8 +147,9 @@ def test_the_real_claude_code_compaction_is_served_from_the_slot(start_server, t
         # resumes at a checkpoint: a few tokens early), then the instruction turn is prefilled;
         # the retry reuses that and prefills the appended paragraph
         assert f["compaction"]["cache_n"] >= held - REWIND, (name, figures)
-        assert f["retry"]["cache_n"] >= f["compaction"]["prompt_n"] + f["compaction"]["cache_n"] - 2 * UBATCH, \
-            (name, figures)
+        if "retry" in f:
+            assert f["retry"]["cache_n"] >= f["compaction"]["prompt_n"] + f["compaction"]["cache_n"] - 2 * UBATCH, \
+                (name, figures)
     # the next turn (the summary, then the new prompt) reuses the system blocks and tools as alone
     # does: the two prompts differ by the summary the model wrote, so the reuse is compared
     assert oc["next"]["cache_n"] >= alone["next"]["cache_n"] - REWIND, figures
