@@ -243,15 +243,9 @@ class S3Objects:
         self.multipart_uploads += 1
 
     async def get(self, key: str) -> bytes | None:
-        """The object's bytes, or None when there is no such key."""
-        try:
-            resp = await self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
-        except Exception as exc:
-            if _status(exc) == 404 or _code(exc) in ("NoSuchKey", "404"):
-                return None
-            raise
-        async with resp["Body"] as body:
-            return bytes(await body.read())
+        """The object's bytes, or None when there is no such key (one GET: :meth:`get_tagged`)."""
+        got = await self.get_tagged(key)
+        return None if got is None else got[0]
 
     async def get_tagged(self, key: str) -> tuple[bytes, str] | None:
         """The object's bytes and ETag (one GET), or None when there is no such key."""
