@@ -96,20 +96,13 @@ def test_the_real_claude_code_compaction_is_served_from_the_slot(start_server, t
     prefill resumed), so do the prompts after them: the next turn reused 9,360 to 9,364 tokens on
     either side."""
     from ocache.toolchain import clients
-    from test_e2e_clients import OcacheProcess, _install
+    from test_e2e_clients import _install, side
 
     binary = _install(clients.CLAUDE)
     figures = {}
-    for name, extra in (("alone", ("--no-cache",)), ("ocache", ())):
-        srv = start_server("hybrid", n_parallel=2, ctx_size=65536, args=SERVER_ARGS)
-        (tmp_path / name).mkdir()
-        proxy = OcacheProcess(srv.url, tmp_path / name, extra_args=extra, server_args=srv.command()[1:])
-        try:
-            proxy.wait_ready()
+    for name in ("alone", "ocache"):
+        with side(start_server, tmp_path, name, SERVER_ARGS) as proxy:
             runs, recs = _session(binary, proxy, tmp_path, name, mode == "auto", str(models_tiny["hybrid"]))
-        finally:
-            proxy.stop()
-            srv.stop()
         recs = [r for r in recs if r["path"].startswith("/v1/messages")]
         report = "\n".join(r.describe(3) for r in runs[-2:])
         comps = _compactions(recs)

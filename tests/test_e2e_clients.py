@@ -17,6 +17,7 @@ when npm reports that the registry is unreachable (the npm error code is printed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -731,3 +732,21 @@ def test_a_day_recorded_with_the_real_opencode_is_in_the_bench_default_set(openc
     assert not notes and [d.name for d in days] == ["recorded_opencode_day"]
     assert [s.body for s in days[0].steps] == [e["body"] for e in entries]
     assert clients.record_opencode_day() == path        # the second call reuses the recording
+
+
+@contextlib.contextmanager
+def side(start_server, tmp_path: Path, name: str, server_args: list[str]):
+    """One side of an alone-vs-ocache comparison on its own llama-server (tiny hybrid, ``-np 2``,
+    64k context, ``server_args``): ``name`` ``"alone"`` is ``ocache serve --no-cache`` (every
+    request forwarded untouched, recorded with the server's timings), ``"ocache"`` the cache layer;
+    yields the ready ``OcacheProcess`` (records in ``tmp_path / name``); both stopped after."""
+    srv = start_server("hybrid", n_parallel=2, ctx_size=65536, args=server_args)
+    (tmp_path / name).mkdir()
+    proxy = OcacheProcess(srv.url, tmp_path / name, extra_args=("--no-cache",) if name == "alone" else (),
+                          server_args=srv.command()[1:])
+    try:
+        proxy.wait_ready()
+        yield proxy
+    finally:
+        proxy.stop()
+        srv.stop()

@@ -260,44 +260,43 @@ def test_the_real_pi_compaction_is_served_as_the_conversations_continuation(star
     the server prefills the instruction turn only (<= 1,000 tokens); the turn's prefix goes as
     sent, on the other slot; and pi's next turn prefills no more than alone."""
     from ocache.toolchain import clients
-    from test_e2e_clients import OcacheProcess, _install
+    from test_e2e_clients import _install, side
 
     binary = _install(clients.PI)
     got = {}
-    for name, extra in (("alone", ("--no-cache",)), ("ocache", ())):
-        srv = start_server("hybrid", n_parallel=2, ctx_size=65536, args=SERVER_ARGS)
-        (tmp_path / name).mkdir()
-        proxy = OcacheProcess(srv.url, tmp_path / name, extra_args=extra, server_args=srv.command()[1:])
-        try:
-            proxy.wait_ready()
+    for name in ("alone", "ocache"):
+        with side(start_server, tmp_path, name, SERVER_ARGS) as proxy:
             runs, recs = _pi_session(binary, proxy, tmp_path, name)
             stats = proxy.stats()["layer"]
-        finally:
-            proxy.stop()
-            srv.stop()
         got[name] = runs, recs, stats
     figures = {}
     for name, (runs, recs, stats) in got.items():
         comps = _compactions(recs)
         report = "\n".join(r.describe(3) for r in runs[-2:]) + "\n" + json.dumps(stats.get("continued"))
-        assert len(comps) == 2, (name, report)
-        history, prefix = sorted(comps, key=lambda r: -r["body"]["max_completion_tokens"])
+        # pi splits the turn in two parallel requests when its cut lands inside the last turn, which
+        # the model's answers decide (one loaded run did not): the prefix request is checked when sent
+        assert len(comps) in (1, 2), (name, report)
+        history, prefix = (sorted(comps, key=lambda r: -r["body"]["max_completion_tokens"]) + [None])[:2]
         after = recs.index(max(comps, key=lambda r: recs.index(r))) + 1
         nxt = next(r for r in recs[after:] if r["body"].get("tools"))
         before = [r for r in recs[:recs.index(min(comps, key=lambda r: recs.index(r)))] if r["body"].get("tools")][-1]
         figures[name] = {k: {"prompt_n": r["obs"]["timings"]["prompt_n"], "cache_n": r["obs"]["timings"]["cache_n"],
                              "headers": {h: v for h, v in (r.get("plan") or {}).get("headers", {}).items()
                                          if h in ("X-OCache-Path", "X-OCache-Continued", "X-OCache-Slot")}}
-                         for k, r in (("turn", before), ("history", history), ("prefix", prefix), ("next", nxt))}
+                         for k, r in (("turn", before), ("history", history), ("prefix", prefix), ("next", nxt))
+                         if r is not None}
         # the shape stored: the fields, the summariser's prompt, each request's instructions
         for r, stored in ((history, DATA["compaction"][0]), (prefix, DATA["compaction"][1])):
+            if r is None:
+                continue
             body = r["body"]
             text = body["messages"][1]["content"][0]["text"]
             assert sorted(body) == stored["fields"], (name, sorted(body))
             assert _digest(body["messages"][0]["content"]) == stored["messages"][0]["sha256"]
             assert _digest(text[text.index(PI_CLOSE) + len(PI_CLOSE):]) == \
                 stored["messages"][1]["content"][0]["after"]["sha256"]
-        assert [k for k, _ in pi_entries(parse(prefix["body"]).history)] == ["user"]
+        if prefix is not None:
+            assert [k for k, _ in pi_entries(parse(prefix["body"]).history)] == ["user"]
     print("\n" + json.dumps(figures, indent=1))
     alone, oc = figures["alone"], figures["ocache"]
     # the conversation is long: more than 20,000 tokens held before the compaction
@@ -309,9 +308,10 @@ def test_the_real_pi_compaction_is_served_as_the_conversations_continuation(star
     assert h["headers"].get("X-OCache-Path") == "continued", (figures, got["ocache"][2].get("continued"))
     assert h["prompt_n"] <= 1000 and h["cache_n"] > 20000, figures
     # the turn's prefix as sent, kept off the conversation's slot
-    p = oc["prefix"]
-    assert p["headers"].get("X-OCache-Path") != "continued"
-    assert p["headers"].get("X-OCache-Slot") != h["headers"].get("X-OCache-Slot"), figures
+    if "prefix" in oc:
+        p = oc["prefix"]
+        assert p["headers"].get("X-OCache-Path") != "continued"
+        assert p["headers"].get("X-OCache-Slot") != h["headers"].get("X-OCache-Slot"), figures
     # the next turn prefills no more than alone
     assert oc["next"]["prompt_n"] <= alone["next"]["prompt_n"], figures
     assert got["ocache"][2]["continued"]["requests"] == 1, got["ocache"][2]["continued"]
