@@ -137,7 +137,7 @@ class Config:
     disk_ttl_days: float = _f(7.0, "disk tier: anchors unused this many days are evicted", min=0)
     disk_min_tokens: int = _f(4096, "disk tier: shortest prefix (tokens) worth an anchor", min=0)
     spill_budget_gb: float = _f(40.0, "session tier: most GB of spilled conversations", min=0)
-    spill_min_tokens: int = _f(1024, "session tier: shortest conversation (tokens) worth a spill "
+    spill_min_tokens: int = _f(256, "session tier: shortest conversation (tokens) worth a spill "
                                "before eviction (a save costs ~1/300 of the prefill it spares)",
                                min=0)
     volatile_markers: list[str] | None = _f(None, "strings that start the volatile part of a system "

@@ -190,3 +190,27 @@ def test_the_store_evicts_in_the_order_of_the_policy_it_is_given(tmp_path):
 def test_the_default_policy_is_the_value_rule(tmp_path):
     s = make_store(tmp_path)
     assert type(s.policy) is ValuePolicy and s.policy.half_life_s == DAY_S
+
+
+def test_a_session_spill_supersedes_its_older_spill_of_the_same_mode_only():
+    """``SpillPolicy.superseded``: a session's newer agent spill deletes its older one when both
+    share the part before the older one's first user message (the system prompt and tools), and
+    keeps one of another mode (another tool set: the client may switch back); a spill recorded
+    without ``first_user`` (an older store) is superseded by the session alone, as before."""
+    from ocache.tiers.spill_policy import SpillConfig, SpillPolicy
+
+    def spill(key, tokens, **meta):
+        return Entry(key, "s", "id", None, len(tokens), {}, 0.0, 0.0,
+                     meta={"session": "S", "kind": "agent", **meta}, tokens=list(tokens))
+
+    mode_a = list(range(100))
+    mode_b = list(range(40)) + [999] * 60
+    old_same = spill("o1", mode_a + [1, 2, 3], first_user=50)
+    old_other = spill("o2", mode_b + [4, 5], first_user=50)
+    old_unknown = spill("o3", mode_b + [6])
+    other_session = spill("o4", mode_a + [7], first_user=50, session="T")
+    new = spill("n", mode_a + [1, 2, 3, 8, 9], first_user=50)
+    toks = {e.key: e.tokens for e in (old_same, old_other, old_unknown, other_session, new)}
+    gone = SpillPolicy(SpillConfig()).superseded(new, new.tokens, [old_same, old_other, old_unknown, other_session, new],
+                                                toks.__getitem__)
+    assert sorted(e.key for e in gone) == ["o1", "o3"]

@@ -115,7 +115,9 @@ class FakeTable:
 
 
 def tview(tokens: list[int], head_end: int | None = None) -> SimpleNamespace:
-    return SimpleNamespace(tokens=tokens, head_end=head_end, user_starts=[len(TITLE_SYS)])
+    """A token view: an agent's first user message right after its head, a title's after its
+    system prompt."""
+    return SimpleNamespace(tokens=tokens, head_end=head_end, user_starts=[head_end or len(TITLE_SYS)])
 
 
 OK = SimpleNamespace(timings={}, completed=True, status=200)

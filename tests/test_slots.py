@@ -385,6 +385,25 @@ def test_a_new_session_sharing_more_with_a_conversation_than_the_head_takes_it_w
     assert d.slot == 1 and not d.evicts and d.tier == "session"
 
 
+def test_a_session_in_another_mode_keeps_its_conversation_on_its_slot():
+    """The same session, its system prompt or tools changed (the request departs from its slot
+    before its first user message): the slot's conversation is another live one, so the request
+    takes the free slot and a switch back finds it (the server alone's slot choice); an edit after
+    the first user message (a cleared tool result) still replaces it on its own slot."""
+    a = conv(1)
+    slots = [slot(0, a, len(a) + 30, "agent", "A", last=5), slot(1)]
+    other_tools = toks(40, 90) + a[40:]                       # departs at token 40
+    ctx = RequestContext(kind="agent", session="A", user_starts=(len(HEAD),))
+    d = plan_request(other_tools, slots, [], ctx, DENSE)
+    assert d.slot == 1 and not d.evicts
+    edited = a[:len(HEAD) + 50] + toks(300, 91)               # departs after the first user message
+    d = plan_request(edited, slots, [], ctx, DENSE)
+    assert d.slot == 0 and not d.evicts
+    # with no other slot, the overwrite is an eviction: the session tier spills it first
+    d = plan_request(other_tools, slots[:1], [], ctx, DENSE, can_spill=True)
+    assert d.slot == 0 and d.evicts and "before_evict" in d.steps
+
+
 def test_lru_breaks_ties():
     slots = [slot(0, toks(10, 1), None, "guest", last=9), slot(1, toks(10, 2), None, "guest", last=1)]
     assert rank_slots(toks(50, 3), slots, RequestContext(kind="guest"), DENSE)[0].slot == 1

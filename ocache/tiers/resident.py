@@ -76,6 +76,14 @@ def ram_swap_possible(s: SlotState, lcp: int, n_prompt: int, params: ServerParam
     return lcp / size < 0.5
 
 
+def departs_before_user(lcp: int, held: int, user_starts: Sequence[int]) -> bool:
+    """Whether a request of first user message at ``user_starts[0]`` (token position) departs from
+    a slot holding ``held`` tokens, ``lcp`` of them shared, before that message: the slot holds
+    another system prompt or tool set. False without user starts (a raw route) or when the request
+    shares the whole slot. Pure."""
+    return bool(user_starts) and lcp < held and lcp < int(user_starts[0])
+
+
 def classify_slot(s: SlotState, reuse: Reuse, ctx: RequestContext, params: ServerParams) -> SlotChoice:
     """Role, loss and protection of one slot for one request (see the module docstring)."""
     held = len(s.tokens)
@@ -95,6 +103,15 @@ def classify_slot(s: SlotState, reuse: Reuse, ctx: RequestContext, params: Serve
             # destroy it: priced like any other overwrite (before, it overwrote the live
             # conversation without a spill, and the next turn prefilled 112 tokens, not 19-22)
             same = same and (ctx.kind == s.kind or reuse.lcp >= held - params.n_ubatch)
+            # the same session in another *mode*: the request departs from the slot before its
+            # first user message (its system prompt or tools changed: opencode's build and plan
+            # agents, a tool set switched). The slot's conversation is not superseded: the client
+            # may switch back, as the server alone keeps it on its other slot (its similarity
+            # rule, docs/llama-server.md §9), so it is priced as another live conversation
+            # (protected; spilled before an overwrite). Measured: scripts/fuzz-substitutions
+            # --configs dense-ocache --cases 88 --seed 11, case 87 (tools changed, then back)
+            # prefilled 1,355 tokens, 838 alone, when the changed turn superseded it.
+            same = same and not departs_before_user(reuse.lcp, held, ctx.user_starts)
         else:
             same = reuse.lcp >= held - params.n_ubatch and s.kind == ctx.kind
         if same and not s.origin:

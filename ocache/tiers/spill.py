@@ -9,7 +9,7 @@ the disk tier (``ocache.tiers.store``, kind ``"s"``, its own byte budget) at exa
 
 * **eviction** (``before_evict``; the cache layer holds the slot's lock and calls it when a request
   of another conversation is about to replace this one and no other slot can take it): the slot is
-  spilled when it holds at least ``min_tokens`` tokens (default 1,024, ``spill_min_tokens``), then
+  spilled when it holds at least ``min_tokens`` tokens (default 256, ``spill_min_tokens``), then
   the request is served. A **guest** (opencode's title request) is spilled when a request
   overwrites its slot (the planner's ``before_evict`` step on an unprotected slot:
   ``ocache.cache.plan.guest_spilled``) and it holds at least ``guest_min_tokens`` (256); see
@@ -453,6 +453,7 @@ class SessionTier(TierBase):
         key = entry_key(self.store.identity or "", KIND, tokens)
         meta = {"session": seen.session, "owner": seen.owner, "kind": seen.kind, "slot": slot,
                 "prompt_n": seen.prompt_n, "reason": reason, "head_key": seen.head_key,
+                **({"first_user": seen.first_user} if seen.first_user is not None else {}),
                 **({"interrupted": True} if seen.partial else {}),
                 **{k: v for k, v in (getattr(st, "labels", None) or {}).items() if v}}
         self.background.spawn(self._commit(pkey, tmp, tokens, meta, slot, seen.head_key), "commit")
@@ -677,8 +678,9 @@ class SessionTier(TierBase):
         if st.tokens != list(view.tokens):
             self._seen.pop(slot, None)
             return
+        starts = getattr(view, "user_starts", None) or ()
         self._seen[slot] = SlotSeen(st.seq, session_key(st.owner, view), len(view.tokens), st.kind,
-                                     st.owner, st.head_key)
+                                     st.owner, st.head_key, first_user=int(starts[0]) if starts else None)
 
     async def on_upstream_restart(self) -> None:
         self._seen.clear()
@@ -737,7 +739,7 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
         return None
     with contextlib.suppress(Exception):
         store.gc()  # TTL and budgets, as at every start
-    cfg = SpillConfig(min_tokens=int(_get(config, "spill_min_tokens", 1024)),
+    cfg = SpillConfig(min_tokens=int(_get(config, "spill_min_tokens", 256)),
                       drain_min_tokens=int(scfg.get("drain_min_tokens", 1024)),
                       guest_min_tokens=int(scfg.get("guest_min_tokens", SpillConfig.guest_min_tokens)),
                       ubatch=int(_get(_get(table, "params"), "n_ubatch", 512) or 512),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from ocache.llama.reuse import common_prefix
 from ocache.tiers.entry import Entry, IntegrityError
 
 #: what ``tokens_of`` raises for an entry it cannot read (that entry is passed over)
@@ -28,7 +29,7 @@ class SpillConfig:
     # save 0.16-0.23 s vs 56-103 s prefill; tiny models 53 ms vs 30-40 s), so every conversation a
     # client may resume is worth it; below ~1k tokens a prefill is as fast as a save + restore
     # round trip. Was 16,384: cache-pressure's 8k contexts were then lost (docs/decisions.md D3).
-    min_tokens: int = 1024
+    min_tokens: int = 256
     drain_min_tokens: int = 1024     # planned stop: shortest conversation worth a spill
     # a guest's slot (opencode's title request: 541 tokens on the tiny models, 524 of them its
     # fixed system prompt) is spilled when a request overwrites it and it holds at least this many
@@ -67,6 +68,9 @@ class SlotSeen:
     #: the response was cut short (``SessionTier.interrupted``): the slot holds the prompt plus a
     #: partial answer
     partial: bool = False
+    #: token position of the prompt's first user message (None: unknown, a raw route): what
+    #: precedes it is the conversation's *mode* (system prompt, tools)
+    first_user: int | None = None
 
 
 def is_guest(meta: Any) -> bool:
@@ -140,13 +144,21 @@ class SpillPolicy:
         """The older spills a newly committed one (``new``, its ``tokens``) supersedes: its
         session's (same identity; without one, only an older spill whose tokens are a prefix of
         it), within its class: a guest's spill (opencode's title shares its session key with the
-        agent turns) never supersedes the session's agent spill, nor the other way round."""
+        agent turns) never supersedes the session's agent spill, nor the other way round. An agent
+        spill of the same session in another mode (the two part before the older one's first user
+        message, ``meta["first_user"]``: another system prompt or tool set) is not superseded: the
+        client may switch back (``ocache.tiers.resident.departs_before_user``)."""
         guest, session = is_guest(new.meta), new.meta.get("session")
         out = []
         for old in entries:
             if old.key == new.key or is_guest(old.meta) != guest:
                 continue
             same = session is not None and old.meta.get("session") == session
+            if same and not guest and old.meta.get("first_user") is not None:
+                try:
+                    same = common_prefix(tokens_of(old.key), tokens) >= int(old.meta["first_user"])
+                except UNREADABLE:
+                    same = False
             if not same and old.meta.get("session") is None and session is None:
                 try:
                     same = tokens_of(old.key) == list(tokens[:old.n_tokens])
