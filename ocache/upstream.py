@@ -146,7 +146,7 @@ class Upstream:
         #: the supervisor saw the server it launched exit and is starting another
         #: (``expect_restart``); cleared once a process is ready again or the supervisor gives up.
         #: While set, a request that finds the upstream down is held for the new process
-        #: (``Proxy._upstream_state``) instead of answered 503
+        #: (``Attempts._upstream_state``) instead of answered 503
         self.restarting = False
         self.foreign_reason: str | None = None
         self.probes = 0

@@ -26,7 +26,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from ocache import config as cfg_mod
-from ocache import proxy as proxy_mod
+from ocache import serving as proxy_mod
 from ocache.commands import serve as serve_cmd
 from ocache.config import Config
 from ocache.layer import NullLayer

@@ -174,7 +174,7 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
             assert layer._viewer.append_only and layer.counters["fast_path"] == 0
 
             forwarded, answered = asyncio.Event(), asyncio.Event()
-            real_forward, real_view = proxy._forward, layer._viewer.view
+            real_forward, real_view = proxy.forwards.forward, layer._viewer.view
             order: list[str] = []
 
             async def forward(*a, **kw):
@@ -193,7 +193,7 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
                 await asyncio.wait_for(answered.wait(), 20)
                 return await real_view(*a, **kw)
 
-            proxy._forward, layer._viewer.view = forward, view
+            proxy.forwards.forward, layer._viewer.view = forward, view
             t3 = _next_turn(t2, a2, "Which one first?")
             before = await _prompt_total(s, srv.url)
             async with s.post(base + CHAT, json=t3, headers=h) as r:
@@ -206,7 +206,7 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
                 data = await r.json()
             await proxy.wait_background()
             await layer.idle()
-            proxy._forward, layer._viewer.view = real_forward, real_view
+            proxy.forwards.forward, layer._viewer.view = real_forward, real_view
             predicted = _predicted(proxy, h3)       # the record's figures (log line, stats)
             t = data["timings"]
             assert order[:2] == ["forward", "view"]
@@ -374,7 +374,7 @@ async def test_a_known_turn_is_checked_against_a_restart_with_the_fewest_round_t
             layer.table.if_boot = False       # as a build without patches/0007 says in /props
         assert layer.table.if_boot == (check == "if_boot")
         events: list[str] = []
-        real = layer.table.fetch_slots, layer.table.same_process, proxy._forward
+        real = layer.table.fetch_slots, layer.table.same_process, proxy.forwards.forward
 
         async def fetch_slots(*a, **kw):
             events.append("GET /slots")
@@ -389,7 +389,7 @@ async def test_a_known_turn_is_checked_against_a_restart_with_the_fewest_round_t
             events.append("forward" + (" if-boot" if a[-1] else ""))
             return await real[2](*a, **kw)
 
-        layer.table.fetch_slots, layer.table.same_process, proxy._forward = fetch_slots, same_process, forward
+        layer.table.fetch_slots, layer.table.same_process, proxy.forwards.forward = fetch_slots, same_process, forward
         reconciles = layer.counters["plan_reconciles"]
         async with s.post(base + CHAT, json=body, headers=h) as r:
             assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
@@ -432,7 +432,7 @@ async def test_a_known_turn_is_checked_against_a_restart_with_the_fewest_round_t
         else:
             assert "GET /slots" in events[:events.index("forward")], events
             assert proxy.stats.to_dict()["stale_plans"] == 0
-        layer.table.fetch_slots, layer.table.same_process, proxy._forward = real
+        layer.table.fetch_slots, layer.table.same_process, proxy.forwards.forward = real
 
 
 @pytest.mark.server
