@@ -12,8 +12,8 @@ Critical path: one ``message_keys`` pass and one check that the server is the pr
 describes (``GET /health`` on a patched build, ``GET /slots`` otherwise: a restart must be seen),
 nothing in proportion to the prompt's tokens (``scripts/bench-long``).
 
-What the planner would have done differently is counted after the fact: ``fast_path_other_plan``
-(another slot, a restore or a head warm-up) and ``fast_path_anchors_skipped`` (the disk tier's
+What the planner would have done differently is counted after the fact: ``known_other_plan``
+(another slot, a restore or a head warm-up) and ``known_anchors_skipped`` (the disk tier's
 anchor split of the new tokens; the session tier still spills the conversation before an
 eviction).
 """
@@ -67,8 +67,8 @@ def as_settled(snapshot: list[SlotState]) -> list[SlotState]:
 
 def applies(layer: OCacheLayer, shape: Shape) -> bool:
     """Whether the known route may take the request: the layer is ready with the route on
-    (``tiers.resident.fast_path``), a chat request that keeps the server's prompt cache."""
-    return (layer.ready and layer.table is not None and layer.opt_fast_path and shape.chat
+    (``tiers.resident.known``), a chat request that keeps the server's prompt cache."""
+    return (layer.ready and layer.table is not None and layer.opt_known and shape.chat
             and shape.cache_prompt)
 
 
@@ -141,7 +141,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     if table.version(slot) != version:
         lease.release()
         return None
-    layer.counters["fast_path"] += 1
+    layer.counters["known"] += 1
     out = Plan(body_updates={"id_slot": slot}, headers={"X-OCache-Path": "known"},
                figures=Figures(kind=shape.kind, slot=slot))
     if if_boot is not None:
@@ -157,7 +157,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
         try:
             done, _ = await asyncio.wait({task}, timeout=KNOWN_COMPLETE_MAX_S)
             if not done:
-                layer.counters["fast_path_failed"] += 1
+                layer.counters["known_failed"] += 1
                 task.cancel()
             if not done or task.cancelled() or task.exception() is not None:
                 table.mark_unknown(slot)   # forwarded there; what it holds now is for GET /slots
@@ -200,12 +200,12 @@ async def complete(layer: OCacheLayer, req: ParsedRequest, plan: Plan, shape: Sh
         lk = await core.lookups(layer, req, prep, ctx)
         best, _ = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors, held=slot)
         if best.slot != slot or {"bring", "warm_head"} & set(best.steps):
-            layer.counters["fast_path_other_plan"] += 1
+            layer.counters["known_other_plan"] += 1
             log.info("[%s] known conversation forwarded to slot %d; the planner would have chosen "
                      "slot %d (%s, predicted %d)", req.request_id, slot, best.slot,
                      ",".join(best.steps) or "no steps", best.predicted)
         elif lk.anchors and layer.disk_tier is not None and layer.disk_tier.lines_above(lk.anchors, best.predicted):
-            layer.counters["fast_path_anchors_skipped"] += 1
+            layer.counters["known_anchors_skipped"] += 1
         dec, _ = core.decide(layer, prep.tokens, ctx, [], None, forced_slot=slot, held=slot)
         dec = replace(dec, steps=(), evicts=False, offer=None)
         pctx = await execute(table, layer.ready_head, layer.tiers, layer.disk_tier, layer.counters,
@@ -213,7 +213,7 @@ async def complete(layer: OCacheLayer, req: ParsedRequest, plan: Plan, shape: Sh
     except asyncio.CancelledError:
         raise   # its plan was ended (a refused precondition) or it ran past KNOWN_COMPLETE_MAX_S
     except BaseException:
-        layer.counters["fast_path_failed"] += 1
+        layer.counters["known_failed"] += 1
         raise
     plan.set_figures(core.planned(layer, pctx, shape.kind))
     plan.context = pctx
