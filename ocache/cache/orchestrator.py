@@ -140,7 +140,7 @@ class OCacheLayer:
         #: the disk, session and remote tiers built from the config (``ensure_ready``)
         self.built = wiring.BuiltTiers(self.tiers)
         self.disk_tier: DiskTier | None = None
-        self._session_tier: SessionTier | None = None
+        self.session_tier: SessionTier | None = None
         #: a planned stop began (:meth:`begin_stop`): no new GET /slots reconcile or origin upkeep
         self._stopping = False
         self.journal: FolderJournal | None = None
@@ -233,7 +233,7 @@ class OCacheLayer:
             # session (tiers/spill.py: resume after a drain), disk (tiers/disk.py), remote (tiers/remote.py)
             await self.built.ready(self.config, self.table, self.identity, no_save=self._no_save,
                                    prefill_tps_of=lambda: self.prefill_tps)
-            self.disk_tier, self._session_tier = self.built.disk, self.built.session
+            self.disk_tier, self.session_tier = self.built.disk, self.built.session
             # head files through the same verified store (tiers/store.py)
             open_head_store(self.head_tier, self.config, self.table.params, self.identity().key)
             self._ready = True
@@ -276,6 +276,10 @@ class OCacheLayer:
         if self.table is None:
             raise RuntimeError("the cache layer is not ready: no slot table yet")
         return self.table
+
+    @property
+    def current_viewer(self) -> TokenViewer | None:   # None before the layer was first made ready
+        return self._viewer
 
     @property
     def ready_head(self) -> HeadTier:

@@ -36,7 +36,7 @@ from ocache.tiers.resident import known_conversation_slot
 from ocache.tokens import TokenViewError
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 log = logging.getLogger("ocache.cache")
 
@@ -65,21 +65,21 @@ def as_settled(snapshot: list[SlotState]) -> list[SlotState]:
     return out
 
 
-def applies(layer: OCacheLayer, shape: Shape) -> bool:
+def applies(layer: PlanningServices, shape: Shape) -> bool:
     """Whether the known route may take the request: the layer is ready with the route on
     (``tiers.resident.known``), a chat request that keeps the server's prompt cache."""
     return (layer.ready and layer.table is not None and layer.opt_known and shape.chat
             and shape.cache_prompt)
 
 
-def find(layer: OCacheLayer, shape: Shape, snapshot: list[SlotState] | None = None) -> int | None:
+def find(layer: PlanningServices, shape: Shape, snapshot: list[SlotState] | None = None) -> int | None:
     """The slot holding ``shape``'s conversation now (read-only, no await), or None."""
     table = layer.ready_table
     return known_conversation_slot(table.snapshot() if snapshot is None else snapshot, shape.digests,
                                    shape.session, shape.kind, layer.template_append_only)
 
 
-async def _settled_slot(layer: OCacheLayer, shape: Shape) -> int | None:
+async def _settled_slot(layer: PlanningServices, shape: Shape) -> int | None:
     """:func:`find`, or, when the client sent this turn the moment the previous answer ended,
     before the proxy released that plan and recorded the answer (an agent's tool loop does), the
     slot once that is done (waited at most ``KNOWN_SETTLE_WAIT_S``), rather than view and plan a
@@ -99,7 +99,7 @@ async def _settled_slot(layer: OCacheLayer, shape: Shape) -> int | None:
     return slot
 
 
-async def _same_process(layer: OCacheLayer, req: ParsedRequest, shape: Shape, slot: int) -> tuple[bool, str | None]:
+async def _same_process(layer: PlanningServices, req: ParsedRequest, shape: Shape, slot: int) -> tuple[bool, str | None]:
     """Whether the table still describes the server's process, so ``slot`` can be trusted:
     ``(ok, if_boot)``. A restart since the table's last GET /slots must be seen before the server
     works on the turn: the patched build checks that itself when the request names the process
@@ -124,7 +124,7 @@ async def _same_process(layer: OCacheLayer, req: ParsedRequest, shape: Shape, sl
     return find(layer, shape) == slot, None
 
 
-async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | None:
+async def plan(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Plan | None:
     """The known plan of ``req`` (see the module docstring), or None (plan as usual) when no slot
     holds the conversation or the slot changed before its lease was taken."""
     if not applies(layer, shape):
@@ -168,7 +168,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     return out
 
 
-async def _prepared(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Prepared:
+async def _prepared(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Prepared:
     """The prepared request of a known turn; raises TokenViewError when the server rejects the
     body or the prompt is empty (the answer is then relayed without figures)."""
     prep = await layer.prepare(req, shape)
@@ -179,7 +179,7 @@ async def _prepared(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Pre
     return prep
 
 
-async def complete(layer: OCacheLayer, req: ParsedRequest, plan: Plan, shape: Shape, slot: int) -> None:
+async def complete(layer: PlanningServices, req: ParsedRequest, plan: Plan, shape: Shape, slot: int) -> None:
     """``Plan.completion`` of :func:`plan`: the prepared request, the planner's own decision (only
     counted), the forced decision for ``slot`` without steps, ``execute`` (the table's record),
     then ``plan.figures`` (``Plan.set_figures``) / ``plan.context``. A prompt too long for the slot is counted
