@@ -38,7 +38,7 @@ import asyncio
 import hmac
 import logging
 import re
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from aiohttp import web
 
@@ -46,12 +46,16 @@ from ocache.layer import NullLayer
 from ocache.wire import host_name
 
 if TYPE_CHECKING:
-    from ocache.proxy import Proxy
+    from ocache.ports import ProxyPorts
 
 log = logging.getLogger("ocache.proxy")
 
 #: an aiohttp handler: what the guard passes a request on to
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: the dashboard's handler (``ocache.dashboard.handle``): request, the stats JSON, admin or not,
+#: the private paths to scrub
+Dashboard = Callable[[web.Request, Callable[[], dict], bool, Callable[[], list]],
+                     Awaitable[web.StreamResponse]]
 
 #: POST routes that change the cache or stop ocache: they need the admin token.
 ADMIN_POST = frozenset({"/v1/cache/clear", "/v1/cache/warm", "/v1/cache/drain"})
@@ -247,7 +251,7 @@ def _shallow(v: Any) -> Any:
 def make_drain_handler(stop: Callable[[], None], admin_token: str | None) -> Handler:
     """An aiohttp handler for ``POST /v1/cache/drain`` that the proxy mounts: checks the admin token
     (``Authorization: Bearer``; 404 when no token is configured, like the other admin routes), answers
-    202 and calls ``stop()`` (the same event SIGTERM sets in ``ocache.proxy.serve``: stop accepting,
+    202 and calls ``stop()`` (the same event SIGTERM sets in ``ocache.serving.serve``: stop accepting,
     finish in-flight requests, ``layer.drain()`` spills, then exit)."""
 
     async def handle(request: web.Request) -> web.Response:
@@ -265,34 +269,19 @@ def _is_dashboard(path: str) -> bool:
 
 
 class AdminRoutes:
-    """The guard in front of every route and ocache's own routes, for one ``Proxy`` (its config,
-    layer, stats and upstreams): ``guard`` is the aiohttp middleware, ``serve`` answers
+    """The guard in front of every route and ocache's own routes, for one proxy (its config,
+    layer, stats and upstreams: ``ocache.ports.ProxyPorts``): ``guard`` is the aiohttp middleware, ``serve`` answers
     ``/v1/cache/stats|metrics|clear|warm|drain`` and the dashboard, ``stats_body`` is the stats
     JSON."""
 
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: ProxyPorts, extra: Mapping[str, Handler], dashboard: Dashboard) -> None:
         self.proxy = proxy
         self._allowed = proxy.config.bind_names
         self._allow_any = "*" in proxy.config.allowed_hosts
-        self._extra = self._extra_routes()
-
-    def _extra_routes(self) -> dict[str, Handler]:
-        """Admin routes whose handlers live with their tier: ``POST /v1/cache/warm`` (``ocache warm
-        DIR``, ocache/warm.py) and ``POST /v1/cache/drain`` (``ocache drain``, ocache/tiers/spill.py)."""
-        from ocache.warm import make_warm_handler
-
-        proxy = self.proxy
-
-        def warm_deps() -> Any:
-            get = getattr(proxy.layer, "warm_deps", None)
-            return get() if get is not None else None
-
-        def request_stop() -> None:
-            if proxy.stop_event is not None:
-                proxy.stop_event.set()
-
-        return {"/v1/cache/warm": make_warm_handler(warm_deps, proxy.config.admin_token),
-                "/v1/cache/drain": make_drain_handler(request_stop, proxy.config.admin_token)}
+        #: admin routes whose handlers live with their tier: ``POST /v1/cache/warm`` (``ocache warm
+        #: DIR``, ocache/warm.py) and ``POST /v1/cache/drain`` (``ocache drain``, ocache/tiers/spill.py)
+        self._extra = dict(extra)
+        self._dashboard = dashboard     # the dashboard's handler (ocache/dashboard.py ``handle``)
 
     def _host_ok(self, request: web.Request) -> bool:
         if self._allow_any:
@@ -310,7 +299,7 @@ class AdminRoutes:
         ``/slots/{id}?action=save|restore|erase`` while a cache layer owns the slots."""
         proxy = self.proxy
         token = proxy.config.admin_token
-        rid = request[RID] = proxy._new_id()
+        rid = request[RID] = proxy.new_id()
         path = request.path
         resp: web.StreamResponse | None = None
         if not self._host_ok(request):
@@ -350,9 +339,7 @@ class AdminRoutes:
         if path in ("/v1/cache/stats", "/v1/cache/metrics", "/v1/cache/clear"):
             resp = await self._own(request, rid, path)
         elif _is_dashboard(path):  # the dashboard (ocache/dashboard.py)
-            from ocache.dashboard import handle as dashboard
-
-            resp = await dashboard(request, self.stats_body, bool(request.get(ADMIN)), self.private_paths)
+            resp = await self._dashboard(request, self.stats_body, bool(request.get(ADMIN)), self.private_paths)
         elif path in self._extra:
             resp = await self._extra[path](request)
         else:

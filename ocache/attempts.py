@@ -27,18 +27,15 @@ import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
 from ocache import admin
-from ocache.forward import CONNECT_FAILED, CURRENT_UPSTREAM, UpstreamHung
-from ocache.layer import Observation, ParsedRequest, Plan
-from ocache.wire import unplanned_body
-
-if TYPE_CHECKING:
-    from ocache.proxy import Proxy
+from ocache.forward import CONNECT_FAILED, CURRENT_UPSTREAM, UpstreamHung, unavailable
+from ocache.layer import NullLayer, Observation, ParsedRequest, Plan
+from ocache.ports import ProxyPorts
+from ocache.wire import NULL_DROPS, STEERING, unplanned_body, with_fields
 
 log = logging.getLogger("ocache.proxy")
 
@@ -46,6 +43,9 @@ log = logging.getLogger("ocache.proxy")
 #: another process than the one the plan was made for, ``Attempts._stale``); refused once more,
 #: it is forwarded untouched
 STALE_REPLANS = 2
+#: Seconds a request waits for the shared upstream probe when the upstream is not known ready
+#: (a refused connection answers in milliseconds; a hung one is not waited for at all).
+PROBE_WAIT_S = 1.0
 #: llama-server's own probe routes: a 503 from one of them is the answer, never held
 PROBE_ROUTES = frozenset({"/health", "/v1/health", "/metrics", "/props", "/slots"})
 
@@ -121,10 +121,50 @@ class Attempt:
 
 
 class Attempts:
-    """The plan-send-recover loop of ``proxy`` (its layer, upstreams, stats and ``_forward``)."""
+    """The plan-send-recover loop, whole: the plan (``layer.plan`` and the body it makes), the
+    probe and the hold before it, every send and every recovery, over ``proxy``'s ports (its
+    layer, upstreams, stats, receipts, forwards and finisher: ``ocache.ports.ProxyPorts``)."""
 
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: ProxyPorts) -> None:
         self.proxy = proxy
+
+    async def _plan(self, preq: ParsedRequest, body: bytes) -> tuple[Plan, bytes]:
+        """``layer.plan`` and the body it makes (``with_fields``); the plan's receipt is taken at
+        once (``ReceiptLedger.take``), and spent here if the body cannot be made."""
+        p = self.proxy
+        plan = await p.layer.plan(preq)
+        p.receipts.take(plan)
+        out_body = body
+        # a client's own steering fields never pass (wire.STEERING): without a cache layer only
+        # ocache_splice is ours to drop, id_slot reaches the server as it would without ocache
+        drop = NULL_DROPS if isinstance(p.layer, NullLayer) else STEERING
+        if plan.body_updates or (preq.body is not None and any(k in preq.body for k in drop)):
+            try:
+                out_body = with_fields(body, preq.body if preq.body is not None else {}, plan.body_updates, drop)
+            except BaseException:
+                p.spawn(p.finisher.release(preq.request_id, plan))
+                raise
+        return plan, out_body
+
+    async def _upstream_state(self, rid: str, path: str) -> str:
+        """The upstream state after the shared probe (waited for at most ``PROBE_WAIT_S``); while it
+        loads its model, the request is held until it is ready, at most ``loading_wait_s``."""
+        p = self.proxy
+        up = p.upstream
+        state = await up.check(PROBE_WAIT_S)
+        if path in PROBE_ROUTES or p.config.loading_wait_s <= 0:
+            return state
+        if state == "loading" or (state == "down" and up.restarting):
+            # loading its model; or the llama-server ocache launched exited and the supervisor
+            # is starting another (Upstream.expect_restart): held for it, as llama-server's own
+            # clients would retry, rather than answered 503 in the second before the new one binds
+            p.stats.held_loading()
+            log.info("[%s] llama-server is %s: holding the request (up to %g s)", rid,
+                     "loading its model" if state == "loading" else "being started again by ocache",
+                     p.config.loading_wait_s)
+            await up.wait_ready(p.config.loading_wait_s)
+            state = up.state
+        return state
 
     # --- plan -----------------------------------------------------------------------------------
     async def plan(self, att: Attempt) -> web.Response | None:
@@ -138,7 +178,7 @@ class Attempts:
         elif p.upstream.state != "ready":
             # Down or loading: one shared probe now, so that a server that just came up is
             # identified (epoch, restart callbacks) before the cache layer plans anything for it.
-            state = await p._upstream_state(att.rid, att.path)
+            state = await self._upstream_state(att.rid, att.path)
             if state == "down":
                 return self._down(att)
             att.plannable = state == "ready"
@@ -157,7 +197,7 @@ class Attempts:
             epoch = p.upstream.epoch
             try:
                 # the hung verdict ends a plan waiting on the server (a token view, a restore)
-                att.plan, att.out_body = await p.forwards.planned(p.upstream, p._plan(preq, att.body))
+                att.plan, att.out_body = await p.forwards.planned(p.upstream, self._plan(preq, att.body))
             except asyncio.CancelledError:
                 raise
             except UpstreamHung:
@@ -192,12 +232,12 @@ class Attempts:
             return None
         log.warning("[%s] llama-server changed while planning (%s, epoch %s -> %s: %s)",
                     att.rid, state, epoch, p.upstream.epoch, type(exc).__name__)
-        state = await p._upstream_state(att.rid, att.path)
+        state = await self._upstream_state(att.rid, att.path)
         if state == "down":
             return self._down(att)
         if state == "ready":
             try:
-                att.plan, att.out_body = await p._plan(preq, att.body)
+                att.plan, att.out_body = await self._plan(preq, att.body)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -221,7 +261,7 @@ class Attempts:
         p = self.proxy
         p.stats.upstream_unavailable()
         p.stats.request(att.path, 503)
-        return p._unavailable(att.rid)
+        return unavailable(p.config, p.upstream, att.rid)
 
     # --- send, recover --------------------------------------------------------------------------
     async def send(self, att: Attempt) -> aiohttp.ClientResponse | web.Response:
@@ -261,7 +301,8 @@ class Attempts:
         return resp
 
     async def _forward(self, att: Attempt) -> aiohttp.ClientResponse | web.Response:
-        """One send of the request as planned now (``Proxy._forward``). A completion sent without a
+        """One send of the request as planned now to the current upstream (``Forwards.forward``,
+        ocache/forward.py). A completion sent without a
         plan to a llama-server never carries the client's ``id_slot`` (``wire.unplanned_body``):
         removed, or ocache's 400 when the body cannot be rewritten."""
         att.obs.status = 0
@@ -275,8 +316,9 @@ class Attempts:
                                    "id_slot it may hold (send plain UTF-8 JSON without a BOM, nested "
                                    "less deeply)", "invalid_request_error", att.rid)
             body = unplanned
-        resp = await self.proxy._forward(att.request, att.rid, body, att.has_body, att.timeout,
-                                         att.obs, up_headers(att.plan))
+        p = self.proxy
+        resp = await p.forwards.forward(p.upstream, att.request, att.rid, body, att.has_body, att.timeout,
+                                        att.obs, up_headers(att.plan))
         att.up_resp = resp if isinstance(resp, aiohttp.ClientResponse) else None
         return resp
 
@@ -295,7 +337,7 @@ class Attempts:
             return
         if plan.completion is not None:
             plan.completion.cancel()
-        await asyncio.shield(self.proxy._spawn(self.proxy.finisher.release(att.rid, plan)))
+        await asyncio.shield(self.proxy.spawn(self.proxy.finisher.release(att.rid, plan)))
 
     async def _reroute(self, att: Attempt, preq: ParsedRequest) -> bool:
         """Several servers: the plan's server refused the connection (now marked down). End that
@@ -308,9 +350,9 @@ class Attempts:
         dead = p.upstream
         plan, att.plan = att.plan, None
         att.out_body = att.body
-        p._spawn(p.finisher.after(preq, plan, Observation(status=503, completed=False), True))
+        p.spawn(p.finisher.after(preq, plan, Observation(status=503, completed=False), True))
         try:
-            new_plan, out_body = await p._plan(preq, att.body)
+            new_plan, out_body = await self._plan(preq, att.body)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -319,7 +361,7 @@ class Attempts:
             return False
         chosen = p.upstream_named(new_plan.upstream)
         if chosen is None or chosen is dead:
-            p._spawn(p.finisher.release(att.rid, new_plan))
+            p.spawn(p.finisher.release(att.rid, new_plan))
             return False
         log.info("[%s] %s refused the connection: routed to %s instead", att.rid,
                  dead.base_url, chosen.base_url)
@@ -380,7 +422,7 @@ class Attempts:
         p = self.proxy
         for attempt in (1, 2):
             try:
-                att.plan, att.out_body = await p._plan(preq, att.body)
+                att.plan, att.out_body = await self._plan(preq, att.body)
                 return
             except asyncio.CancelledError:
                 raise

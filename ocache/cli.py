@@ -25,7 +25,7 @@ COMMAND_MODULES = [
     "ocache.toolchain.models",
     "ocache.commands.doctor",
     "ocache.commands.maintenance",
-    "ocache.bench.run",
+    "ocache.bench.command",
 ]
 
 

@@ -370,9 +370,10 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
         "keep_origin": ("bool", "true", "keep the head origin in a side slot: after a guest "
                         "overwrote it, restore it there from the head's slot file"),
         "reconcile": ("bool", "true", "GET /slots before each plan to correct the slot table"),
-        "fast_path": ("bool", "true", "forward the next turn of a conversation a slot holds (its "
-                      "earlier messages unchanged, the template checked append-only) to that slot before its token "
-                      "view is built; the view and the figures follow while the server works"),
+        "known": ("bool", "true", "forward the next turn of a conversation a slot holds (its "
+                  "earlier messages unchanged, the template checked append-only) to that slot before its token "
+                  "view is built; the view and the figures follow while the server works (the known route: "
+                  "X-OCache-Path: known; `fast_path`, its former name, is still read, with a warning)"),
         "align": ("bool", "true", "serve a request that repeats the conversation a slot holds, except "
                   "for what the chat template or the client rewrote (past reasoning dropped or "
                   "re-rendered), as the slot's own tokens plus the request's new part (patch 0008; "
@@ -414,6 +415,20 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
 #: Keys each tier reads from ``tiers.<name>``; the resident tier also takes any
 #: ``ocache.llama.flags.ServerParams`` field as an override.
 TIER_KEYS = {name: {k for k in keys if not k.startswith("<")} for name, keys in TIER_DOCS.items()}
+#: keys of ``tiers.<name>`` that were renamed: the former name is still read, with a warning
+#: (``check_tiers``); a config that gives both reads the new one
+RENAMED_TIER_KEYS: dict[str, dict[str, str]] = {"resident": {"fast_path": "known"}}
+
+
+def tier_key(sub: Mapping[str, Any], tier: str, key: str, default: Any) -> Any:
+    """``tiers.<tier>.<key>`` of ``sub`` (that tier's mapping), else its former name's value
+    (``RENAMED_TIER_KEYS``), else ``default``."""
+    if key in sub:
+        return sub[key]
+    for old, new in RENAMED_TIER_KEYS.get(tier, {}).items():
+        if new == key and old in sub:
+            return sub[old]
+    return default
 
 
 def check_tiers(tiers: Mapping[str, Any]) -> None:
@@ -426,7 +441,13 @@ def check_tiers(tiers: Mapping[str, Any]) -> None:
             raise ConfigError(f"tiers: unknown tier {name!r}; known: {', '.join(TIER_KEYS)}")
         if not isinstance(sub, Mapping):
             raise ConfigError(f"tiers.{name}: expected a mapping, got {sub!r}")
-        allowed = TIER_KEYS[name] | (set(ServerParams.__dataclass_fields__) if name == "resident" else set())
+        renamed = RENAMED_TIER_KEYS.get(name, {})
+        for old in sorted(set(map(str, sub)) & set(renamed)):
+            logging.getLogger("ocache.config").warning(
+                "tiers.%s.%s is deprecated: it is now tiers.%s.%s (the old name is still read)",
+                name, old, name, renamed[old])
+        allowed = (TIER_KEYS[name] | set(renamed)
+                   | (set(ServerParams.__dataclass_fields__) if name == "resident" else set()))
         unknown = sorted(set(map(str, sub)) - allowed)
         if unknown:
             raise ConfigError(f"tiers.{name}: unknown key(s) {', '.join(unknown)}; known: "

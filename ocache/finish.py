@@ -20,7 +20,7 @@ from ocache.api.figures import Figures
 from ocache.layer import Observation, ParsedRequest, Plan
 
 if TYPE_CHECKING:
-    from ocache.proxy import Proxy
+    from ocache.ports import ProxyPorts
 
 log = logging.getLogger("ocache.proxy")
 
@@ -34,7 +34,7 @@ class Finisher:
     """The proxy's after-the-answer steps (``proxy``: the ``Proxy`` whose layer, stats, recorder,
     receipts and background tasks they use)."""
 
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: ProxyPorts) -> None:
         self.proxy = proxy
 
     def finish(self, preq: ParsedRequest, plan: Plan | None, obs: Observation,
@@ -42,7 +42,7 @@ class Finisher:
         """The request's log line, stats record and ``after`` (release, observe, recorder); for a
         plan whose ``completion`` is still running, once it is done (``_plan_completed``)."""
         if plan is not None and plan.completion is not None and not plan.completion.done():
-            self.proxy._spawn(self._finish_completed(preq, plan, obs, disconnected, observe), "finish")
+            self.proxy.spawn(self._finish_completed(preq, plan, obs, disconnected, observe), "finish")
             return
         if plan is not None and plan.completion is not None:
             self.completion_failed(preq.request_id, plan.completion)
@@ -88,7 +88,7 @@ class Finisher:
         elif obs.completed or disconnected:
             stats.completion(preq.path, record["tier"], timings, obs.ttft_s, record, split=split)
         log.info("[%s] %s", preq.request_id, request_line(record, preq.method, disconnected))
-        self.proxy._spawn(self.after(preq, plan, obs, observe), "after")
+        self.proxy.spawn(self.after(preq, plan, obs, observe), "after")
 
     def record(self, preq: ParsedRequest, plan: Plan | None, obs: Observation, timings: dict | None,
                split: int) -> dict[str, Any]:

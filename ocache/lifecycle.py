@@ -191,7 +191,7 @@ class Lifecycle:
             self.stats.layer_error("drain")
             log.exception("cache layer drain() failed")
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any], what: str = "request") -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any], what: str = "request") -> asyncio.Task[Any]:
         """Run ``coro`` in the background (the task, named ``proxy:what``: ``Background.spawn``);
         ``wait_background`` and a stop wait for it."""
         return self.background.spawn(coro, what)

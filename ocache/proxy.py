@@ -115,24 +115,24 @@ from typing import TYPE_CHECKING, Any, Callable
 import aiohttp
 from aiohttp import web
 
-from ocache import admin
+from ocache import admin, dashboard
 from ocache.admin import AdminRoutes
 from ocache.background import Background
 from ocache.api import figures
-from ocache.attempts import PROBE_ROUTES as _PROBE_ROUTES, STALE_REPLANS, Attempt, Attempts
+from ocache.attempts import PROBE_WAIT_S, STALE_REPLANS, Attempt, Attempts
 from ocache.config import Config
 from ocache.finish import PLAN_COMPLETION_WAIT_S, Finisher, request_line
-from ocache.forward import CURRENT_UPSTREAM, UpstreamHung, Forwards, read_timeout, unavailable, upstream_failed
+from ocache.forward import CURRENT_UPSTREAM, UpstreamHung, Forwards, read_timeout, upstream_failed
 from ocache.layer import (COMPLETION_ROUTES, CacheLayer, NullLayer, Observation, ParsedRequest, Plan,
                           ReceiptLedger)
 from ocache.lifecycle import QUIESCE_S, Lifecycle
 from ocache.relay import SSEObserver, collects, observe_json, relay_stream
 from ocache.response_cache import ResponseCache
-from ocache.serving import RUNNER_KWARGS, serve
 from ocache.stats import Stats
 from ocache.upstream import Upstream, UpstreamPort
+from ocache.warm import make_warm_handler
 from ocache.wire import (HOP_BY_HOP, Unparseable, forward_request_headers, forward_response_headers,
-                         host_name, parse_body, with_fields, STEERING, NULL_DROPS)
+                         host_name, parse_body, with_fields)
 
 if TYPE_CHECKING:
     from ocache.record import Recorder
@@ -141,7 +141,7 @@ __all__ = [
     "COMPLETION_ROUTES", "FIGURES_WAIT_S", "HOP_BY_HOP", "PLAN_COMPLETION_WAIT_S", "PROBE_WAIT_S",
     "QUIESCE_S", "RUNNER_KWARGS", "STALE_REPLANS", "Observation", "ParsedRequest", "Plan", "Proxy",
     "Unparseable", "UpstreamHung", "default_layer_factory", "forward_request_headers",
-    "forward_response_headers", "host_name", "parse_body", "request_line", "serve", "with_fields",
+    "forward_response_headers", "host_name", "parse_body", "request_line", "with_fields",
 ]
 
 log = logging.getLogger("ocache.proxy")
@@ -150,9 +150,8 @@ log = logging.getLogger("ocache.proxy")
 #: those without Content-Length are relayed as they arrive (completion routes are always read whole
 #: when not SSE, to observe ``timings``).
 _READ_WHOLE_MAX = 4 << 20
-#: Seconds a request waits for the shared upstream probe when the upstream is not known ready
-#: (a refused connection answers in milliseconds; a hung one is not waited for at all).
-PROBE_WAIT_S = 1.0
+#: Keyword arguments for aiohttp's AppRunner / TestServer (besides handler_cancellation=True).
+RUNNER_KWARGS: dict[str, Any] = dict(auto_decompress=False, access_log=None, max_field_size=65536)
 #: seconds the answer's headers may wait for a known turn's ``completion`` so that its figures go
 #: into them; 0: never (the figures then reach the log line and /v1/cache/stats only). The test
 #: suite sets it high (tests/conftest.py) where tests read figures from headers; the default is
@@ -223,7 +222,21 @@ class Proxy(Lifecycle):
         self.responses = ResponseCache.from_config(config)
         self.attempts = Attempts(self)
         self.finisher = Finisher(self)
-        self.admin = AdminRoutes(self)
+        self.admin = AdminRoutes(self, self._own_routes(), dashboard.handle)
+
+    def _own_routes(self) -> dict[str, Any]:
+        """Admin routes whose handlers live with their tier: ``POST /v1/cache/warm`` (``ocache warm
+        DIR``, ocache/warm.py) and ``POST /v1/cache/drain`` (``ocache drain``, ocache/tiers/spill.py)."""
+        def warm_deps() -> Any:
+            get = getattr(self.layer, "warm_deps", None)
+            return get() if get is not None else None
+
+        def request_stop() -> None:
+            if self.stop_event is not None:
+                self.stop_event.set()
+
+        return {"/v1/cache/warm": make_warm_handler(warm_deps, self.config.admin_token),
+                "/v1/cache/drain": admin.make_drain_handler(request_stop, self.config.admin_token)}
 
     @property
     def upstream(self) -> Upstream:
@@ -257,12 +270,12 @@ class Proxy(Lifecycle):
         """The ``GET /v1/cache/stats`` JSON (``AdminRoutes.stats_body``, ocache/admin.py)."""
         return self.admin.stats_body()
 
-    def _new_id(self) -> str:
+    def new_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids):05x}"
 
     # --- request handling -----------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        rid = request.get(admin.RID) or self._new_id()
+        rid = request.get(admin.RID) or self.new_id()
         own = await self.admin.serve(request, rid)
         if own is not None:
             return own
@@ -394,53 +407,6 @@ class Proxy(Lifecycle):
     def _read_timeout(self, path: str, preq: ParsedRequest | None) -> aiohttp.ClientTimeout:
         """The upstream read timeout of one forward (``ocache.forward.read_timeout``)."""
         return read_timeout(self.config, path, preq)
-
-    async def _plan(self, preq: ParsedRequest, body: bytes) -> tuple[Plan, bytes]:
-        """``layer.plan`` and the body it makes (``with_fields``); the plan's receipt is taken at
-        once (``ReceiptLedger.take``), and spent here if the body cannot be made."""
-        plan = await self.layer.plan(preq)
-        self.receipts.take(plan)
-        out_body = body
-        # a client's own steering fields never pass (wire.STEERING): without a cache layer only
-        # ocache_splice is ours to drop, id_slot reaches the server as it would without ocache
-        drop = NULL_DROPS if isinstance(self.layer, NullLayer) else STEERING
-        if plan.body_updates or (preq.body is not None and any(k in preq.body for k in drop)):
-            try:
-                out_body = with_fields(body, preq.body if preq.body is not None else {}, plan.body_updates, drop)
-            except BaseException:
-                self._spawn(self.finisher.release(preq.request_id, plan))
-                raise
-        return plan, out_body
-
-    async def _upstream_state(self, rid: str, path: str) -> str:
-        """The upstream state after the shared probe (waited for at most ``PROBE_WAIT_S``); while it
-        loads its model, the request is held until it is ready, at most ``loading_wait_s``."""
-        up = self.upstream
-        state = await up.check(PROBE_WAIT_S)
-        if path in _PROBE_ROUTES or self.config.loading_wait_s <= 0:
-            return state
-        if state == "loading" or (state == "down" and up.restarting):
-            # loading its model; or the llama-server ocache launched exited and the supervisor
-            # is starting another (Upstream.expect_restart): held for it, as llama-server's own
-            # clients would retry, rather than answered 503 in the second before the new one binds
-            self.stats.held_loading()
-            log.info("[%s] llama-server is %s: holding the request (up to %g s)", rid,
-                     "loading its model" if state == "loading" else "being started again by ocache",
-                     self.config.loading_wait_s)
-            await up.wait_ready(self.config.loading_wait_s)
-            state = up.state
-        return state
-
-    async def _forward(self, request: web.Request, rid: str, body: bytes, has_body: bool,
-                       timeout: aiohttp.ClientTimeout, obs: Observation,
-                       up_headers: Any = None) -> aiohttp.ClientResponse | web.Response:
-        """One send to the current upstream (``Forwards.forward``, ocache/forward.py)."""
-        return await self.forwards.forward(self.upstream, request, rid, body, has_body, timeout, obs,
-                                           up_headers)
-
-    def _unavailable(self, rid: str) -> web.Response:
-        """ocache's 503 for the current upstream (``ocache.forward.unavailable``)."""
-        return unavailable(self.config, self.upstream, rid)
 
     # --- relay ----------------------------------------------------------------------------------
     async def _relay(self, att: Attempt, up_resp: aiohttp.ClientResponse) -> web.StreamResponse:

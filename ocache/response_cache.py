@@ -86,7 +86,7 @@ from ocache.wire import forward_response_headers
 
 if TYPE_CHECKING:
     from ocache.attempts import Attempt
-    from ocache.proxy import Proxy
+    from ocache.ports import ProxyPorts
 
 log = logging.getLogger("ocache.response")
 
@@ -286,7 +286,7 @@ class ResponseCache:
                 "ttl_s": self.ttl_s, "answering": len(self.leads), **self.counters}
 
     # --- the request path -------------------------------------------------------------------------
-    async def serve(self, proxy: Proxy, att: Attempt) -> web.StreamResponse | Lead | None:
+    async def serve(self, proxy: ProxyPorts, att: Attempt) -> web.StreamResponse | Lead | None:
         """Before a completion is planned: the replayed answer (a hit, or the answer of an identical
         request in flight), a :class:`Lead` (this request answers its key: ``att.keep`` records its
         answer; :meth:`settle` it when it is over), or None (not cached: not greedy, no key)."""
@@ -360,7 +360,7 @@ class ResponseCache:
         n_prompt = int(t.get("cache_n") or 0) + int(t.get("prompt_n") or 0) if obs.timings else lead.n_prompt
         return Entry(200, headers, bytes(data), sse, att.path, n_prompt or lead.n_prompt, time.monotonic())
 
-    async def replay(self, proxy: Proxy, att: Attempt, entry: Entry) -> web.StreamResponse:
+    async def replay(self, proxy: ProxyPorts, att: Attempt, entry: Entry) -> web.StreamResponse:
         """Send ``entry`` to the client as this request's answer (fresh ids, timestamps, figures)
         and do the request's bookkeeping (stats, log line, record) as for a relayed one."""
         fresh = Fresh(entry.n_prompt, anthropic=att.path in ANTHROPIC_ROUTES)
@@ -390,7 +390,7 @@ class ResponseCache:
         return resp
 
 
-def _book(proxy: Proxy, att: Attempt, plan: Plan, obs: Observation) -> None:
+def _book(proxy: ProxyPorts, att: Attempt, plan: Plan, obs: Observation) -> None:
     """A replay's stats, ``last_completions`` record and log line (``ocache/finish.py`` for a
     relayed answer; no plan to release, nothing for the layer to observe)."""
     from ocache.finish import request_line
@@ -404,7 +404,7 @@ def _book(proxy: Proxy, att: Attempt, plan: Plan, obs: Observation) -> None:
     log.info("[%s] %s", att.rid, request_line(record, preq.method, not obs.completed))
     recorder = proxy.recorder
     if recorder is not None:
-        proxy._spawn(asyncio.to_thread(recorder.record, preq, plan, obs), "record")
+        proxy.spawn(asyncio.to_thread(recorder.record, preq, plan, obs), "record")
 
 
 def _timings_of(entry: Entry) -> dict | None:

@@ -1,6 +1,6 @@
 """``ocache serve``'s run: the launched llama-server(s) if any, the proxy listening, a planned stop.
 
-``serve`` (re-exported as ``ocache.proxy.serve``) starts the children of ``--launch`` (one
+``serve`` starts the children of ``--launch`` (one
 ``Supervisor`` each, ``launch_replicas``), wires their start/exit/give-up events to the proxy's
 upstreams, listens, and on SIGTERM/SIGINT (or ``stop``) stops accepting, drains, and only after the
 proxy closed (``Proxy.close``: quiesce) stops the children (README "Limitations").
@@ -16,16 +16,14 @@ from typing import TYPE_CHECKING, Any, Callable
 from aiohttp import web
 
 from ocache.config import Config
+from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.upstream import Upstream, UpstreamPort
 
 if TYPE_CHECKING:
-    from ocache.proxy import Proxy
     from ocache.supervisor import Supervisor
 
 log = logging.getLogger("ocache.proxy")
 
-#: Keyword arguments for aiohttp's AppRunner / TestServer (besides handler_cancellation=True).
-RUNNER_KWARGS: dict[str, Any] = dict(auto_decompress=False, access_log=None, max_field_size=65536)
 
 
 def _signals(stop: asyncio.Event, handle: bool) -> list[signal.Signals]:
@@ -120,7 +118,6 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     requests (``drain_timeout_s``), call ``layer.drain()``, and stop the launched child if any.
     ``ready(proxy, port)`` is called once listening. Raises OSError if the address is taken,
     ``supervisor.LaunchError`` if the child cannot be started."""
-    from ocache.proxy import Proxy
     from ocache.supervisor import LaunchError
 
     stop = stop or asyncio.Event()

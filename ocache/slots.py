@@ -49,7 +49,7 @@ from ocache.llama.slot_api import (BOOT_CHECK_TIMEOUT_S, BOOT_HEADER, IF_BOOT_HE
                                    SlotClient, SlotError, SlotFileError, SlotHashMismatch, SlotInvalid,
                                    SlotNotSupported, TaskIds, UpstreamError, check_filename,
                                    error_from_response, file_refused)
-from ocache.tiers.base import Rate
+from ocache.rate import Rate
 
 log = logging.getLogger("ocache.slots")
 
@@ -203,7 +203,7 @@ class RestoreRate(Rate):
     session and head tiers price a restore with the same measured rate. The server's own
     ``timings.restore_ms`` is not used: with patches/0004 it covers only the task loop's copy, not the
     file read (``timings.read_ms``, done before on an HTTP thread). ``value``: the exponentially
-    weighted mean of :class:`ocache.tiers.base.Rate` (weight ``alpha`` per measurement), ``guess``
+    weighted mean of :class:`ocache.rate.Rate` (weight ``alpha`` per measurement), ``guess``
     (bytes/s) until the first one.
     """
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
@@ -56,7 +55,8 @@ from typing import Awaitable, Callable, Iterator, Protocol
 
 import aiohttp
 
-from ocache.slots import BOOT_HEADER  # the patched build's process id header (patches/0005)
+# the patched build's process id header (patches/0005); what llama-server's answers mean
+from ocache.llama.slot_api import BOOT_HEADER, is_llama_props, is_loading, json_or_none
 
 log = logging.getLogger("ocache.upstream")
 
@@ -146,7 +146,7 @@ class Upstream:
         #: the supervisor saw the server it launched exit and is starting another
         #: (``expect_restart``); cleared once a process is ready again or the supervisor gives up.
         #: While set, a request that finds the upstream down is held for the new process
-        #: (``Proxy._upstream_state``) instead of answered 503
+        #: (``Attempts._upstream_state``) instead of answered 503
         self.restarting = False
         self.foreign_reason: str | None = None
         self.probes = 0
@@ -415,8 +415,8 @@ class Upstream:
                 self._set_down(f"{type(exc).__name__}: {exc}", hung=False)
                 return self.state
         self.hung = False
-        health_json = _json_or_none(body)
-        if health == 503 and _is_loading(health_json):
+        health_json = json_or_none(body)
+        if health == 503 and is_loading(health_json):
             # 503 "Loading model" (server-http.cpp:307-327): the process is there, not ready yet.
             if self.state != "loading":
                 log.info("upstream %s is up, loading its model (health 503)", self.base_url)
@@ -428,7 +428,7 @@ class Upstream:
         boot, max_task, props_status = await self._identity()
         if boot_id:
             boot = replace(boot, boot=boot_id)
-        if props_status == 200 and not _is_llama_props(self.props):
+        if props_status == 200 and not is_llama_props(self.props):
             return self._set_foreign("GET /props is not llama-server's (no build_info / total_slots)")
         if props_status == 404:
             return self._set_foreign("GET /props answered 404 (llama-server always has /props)")
@@ -469,7 +469,7 @@ class Upstream:
                 props_status = r.status
                 data = await r.read()
                 if r.status == 200:
-                    props = _json_or_none(data)
+                    props = json_or_none(data)
                     if isinstance(props, dict):
                         self.props = props
                         build_info = props.get("build_info")
@@ -551,26 +551,6 @@ class Upstream:
             "generating": self.generating,
             "background": len(self._background),
         }
-
-
-def _json_or_none(data: bytes):
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _is_loading(obj) -> bool:
-    """llama-server's 503 while it loads: ``{"error": {"message": "Loading model", "type":
-    "unavailable_error", "code": 503}}`` (tools/server/server-http.cpp:307-327)."""
-    err = obj.get("error") if isinstance(obj, dict) else None
-    return isinstance(err, dict) and (err.get("message") == "Loading model"
-                                      or err.get("type") == "unavailable_error")
-
-
-def _is_llama_props(props) -> bool:
-    return isinstance(props, dict) and ("build_info" in props or "total_slots" in props
-                                        or "default_generation_settings" in props)
 
 
 def _restart_reason(prev: BootId, new: BootId, prev_task: int | None, new_task: int | None,

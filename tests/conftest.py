@@ -23,9 +23,9 @@ CASES = SHARED / "cases"
 
 
 def serve_in_task(cfg, stop: asyncio.Event, layer_factory=None) -> tuple[asyncio.Task, asyncio.Future]:
-    """``ocache serve`` of ``cfg`` (``ocache.proxy.serve``, no signal handlers) as a task of the
+    """``ocache serve`` of ``cfg`` (``ocache.serving.serve``, no signal handlers) as a task of the
     running loop: (the task, a future of (proxy, port) once it listens); ``stop`` ends it."""
-    from ocache.proxy import serve
+    from ocache.serving import serve
 
     ready: asyncio.Future = asyncio.get_running_loop().create_future()
     kw = {} if layer_factory is None else {"layer_factory": layer_factory}

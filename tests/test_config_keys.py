@@ -26,7 +26,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from ocache import config as cfg_mod
-from ocache import proxy as proxy_mod
+from ocache import serving as proxy_mod
 from ocache.commands import serve as serve_cmd
 from ocache.config import Config
 from ocache.layer import NullLayer
@@ -471,9 +471,9 @@ async def p_resident_reconcile(tmp_path, mp):
     assert _layer().opt_reconcile is True
 
 
-async def p_resident_fast_path(tmp_path, mp):
-    assert _layer(tiers={"resident": {"fast_path": False}}).opt_fast_path is False
-    assert _layer().opt_fast_path is True
+async def p_resident_known(tmp_path, mp):
+    assert _layer(tiers={"resident": {"known": False}}).opt_known is False
+    assert _layer().opt_known is True
 
 
 async def p_resident_align(tmp_path, mp):
@@ -727,7 +727,7 @@ PROBES = {
     "tiers.resident.server_args": p_resident_server_args, "tiers.resident.warm": p_resident_warm,
     "tiers.resident.keep_origin": p_resident_keep_origin,
     "tiers.resident.reconcile": p_resident_reconcile,
-    "tiers.resident.fast_path": p_resident_fast_path,
+    "tiers.resident.known": p_resident_known,
     "tiers.resident.align": p_resident_align,
     "tiers.resident.continue_compaction": p_resident_continue_compaction,
     "tiers.resident.<ServerParams.field>": p_resident_server_params,
@@ -771,3 +771,15 @@ def test_removed_key_is_a_clear_error(tmp_path, where):
     with pytest.raises(cfg_mod.ConfigError, match="n_parallel.*removed.*-np"):
         cfg_mod.load(f, env={"OCACHE_N_PARALLEL": "2"} if where == "env" else {},
                      overrides={"n_parallel": 2} if where == "cli" else None)
+
+
+def test_the_known_routes_former_key_is_still_read_with_a_warning(caplog):
+    """``tiers.resident.fast_path``, the known route's former name, is accepted and read as
+    ``tiers.resident.known`` (a warning says so); given both, ``known`` is read."""
+    from ocache.config import check_tiers
+
+    with caplog.at_level(logging.WARNING, logger="ocache.config"):
+        check_tiers({"resident": {"fast_path": False}})
+    assert "tiers.resident.fast_path is deprecated" in caplog.text
+    assert _layer(tiers={"resident": {"fast_path": False}}).opt_known is False
+    assert _layer(tiers={"resident": {"fast_path": False, "known": True}}).opt_known is True

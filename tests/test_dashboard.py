@@ -460,7 +460,7 @@ async def test_port_0_listens_on_a_free_port_and_reports_it():
     import aiohttp
 
     from ocache.config import load
-    from ocache.proxy import serve
+    from ocache.serving import serve
 
     cfg = load(None, env={}, overrides={"port": 0, "upstream": f"http://127.0.0.1:{free_port()}"})
     stop, bound = asyncio.Event(), asyncio.get_running_loop().create_future()

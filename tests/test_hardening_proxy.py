@@ -25,7 +25,8 @@ from aiohttp.test_utils import TestServer
 
 from ocache.config import Config
 from ocache.layer import NullLayer
-from ocache.proxy import RUNNER_KWARGS, Proxy, default_layer_factory, serve
+from ocache.proxy import RUNNER_KWARGS, Proxy, default_layer_factory
+from ocache.serving import serve
 from ocache.llama.server import free_port
 
 from test_proxy import FakeUpstream, client, fake_upstream, normalise, poll, stream_with_stop

@@ -1,4 +1,4 @@
-"""The known conversation's next turn (``tiers.resident.fast_path``): forwarded to the slot that
+"""The known conversation's next turn (``tiers.resident.known``): forwarded to the slot that
 holds the conversation before its token view exists; the view, the prediction and the figures follow
 while the server works (``ocache/cache/routes/known.py``, ``known_conversation_slot``)."""
 
@@ -171,10 +171,10 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
             await proxy.layer.idle()
             layer = proxy.layer
             await layer._viewer.wait_verified()
-            assert layer._viewer.append_only and layer.counters["fast_path"] == 0
+            assert layer._viewer.append_only and layer.counters["known"] == 0
 
             forwarded, answered = asyncio.Event(), asyncio.Event()
-            real_forward, real_view = proxy._forward, layer._viewer.view
+            real_forward, real_view = proxy.forwards.forward, layer._viewer.view
             order: list[str] = []
 
             async def forward(*a, **kw):
@@ -193,7 +193,7 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
                 await asyncio.wait_for(answered.wait(), 20)
                 return await real_view(*a, **kw)
 
-            proxy._forward, layer._viewer.view = forward, view
+            proxy.forwards.forward, layer._viewer.view = forward, view
             t3 = _next_turn(t2, a2, "Which one first?")
             before = await _prompt_total(s, srv.url)
             async with s.post(base + CHAT, json=t3, headers=h) as r:
@@ -206,11 +206,11 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
                 data = await r.json()
             await proxy.wait_background()
             await layer.idle()
-            proxy._forward, layer._viewer.view = real_forward, real_view
+            proxy.forwards.forward, layer._viewer.view = real_forward, real_view
             predicted = _predicted(proxy, h3)       # the record's figures (log line, stats)
             t = data["timings"]
             assert order[:2] == ["forward", "view"]
-            assert layer.counters["fast_path"] == 1 and layer.counters["fast_path_other_plan"] == 0
+            assert layer.counters["known"] == 1 and layer.counters["known_other_plan"] == 0
             assert layer.counters["mispredictions"] == 0
             assert predicted == t["cache_n"] and t["cache_n"] > 0
             assert await _prompt_total(s, srv.url) - before == t["prompt_n"]
@@ -227,7 +227,7 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
                         last = ev.get("timings") or last
             await proxy.wait_background()
             predicted = _predicted(proxy, h4)
-            assert layer.counters["fast_path"] == 2 and last is not None
+            assert layer.counters["known"] == 2 and last is not None
             assert abs(predicted - last["cache_n"]) <= UB and layer.counters["mispredictions"] == 0
             ref = await cold(srv.url, t3)       # (overwrites a slot: last)
             assert data["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
@@ -258,7 +258,7 @@ async def test_a_known_turn_whose_view_fails_is_served_and_the_slot_relearned(st
                 data = await r.json()
             await proxy.wait_background()
             layer._viewer.view = real_view
-            assert layer.counters["fast_path_failed"] == 1
+            assert layer.counters["known_failed"] == 1
             assert layer.table[slot].msg_key is None            # no record from a failed view
             nxt = await _served_as_alone(s, base, proxy, srv.url, h, body, data, "Third?")
             nxt = _next_turn(nxt, "ok", "Fourth?")
@@ -309,7 +309,7 @@ async def test_a_known_turn_too_long_for_the_slot_is_the_servers_400_and_keeps_t
             assert (await r.json())["error"]["type"] == "exceed_context_size_error"
         await proxy.wait_background()
         await layer.idle()
-        assert layer.counters["too_long"] == 1 and layer.counters["fast_path_failed"] == 0
+        assert layer.counters["too_long"] == 1 and layer.counters["known_failed"] == 0
         assert proxy.stats.to_dict()["layer_errors"] == {}
         before = await _prompt_total(s, srv.url)
         async with s.post(base + CHAT, json=body, headers=h) as r:
@@ -318,7 +318,7 @@ async def test_a_known_turn_too_long_for_the_slot_is_the_servers_400_and_keeps_t
             t = (await r.json())["timings"]
         await proxy.wait_background()
         predicted = _predicted(proxy, hk)
-        assert layer.counters["fast_path"] == 2 and layer.counters["mispredictions"] == 0
+        assert layer.counters["known"] == 2 and layer.counters["mispredictions"] == 0
         assert abs(predicted - t["cache_n"]) <= UB and t["cache_n"] > 0
         assert await _prompt_total(s, srv.url) - before == t["prompt_n"]
 
@@ -374,7 +374,7 @@ async def test_a_known_turn_is_checked_against_a_restart_with_the_fewest_round_t
             layer.table.if_boot = False       # as a build without patches/0007 says in /props
         assert layer.table.if_boot == (check == "if_boot")
         events: list[str] = []
-        real = layer.table.fetch_slots, layer.table.same_process, proxy._forward
+        real = layer.table.fetch_slots, layer.table.same_process, proxy.forwards.forward
 
         async def fetch_slots(*a, **kw):
             events.append("GET /slots")
@@ -389,7 +389,7 @@ async def test_a_known_turn_is_checked_against_a_restart_with_the_fewest_round_t
             events.append("forward" + (" if-boot" if a[-1] else ""))
             return await real[2](*a, **kw)
 
-        layer.table.fetch_slots, layer.table.same_process, proxy._forward = fetch_slots, same_process, forward
+        layer.table.fetch_slots, layer.table.same_process, proxy.forwards.forward = fetch_slots, same_process, forward
         reconciles = layer.counters["plan_reconciles"]
         async with s.post(base + CHAT, json=body, headers=h) as r:
             assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
@@ -432,7 +432,7 @@ async def test_a_known_turn_is_checked_against_a_restart_with_the_fewest_round_t
         else:
             assert "GET /slots" in events[:events.index("forward")], events
             assert proxy.stats.to_dict()["stale_plans"] == 0
-        layer.table.fetch_slots, layer.table.same_process, proxy._forward = real
+        layer.table.fetch_slots, layer.table.same_process, proxy.forwards.forward = real
 
 
 @pytest.mark.server
@@ -446,7 +446,7 @@ async def test_a_restart_the_slot_table_sees_first_is_handled_once(start_server,
     async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
         layer = proxy.layer
         srv.restart()
-        layer.opt_fast_path = False          # this turn takes the usual path (GET /slots first)
+        layer.opt_known = False          # this turn takes the usual path (GET /slots first)
         try:
             async with s.post(base + CHAT, json=body, headers=h) as r:
                 assert r.status == 200 and r.headers.get("X-OCache-Path") is None
@@ -454,7 +454,7 @@ async def test_a_restart_the_slot_table_sees_first_is_handled_once(start_server,
             await proxy.wait_background()
             await layer.idle()
         finally:
-            layer.opt_fast_path = True
+            layer.opt_known = True
         assert layer.table.counters["restarts_seen_in_slots"] == 1
         epoch = proxy.upstream.epoch
         await proxy.upstream.probe()         # the monitor's next probe: the same new process

@@ -437,7 +437,7 @@ async def test_serve_launch_replicas_starts_two_children_behind_the_router(engin
     """``serve --launch`` with ``launch_replicas: 2``: two children, each on its own port with the
     same --slot-save-path (one store), each its own log; a completion is served by one of them and
     says which (X-OCache-Upstream); the dashboard view has a row per server."""
-    from ocache import proxy as proxy_mod
+    from ocache import serving as proxy_mod
     from ocache.dashboard import view
     from ocache.llama.server import free_port
 

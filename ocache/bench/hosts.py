@@ -1,7 +1,7 @@
 """The two-host bench: a scenario with ``hosts: 2`` (``scenarios/two_hosts_day.yaml``)
 replayed over two hosts behind a session-affine balancer, with and without the shared tier, and on
 one host. ``ocache bench --preset tiny --scenario two_hosts_day --models hybrid,dense`` runs it
-(``ocache.bench.run._cmd`` hands every ``hosts:`` scenario to :class:`HostsBench`).
+(``ocache.bench.command`` hands every ``hosts:`` scenario to :class:`HostsBench`).
 
 A *host* is one llama-server (the flags of ``ocache.bench.run``'s configuration (b), ``-np`` 2) with
 its own ``--slot-save-path``, and in front of it, where the configuration has one, one ``ocache

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ocache.bench.replay import Row
 
 if TYPE_CHECKING:
-    from ocache.bench.run import ConfigRun
+    from ocache.bench.results import ConfigRun
 
 #: Rule 2, never worse than llama-server alone: the most (c) / min((a), (b)) may be per scenario
 #: (<= 1.00 on every scenario without a restart)

@@ -21,7 +21,7 @@ from ocache.layer import ParsedRequest, Plan
 from ocache.tiers.base import Offer, RequestContext
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 log = logging.getLogger("ocache.cache")
 
@@ -60,12 +60,12 @@ def unplanned(tier: str, kind: str) -> Plan:
     return Plan(figures=Figures(tier=tier, kind=kind))
 
 
-def _versions(layer: OCacheLayer) -> tuple[int, ...]:
+def _versions(layer: PlanningServices) -> tuple[int, ...]:
     table = layer.ready_table
     return tuple(table.version(i) for i in range(len(table)))
 
 
-def stale(layer: OCacheLayer, found: Lookups) -> bool:
+def stale(layer: PlanningServices, found: Lookups) -> bool:
     """Whether ``found`` may no longer be what the tiers answer: the epoch changed or a slot was
     written since it was read (a request's steps ran there: a spill of the conversation it evicted,
     an anchor split, a restore; the session tier's entry of an evicted conversation is committed by
@@ -73,7 +73,7 @@ def stale(layer: OCacheLayer, found: Lookups) -> bool:
     return found.epoch != layer.ready_table.epoch or found.versions != _versions(layer)
 
 
-async def look_up(layer: OCacheLayer, prep: Prepared, ctx: RequestContext) -> Lookups:
+async def look_up(layer: PlanningServices, prep: Prepared, ctx: RequestContext) -> Lookups:
     """Ask every tier once (head tier first) and the disk tier's anchor lines. A tier whose lookup
     raises offers nothing (logged)."""
     offers: list[Offer | None] = []
@@ -92,16 +92,16 @@ async def look_up(layer: OCacheLayer, prep: Prepared, ctx: RequestContext) -> Lo
     return Lookups(tuple(offers), anchors, prep, layer.ready_table.epoch, _versions(layer))
 
 
-def _key(layer: OCacheLayer) -> tuple[str, int]:
+def _key(layer: PlanningServices) -> tuple[str, int]:
     return ("lookups", id(layer))
 
 
-def keep(layer: OCacheLayer, req: ParsedRequest, found: Lookups) -> None:
+def keep(layer: PlanningServices, req: ParsedRequest, found: Lookups) -> None:
     """Keep ``found`` (the router's estimate on this server) for this server's plan of ``req``."""
     memo_of(req)[_key(layer)] = found
 
 
-async def lookups(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: RequestContext) -> Lookups:
+async def lookups(layer: PlanningServices, req: ParsedRequest, prep: Prepared, ctx: RequestContext) -> Lookups:
     """The lookup phase of ``req`` on this server, once per request: the answers the router's
     estimate got here (:func:`keep`; spent once), while they were read for this prepared request,
     on this epoch, with no slot written since; else asked now."""
@@ -112,7 +112,7 @@ async def lookups(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: R
     return await look_up(layer, prep, ctx)
 
 
-def head_resident(layer: OCacheLayer, ctx: RequestContext) -> bool:
+def head_resident(layer: PlanningServices, ctx: RequestContext) -> bool:
     """Whether the request's head needs no warm-up: some slot or the head tier has it, or the
     request has none, or warm-ups are off (``tiers.resident.warm``)."""
     if ctx.head_key and layer.opt_warm:
@@ -120,13 +120,13 @@ def head_resident(layer: OCacheLayer, ctx: RequestContext) -> bool:
     return True
 
 
-def inputs(layer: OCacheLayer, slot: int, ctx: RequestContext) -> Inputs:
+def inputs(layer: PlanningServices, slot: int, ctx: RequestContext) -> Inputs:
     """What a plan read that can change while the request waits for ``slot``'s lease: the slot's
     write counter and whether the request's head is known."""
     return (layer.ready_table.version(slot), head_resident(layer, ctx))
 
 
-def decide(layer: OCacheLayer, tokens: Sequence[int], ctx: RequestContext, offers: Sequence[Offer | None],
+def decide(layer: PlanningServices, tokens: Sequence[int], ctx: RequestContext, offers: Sequence[Offer | None],
            anchors: Sequence[tuple[int, str]] | None, forced_slot: int | None = None,
            held: int | None = None) -> tuple[Decision, Inputs]:
     """``plan_request`` on a snapshot of the table with the lookup phase's answers (pure but for
@@ -143,7 +143,7 @@ def decide(layer: OCacheLayer, tokens: Sequence[int], ctx: RequestContext, offer
     return dec, (snap[dec.slot].version, resident)
 
 
-async def context(layer: OCacheLayer, req: ParsedRequest, prep: Prepared) -> RequestContext:
+async def context(layer: PlanningServices, req: ParsedRequest, prep: Prepared) -> RequestContext:
     """The request's context on this server (a new task id of its table), for a plan: counts a
     client's own ``id_slot`` (overridden) and notes an agent request in the folder journal."""
     if "id_slot" in (req.body or {}):
@@ -156,7 +156,7 @@ async def context(layer: OCacheLayer, req: ParsedRequest, prep: Prepared) -> Req
     return prep.context(layer.ready_table.next_task())
 
 
-def planned(layer: OCacheLayer, pctx: PlanContext, kind: str) -> Figures:
+def planned(layer: PlanningServices, pctx: PlanContext, kind: str) -> Figures:
     """Count a planned request and return its figures (``X-OCache-*`` headers). They are sent
     before the body, so Prefilled/Reused come from the plan (what ocache prefilled itself,
     measured, plus the predicted reuse of the forwarded request)."""

@@ -22,7 +22,7 @@ from ocache.tiers.base import RequestContext
 from ocache.tiers.resident import rank_slots
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 #: tokens past the shared prefix that key a gate (``Estimate.prefix_key``, ``router._gate_key``)
 GATE_BLOCK = 256
@@ -38,7 +38,7 @@ def _prefix_block(head_len: int, predicted: int, n_tokens: int) -> int:
     return base + GATE_BLOCK if base + GATE_BLOCK <= n_tokens or not base else 0
 
 
-def _estimate_of(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, dec: Decision,
+def _estimate_of(layer: PlanningServices, prep: Prepared, ctx: RequestContext, dec: Decision,
                  snap: list[SlotState]) -> Estimate:
     """The ``Estimate`` of decision ``dec`` on snapshot ``snap`` (pure but for reading the tiers'
     ``will_spill``)."""
@@ -65,7 +65,7 @@ def _estimate_of(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, dec: D
                     ubatch=table.params.n_ubatch)
 
 
-async def estimate(layer: OCacheLayer, req: ParsedRequest) -> Estimate | None:
+async def estimate(layer: PlanningServices, req: ParsedRequest) -> Estimate | None:
     """This server's ``Estimate`` for ``req``, or None for a request ``plan`` would not pin
     (unconvertible, unpinnable here, rejected by the server, empty or too long). Raises what the
     layer's readiness or the token view raise when the server cannot be asked (the router then

@@ -84,8 +84,8 @@ COUNTERS = (
     "no_cache_prompt", "evictions", "guest_on_agent_slot", "client_pins_overridden",
     "bring_failures", "bring_retries", "failed_responses", "too_long", "unrenderable", "unpinnable",
     "user_splits", "split_tokens", "reused_tokens", "prefilled_tokens", "replans",
-    "plan_reconciles", "fast_path", "fast_path_other_plan", "fast_path_anchors_skipped",
-    "fast_path_failed", "view_mismatches", "known_boot_checked", "known_if_boot", "known_waits",
+    "plan_reconciles", "known", "known_other_plan", "known_anchors_skipped",
+    "known_failed", "view_mismatches", "known_boot_checked", "known_if_boot", "known_waits",
     "known_waits_usual",
 )
 
@@ -109,7 +109,7 @@ class OCacheLayer:
         self.opt_warm = opts.warm
         self.opt_keep_origin = opts.keep_origin
         self.opt_reconcile = opts.reconcile
-        self.opt_fast_path = opts.fast_path
+        self.opt_known = opts.known
         self.param_overrides = dict(opts.param_overrides)
         #: the launch flags: ``server_args`` / ``--launch`` as configured, else (per epoch) what a
         #: patched server reports in ``/props`` ``ocache.launch`` (patches/0009, ``argv_from_launch``)
@@ -140,7 +140,7 @@ class OCacheLayer:
         #: the disk, session and remote tiers built from the config (``ensure_ready``)
         self.built = wiring.BuiltTiers(self.tiers)
         self.disk_tier: DiskTier | None = None
-        self._session_tier: SessionTier | None = None
+        self.session_tier: SessionTier | None = None
         #: a planned stop began (:meth:`begin_stop`): no new GET /slots reconcile or origin upkeep
         self._stopping = False
         self.journal: FolderJournal | None = None
@@ -233,7 +233,7 @@ class OCacheLayer:
             # session (tiers/spill.py: resume after a drain), disk (tiers/disk.py), remote (tiers/remote.py)
             await self.built.ready(self.config, self.table, self.identity, no_save=self._no_save,
                                    prefill_tps_of=lambda: self.prefill_tps)
-            self.disk_tier, self._session_tier = self.built.disk, self.built.session
+            self.disk_tier, self.session_tier = self.built.disk, self.built.session
             # head files through the same verified store (tiers/store.py)
             open_head_store(self.head_tier, self.config, self.table.params, self.identity().key)
             self._ready = True
@@ -276,6 +276,10 @@ class OCacheLayer:
         if self.table is None:
             raise RuntimeError("the cache layer is not ready: no slot table yet")
         return self.table
+
+    @property
+    def current_viewer(self) -> TokenViewer | None:   # None before the layer was first made ready
+        return self._viewer
 
     @property
     def ready_head(self) -> HeadTier:
@@ -322,7 +326,7 @@ class OCacheLayer:
         """The slot the known route would take for ``req`` now (read-only, no await; the router
         asks it first: ``ocache/router.py``), or None: not ready, the known route off or not yet
         possible (template not checked append-only), not a chat request, no slot holds it."""
-        if not (self._ready and self.table is not None and self.opt_fast_path):
+        if not (self._ready and self.table is not None and self.opt_known):
             return None
         shape = self.shape(req)
         if isinstance(shape, str) or not known.applies(self, shape):

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 from ocache.slots import SlotNotSupported
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 
-def background(layer: OCacheLayer) -> dict[str, dict[str, int]]:
+def background(layer: PlanningServices) -> dict[str, dict[str, int]]:
     """The background work pending now (``ocache.background.Background.pending``), by owner: the
     layer's (reconcile, origin) and each tier's (commits)."""
     owners = [layer.background] + [b for t in (layer.head_tier, *layer.tiers)
@@ -20,7 +20,7 @@ def background(layer: OCacheLayer) -> dict[str, dict[str, int]]:
     return {b.owner: b.pending() for b in owners}
 
 
-def stats(layer: OCacheLayer) -> dict[str, Any]:
+def stats(layer: PlanningServices) -> dict[str, Any]:
     """The layer's counters, per-tier plan counts, the background work pending by owner, measured prefill rate (tokens/s), recent
     mispredictions, setup warnings, each slot (tokens, kind, owner, idle seconds), the table's
     counters, the warmed heads and every tier's own stats (an error there is reported, never
@@ -35,7 +35,7 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
                            "alone": layer.alone.stats(),
                            "align": layer.align.stats(), "continued": layer.continued.stats(),
                            "background": background(layer)}
-    counters = getattr(getattr(layer, "_viewer", None), "counters", None)
+    counters = getattr(layer.current_viewer, "counters", None)
     if counters is not None:
         # the token view's counters: ``view_timeouts`` are views that outlasted their bound
         # (``ViewCalls.bound_s``, ``call_timeout``) and went as sent (each also a ``fail_open``)
@@ -58,19 +58,19 @@ def stats(layer: OCacheLayer) -> dict[str, Any]:
     return out
 
 
-def tiers_off(layer: OCacheLayer) -> list[Any]:
+def tiers_off(layer: PlanningServices) -> list[Any]:
     """The tiers the setup checks turn off (``ocache.llama.checks.tiers_off``: ``TierOff``, with
     why and the one-line fix) that are off in this layer too (a tier the configuration turned on
     anyway, e.g. by ``tiers.disk.slot_save_path``, is not listed). Empty before the first checks."""
     from ocache.llama.checks import tiers_off as off_by_findings
 
     head = layer.head_tier
-    on = {"disk": layer.disk_tier is not None, "session": layer._session_tier is not None,
+    on = {"disk": layer.disk_tier is not None, "session": layer.session_tier is not None,
           "head": head is not None and getattr(head, "store", None) is not None and not head.no_save}
     return [t for t in off_by_findings(layer.findings) if not on.get(t.tier, False)]
 
 
-async def clear(layer: OCacheLayer, tier: str) -> dict[str, Any]:
+async def clear(layer: PlanningServices, tier: str) -> dict[str, Any]:
     """``resident`` (or ``all``): erase every slot ocache knows; ``head``: forget warmed heads and
     their files; ``disk``/``session``: delete that tier's store entries. Returns
     ``{"tier", "cleared"}``."""

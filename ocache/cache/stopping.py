@@ -9,12 +9,12 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 log = logging.getLogger("ocache.cache")
 
 
-async def quiesce(layer: OCacheLayer, timeout_s: float) -> int:
+async def quiesce(layer: PlanningServices, timeout_s: float) -> int:
     """The last step before llama-server is stopped: ``OCacheLayer.begin_stop``, then wait (at most
     ``timeout_s`` seconds in all) for background work and for every slot call in flight, so
     that no connection of ocache's waits on the server's task queue when it gets SIGTERM
@@ -29,7 +29,7 @@ async def quiesce(layer: OCacheLayer, timeout_s: float) -> int:
     return await layer.table.wait_calls(max(0.0, deadline - time.monotonic()))
 
 
-async def drain(layer: OCacheLayer) -> None:
+async def drain(layer: PlanningServices) -> None:
     """Planned stop: finish background work, then every tier's drain step (by default its
     ``before_evict`` on each live conversation; the session tier spills each once, commits and
     writes its resume marker).
@@ -64,7 +64,7 @@ async def drain(layer: OCacheLayer) -> None:
     work.result()
 
 
-async def drain_tiers(layer: OCacheLayer) -> None:
+async def drain_tiers(layer: PlanningServices) -> None:
     """Background work finished, then every tier's ``on_drain`` (a failure is logged)."""
     await layer.idle()
     if layer.table is None:

@@ -12,13 +12,13 @@ from ocache.cache.plan import plan_request
 from ocache.tiers.base import RequestContext
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
     from ocache.warm import WarmDeps
 
 log = logging.getLogger("ocache.cache")
 
 
-async def warm_head(layer: OCacheLayer, body: Mapping, path: str = "/v1/chat/completions") -> dict:
+async def warm_head(layer: PlanningServices, body: Mapping, path: str = "/v1/chat/completions") -> dict:
     """Warm the stable harness head of an agent request ``body`` now (``ocache warm DIR``).
 
     Returns ``{"slot", "head_key", "head_tokens", "prompt_n", "cache_n"}`` (token counts). Raises
@@ -46,7 +46,7 @@ async def warm_head(layer: OCacheLayer, body: Mapping, path: str = "/v1/chat/com
             "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n")}
 
 
-def warm_deps(layer: OCacheLayer) -> WarmDeps | None:
+def warm_deps(layer: PlanningServices) -> WarmDeps | None:
     """What ``POST /v1/cache/warm`` needs: ocache/warm.py ``WarmDeps``; None without a folder
     journal."""
     from ocache.warm import WarmDeps
@@ -85,5 +85,5 @@ def warm_deps(layer: OCacheLayer) -> WarmDeps | None:
 
     # the viewer and table as they are now (None before the layer's first readiness: the route's
     # pick_slot makes it ready, and a warm-up that finds neither fails with its error reported)
-    return WarmDeps(journal=layer.journal, viewer=layer._viewer, tier=layer.disk_tier,
+    return WarmDeps(journal=layer.journal, viewer=layer.current_viewer, tier=layer.disk_tier,
                     slots=layer.table, pick_slot=pick_slot, prepare_slot=prepare_slot)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from ocache import fingerprint as fp_mod
 from ocache.llama import flags as llama_flags, gguf as llama_gguf
+from ocache.config import tier_key
 from ocache.llama.flags import ServerParams
 
 log = logging.getLogger("ocache.cache")
@@ -25,7 +26,7 @@ class LayerOptions:
     """``tiers.resident`` keys the layer reads (``ocache serve --help-config``): ``warm`` (head
     warm-up, default true), ``keep_origin`` (default true), ``reconcile`` (default true),
     ``server_args`` (the argv of a server ocache did not launch; else ``config.launch``),
-    ``fast_path`` (default true: a known conversation's next turn is forwarded before its token
+    ``known`` (default true: a known conversation's next turn is forwarded before its token
     view, ``ocache/cache/routes/known.py``), and any ``ServerParams`` field as an override
     (``n_ubatch``, ``checkpoints``, ...)."""
 
@@ -34,7 +35,7 @@ class LayerOptions:
     reconcile: bool = True
     argv: tuple[str, ...] | None = None
     param_overrides: tuple[tuple[str, Any], ...] = ()
-    fast_path: bool = True
+    known: bool = True
 
 
 def layer_options(config: Any) -> LayerOptions:
@@ -42,11 +43,13 @@ def layer_options(config: Any) -> LayerOptions:
     warm = bool(tiers_cfg.pop("warm", True))
     keep_origin = bool(tiers_cfg.pop("keep_origin", True))
     reconcile = bool(tiers_cfg.pop("reconcile", True))
-    fast_path = bool(tiers_cfg.pop("fast_path", True))
+    known = bool(tier_key(tiers_cfg, "resident", "known", True))   # its former name: fast_path
+    tiers_cfg.pop("known", None)
+    tiers_cfg.pop("fast_path", None)
     overrides = tuple((k, v) for k, v in tiers_cfg.items() if k in ServerParams.__dataclass_fields__)
     server_args = tiers_cfg.pop("server_args", None)
     argv = list(server_args or getattr(config, "launch", None) or []) or None
-    return LayerOptions(warm, keep_origin, reconcile, tuple(argv) if argv else None, overrides, fast_path)
+    return LayerOptions(warm, keep_origin, reconcile, tuple(argv) if argv else None, overrides, known)
 
 
 def server_identity(props: Any, argv: Sequence[str] | None) -> Any:

@@ -1,4 +1,4 @@
-"""``ocache serve``: run the proxy (``ocache.proxy.serve``) with the configuration from
+"""``ocache serve``: run the proxy (``ocache.serving.serve``) with the configuration from
 ``ocache.yaml``, the environment and these flags (``--help-config`` lists every key)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from ocache import config as config_mod
 from ocache.config import Config
-from ocache.proxy import serve
+from ocache.serving import serve
 
 log = logging.getLogger("ocache.serve")
 

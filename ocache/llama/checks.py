@@ -387,28 +387,28 @@ async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None =
     when it cannot be reached."""
     import aiohttp
 
-    from ocache.upstream import _is_llama_props, _is_loading, _json_or_none
+    from ocache.llama.slot_api import is_llama_props, is_loading, json_or_none
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = base_url.rstrip("/")
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as s:
         async with s.get(base + "/health") as r:
-            health, body = r.status, _json_or_none(await r.read())
+            health, body = r.status, json_or_none(await r.read())
             ctype = r.headers.get("Content-Type", "")
-        if health == 503 and _is_loading(body):
+        if health == 503 and is_loading(body):
             raise RuntimeError("llama-server is still loading its model (/health 503): try again "
                                "in a moment")
         if health != 200 or not (isinstance(body, dict) and body.get("status") == "ok"):
             raise NotLlamaServer(f"GET /health answered {health} {ctype or ''}".strip()
                                  + ", not llama-server's {\"status\": \"ok\"}")
         async with s.get(base + "/props") as r:
-            props_status, props = r.status, _json_or_none(await r.read())
-        if props_status == 404 or (props_status == 200 and not _is_llama_props(props)):
+            props_status, props = r.status, json_or_none(await r.read())
+        if props_status == 404 or (props_status == 200 and not is_llama_props(props)):
             raise NotLlamaServer(f"GET /props answered {props_status} without llama-server's "
                                  "build_info / total_slots")
         props = props if props_status == 200 and isinstance(props, dict) else {}
         async with s.get(base + "/slots") as r:
-            data = _json_or_none(await r.read()) if r.status == 200 else None
+            data = json_or_none(await r.read()) if r.status == 200 else None
             slots = data if isinstance(data, list) else None
         metrics_ok, actions_ok = await probe_endpoints(s, base)
     flags_from = "command line" if argv is not None else "unknown"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 from typing import Any, Mapping, Sequence
 
 import aiohttp
@@ -26,6 +27,30 @@ IF_BOOT_HEADER = "X-Llama-Server-If-Boot"
 #: seconds :meth:`SlotTable.same_process` waits for ``GET /health`` (answered at once by a live
 #: server, without the task queue); past it the caller falls back to ``GET /slots``
 BOOT_CHECK_TIMEOUT_S = 2.0
+
+
+# what llama-server's answers mean (read by ocache/upstream.py and the setup checks)
+
+def json_or_none(data: bytes) -> Any:
+    """``data`` as JSON, or None when it is not."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+def is_loading(obj: Any) -> bool:
+    """llama-server's 503 while it loads: ``{"error": {"message": "Loading model", "type":
+    "unavailable_error", "code": 503}}`` (tools/server/server-http.cpp:307-327)."""
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return isinstance(err, dict) and (err.get("message") == "Loading model"
+                                      or err.get("type") == "unavailable_error")
+
+
+def is_llama_props(props: Any) -> bool:
+    """Whether ``props`` (a ``GET /props`` answer) is llama-server's."""
+    return isinstance(props, dict) and ("build_info" in props or "total_slots" in props
+                                        or "default_generation_settings" in props)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ocache.rate import Rate  # noqa: F401 (re-exported: the tiers' measured rates)
+
 log = logging.getLogger("ocache.tiers")
 
 
@@ -147,19 +149,3 @@ class TierBase:
     def stats(self) -> dict:
         """This tier's figures (``tier_<name>`` in ``/v1/cache/stats``)."""
         return {}
-
-
-class Rate:
-    """An exponentially weighted mean of a rate (units/s) with an initial guess."""
-
-    def __init__(self, guess: float, alpha: float = 0.3) -> None:
-        self.value = guess
-        self.n = 0
-        self.alpha = alpha
-
-    def add(self, units: float, seconds: float) -> None:
-        if units <= 0 or seconds <= 0:
-            return
-        r = units / seconds
-        self.value = r if self.n == 0 else (1 - self.alpha) * self.value + self.alpha * r
-        self.n += 1

@@ -290,7 +290,7 @@ def known_conversation_slot(slots: Sequence[SlotState], digests: Sequence[bytes]
     prompt whatever the template), for a template not yet checked append-only.
 
     Why the planner would choose that slot (``ocache.cache.orchestrator`` forwards such a request to
-    it at once, ``tiers.resident.fast_path``): the slot holds a prompt rendered from a prefix of this
+    it at once, ``tiers.resident.known``): the slot holds a prompt rendered from a prefix of this
     request's messages, and with an append-only template (the token view's delta renders check it:
     ``TokenViewer.delta_ok``) that prompt is a prefix of this request's prompt; so the slot reuses at
     least that whole prompt, more than any other slot or tier can hold of this conversation, and
@@ -298,7 +298,7 @@ def known_conversation_slot(slots: Sequence[SlotState], digests: Sequence[bytes]
     request strictly extends it, else from the server's last context checkpoint before the point
     where the request departs from it (inside the previous answer, as the template renders it);
     another tier could then only do better with a disk anchor between that checkpoint and that
-    point, which the caller counts after the fact (``fast_path_other_plan``).
+    point, which the caller counts after the fact (``known_other_plan``).
     """
     best: SlotState | None = None
     tie = False

@@ -24,10 +24,10 @@ from ocache.layer import ParsedRequest, Plan
 from ocache.tiers.base import RequestContext
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
-EarlyRoute = Callable[["OCacheLayer", ParsedRequest, Shape], Awaitable["Plan | None"]]
-Route = Callable[["OCacheLayer", ParsedRequest, Prepared, RequestContext], Awaitable["Plan | None"]]
+EarlyRoute = Callable[["PlanningServices", ParsedRequest, Shape], Awaitable["Plan | None"]]
+Route = Callable[["PlanningServices", ParsedRequest, Prepared, RequestContext], Awaitable["Plan | None"]]
 
 BEFORE_VIEW: tuple[EarlyRoute, ...] = (
     known.plan,

@@ -16,10 +16,10 @@ from ocache.layer import ParsedRequest, Plan
 from ocache.tokens import TokenView
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 
-async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | None:
+async def plan(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Plan | None:
     """An aligned plan, or None (alignment off, not a chat request, or the guard says "as sent")."""
     if not shape.chat or not layer.align.on:
         return None

@@ -55,7 +55,7 @@ from ocache.substitute import owner_of
 from ocache.tokens import TokenViewError
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 log = logging.getLogger("ocache.cache")
 
@@ -112,7 +112,7 @@ class ContinuedContext(AlignContext):
             align.records[self.slot] = (table[self.slot].seq, self.turn)
 
 
-def _candidate(layer: OCacheLayer, table: SlotTable, comp: Compaction | None, body: Any,
+def _candidate(layer: PlanningServices, table: SlotTable, comp: Compaction | None, body: Any,
                owner: str) -> tuple[int, Turn] | str:
     """The slot whose recorded conversation ``comp`` compacts (None: that ``body`` continues without
     its tools, ``ocache.compaction.without_tools``), a conversation of the requester's (``owner``:
@@ -142,13 +142,13 @@ def _as_sent(route: ContinueRoute, rid: str, why: str) -> None:
     log.info("[%s] compaction not continued: %s", rid, why)
 
 
-async def _decide(layer: OCacheLayer, table: SlotTable, comp: Compaction | None, body: Any,
+async def _decide(layer: PlanningServices, table: SlotTable, comp: Compaction | None, body: Any,
                   shape: Shape, owner: str, found: tuple[int, Turn] | None = None) -> tuple | str:
     """(slot, turn, the continuation's body fields, the decision, its tokens, whether it needs a
     splice) for a recognised compaction (``comp`` None: a conversation continued without its
     tools, ``found`` its slot and record), or why not."""
     eot = await layer.align._eot(layer)
-    viewer = layer._viewer
+    viewer = layer.current_viewer
     if eot is None or viewer is None:
         return "no splice on this server"
     if found is None:
@@ -211,7 +211,7 @@ def _updates(req: ParsedRequest, body: Any, turn: Turn, fields: dict, slot: int)
     return updates
 
 
-async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | None:
+async def plan(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Plan | None:
     """A continued plan, or None (module docstring: anything else is forwarded as sent)."""
     route: ContinueRoute = layer.continued
     table = layer.table

@@ -12,8 +12,8 @@ Critical path: one ``message_keys`` pass and one check that the server is the pr
 describes (``GET /health`` on a patched build, ``GET /slots`` otherwise: a restart must be seen),
 nothing in proportion to the prompt's tokens (``scripts/bench-long``).
 
-What the planner would have done differently is counted after the fact: ``fast_path_other_plan``
-(another slot, a restore or a head warm-up) and ``fast_path_anchors_skipped`` (the disk tier's
+What the planner would have done differently is counted after the fact: ``known_other_plan``
+(another slot, a restore or a head warm-up) and ``known_anchors_skipped`` (the disk tier's
 anchor split of the new tokens; the session tier still spills the conversation before an
 eviction).
 """
@@ -36,7 +36,7 @@ from ocache.tiers.resident import known_conversation_slot
 from ocache.tokens import TokenViewError
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 log = logging.getLogger("ocache.cache")
 
@@ -65,21 +65,21 @@ def as_settled(snapshot: list[SlotState]) -> list[SlotState]:
     return out
 
 
-def applies(layer: OCacheLayer, shape: Shape) -> bool:
+def applies(layer: PlanningServices, shape: Shape) -> bool:
     """Whether the known route may take the request: the layer is ready with the route on
-    (``tiers.resident.fast_path``), a chat request that keeps the server's prompt cache."""
-    return (layer.ready and layer.table is not None and layer.opt_fast_path and shape.chat
+    (``tiers.resident.known``), a chat request that keeps the server's prompt cache."""
+    return (layer.ready and layer.table is not None and layer.opt_known and shape.chat
             and shape.cache_prompt)
 
 
-def find(layer: OCacheLayer, shape: Shape, snapshot: list[SlotState] | None = None) -> int | None:
+def find(layer: PlanningServices, shape: Shape, snapshot: list[SlotState] | None = None) -> int | None:
     """The slot holding ``shape``'s conversation now (read-only, no await), or None."""
     table = layer.ready_table
     return known_conversation_slot(table.snapshot() if snapshot is None else snapshot, shape.digests,
                                    shape.session, shape.kind, layer.template_append_only)
 
 
-async def _settled_slot(layer: OCacheLayer, shape: Shape) -> int | None:
+async def _settled_slot(layer: PlanningServices, shape: Shape) -> int | None:
     """:func:`find`, or, when the client sent this turn the moment the previous answer ended,
     before the proxy released that plan and recorded the answer (an agent's tool loop does), the
     slot once that is done (waited at most ``KNOWN_SETTLE_WAIT_S``), rather than view and plan a
@@ -99,7 +99,7 @@ async def _settled_slot(layer: OCacheLayer, shape: Shape) -> int | None:
     return slot
 
 
-async def _same_process(layer: OCacheLayer, req: ParsedRequest, shape: Shape, slot: int) -> tuple[bool, str | None]:
+async def _same_process(layer: PlanningServices, req: ParsedRequest, shape: Shape, slot: int) -> tuple[bool, str | None]:
     """Whether the table still describes the server's process, so ``slot`` can be trusted:
     ``(ok, if_boot)``. A restart since the table's last GET /slots must be seen before the server
     works on the turn: the patched build checks that itself when the request names the process
@@ -124,7 +124,7 @@ async def _same_process(layer: OCacheLayer, req: ParsedRequest, shape: Shape, sl
     return find(layer, shape) == slot, None
 
 
-async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | None:
+async def plan(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Plan | None:
     """The known plan of ``req`` (see the module docstring), or None (plan as usual) when no slot
     holds the conversation or the slot changed before its lease was taken."""
     if not applies(layer, shape):
@@ -141,7 +141,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     if table.version(slot) != version:
         lease.release()
         return None
-    layer.counters["fast_path"] += 1
+    layer.counters["known"] += 1
     out = Plan(body_updates={"id_slot": slot}, headers={"X-OCache-Path": "known"},
                figures=Figures(kind=shape.kind, slot=slot))
     if if_boot is not None:
@@ -157,7 +157,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
         try:
             done, _ = await asyncio.wait({task}, timeout=KNOWN_COMPLETE_MAX_S)
             if not done:
-                layer.counters["fast_path_failed"] += 1
+                layer.counters["known_failed"] += 1
                 task.cancel()
             if not done or task.cancelled() or task.exception() is not None:
                 table.mark_unknown(slot)   # forwarded there; what it holds now is for GET /slots
@@ -168,7 +168,7 @@ async def plan(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Plan | N
     return out
 
 
-async def _prepared(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Prepared:
+async def _prepared(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Prepared:
     """The prepared request of a known turn; raises TokenViewError when the server rejects the
     body or the prompt is empty (the answer is then relayed without figures)."""
     prep = await layer.prepare(req, shape)
@@ -179,7 +179,7 @@ async def _prepared(layer: OCacheLayer, req: ParsedRequest, shape: Shape) -> Pre
     return prep
 
 
-async def complete(layer: OCacheLayer, req: ParsedRequest, plan: Plan, shape: Shape, slot: int) -> None:
+async def complete(layer: PlanningServices, req: ParsedRequest, plan: Plan, shape: Shape, slot: int) -> None:
     """``Plan.completion`` of :func:`plan`: the prepared request, the planner's own decision (only
     counted), the forced decision for ``slot`` without steps, ``execute`` (the table's record),
     then ``plan.figures`` (``Plan.set_figures``) / ``plan.context``. A prompt too long for the slot is counted
@@ -200,12 +200,12 @@ async def complete(layer: OCacheLayer, req: ParsedRequest, plan: Plan, shape: Sh
         lk = await core.lookups(layer, req, prep, ctx)
         best, _ = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors, held=slot)
         if best.slot != slot or {"bring", "warm_head"} & set(best.steps):
-            layer.counters["fast_path_other_plan"] += 1
+            layer.counters["known_other_plan"] += 1
             log.info("[%s] known conversation forwarded to slot %d; the planner would have chosen "
                      "slot %d (%s, predicted %d)", req.request_id, slot, best.slot,
                      ",".join(best.steps) or "no steps", best.predicted)
         elif lk.anchors and layer.disk_tier is not None and layer.disk_tier.lines_above(lk.anchors, best.predicted):
-            layer.counters["fast_path_anchors_skipped"] += 1
+            layer.counters["known_anchors_skipped"] += 1
         dec, _ = core.decide(layer, prep.tokens, ctx, [], None, forced_slot=slot, held=slot)
         dec = replace(dec, steps=(), evicts=False, offer=None)
         pctx = await execute(table, layer.ready_head, layer.tiers, layer.disk_tier, layer.counters,
@@ -213,7 +213,7 @@ async def complete(layer: OCacheLayer, req: ParsedRequest, plan: Plan, shape: Sh
     except asyncio.CancelledError:
         raise   # its plan was ended (a refused precondition) or it ran past KNOWN_COMPLETE_MAX_S
     except BaseException:
-        layer.counters["fast_path_failed"] += 1
+        layer.counters["known_failed"] += 1
         raise
     plan.set_figures(core.planned(layer, pctx, shape.kind))
     plan.context = pctx

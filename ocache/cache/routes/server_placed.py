@@ -29,7 +29,7 @@ from ocache.tiers.base import RequestContext
 from ocache.tiers.resident import rank_slots, server_should_choose
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 log = logging.getLogger("ocache.cache")
 
@@ -37,7 +37,7 @@ log = logging.getLogger("ocache.cache")
 PLACEMENT_WAIT_S = 30.0
 
 
-def chooses(layer: OCacheLayer, prep: Prepared, ctx: RequestContext) -> bool:
+def chooses(layer: PlanningServices, prep: Prepared, ctx: RequestContext) -> bool:
     """``server_should_choose`` on the current table, and no slot leased now (every lease is taken:
     one held by a running request would be waited for until it ends)."""
     table = layer.ready_table
@@ -47,7 +47,7 @@ def chooses(layer: OCacheLayer, prep: Prepared, ctx: RequestContext) -> bool:
     return server_should_choose(rank_slots(prep.tokens, snap, ctx, table.params), snap)
 
 
-async def plan(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: RequestContext) -> Plan | None:
+async def plan(layer: PlanningServices, req: ParsedRequest, prep: Prepared, ctx: RequestContext) -> Plan | None:
     """The server-placed plan of ``req`` (see the module docstring), or None when the planner
     chooses better. Raises what ``GET /slots`` raises (every lease released)."""
     if not chooses(layer, prep, ctx):

@@ -24,7 +24,7 @@ from ocache.tiers.base import RequestContext
 from ocache.tiers.resident import rank_slots
 
 if TYPE_CHECKING:
-    from ocache.cache.orchestrator import OCacheLayer
+    from ocache.cache.ports import PlanningServices
 
 log = logging.getLogger("ocache.cache")
 
@@ -36,7 +36,7 @@ REPLANS_MAX = 3
 LEASE_WAIT_S = 5.0
 
 
-async def _relook(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, lk: core.Lookups) -> core.Lookups:
+async def _relook(layer: PlanningServices, prep: Prepared, ctx: RequestContext, lk: core.Lookups) -> core.Lookups:
     """``lk``, or the tiers' answers asked again when a slot was written since ``lk`` was read."""
     if not core.stale(layer, lk):
         return lk
@@ -44,7 +44,7 @@ async def _relook(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, lk: c
     return await core.look_up(layer, prep, ctx)
 
 
-async def _lease(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, lk: core.Lookups,
+async def _lease(layer: PlanningServices, prep: Prepared, ctx: RequestContext, lk: core.Lookups,
                  dec: Decision, seen: tuple[int, bool]
                  ) -> tuple[Decision, tuple[int, bool], SlotLease, core.Lookups]:
     """The lease of ``dec``'s slot. While it is busy, waited for ``LEASE_WAIT_S`` at a time; when it
@@ -69,7 +69,7 @@ async def _lease(layer: OCacheLayer, prep: Prepared, ctx: RequestContext, lk: co
             dec, seen = core.decide(layer, prep.tokens, ctx, lk.offers, lk.anchors, forced_slot=idle[0])
 
 
-async def _lease_settled(layer: OCacheLayer, prep: Prepared, ctx: RequestContext,
+async def _lease_settled(layer: PlanningServices, prep: Prepared, ctx: RequestContext,
                          lk: core.Lookups) -> tuple[Decision, SlotLease]:
     """Decide, lease the chosen slot, and plan again while a slot changed during the wait for its
     lease (another request used it): the tiers are asked again (``_relook``: what that request
@@ -102,7 +102,7 @@ async def _lease_settled(layer: OCacheLayer, prep: Prepared, ctx: RequestContext
     return dec, lease
 
 
-async def plan(layer: OCacheLayer, req: ParsedRequest, prep: Prepared, ctx: RequestContext,
+async def plan(layer: PlanningServices, req: ParsedRequest, prep: Prepared, ctx: RequestContext,
                accept: Callable[[Decision], bool] | None = None) -> Plan | None:
     """Plan ``req`` the usual way (see the module docstring). The slot's lease is released on every
     path out of here but the success one, which hands it to the plan's ``release``: an exception or
