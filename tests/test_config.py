@@ -17,7 +17,7 @@ def test_defaults_bind_loopback():
     assert c.upstream == "http://127.0.0.1:8080"
     assert c.admin_token is None
     assert c.disk_budget_gb == 50 and c.disk_ttl_days == 7 and c.disk_min_tokens == 4096
-    assert c.spill_budget_gb == 40 and c.spill_min_tokens == 1024
+    assert c.spill_budget_gb == 40 and c.spill_min_tokens == 256
 
 
 def test_precedence_yaml_env_cli(tmp_path):

@@ -544,7 +544,7 @@ async def p_session_drain_min_tokens(tmp_path, mp):
 
 async def p_session_guest_min_tokens(tmp_path, mp):
     tier = _session(tmp_path, tiers={"session": {"guest_min_tokens": 600}})
-    assert tier.cfg.guest_min_tokens == 600 and tier.cfg.min_tokens == 1024
+    assert tier.cfg.guest_min_tokens == 600 and tier.cfg.min_tokens == 256
 
 
 async def p_session_resume(tmp_path, mp):

@@ -769,7 +769,7 @@ async def test_warm_dir_spills_the_conversation_it_replaces(start_server, tmp_pa
 
             for owner, (body, _) in convs.items():
                 await send(s, base, proxy, body, {"x-session-affinity": owner})
-            table, session = proxy.layer.table, proxy.layer._session_tier
+            table, session = proxy.layer.table, proxy.layer.session_tier
             held = {table[i].owner for i in range(2)}
             gone = next(o for o in convs if o not in held)
             last = await warm(convs[next(iter(held))][1])

@@ -71,6 +71,19 @@ class RequestContext:
     labels: tuple[tuple[str, str | None], ...] = ()
 
 
+class TierError(RuntimeError):
+    """A tier's ``bring`` failed; the request goes cold. ``reason``: a word the tier's error type
+    documents (``ocache.tiers.restore``: ``gone``, a store check word, ``restore``, ``upstream``;
+    the remote tier adds its download's). Each tier subclasses it with its ``tier`` name, the
+    message's prefix."""
+
+    tier = "cache"
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{self.tier} tier: {reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+
+
 class TierBase:
     """A cache tier (the head, disk and session tiers subclass it; ``docs/architecture.md`` §4).
 

@@ -71,12 +71,11 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from ocache.background import Background
-from ocache.tiers.base import Offer, Rate, TierBase
+from ocache.tiers.base import Offer, Rate, TierBase, TierError
+from ocache.tiers.restore import restore_verified
 from ocache.config import field_of as _get, slot_save_path
 from ocache.llama.checks import FLAGS_FIX
-from ocache.tiers.store import sidecar_checkpoints
-from ocache.tiers.store import BudgetError, IntegrityError, Store, entry_key, grid_hashes, reserve_async, shared_store
-from ocache.slots import SlotHashMismatch, file_refused
+from ocache.tiers.store import BudgetError, Store, entry_key, grid_hashes, reserve_async, shared_store
 from ocache.llama.reuse import media_spans
 
 log = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ KIND = "a"
 USER_DELIMITERS = [{"role": "user", "delimiter": "<|im_start|>user"}]
 
 
-class DiskTierError(RuntimeError):
+class DiskTierError(TierError):
     """``bring`` failed (verification or the server's restore); the request must go cold.
 
     ``reason``: ``missing``/``size``/``hash``/``identity``/``tokens``/``header``/``record`` (a file
@@ -96,9 +95,7 @@ class DiskTierError(RuntimeError):
     failed otherwise: connection refused or reset, timeout, 5xx; the entry is kept) or ``gone`` (the
     entry was evicted since ``lookup``)."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"disk tier: {reason}{': ' + detail if detail else ''}")
-        self.reason = reason
+    tier = "disk"
 
 
 class SlotOps(Protocol):
@@ -433,51 +430,15 @@ class DiskTier(TierBase):
         return None
 
     async def bring(self, offer: Offer, slot: int) -> None:
-        """Verify the anchor, then restore it into ``slot``. Raises DiskTierError (entry deleted;
-        after a server-side failure the slot is empty, docs/llama-server.md §5)."""
+        """Verify the anchor, then restore it into ``slot`` (``ocache.tiers.restore``). Raises
+        DiskTierError (entry deleted; after a server-side failure the slot is empty,
+        docs/llama-server.md §5)."""
         ref: AnchorRef = offer.ref
         t0 = time.monotonic()
-        try:
-            e = await asyncio.to_thread(self.store.verify, ref.key, ref.expect,
-                                        server_hash=self.slots.checks_xxh3)
-        except KeyError as exc:
-            raise DiskTierError("gone", ref.key) from exc
-        except IntegrityError as exc:
-            self.counters["verify_failed"] += 1
-            raise DiskTierError(exc.reason, str(exc)) from exc
-        t1 = time.monotonic()
-        self.verify_rate.add(e.bytes, t1 - t0)
-        try:
-            cps = []
-            if "ckpt" in e.files:
-                try:
-                    from ocache.llama.reuse import Checkpoint
-
-                    cps = [Checkpoint(n) for n in sidecar_checkpoints(self.store.path(e.files["ckpt"].name))]
-                except ImportError:
-                    cps = []
-            resp = await self.slots.restore(slot, e.bin_name, tokens=ref.expect, checkpoints=cps,
-                                            xxh3=e.files["bin"].xxh3 if self.slots.checks_xxh3 else None)
-        except Exception as exc:  # noqa: BLE001
-            if not isinstance(exc, SlotHashMismatch):
-                # a damaged file the server's own check refused (patches/0006) counts as
-                # verify_failed below, as the store's check counts it on a stock build
-                self.counters["restore_failed"] += 1
-            if not file_refused(exc):
-                # llama-server gone, restarting or failing for another reason: the file is still
-                # valid (it was just verified), keep it for the next request
-                self.counters["restore_upstream_failed"] += 1
-                raise DiskTierError("upstream", str(exc)) from exc
-            if isinstance(exc, SlotHashMismatch):     # the integrity check, run by the server
-                self.counters["verify_failed"] += 1
-            await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")
-            raise DiskTierError("restore", str(exc)) from exc
-        if int(_get(resp, "n_restored", -1)) != e.n_tokens:
-            self.counters["restore_failed"] += 1
-            await asyncio.to_thread(self.store.delete, e.key, "restored token count differs")
-            raise DiskTierError("restore", f"n_restored={_get(resp, 'n_restored')} != {e.n_tokens}")
-        if self._own_restore_rate:  # else the slot table measured it
-            self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes), time.monotonic() - t1)
+        e = await restore_verified(self.store, self.slots, ref.key, slot, error=DiskTierError, counters=self.counters,
+                               verify_rate=self.verify_rate,
+                               restore_rate=self.restore_rate if self._own_restore_rate else None,
+                               expect=ref.expect)
         self.restore_s.append(time.monotonic() - t0)
         self.counters["restores"] += 1
         self._pending[slot] = _Pending(e.key, e.n_tokens, time.monotonic())

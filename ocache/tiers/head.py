@@ -27,7 +27,7 @@ from typing import Any
 from ocache.background import Background
 from ocache.llama.reuse import Checkpoint
 from ocache.slots import SlotError, SlotNotSupported, SlotTable
-from ocache.tiers.base import Offer, TierBase
+from ocache.tiers.base import Offer, TierBase, TierError
 from ocache.tiers.resident import RequestContext
 
 log = logging.getLogger("ocache.cache")
@@ -36,15 +36,13 @@ log = logging.getLogger("ocache.cache")
 HEAD_KIND = "h"
 
 
-class HeadTierError(RuntimeError):
+class HeadTierError(TierError):
     """A head restore failed; the request goes cold. ``reason``: a store check word (``missing``,
     ``size``, ``hash``, ``identity``, ``tokens``, ``header``, ``record``: the entry was deleted),
     ``restore`` (the server refused the file: deleted), ``upstream`` (the server could not be asked:
     the entry is kept) or ``gone`` (the entry was evicted or cleared)."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"head tier: {reason}{': ' + detail if detail else ''}")
-        self.reason = reason
+    tier = "head"
 
 
 @dataclass
@@ -122,43 +120,18 @@ class HeadTier(TierBase):
     async def restore_into(self, slot: int, rec: HeadRecord) -> None:
         """Verify the head's entry, then restore it into ``slot`` (the caller holds the slot's lease).
         Raises HeadTierError (see there for what is deleted and what is kept)."""
-        from ocache.slots import SlotHashMismatch, file_refused
-        from ocache.tiers.store import IntegrityError
+        from ocache.tiers.restore import restore_verified
 
-        if self._entry(rec) is None:
+        if self._entry(rec) is None or rec.entry is None:
             raise HeadTierError("gone", rec.key)
         t0 = time.monotonic()
         try:
-            e = await asyncio.to_thread(self.store.verify, rec.entry, rec.tokens,
-                                        server_hash=self.table.checks_xxh3)
-        except KeyError as exc:
-            rec.entry = None
-            raise HeadTierError("gone", rec.key) from exc
-        except IntegrityError as exc:  # the store deleted the entry and logged it
-            self.counters["verify_failed"] += 1
-            rec.entry = None
-            raise HeadTierError(exc.reason, str(exc)) from exc
-        try:
-            resp = await self.table.restore(slot, e.bin_name, tokens=rec.tokens, checkpoints=rec.checkpoints,
-                                            xxh3=e.files["bin"].xxh3 if self.table.checks_xxh3 else None)
-        except SlotError as exc:
-            if not isinstance(exc, SlotHashMismatch):
-                # a damaged file the server's own check refused (patches/0006) counts as
-                # verify_failed below, as the store's check counts it on a stock build
-                self.counters["restore_failed"] += 1
-            if not file_refused(exc):
-                self.counters["restore_upstream_failed"] += 1
-                raise HeadTierError("upstream", str(exc)) from exc
-            rec.entry = None
-            if isinstance(exc, SlotHashMismatch):     # the integrity check, run by the server
-                self.counters["verify_failed"] += 1
-            await asyncio.to_thread(self.store.delete, e.key, f"server refused the restore: {exc}")
-            raise HeadTierError("restore", str(exc)) from exc
-        if int(resp.get("n_restored", -1)) != len(rec.tokens):
-            self.counters["restore_failed"] += 1   # the table holds what restore found (unknown)
-            rec.entry = None
-            await asyncio.to_thread(self.store.delete, e.key, "restored token count differs")
-            raise HeadTierError("restore", f"n_restored={resp.get('n_restored')} != {len(rec.tokens)}")
+            e = await restore_verified(self.store, self.table, rec.entry, slot, error=HeadTierError,
+                                       counters=self.counters, expect=rec.tokens, checkpoints=rec.checkpoints)
+        except HeadTierError as exc:
+            if exc.reason != "upstream":    # gone, or deleted by the store or here
+                rec.entry = None
+            raise
         rec.restore_s = time.monotonic() - t0
         rec.last_used = time.monotonic()
         self.counters["restores"] += 1

@@ -60,12 +60,13 @@ from typing import Any, Callable, Sequence
 import xxhash
 
 from ocache.config import field_of as _get
-from ocache.tiers.base import Offer, Rate, TierBase
-from ocache.tiers.entry import IntegrityError, token_bytes
+from ocache.tiers.base import Offer, Rate, TierBase, TierError
+from ocache.tiers.restore import restore_verified
+from ocache.tiers.entry import token_bytes
 from ocache.tiers.remote_bucket import (FLEET_KEY_ENV, FLEET_KEY_MIN_CHARS, INDEX_MAX_BYTES, INDEX_MAX_ENTRIES,
                                         RemoteBucket, RemoteEntry, RemoteError)
 from ocache.tiers.remote_client import RemoteConfigError, S3Objects, shown_url
-from ocache.tiers.store import Store, sidecar_checkpoints
+from ocache.tiers.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +105,11 @@ def prefix_keys(identity: str, kind: str, raw: bytes, lengths: Sequence[int]) ->
     return out
 
 
-class RemoteTierError(RuntimeError):
+class RemoteTierError(TierError):
     """``bring`` failed; ``reason`` as ``RemoteError.reason``, or ``restore`` (the server refused
     the downloaded file) / ``upstream`` (the server could not be asked)."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"remote tier: {reason}{': ' + detail if detail else ''}")
-        self.reason = reason
+    tier = "remote"
 
 
 @dataclass
@@ -432,36 +431,14 @@ class RemoteTier(TierBase):
         await self._restore(e.key, slot)
 
     async def _restore(self, key: str, slot: int) -> None:
-        from ocache.llama.reuse import Checkpoint
-        from ocache.slots import file_refused
-
-        t0 = time.monotonic()
+        """Verify and restore the downloaded entry ``key`` into ``slot`` (``ocache.tiers.restore``);
+        every failure counts ``bring_failed`` too. Raises RemoteTierError."""
         try:
-            e = await asyncio.to_thread(self.store.verify, key, server_hash=self.table.checks_xxh3)
-        except (KeyError, IntegrityError) as exc:
+            e = await restore_verified(self.store, self.table, key, slot, error=RemoteTierError,
+                                       counters=self.counters, verify_rate=self.verify_rate)
+        except RemoteTierError:
             self.counters["bring_failed"] += 1
-            raise RemoteTierError("verify", str(exc)) from exc
-        self.verify_rate.add(e.bytes, time.monotonic() - t0)
-        toks = await asyncio.to_thread(self.store.tokens, key)
-        if e.meta.get("checkpoints"):
-            cps = [Checkpoint(int(n)) for n in e.meta["checkpoints"]]
-        elif "ckpt" in e.files:
-            cps = [Checkpoint(n) for n in sidecar_checkpoints(self.store.path(e.files["ckpt"].name))]
-        else:
-            cps = []
-        try:
-            resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=cps,
-                                            xxh3=e.files["bin"].xxh3 if self.table.checks_xxh3 else None)
-        except Exception as exc:  # noqa: BLE001
-            self.counters["bring_failed"] += 1
-            if not file_refused(exc):
-                raise RemoteTierError("upstream", str(exc)) from exc
-            await asyncio.to_thread(self.store.delete, key, f"server refused the restore: {exc}")
-            raise RemoteTierError("restore", str(exc)) from exc
-        if int(_get(resp, "n_restored", -1)) != e.n_tokens:
-            self.counters["bring_failed"] += 1
-            await asyncio.to_thread(self.store.delete, key, "restored token count differs")
-            raise RemoteTierError("restore", f"n_restored={_get(resp, 'n_restored')} != {e.n_tokens}")
+            raise
         self.counters["restores"] += 1
         self._pending[slot] = (key, e.n_tokens)
 

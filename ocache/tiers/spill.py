@@ -145,13 +145,13 @@ from typing import Any, Sequence
 import xxhash
 
 from ocache.background import Background
-from ocache.tiers.base import Offer, Rate, TierBase
+from ocache.tiers.base import Offer, Rate, TierBase, TierError
+from ocache.tiers.restore import restore_verified
 from ocache.config import field_of as _get, slot_save_path
 from ocache.llama.checks import FLAGS_FIX
 from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
                     prefix_hash, read_slot_tokens, reserve_async, shared_store)
-from ocache.slots import SlotHashMismatch, file_refused
 from ocache.tiers.spill_policy import SlotSeen, SpillConfig, SpillPolicy, is_guest
 
 log = logging.getLogger("ocache.spill")
@@ -160,16 +160,14 @@ KIND = "s"
 RESUME_MARKER = "session-resume.json"
 
 
-class SpillError(RuntimeError):
+class SpillError(TierError):
     """``bring`` failed: ``reason`` is a store check word (``missing``, ``size``, ``hash``,
     ``identity``, ``tokens``, ``header``, ``record``; the entry was deleted), ``restore`` (the server
     refused the file; entry deleted), ``upstream`` (the server could not be asked: refused or reset
     connection, timeout, 5xx; entry kept) or ``gone`` (evicted since ``lookup``). The request goes
     cold."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"session tier: {reason}{': ' + detail if detail else ''}")
-        self.reason = reason
+    tier = "session"
 
 
 @dataclass
@@ -618,39 +616,9 @@ class SessionTier(TierBase):
         two ubatches. The entry stays in the store whoever reads it (a read never moves a spill
         from the session that spilled it). Raises SpillError."""
         t0 = time.monotonic()
-        try:
-            e = await asyncio.to_thread(self.store.verify, key, server_hash=self.table.checks_xxh3)
-        except KeyError as exc:
-            raise SpillError("gone", key) from exc
-        except IntegrityError as exc:
-            self.counters["verify_failed"] += 1
-            raise SpillError(exc.reason, str(exc)) from exc
-        t1 = time.monotonic()
-        self.verify_rate.add(e.bytes, t1 - t0)
-        toks = self.store.tokens(key)
-        try:
-            resp = await self.table.restore(slot, e.bin_name, tokens=toks, checkpoints=entry_checkpoints(e),
-                                            xxh3=e.files["bin"].xxh3 if self.table.checks_xxh3 else None)
-        except Exception as exc:  # noqa: BLE001
-            if not isinstance(exc, SlotHashMismatch):
-                # a damaged file the server's own check refused (patches/0006) counts as
-                # verify_failed below, as the store's check counts it on a stock build
-                self.counters["restore_failed"] += 1
-            if not file_refused(exc):
-                # llama-server gone, restarting or failing for another reason: the verified file is
-                # still the conversation, keep it for its return
-                self.counters["restore_upstream_failed"] += 1
-                raise SpillError("upstream", str(exc)) from exc
-            if isinstance(exc, SlotHashMismatch):     # the integrity check, run by the server
-                self.counters["verify_failed"] += 1
-            await asyncio.to_thread(self.store.delete, key, f"server refused the restore: {exc}")
-            raise SpillError("restore", str(exc)) from exc
-        if int(_get(resp, "n_restored", -1)) != e.n_tokens:
-            self.counters["restore_failed"] += 1   # the table holds what restore found (unknown)
-            await asyncio.to_thread(self.store.delete, key, "restored token count differs")
-            raise SpillError("restore", f"n_restored={_get(resp, 'n_restored')} != {e.n_tokens}")
-        if self._own_restore_rate:  # else the slot table measured it
-            self.restore_rate.add(float(_get(resp, "n_read", e.bytes) or e.bytes), time.monotonic() - t1)
+        e = await restore_verified(self.store, self.table, key, slot, error=SpillError, counters=self.counters,
+                                   verify_rate=self.verify_rate,
+                                   restore_rate=self.restore_rate if self._own_restore_rate else None)
         self.restore_s.append(time.monotonic() - t0)
         self.counters["restores"] += 1
         self._pending[slot] = (key, e.n_tokens if expect is None else min(expect, e.n_tokens))
