@@ -13,7 +13,7 @@ When
     planned (:meth:`LiveSaves.arrived`, called by the cache layer's plan: an agent's next request
     comes within milliseconds, so its tool loop is not saved at every step, only when it pauses).
     Then each noted slot whose content is still that ``seq``, that is not leased (a request uses
-    it) and was not saved at that ``seq`` already is spilled (``SessionTier.live_spill``: reason
+    it) and was not saved at that ``seq`` already is spilled (``SessionTier._spill`` with reason
     ``live``, the session tier's checks, budget and commit; the same content already stored is not
     written again). The committed entry supersedes the session's older spill, and the remote tier's
     sync uploads it with its session pointer (``ocache.tiers.remote``). So a conversation is saved

@@ -6,7 +6,12 @@ What it does
     * **Upload**, never on a request's path: a background task (:meth:`RemoteTier.start`) looks at
       the local store every ``sync_s`` seconds and uploads each committed entry the bucket does not
       hold (``ocache.tiers.remote_bucket.RemoteBucket.upload``: data objects, then the record,
-      create-only). Entries of every identity are uploaded; each host serves only its own.
+      create-only). Entries of every identity are uploaded; each host serves only its own. A
+      session's spill moves its session pointer; the older spill of that session this host
+      uploaded, superseded locally, is then deleted from the bucket (:meth:`RemoteTier._supersede`):
+      with live saves (``tiers.session.live_save``, ``ocache.tiers.live``: each live conversation
+      spilled at idle after each turn) the bucket keeps one entry per conversation, its last
+      completed turn, so a crashed host loses at most the turn in flight.
     * **Listing**, in the background only: every ``refresh_s`` seconds the sync lists the bucket
       (records, data and use objects: its bytes against the budget, the eviction pool, orphans;
       ``RemoteBucket.refresh``). No record is read by it, and no request waits on it.

@@ -303,8 +303,8 @@ class SessionTier(TierBase):
         self.commit_s: list[float] = []    # seconds of each background commit (fsync + hash + rename)
         self.restore_s: list[float] = []   # seconds of each verify + restore
         self.spill_bytes: list[int] = []
-        #: saves of live conversations at idle (off until the layer enables them: ``ocache.tiers.live``)
-        self.live = LiveSaves(self.live_spill, table, quiet_s=self.cfg.live_quiet_s, counters=self.counters)
+        #: saves of live conversations at idle, spills with reason ``live`` (``ocache.tiers.live``)
+        self.live = LiveSaves(lambda slot: self._spill(slot, "live"), table, quiet_s=self.cfg.live_quiet_s, counters=self.counters)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -353,12 +353,6 @@ class SessionTier(TierBase):
             else:
                 finish()
 
-    async def live_spill(self, slot: int) -> str | None:
-        """A live save of ``slot`` (``ocache.tiers.live``; the caller holds its lease): a spill with
-        reason ``live``. Returns the entry key (also when the same content is stored already), None
-        when skipped or failed. Never raises but a cancellation."""
-        return await self._spill(slot, "live")
-
     async def _await_inflight(self, toks: Sequence[int], floor: int, guest: bool = False) -> None:
         """Wait (at most ``inflight_wait_s`` in all) for the in-flight spills of the request's
         class (``guest`` or not: the entries :meth:`lookup` reads) that share more than ``floor``
@@ -402,10 +396,9 @@ class SessionTier(TierBase):
             log.info("session: slot %d: the cut answer's length could not be read (%s)", slot, exc)
 
     async def _spill(self, slot: int, reason: str) -> str | None:
-        """Save ``slot`` as a session entry (``reason``: ``evict``, ``drain`` or ``live``; the
-        shortest slot spilled: ``SpillPolicy.min_tokens``). Returns the entry key (also when already
-        stored), or None when skipped or failed. The commit runs in the background (:meth:`flush`
-        waits for it)."""
+        """Save ``slot`` as a session entry (``reason``: ``evict``, ``drain``, ``live``; the shortest
+        spilled: ``SpillPolicy.min_tokens``). Returns the entry key (also when already stored), or
+        None when skipped or failed. The commit runs in the background (:meth:`flush` waits for it)."""
         await self._settle(slot)
         ok, why = self.policy.spillable(self.table[slot], self._seen.get(slot))
         if not ok:
@@ -423,7 +416,7 @@ class SessionTier(TierBase):
         cached = self.policy.same_content(self.store.entries(KIND), self.store.tokens, st.tokens, n, seen)
         if cached is not None:
             self.counters["spill_dedup"] += 1
-            if reason != "live":   # (the resume choice reads the drain's own: one a slot)
+            if reason != "live":   # (what a drain resumes: its own and evictions' spills)
                 self._recent.append((time.time(), cached, slot))
             return cached
         pkey = "p" + prefix_hash(list(st.tokens) + [n, slot])[:15] + os.urandom(4).hex()
@@ -704,24 +697,25 @@ class SessionTier(TierBase):
     async def on_upstream_restart(self) -> None:
         self.live.forget()
         self._seen.clear()
-        for slot in list(self._pending):
-            self._pending.pop(slot, None)
-            self.counters["unconfirmed"] += 1
+        self.counters["unconfirmed"] += len(self._pending)
+        self._pending.clear()
 
     async def clear(self) -> dict:
         await self.flush()
         return {"deleted": await asyncio.to_thread(self.store.clear, KIND)}
 
     def stats(self) -> dict:
-        def p50(xs: list[float]) -> float | None:
-            return sorted(xs)[len(xs) // 2] if xs else None
-
         return {**self.counters, "entries": len(self.store.entries(KIND)),
                 "bytes": self.store.kind_bytes(KIND), "budget_bytes": self.store.kind_budgets.get(KIND),
                 "spill_s_p50": p50(self.spill_s), "commit_s_p50": p50(self.commit_s),
                 "restore_s_p50": p50(self.restore_s), "restore_bytes_s": round(self.restore_rate.value),
                 "live_enabled": self.live.enabled, "live_save_s_p50": p50(self.live.save_s),
                 "verify_bytes_s": round(self.verify_rate.value)}
+
+
+def p50(xs: list[float]) -> float | None:
+    """The median of ``xs`` (the upper one of an even count), None when empty."""
+    return sorted(xs)[len(xs) // 2] if xs else None
 
 
 # ---------------------------------------------------------------------- factory
