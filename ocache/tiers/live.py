@@ -103,7 +103,7 @@ class LiveSaves:
         if not self.enabled or self._stopped or self._saved.get(slot) == seq:
             return
         self._due[slot] = seq
-        if not self.background:
+        if not any(not t.done() for t in self.background.tasks):   # (a task ended, not yet discarded)
             self.background.spawn(self._run(), "live")
 
     def arrived(self) -> None:
@@ -131,6 +131,8 @@ class LiveSaves:
             if self.generating() > 0:
                 if self.quiet is not None:
                     await self.quiet(BUSY_WAIT_S)
+                else:   # (no upstream to wait on: look again after a quiet period)
+                    await asyncio.sleep(max(self.quiet_s, 0.1))
                 continue
             try:
                 await asyncio.wait_for(self._arrival.wait(), self.quiet_s)
@@ -139,13 +141,13 @@ class LiveSaves:
             else:
                 self.counters["live_deferred"] += 1
                 continue
-            if self.generating() > 0 or self._stopped:
-                continue
-            slot, seq = next(iter(self._due.items()))
-            del self._due[slot]
-            t0 = loop.time()
-            if await self._save(slot, seq):
-                self.save_s.append(loop.time() - t0)
+            # idle: every slot due, one after the other, while no request comes
+            while self._due and not self._stopped and not self._arrival.is_set() and self.generating() == 0:
+                slot, seq = next(iter(self._due.items()))
+                del self._due[slot]
+                t0 = loop.time()
+                if await self._save(slot, seq):
+                    self.save_s.append(loop.time() - t0)
 
     async def _save(self, slot: int, seq: int) -> bool:
         """Spill ``slot`` if it still holds ``seq``, is not leased and nothing is in flight; True
