@@ -57,10 +57,10 @@ def conversation(kind: str) -> tuple[dict, dict]:
 
 def host_a_config(srv, cache_dir: Path, s3: dict, live: bool) -> dict:
     """Host A's ocache.yaml (as JSON, a subset of YAML), as tests/test_remote_hosts.py's
-    ``config_for`` plus the live-save switch."""
+    ``config_for``; live saves by default (a bucket is configured), else ``live_save: false``."""
     return {"upstream": srv.url, "cache_dir": str(cache_dir), "spill_min_tokens": 200, "admin_token": ADMIN,
             "tiers": {"resident": {"server_args": srv.command()[1:]},
-                      "session": {"drain_min_tokens": 100, "live_save": live}},
+                      "session": {"drain_min_tokens": 100, **({} if live else {"live_save": False})}},
             "store": {"remote": {**s3, "sync_s": 0.2, "refresh_s": 0.5}}}
 
 
