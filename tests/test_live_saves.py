@@ -144,3 +144,23 @@ def test_live_mode():
         ["remote", "on", "off", "remote", "on", "off"]
     with pytest.raises(ValueError, match="live_save"):
         live_mode("sometimes")
+
+
+async def test_a_request_arriving_during_a_round_stops_it():
+    """Two slots due: a request arrives while the first is saved; the second waits for the next
+    quiet period (the arrival seen then is cleared), it is not saved in the same round."""
+    table = Table()
+    seen: list[tuple[int, bool]] = []
+
+    async def spill(slot: int) -> str:
+        seen.append((slot, live._arrival.is_set()))
+        if slot == 0:
+            live.arrived()
+        return f"key-{slot}"
+
+    live = LiveSaves(spill, table, quiet_s=QUIET_S, counters={})
+    live.enable(lambda: 0, None)
+    live.note(0, 1)
+    live.note(1, 1)
+    await settled(live)
+    assert seen == [(0, False), (1, False)], seen
