@@ -409,6 +409,13 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
                              "request overwrites its slot: the next title restores its prompt, as "
                              "llama-server alone restores it from its RAM cache"),
         "resume": ("bool", "true", "after a drain, restore the last conversation at the next start"),
+        "live_save": ("str", "remote", "save a live conversation's slot at idle after each completed "
+                      "turn (at most once a turn, only when it changed, never while a request is in "
+                      "flight), so the bucket holds every conversation's last turn and a crashed host "
+                      "loses at most the turn in flight: remote = when store.remote is set, true = "
+                      "always (a local crash too), false = never (ocache/tiers/live.py)"),
+        "live_save_quiet_s": ("float", "1", "seconds with no request after a turn before its live save "
+                              "(an agent's next request comes within milliseconds)"),
     },
 }
 
@@ -452,6 +459,13 @@ def check_tiers(tiers: Mapping[str, Any]) -> None:
         if unknown:
             raise ConfigError(f"tiers.{name}: unknown key(s) {', '.join(unknown)}; known: "
                               f"{', '.join(sorted(TIER_KEYS[name]))}")
+        if name == "session" and "live_save" in sub:
+            from ocache.tiers.live import live_mode
+
+            try:
+                live_mode(sub["live_save"])
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 #: the keys of ``response_cache:`` and their types (ocache/response_cache.py reads them)

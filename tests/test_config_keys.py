@@ -551,6 +551,32 @@ async def p_session_resume(tmp_path, mp):
     assert _session(tmp_path, tiers={"session": {"resume": False}}).cfg.resume is False
 
 
+async def _built_session(tmp_path: Path, **session):
+    """The session tier as the layer gets ready (``BuiltTiers.ready``: live saves enabled or not)."""
+    from ocache.cache.wiring import BuiltTiers
+
+    save = tmp_path / "slots"
+    save.mkdir(parents=True, exist_ok=True)
+    built = BuiltTiers([])
+    await built.ready(Config(cache_dir=str(tmp_path / "state"), tiers={"session": session}), _slots(save),
+                      lambda: IDENTITY, no_save=True, prefill_tps_of=lambda: None,
+                      upstream=SimpleNamespace(generating=0))
+    return built.session
+
+
+async def p_session_live_save(tmp_path, mp):
+    # default "remote": off without store.remote; true: on without it; false: off
+    assert (await _built_session(tmp_path)).live.enabled is False
+    assert (await _built_session(tmp_path / "on", live_save=True)).live.enabled is True
+    assert (await _built_session(tmp_path / "off", live_save=False)).live.enabled is False
+    with pytest.raises(cfg_mod.ConfigError, match="live_save"):
+        cfg_mod.check_tiers({"session": {"live_save": "sometimes"}})
+
+
+async def p_session_live_save_quiet_s(tmp_path, mp):
+    assert _session(tmp_path, tiers={"session": {"live_save_quiet_s": 7.5}}).live.quiet_s == 7.5
+
+
 async def p_upstreams(tmp_path, mp):
     """Several upstreams: one Upstream each and the Router over them; /health goes to the first
     ready one (none is: 503 naming the first)."""
@@ -738,6 +764,8 @@ PROBES = {
     "tiers.session.drain_min_tokens": p_session_drain_min_tokens,
     "tiers.session.guest_min_tokens": p_session_guest_min_tokens,
     "tiers.session.resume": p_session_resume,
+    "tiers.session.live_save": p_session_live_save,
+    "tiers.session.live_save_quiet_s": p_session_live_save_quiet_s,
     "upstreams": p_upstreams, "route_policy": p_route_policy, "route_load_weight": p_route_load_weight,
     "launch_replicas": p_launch_replicas, "launch_devices": p_launch_devices,
     "response_cache": p_response_cache, "store": p_store,

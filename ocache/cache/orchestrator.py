@@ -232,7 +232,7 @@ class OCacheLayer:
             wiring.sync_store_identity(self.tiers, self.identity().key)
             # session (tiers/spill.py: resume after a drain), disk (tiers/disk.py), remote (tiers/remote.py)
             await self.built.ready(self.config, self.table, self.identity, no_save=self._no_save,
-                                   prefill_tps_of=lambda: self.prefill_tps)
+                                   prefill_tps_of=lambda: self.prefill_tps, upstream=self.upstream)
             self.disk_tier, self.session_tier = self.built.disk, self.built.session
             # head files through the same verified store (tiers/store.py)
             open_head_store(self.head_tier, self.config, self.table.params, self.identity().key)
@@ -345,6 +345,8 @@ class OCacheLayer:
         (``ocache.api.figures.strip_generated``)."""
         if self.align.exact:
             await self.align.warmups.cancel()   # an arriving request: the idle warm-up gives way
+        if self.built.session is not None:
+            self.built.session.live.arrived()   # and a live save waits for the next quiet moment
         plan = await self._route(req)
         if (self.align.on and req.path in RECORDED_CHAT and isinstance(plan.body_updates.get("id_slot"), int)
                 and ((getattr(self.upstream, "props", None) or {}).get("ocache") or {}).get("generated_ids")):
@@ -516,6 +518,8 @@ class OCacheLayer:
         response, or before a plan) and no origin upkeep is started; :meth:`drain` and what it
         awaits still talk to the server."""
         self._stopping = True
+        if self.built.session is not None:
+            self.built.session.live.stop()
 
     def calls_inflight(self) -> int:
         """Slot HTTP calls to the server not answered yet (``SlotTable.calls_inflight``)."""

@@ -132,14 +132,17 @@ class BuiltTiers:
         self._remote_tried = False
 
     async def ready(self, config: Any, table: Any, identity_fn: Any, *, no_save: bool,
-                    prefill_tps_of: Any) -> None:
+                    prefill_tps_of: Any, upstream: Any = None) -> None:
         """Called when the layer gets ready for a process, under its ready lock (requests wait):
         the session tier (registered once when the server can save slots, then the conversation a
         drained stop left restored before any request is planned: a restore never races a
         prefill); the disk tier (once, when the slot-save-path is known: config
         ``tiers.disk.slot_save_path`` or the launch argv); the remote tier (once, after the tiers
         whose store it shares, ``store.remote``; its downloads' deadlines priced by
-        ``prefill_tps_of()``, tokens/s). ``identity_fn()``: the server's current ``Identity``."""
+        ``prefill_tps_of()``, tokens/s); then the session tier's live saves when
+        ``tiers.session.live_save`` asks for them (``remote``: when the remote tier is on), paced by
+        ``upstream``'s completions in flight (``Upstream.generating``, ``quiet``).
+        ``identity_fn()``: the server's current ``Identity``."""
         if self.session is None and not self._session_off:
             self.session = build_session_tier(config, table, identity_fn())
             self._session_off = self.session is None
@@ -158,6 +161,11 @@ class BuiltTiers:
             if remote is not None:
                 remote.prefill_tps_of = prefill_tps_of
                 self.tiers.append(remote)
+            live = self.session.live if self.session is not None else None
+            mode = self.session.cfg.live_save if self.session is not None else "off"
+            if live is not None and (mode == "on" or (mode == "remote" and remote is not None)):
+                live.enable(lambda: int(getattr(upstream, "generating", 0) or 0), getattr(upstream, "quiet", None))
+                log.info("session: live saves on (after each turn, %g s after the last request)", live.quiet_s)
 
 
 def checked_params(params: ServerParams, config: Any) -> ServerParams:

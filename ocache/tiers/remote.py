@@ -6,7 +6,12 @@ What it does
     * **Upload**, never on a request's path: a background task (:meth:`RemoteTier.start`) looks at
       the local store every ``sync_s`` seconds and uploads each committed entry the bucket does not
       hold (``ocache.tiers.remote_bucket.RemoteBucket.upload``: data objects, then the record,
-      create-only). Entries of every identity are uploaded; each host serves only its own.
+      create-only). Entries of every identity are uploaded; each host serves only its own. A
+      session's spill moves its session pointer; the older spill of that session this host
+      uploaded, superseded locally, is then deleted from the bucket (:meth:`RemoteTier._supersede`):
+      with live saves (``tiers.session.live_save``, ``ocache.tiers.live``: each live conversation
+      spilled at idle after each turn) the bucket keeps one entry per conversation, its last
+      completed turn, so a crashed host loses at most the turn in flight.
     * **Listing**, in the background only: every ``refresh_s`` seconds the sync lists the bucket
       (records, data and use objects: its bytes against the budget, the eviction pool, orphans;
       ``RemoteBucket.refresh``). No record is read by it, and no request waits on it.
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import os
@@ -64,7 +70,7 @@ from ocache.tiers.base import Offer, Rate, TierBase, TierError
 from ocache.tiers.restore import restore_verified
 from ocache.tiers.entry import token_bytes
 from ocache.tiers.remote_bucket import (FLEET_KEY_ENV, FLEET_KEY_MIN_CHARS, INDEX_MAX_BYTES, INDEX_MAX_ENTRIES,
-                                        RemoteBucket, RemoteEntry, RemoteError)
+                                        RemoteBucket, RemoteEntry, RemoteError, session_pointer)
 from ocache.tiers.remote_client import RemoteConfigError, S3Objects, shown_url
 from ocache.tiers.store import Store
 
@@ -197,11 +203,13 @@ class RemoteTier(TierBase):
         self._skip: set[str] = set()          # keys this host could not upload (logged once)
         self._retry: dict[str, tuple[int, float]] = {}   # key -> (failures in a row, monotonic retry time)
         self.owns: tuple[str, str, int] | None = None   # the _BUCKETS key when this tier opened it
+        #: (identity, session) -> the key of that session's latest spill this host uploaded
+        self._sessions: dict[tuple[str, str], str] = {}
         self.download_s: list[float] = []
         self.counters: dict[str, int] = {"lookups": 0, "offers": 0, "restores": 0, "hits": 0,
                                          "unconfirmed": 0, "bring_failed": 0, "sync_failed": 0,
                                          "deadline_abandoned": 0, "lookup_abandoned": 0,
-                                         "lookup_failed": 0, "bucket_down": 0}
+                                         "lookup_failed": 0, "bucket_down": 0, "superseded_deleted": 0}
 
     # ------------------------------------------------------------------ background sync
     def start(self) -> None:
@@ -260,10 +268,40 @@ class RemoteTier(TierBase):
                 self._retry.pop(e.key, None)
                 if ok:
                     n += 1
+                    await self._supersede(e)
                 elif self.store.get(e.key) is not None:
                     self._skip.add(e.key)
             await self.bucket.make_room(0)
             return n
+
+    async def _supersede(self, e: Any) -> None:
+        """After ``e`` (a local entry) is in the bucket: when it is a session's spill (not a
+        guest's) and this host uploaded an older spill of that session, which the local store
+        superseded since (``SpillPolicy.superseded``), delete the older one from the bucket. Its
+        session pointer names the new one now, and a session entry is found only through its
+        pointer, so the old one would only take room until evicted: a conversation saved after
+        every turn (``tiers.session.live_save``) keeps one entry in the bucket, not one a turn.
+        Only once the pointer is read back naming ``e`` (one GET); spills of other hosts are left to
+        the bucket's eviction. Raises what the bucket raises."""
+        from ocache.tiers.spill import is_guest
+
+        session = e.meta.get("session")
+        if e.kind != SESSION_KIND or not session or is_guest(e.meta) or "remote" in e.meta:
+            return
+        sk = (str(e.identity), str(session))
+        old = self._sessions.get(sk)
+        self._sessions[sk] = e.key
+        if old is None or old == e.key or self.store.get(old) is not None:
+            return
+        raw = await self.bucket.objects.get(session_pointer(sk[0], sk[1]))   # moved (not a failed write)?
+        try:
+            named = json.loads(raw or b"null")["key"]
+        except (ValueError, KeyError, TypeError):
+            named = None
+        if named != e.key:
+            return
+        self.counters["superseded_deleted"] += 1
+        await self.bucket.delete(old, "superseded by its session's newer spill")
 
     # ------------------------------------------------------------------ lookup / bring
     def read_cost_s(self, nbytes: int) -> float:

@@ -22,6 +22,12 @@ the disk tier (``ocache.tiers.store``, kind ``"s"``, its own byte budget) at exa
   conversation. The next start restores it (:meth:`SessionTier.after_start`, called by the layer
   while it gets ready, so a request arriving meanwhile waits for it: a restore never races a
   prefill).
+* **live save** (``tiers.session.live_save``; default: when ``store.remote`` is configured): after
+  each completed turn, once nothing is in flight and no request came for ``live_save_quiet_s``,
+  the conversation is spilled with reason ``live`` (at most once a turn, only when it changed;
+  ``ocache.tiers.live``), so the remote tier uploads it and a crash of the host loses at most the
+  turn in flight. The slot keeps its conversation; a later eviction or drain of the same content
+  writes nothing (the entry is found by its tokens).
 
 An **interrupted** answer (the client cut a stream off, e.g. a coding agent's user pressing Esc;
 ``SlotTable.interrupted``) is spilled too: the slot holds what the server kept, the prompt plus the
@@ -153,6 +159,7 @@ from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
                     prefix_hash, read_slot_tokens, reserve_async, shared_store)
 from ocache.tiers.spill_policy import SlotSeen, SpillConfig, SpillPolicy, is_guest
+from ocache.tiers.live import LiveSaves, live_mode
 
 log = logging.getLogger("ocache.spill")
 
@@ -294,6 +301,8 @@ class SessionTier(TierBase):
         self.commit_s: list[float] = []    # seconds of each background commit (fsync + hash + rename)
         self.restore_s: list[float] = []   # seconds of each verify + restore
         self.spill_bytes: list[int] = []
+        #: saves of live conversations at idle, spills with reason ``live`` (``ocache.tiers.live``)
+        self.live = LiveSaves(lambda slot: self._spill(slot, "live"), table, quiet_s=self.cfg.live_quiet_s, counters=self.counters)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -385,9 +394,9 @@ class SessionTier(TierBase):
             log.info("session: slot %d: the cut answer's length could not be read (%s)", slot, exc)
 
     async def _spill(self, slot: int, reason: str) -> str | None:
-        """Save ``slot`` as a session entry (``reason``: ``evict`` or ``drain``; the shortest slot
-        spilled: ``SpillPolicy.min_tokens``). Returns the entry key (also when already stored), or None
-        when skipped or failed. The commit runs in the background (:meth:`flush` waits for it)."""
+        """Save ``slot`` as a session entry (``reason``: ``evict``, ``drain``, ``live``; the shortest
+        spilled: ``SpillPolicy.min_tokens``). Returns the entry key (also when already stored), or
+        None when skipped or failed. The commit runs in the background (:meth:`flush` waits for it)."""
         await self._settle(slot)
         ok, why = self.policy.spillable(self.table[slot], self._seen.get(slot))
         if not ok:
@@ -405,7 +414,8 @@ class SessionTier(TierBase):
         cached = self.policy.same_content(self.store.entries(KIND), self.store.tokens, st.tokens, n, seen)
         if cached is not None:
             self.counters["spill_dedup"] += 1
-            self._recent.append((time.time(), cached, slot))
+            if reason != "live":   # (what a drain resumes: its own and evictions' spills)
+                self._recent.append((time.time(), cached, slot))
             return cached
         pkey = "p" + prefix_hash(list(st.tokens) + [n, slot])[:15] + os.urandom(4).hex()
         # the budget is checked before the server writes anything (Store.estimate_bytes: sizes of
@@ -455,7 +465,8 @@ class SessionTier(TierBase):
                 **({"interrupted": True} if seen.partial else {}),
                 **{k: v for k, v in (getattr(st, "labels", None) or {}).items() if v}}
         self.background.spawn(self._commit(pkey, tmp, tokens, meta, slot, seen.head_key), "commit")
-        self._recent.append((time.time(), key, slot))
+        if reason != "live":
+            self._recent.append((time.time(), key, slot))
         return key
 
     async def _commit(self, pkey: str, tmp: str, tokens: list[int], meta: dict, slot: int,
@@ -500,6 +511,7 @@ class SessionTier(TierBase):
         slot): spill every remaining safe conversation of at least ``drain_min_tokens``, wait for all
         commits, and write the resume marker naming the most recent one. Returns
         ``{"spilled": [keys], "resume": key | None}``. Never raises."""
+        self.live.stop()
         keys: list[str] = []
         for st in list(self.table.slots):
             async with self.table.lock(st.id):
@@ -649,26 +661,31 @@ class SessionTier(TierBase):
         starts = getattr(view, "user_starts", None) or ()
         self._seen[slot] = SlotSeen(st.seq, session_key(st.owner, view), len(view.tokens), st.kind,
                                      st.owner, st.head_key, first_user=int(starts[0]) if starts else None)
+        if st.kind != "guest":
+            self.live.note(slot, st.seq)   # saved at the next idle moment (when enabled)
 
     async def on_upstream_restart(self) -> None:
+        self.live.forget()
         self._seen.clear()
-        for slot in list(self._pending):
-            self._pending.pop(slot, None)
-            self.counters["unconfirmed"] += 1
+        self.counters["unconfirmed"] += len(self._pending)
+        self._pending.clear()
 
     async def clear(self) -> dict:
         await self.flush()
         return {"deleted": await asyncio.to_thread(self.store.clear, KIND)}
 
     def stats(self) -> dict:
-        def p50(xs: list[float]) -> float | None:
-            return sorted(xs)[len(xs) // 2] if xs else None
-
         return {**self.counters, "entries": len(self.store.entries(KIND)),
                 "bytes": self.store.kind_bytes(KIND), "budget_bytes": self.store.kind_budgets.get(KIND),
                 "spill_s_p50": p50(self.spill_s), "commit_s_p50": p50(self.commit_s),
                 "restore_s_p50": p50(self.restore_s), "restore_bytes_s": round(self.restore_rate.value),
+                "live_enabled": self.live.enabled, "live_save_s_p50": p50(self.live.save_s),
                 "verify_bytes_s": round(self.verify_rate.value)}
+
+
+def p50(xs: list[float]) -> float | None:
+    """The median of ``xs`` (the upper one of an even count), None when empty."""
+    return sorted(xs)[len(xs) // 2] if xs else None
 
 
 # ---------------------------------------------------------------------- factory
@@ -679,7 +696,10 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
     Off when ``tiers.session.enabled`` is false, when no ``--slot-save-path`` is known (the server
     cannot save slots, docs/llama-server.md §3), without a server identity, or when the store is locked by another
     process. Settings: ``spill_budget_gb``, ``spill_min_tokens`` and ``tiers.session`` keys
-    ``drain_min_tokens``, ``guest_min_tokens``, ``resume``. The store is the one the disk tier uses (``shared_store``).
+    ``drain_min_tokens``, ``guest_min_tokens``, ``resume``, ``live_save`` (``remote``, true, false:
+    ``ocache.tiers.live.live_mode``; the layer enables the live saves it asks for,
+    ``ocache.cache.wiring.BuiltTiers.ready``), ``live_save_quiet_s``. Raises ValueError for a
+    ``live_save`` value it does not know. The store is the one the disk tier uses (``shared_store``).
     """
     tiers = _get(config, "tiers") or {}
     scfg = dict(tiers.get("session") or {}) if isinstance(tiers, dict) else {}
@@ -711,5 +731,7 @@ def make_session_tier(config: Any, table: Any, identity: Any) -> SessionTier | N
                       drain_min_tokens=int(scfg.get("drain_min_tokens", 1024)),
                       guest_min_tokens=int(scfg.get("guest_min_tokens", SpillConfig.guest_min_tokens)),
                       ubatch=int(_get(_get(table, "params"), "n_ubatch", 512) or 512),
-                      resume=bool(scfg.get("resume", True)))
+                      resume=bool(scfg.get("resume", True)),
+                      live_save=live_mode(scfg.get("live_save")),
+                      live_quiet_s=float(scfg.get("live_save_quiet_s", SpillConfig.live_quiet_s)))
     return SessionTier(store, table, cfg)

@@ -48,6 +48,12 @@ class SpillConfig:
     restore_bytes_s: float = 5e8     # initial guess until measured (server restore)
     verify_bytes_s: float = 2e9      # initial guess until measured (xxh3 of the files)
     resume: bool = True              # restore the most recent conversation after a drained stop
+    # live saves (ocache.tiers.live): "remote" (when store.remote is configured), "on" or "off"
+    live_save: str = "remote"
+    # seconds without a planned request after a turn before its live save: an agent's next request
+    # comes within milliseconds (its tool loop is not saved at every step), a person reads first;
+    # the same wait as exact mode's idle warm-up (ocache.cache.exact.EXACT_QUIET_S)
+    live_quiet_s: float = 1.0
     # a lookup waits at most this long for an eviction's spill of tokens it shares (the save plus
     # the commit: 53-55 ms + 117-128 ms for 16k tokens on the tiny models, measured in
     # ocache/tiers/spill.py's module docstring)
@@ -106,12 +112,13 @@ class SpillPolicy:
         return True, ""
 
     def min_tokens(self, kind: str | None, reason: str) -> int | None:
-        """The shortest slot of ``kind`` worth a spill for ``reason`` (``evict``/``drain``), or None
-        when it is never spilled then: a guest only on eviction, from ``guest_min_tokens`` (a
-        planned stop loses the guest as it loses the server's own RAM cache)."""
+        """The shortest slot of ``kind`` worth a spill for ``reason`` (``evict``/``drain``/``live``),
+        or None when it is never spilled then: a guest only on eviction, from ``guest_min_tokens`` (a
+        planned stop loses the guest as it loses the server's own RAM cache; a live save is for the
+        conversation a crash would lose); a live save from ``min_tokens``, as an eviction."""
         if kind == "guest":
             return self.cfg.guest_min_tokens if reason == "evict" else None
-        return self.cfg.min_tokens if reason == "evict" else self.cfg.drain_min_tokens
+        return self.cfg.min_tokens if reason in ("evict", "live") else self.cfg.drain_min_tokens
 
     def will_spill(self, st: Any, seen: SlotSeen | None) -> bool:
         """Whether an eviction now would spill the slot (spillable and at least ``min_tokens``
