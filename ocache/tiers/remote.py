@@ -132,6 +132,9 @@ class RemoteSettings:
     region: str | None = None
     profile: str | None = None
     max_gb: float = 100.0
+    budget_gb: float | None = None
+    ttl_s: float = 0.0
+    policy: str = "keep"
     sync_s: float = 1.0
     refresh_s: float = 10.0
     orphan_age_s: float = 3600.0
@@ -521,6 +524,8 @@ class RemoteTier(TierBase):
         return {**self.counters, **self.bucket.counters, "entries": len(self.bucket.sizes),
                 "index_entries": len(self.bucket.index), "index_bytes": self.bucket.index.nbytes,
                 "absent_keys": len(self.bucket.absent), "bytes": self.bucket.used_bytes(), "budget_bytes": self.bucket.budget_bytes,
+                "ttl_s": self.bucket.ttl_s, "policy": self.bucket.policy_source, "own_bytes": self.bucket.own_bytes(),
+                "host_max_bytes": self.bucket.host_max_bytes,
                 "download_bytes_s": round(self.download_rate.value),
                 "download_s_p50": xs[len(xs) // 2] if xs else None,
                 "download_s_max": xs[-1] if xs else None}
@@ -587,8 +592,9 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
     if bucket is None:
         objects = settings.objects()
         await objects.__aenter__()
-        bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
-                              orphan_age_s=settings.orphan_age_s, fleet_key=fleet_key,
+        bucket = RemoteBucket(objects, store, budget_bytes=int((settings.budget_gb or settings.max_gb) * 1e9),
+                              ttl_s=settings.ttl_s, host_max_bytes=int(settings.max_gb * 1e9),
+                              replace_policy=settings.policy == "replace", orphan_age_s=settings.orphan_age_s, fleet_key=fleet_key,
                               index_max_entries=int(settings.index_max_entries),
                               index_max_bytes=int(settings.index_max_mb * 2**20),
                               absent_s=max(1.0, settings.refresh_s))
@@ -601,8 +607,11 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
     if owner:
         tier.owns = shared_key
         tier.start()
-        log.info("remote tier: %s (endpoint %s, budget %.3g GB, records %s)", shown_url(settings.url),
+        log.info("remote tier: %s (endpoint %s, this host's uploads up to %.3g GB, bucket policy proposed "
+                 "%.3g GB / ttl %.0f s%s, records %s)", shown_url(settings.url),
                  shown_url(settings.endpoint_url) if settings.endpoint_url else "AWS", settings.max_gb,
+                 settings.budget_gb or settings.max_gb, settings.ttl_s,
+                 ", replacing the bucket's" if settings.policy == "replace" else "",
                  "signed" if fleet_key else "unsigned")
     return tier
 
