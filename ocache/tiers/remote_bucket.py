@@ -557,6 +557,8 @@ class RemoteBucket(BucketRules):
                 continue
             r = self.index.get(k)
             sizes[k] = r.entry.bytes if r is not None else sum(o.size for o in by_key.get(k, ()))
+        for k in self.sizes.keys() - catalog.keys():
+            self.mark_left(k)
         self.catalog, self.sizes = catalog, sizes
         self.count_unrecorded()
         if any(k not in catalog for k in self.mine):    # this host's uploads deleted by another
@@ -596,6 +598,8 @@ class RemoteBucket(BucketRules):
         if self.holds(e.key):
             return True
         if e.key in self.held:    # a newer ocache's or a quarantined record holds the key
+            return False
+        if e.key in self.left:    # evicted or expired from the bucket: not put back
             return False
         own = self.budget_bytes if self.host_max_bytes is None else self.host_max_bytes
         if e.bytes > min(self.budget_bytes, own):
@@ -658,6 +662,7 @@ class RemoteBucket(BucketRules):
         self._forget(key)
         self.quarantined.pop(key, None)
         self._uses.pop(key, None)
+        self.mark_left(key)
         if self.mine.pop(key, None) is not None:
             await self.save_mine()
         log.info("remote: deleting %s: %s", key[:16], reason)

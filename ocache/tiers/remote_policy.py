@@ -59,6 +59,7 @@ import logging
 import math
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -81,6 +82,8 @@ _POLICY_DOMAIN = b"ocache remote policy\n"
 _DATA, _USE = "data/", "use/"
 #: entries read per round of eviction (as ``remote_bucket.EVICTION_POOL``)
 POOL = 64
+#: most keys remembered as having left the bucket
+LEFT_MAX = 65536
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,9 @@ class BucketRules:
         self.inflight: dict[str, int] = {}
         self._ledger = ledger_path(self.store, self.objects)
         self.mine: dict[str, int] = self._load_mine()
+        #: keys that left the bucket (evicted or expired, by any host) while this host watched: not
+        #: uploaded again from its local store (else the budget and the TTL would only churn)
+        self.left: OrderedDict[str, None] = OrderedDict()
         for k in ("policy_reads", "policy_created", "policy_replaced", "policy_refused", "expired",
                   "expired_bytes", "evicted_own", "uses_swept"):
             self.counters[k] = 0
@@ -229,6 +235,13 @@ class BucketRules:
         """Bytes of the entries this host believes the bucket holds (held records not counted),
         plus data objects of no known record (uploads in flight, orphans)."""
         return sum(self.sizes.values()) + sum(self.inflight.values())
+
+    def mark_left(self, key: str) -> None:
+        """Remember that ``key`` left the bucket (at most ``LEFT_MAX`` keys, the oldest dropped)."""
+        self.left[key] = None
+        self.left.move_to_end(key)
+        while len(self.left) > LEFT_MAX:
+            self.left.popitem(last=False)
 
     def own_bytes(self) -> int:
         """Bytes of this host's uploads the bucket still holds, as far as it knows."""
@@ -362,6 +375,7 @@ class BucketRules:
         for k in list(self.sizes):
             if k not in by_key:       # its data is gone, so its record went first (being evicted)
                 del self.sizes[k]
+                self.mark_left(k)
             elif k not in self.index:
                 self.sizes[k] = sum(o.size for o in by_key[k])
         self.count_unrecorded()
