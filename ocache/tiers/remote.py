@@ -37,8 +37,11 @@ What it does
       the entry's use object (the bucket's eviction input).
 
 Configuration (``store.remote`` in ocache.yaml, ``ocache.config.check_store``): ``url``
-(``s3://bucket/prefix``), ``endpoint_url``, ``region``, ``profile``, ``max_gb`` (the bucket's
-budget, default 100), ``sync_s`` (1), ``refresh_s`` (10: also how long a key found missing is not
+(``s3://bucket/prefix``), ``endpoint_url``, ``region``, ``profile``, ``max_gb`` (10^9 bytes this
+host's own uploads may hold in the bucket, default 100), ``budget_gb`` (default ``max_gb``) and
+``ttl_s`` (seconds, 0: none): the bucket-wide policy this host creates when the bucket has none
+(the bucket's ``policy.json`` rules once it exists: ``ocache.tiers.remote_policy``), ``policy``
+(``keep``; ``replace``: write this host's over the bucket's once at start), ``sync_s`` (1), ``refresh_s`` (10: also how long a key found missing is not
 asked again), ``orphan_age_s`` (3600), ``index_max_entries`` (4096) and ``index_max_mb`` (64: the
 bounds of the records kept in memory), ``fleet_key`` (or env ``OCACHE_FLEET_KEY``: the HMAC key of
 the records, ``RemoteBucket``; unset: unsigned). The lookup's grid is the disk tier's
@@ -125,7 +128,8 @@ class RemoteRef:
 
 @dataclass(frozen=True)
 class RemoteSettings:
-    """``store.remote`` (see the module docstring); times in seconds, ``max_gb`` in 10^9 bytes."""
+    """``store.remote`` (see the module docstring); times in seconds, ``max_gb`` and ``budget_gb``
+    in 10^9 bytes, ``policy`` ``keep`` or ``replace``."""
 
     url: str
     endpoint_url: str | None = None

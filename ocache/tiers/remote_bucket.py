@@ -1,6 +1,6 @@
 """The bucket side of the remote tier (``ocache.tiers.remote``): the object layout, the index of
 the bucket's records, uploads of local entries, verified downloads into the local store, and
-eviction under the bucket's byte budget (docs/decisions.md D7, D10).
+eviction under the bucket-wide policy (``ocache.tiers.remote_policy``; docs/decisions.md D7, D10).
 
 Layout under the location's prefix (``ocache.tiers.remote_client.Location``)
     * ``data/<key>-<role>-<xxh3>``: one object per file of an entry (``bin``, ``ckpt``), named by
@@ -18,7 +18,8 @@ Layout under the location's prefix (``ocache.tiers.remote_client.Location``)
     * ``sessions/<xxh3-128 of identity and session key>.json``: ``{"key"}``, the record key of the
       session's latest spill (kind ``s``, not a guest's), overwritten by each upload of one: how a
       lookup finds a conversation by key. It only points: the record it names is checked as any
-      (its session, identity and signature), so a wrong pointer costs one GET, never a wrong restore.
+      (its session, identity and signature), so a wrong pointer costs one GET, never a wrong restore;
+    * ``policy.json``: the bucket-wide budget and TTL every host keeps to (``ocache.tiers.remote_policy``).
 
 Index: entries are looked up **by key** (:meth:`RemoteBucket.entry`: one GET of
 ``records/<key>.json``), never by listing the bucket on a request's path. What was read is kept in
@@ -50,9 +51,12 @@ A record of a higher version, from a newer ocache, is held (:class:`HeldRecord`)
 counted, evicted nor swept by this host, so hosts of two versions share one bucket while a fleet
 upgrades; any layout change that older hosts cannot read raises the version.
 
-Eviction: the local store's value rule (``ocache.tiers.evict.ValuePolicy``) over the index, with
-the hits and last use of the use objects; a victim's record is deleted first (from then on no
-host restores it), then its data and use objects.
+Eviction (``ocache.tiers.remote_policy.BucketRules``, a base of :class:`RemoteBucket`): to the
+bucket-wide policy's budget, by the local store's value rule (``ocache.tiers.evict.ValuePolicy``)
+over the index, with the hits and last use of the use objects; entries past the policy's TTL; this
+host's own uploads to its own ``max_gb``. A victim's record is deleted first (from then on no host
+restores it), then its data and use objects; a host does not upload again an entry that left the
+bucket.
 """
 
 from __future__ import annotations
