@@ -239,6 +239,7 @@ def test_doctor_checks_the_bucket(tmp_path, s3_bucket, secret_ok, monkeypatch):
     line = next((ln for ln in out.stdout.splitlines() if "store.remote" in ln), "")
     if secret_ok:
         assert "[ok] store.remote" in line and "(0 entries)" in line, out.stdout + out.stderr
+        assert "bucket policy: none yet" in line, line            # no host listed the bucket yet
         assert "[warn] store.remote.fleet_key: not set" in out.stdout, out.stdout   # records unsigned
     else:
         assert "[error] store.remote" in line and out.returncode == 1, out.stdout + out.stderr

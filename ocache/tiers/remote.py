@@ -553,13 +553,16 @@ def remote_warnings(config: Any, env: Any = None) -> list[str]:
 
 async def check_remote(config: Any) -> tuple[bool, str] | None:
     """``ocache doctor``'s check of ``store.remote``: the fleet key (if any) is long enough, the
-    bucket answers with these credentials and its records can be listed. Returns ``(ok, one
-    line)``, None when no remote is configured."""
+    bucket answers with these credentials and its records can be listed; the line ends with the
+    bucket's policy (``ocache.tiers.remote_policy``: its budget and TTL, none yet, or why this host
+    would refuse it). Returns ``(ok, one line)``, None when no remote is configured."""
+    from ocache.tiers.remote_policy import POLICY, PolicyRefused, parse_policy
+
     settings = RemoteSettings.of(config)
     if settings is None:
         return None
     try:
-        settings.key()
+        key = settings.key()
     except RemoteConfigError as exc:
         return False, str(exc)
     where = f"{shown_url(settings.url)} at {shown_url(settings.endpoint_url) if settings.endpoint_url else 'AWS'}"
@@ -567,11 +570,20 @@ async def check_remote(config: Any) -> tuple[bool, str] | None:
         async with settings.objects() as objects:
             await objects.check()
             n = len(await objects.list("records/"))   # (a listing: the doctor's, never a request's)
+            raw = await objects.get(POLICY)
     except ImportError:
         return False, "store.remote: aiobotocore is not installed (pip install 'ocache[s3]')"
     except Exception as exc:  # noqa: BLE001 - the line says what failed
         return False, f"store.remote: {where}: {type(exc).__name__}: {exc}"
-    return True, f"store.remote: {where} answers ({n} entries)"
+    if raw is None:
+        policy = "none yet (the first host to list the bucket creates it from its budget_gb and ttl_s)"
+    else:
+        try:
+            p, _ = parse_policy(raw, key)
+            policy = f"budget {p.budget_bytes / 1e9:.3g} GB, ttl {f'{p.ttl_s:.0f} s' if p.ttl_s else 'none'}"
+        except PolicyRefused as exc:
+            policy = f"refused by this host ({exc}): it would keep its own config's"
+    return True, f"store.remote: {where} answers ({n} entries), bucket policy: {policy}"
 
 
 async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier | None:
