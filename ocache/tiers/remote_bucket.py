@@ -593,12 +593,14 @@ class RemoteBucket(BucketRules):
 
     # ------------------------------------------------------------------ upload
     async def upload(self, e: Entry) -> bool:
-        """Upload a local entry: make room under the budget, put its data objects (the bytes read
-        and checked against the local record first), then its record, create-only, then (a
-        session's spill) its session pointer. Returns True when the bucket holds the entry
-        afterwards (ours or another host's), False when it was skipped (no room, its local files
-        changed or went). Whether the bucket has it already is asked by key (one HEAD) unless
-        known. Raises what the bucket raises."""
+        """Upload a local entry: make room under this host's own bound (its own entries only,
+        :meth:`make_own_room`) and, from a fresh listing of ``data/`` (:meth:`fresh_usage`), under
+        the bucket-wide budget (:meth:`make_room`); put its data objects (the bytes read and
+        checked against the local record first), then its record, create-only, then (a session's
+        spill) its session pointer. Returns True when the bucket holds the entry afterwards (ours
+        or another host's), False when it was skipped (larger than either budget, it left the
+        bucket before, its local files changed or went). Whether the bucket has it already is
+        asked by key (one HEAD) unless known. Raises what the bucket raises."""
         if self.holds(e.key):
             return True
         if e.key in self.held:    # a newer ocache's or a quarantined record holds the key
