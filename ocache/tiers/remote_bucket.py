@@ -564,7 +564,6 @@ class RemoteBucket(BucketRules):
         for k in self.sizes.keys() - catalog.keys():
             self.mark_left(k)
         self.catalog, self.sizes = catalog, sizes
-        self.count_unrecorded()
         if any(k not in catalog for k in self.mine):    # this host's uploads deleted by another
             self.mine = {k: n for k, n in self.mine.items() if k in catalog}
             await self.save_mine()
@@ -648,7 +647,6 @@ class RemoteBucket(BucketRules):
         self.index[e.key] = RemoteEntry(Entry.from_dict(e.summary(), with_tokens=False),
                                         token_bytes(toks), objects, self.host)
         self.sizes[e.key] = e.bytes
-        self.inflight.pop(e.key, None)
         self.mine[e.key] = e.bytes
         await self.save_mine()
         self.absent.discard(e.key)

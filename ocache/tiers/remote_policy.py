@@ -36,12 +36,14 @@ until the new one fits, never another host's. The fleet's budget is enforced by 
 entries it can read (records of a newer layout and records that fail the fleet key are neither
 counted nor evicted by it).
 
-The overshoot of concurrent uploads: before each upload the host lists ``data/`` afresh (one LIST:
-the bytes of every entry, including data other hosts are uploading now, whose records are not
-there yet, and orphans) and evicts until the new entry fits. Hosts that list before each other's
-data lands can still overshoot, by at most one entry per host uploading at that moment; the next
-listing round of any host evicts the excess (``scripts/bench-remote-budget``, docs/benchmarks.md
-59).
+The overshoot of concurrent uploads: before each upload the host lists ``data/`` afresh (one LIST,
+paged) and asks by key (HEAD) for the record of any data it does not know, so the entries other
+hosts recorded since its last listing count (and can be evicted), then evicts until the new entry
+fits. Data of no record (an upload in flight) is not counted: its uploader makes room for it.
+Hosts uploading at the same moment still overshoot, by at most one entry per other host uploading
+then; the next listing round of any host evicts the excess. Measured: 3, 8 and 16 hosts all
+uploading at once peaked at +1.5, +6.5 and +14.5 entries over an 8.5-entry budget
+(``scripts/bench-remote-budget``, docs/benchmarks.md 59).
 
 TTL: an entry whose record and use object were both last written more than ``ttl_s`` ago (their
 ``LastModified`` in the listing, the server's wall clock) is deleted by the next listing round of
@@ -203,14 +205,12 @@ class BucketRules:
         self._replace = bool(replace)
         self._verified: Policy | None = None
         self._refused_etag = ""
-        #: bytes of entries in the bucket with no record known here (uploads in flight, orphans)
-        self.inflight: dict[str, int] = {}
         self._ledger = ledger_path(self.store, self.objects)
         self.mine: dict[str, int] = self._load_mine()
         #: keys that left the bucket (evicted or expired, by any host) while this host watched: not
         #: uploaded again from its local store (else the budget and the TTL would only churn)
         self.left: OrderedDict[str, None] = OrderedDict()
-        for k in ("policy_reads", "policy_created", "policy_replaced", "policy_refused", "expired",
+        for k in ("record_heads", "policy_reads", "policy_created", "policy_replaced", "policy_refused", "expired",
                   "expired_bytes", "evicted_own", "uses_swept"):
             self.counters[k] = 0
 
@@ -232,9 +232,8 @@ class BucketRules:
         return self.rules.ttl_s
 
     def used_bytes(self) -> int:
-        """Bytes of the entries this host believes the bucket holds (held records not counted),
-        plus data objects of no known record (uploads in flight, orphans)."""
-        return sum(self.sizes.values()) + sum(self.inflight.values())
+        """Bytes of the entries this host believes the bucket holds (held records not counted)."""
+        return sum(self.sizes.values())
 
     def mark_left(self, key: str) -> None:
         """Remember that ``key`` left the bucket (at most ``LEFT_MAX`` keys, the oldest dropped)."""
@@ -351,21 +350,14 @@ class BucketRules:
         return freed
 
     # ------------------------------------------------------------------ the bucket's bytes
-    def count_unrecorded(self) -> None:
-        """``inflight`` from the last ``data/`` listing: the bytes of each key whose data is there
-        and whose record is neither known nor held (read after :meth:`refresh` or
-        :meth:`fresh_usage`)."""
-        named = {o for h in self.held.values() for o in h.objects}
-        self.inflight = {k: n for k, objs in self._data.items()
-                         if k not in self.sizes and k not in self.held
-                         and (n := sum(o.size for o in objs if o.key not in named))}
-
     async def fresh_usage(self) -> int:
-        """List ``data/`` now (one LIST, paged) and return the bytes in the bucket: the known
-        entries (their listed data when this host did not read their record; one whose data is
-        gone is no longer counted: a delete removes the record first) plus the data of no known
-        record (another host's upload in flight: its record comes last). Raises what the bucket
-        raises."""
+        """List ``data/`` now (one LIST, paged) and return the bytes of the entries in the bucket:
+        the known ones (their listed data when this host did not read their record; one whose data
+        is gone is no longer counted: a delete removes the record first), and those another host
+        recorded since the last listing: data of no known record is asked for by key (one HEAD
+        each, at most ``POOL``); one with its record is counted (and evictable) from then on, one
+        without is an upload in flight, left to its uploader, which makes room for it (counting it
+        here too would evict for it twice), or an orphan. Raises what the bucket raises."""
         data = await self.objects.list(_DATA)
         self.counters["lists"] += 1
         by_key: dict[str, list[ObjectInfo]] = {}
@@ -378,7 +370,15 @@ class BucketRules:
                 self.mark_left(k)
             elif k not in self.index:
                 self.sizes[k] = sum(o.size for o in by_key[k])
-        self.count_unrecorded()
+        named = {o for h in self.held.values() for o in h.objects}
+        new = [k for k, objs in by_key.items() if k not in self.sizes and k not in self.held and k not in self.left
+               and any(o.key not in named for o in objs)]
+        for k in new[:POOL]:
+            info = await self.objects.head(f"records/{k}.json")
+            self.counters["record_heads"] += 1
+            if info is not None:
+                self.catalog[k] = info
+                self.sizes[k] = sum(o.size for o in by_key[k])
         return self.used_bytes()
 
     # ------------------------------------------------------------------ eviction, TTL, orphans
@@ -457,7 +457,6 @@ class BucketRules:
                     gone += 1
             if not objs:
                 self._data.pop(k, None)
-                self.inflight.pop(k, None)
         for k, u in list(self._uses.items()):
             if k in self.catalog or k in self.sizes or k in self.index or k in self.held:
                 continue
