@@ -205,3 +205,33 @@ async def test_a_newer_policy_is_respected_and_never_overwritten(tmp_path, s3_bu
         await ba.refresh()
         assert (ba.budget_bytes, ba.ttl_s, ba.policy_source) == (123_456_789, 7200.0, "bucket")
         assert await oa.get(POLICY) == newer and ba.counters["policy_replaced"] == 0
+
+
+async def test_more_hosts_uploading_at_once_than_the_budget_holds_leave_it_full(tmp_path, s3_bucket):
+    """Six hosts, a budget of 3.5 entries, every host uploading 3 entries at once, 3 rounds: the bucket
+    ends with the 3 entries that fit, not fewer (each host makes room for its own upload only; a
+    host that also made room for the others' uploads in flight evicted the bucket empty), and the
+    peak stays within one entry per other host over the budget."""
+    clock = Clock()
+    size = entry_size(host(tmp_path, "probe", s3_bucket)[0])
+    budget = 3 * size + size // 2
+    hosts = [configured(tmp_path, f"H{i}", s3_bucket, clock, budget=budget, own=None, ttl_s=0) for i in range(6)]
+    for _, o, _ in hosts:
+        await o.__aenter__()
+    try:
+        peak = data_bytes_peak(*(o for _, o, _ in hosts))
+        tiers = [RemoteTier(b, SimpleNamespace(params=ServerParams())) for _, _, b in hosts]
+        for rnd in range(3):
+            for i, (s, _, _) in enumerate(hosts):
+                for j in range(3):
+                    put(s, [5000 + 100 * i + 10 * rnd + j] * N_TOKENS, state_bytes=STATE, kind="a", ckpt=False,
+                        seed=5000 + 100 * i + 10 * rnd + j)
+            await asyncio.gather(*(t.sync(refresh=True) for t in tiers))
+        for t in tiers:
+            await t.sync(refresh=True)
+        data, by_host = await bucket_state(hosts[0][1])
+        assert len(by_host) == 3 and data <= budget, (data, budget, by_host)
+        assert peak["peak"] <= budget + 5 * size, (peak, budget, size)
+    finally:
+        for _, o, _ in hosts:
+            await o.__aexit__(None, None, None)
