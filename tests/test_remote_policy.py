@@ -168,13 +168,13 @@ async def test_a_forged_policy_does_not_shrink_the_fleets_budget(tmp_path, s3_bu
                        policy_doc(Policy(1, 1.0), "mallory", 0.0, b"another-key-0123456789")):
             await oa.put(POLICY, json.dumps(forged).encode())
             await tb.sync(refresh=True)
-            assert bb.budget_bytes == 6 * size and bb.ttl_s == 0
+            assert bb.budget_bytes == 6 * size and bb.ttl_s == 0 and bb.policy_source == "refused"
         assert bb.counters["policy_refused"] == 2 and bb.counters["evicted"] == bb.counters["expired"] == 0
         assert len(await oa.list(RECORDS)) == 4
         sc, oc, bc = configured(tmp_path, "C", s3_bucket, clock, budget=5 * size, own=None, ttl_s=0, key=FLEET_KEY)
         async with oc:
             await bc.refresh()
-            assert bc.policy_source == "config" and bc.budget_bytes == 5 * size
+            assert bc.policy_source == "refused" and bc.budget_bytes == 5 * size     # its own config's
             assert json.loads(await oc.get(POLICY) or b"{}")["set_by"] == "mallory"    # left as it is
 
             sd, od, bd = configured(tmp_path, "D", s3_bucket, clock, budget=7 * size, own=None, ttl_s=0,

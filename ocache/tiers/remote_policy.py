@@ -172,7 +172,8 @@ class BucketRules:
     """What :class:`ocache.tiers.remote_bucket.RemoteBucket` does to keep the bucket-wide policy
     (a base class of it; see the module docstring). ``proposed``: this host's config's policy;
     ``rules`` the one in effect (``budget_bytes``, ``ttl_s`` mirror it); ``policy_source``:
-    ``config`` (none read yet, or the bucket's refused), ``bucket``, ``created``, ``replaced``;
+    ``config`` (none read yet), ``bucket``, ``created``, ``replaced``, ``refused`` (the bucket's is
+    refused: the last one verified, else ``proposed``, in effect);
     ``host_max_bytes``: the bound of ``mine`` (None: none but the bucket's budget); ``wall``:
     Unix seconds to compare with the listing's ``LastModified`` (tests shift it)."""
 
@@ -292,6 +293,7 @@ class BucketRules:
                 self.counters["policy_refused"] += 1
                 log.warning("remote: the bucket's policy is refused (%s): this host keeps %s (left in the bucket)",
                             exc, "the last one it verified" if self._verified else "its own config's")
+            self.rules, self.policy_source = self._verified or self.proposed, "refused"
             return self.rules
         return self._adopt(p, "bucket")
 
