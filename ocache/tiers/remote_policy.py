@@ -27,7 +27,8 @@ The policy object: ``policy.json`` under the location's prefix::
       shrink the fleet's budget: the worst it does is leave each host on its own config, the
       behaviour before the policy existed. Without a fleet key the policy is as trustworthy as
       the bucket's writers, who can delete entries directly anyway; a budget of 0 or below, or a
-      negative TTL, is refused there too.
+      negative TTL, is refused there too. Whatever the policy says, each host's own bound (below)
+      still holds, so a budget set too large leaves the bucket at most the sum of those bounds.
 
 A host's own ``max_gb`` (``host_max_bytes``) bounds only the bytes of the entries it uploaded and
 that the bucket still holds (``mine``: key -> bytes, kept in the local store's meta directory so
