@@ -150,11 +150,16 @@ class Config:
     tiers: dict = _f({}, "per-tier settings: tiers.<tier>.<key>, the keys listed below (any other "
                      "key is a config error)")
     store: dict = _f({}, "the store below the tiers: store.remote.{url: s3://bucket/prefix, "
-                     "endpoint_url, region, profile, max_gb, sync_s, refresh_s, orphan_age_s, "
-                     "fleet_key} shares anchors, heads and spilled sessions between hosts through an "
-                     "S3-compatible bucket (ocache/tiers/remote.py; pip install 'ocache[s3]'); "
-                     "credentials from the usual AWS environment or files, never in the URL; "
-                     "fleet_key (or env OCACHE_FLEET_KEY) signs the bucket's records")
+                     "endpoint_url, region, profile, max_gb, budget_gb, ttl_s, policy, sync_s, "
+                     "refresh_s, orphan_age_s, fleet_key} shares anchors, heads and spilled sessions "
+                     "between hosts through an S3-compatible bucket (ocache/tiers/remote.py; pip "
+                     "install 'ocache[s3]'); credentials from the usual AWS environment or files, "
+                     "never in the URL; max_gb (100) bounds this host's own uploads; the bucket's "
+                     "budget and TTL are its policy object's (policy.json), created by the first host "
+                     "from its budget_gb (default max_gb) and ttl_s (seconds after an entry's last "
+                     "use, 0: none); policy: replace writes this host's over it once at start "
+                     "(default keep); fleet_key (or env OCACHE_FLEET_KEY) signs the bucket's records "
+                     "and policy")
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -488,7 +493,7 @@ def check_response_cache(rc: Mapping[str, Any]) -> None:
 
 #: Keys of ``store.remote`` (``ocache.tiers.remote.RemoteSettings``): name -> type.
 STORE_REMOTE_KEYS = {"url": str, "endpoint_url": str, "region": str, "profile": str, "max_gb": float,
-                     "sync_s": float, "refresh_s": float, "orphan_age_s": float, "fleet_key": str,
+                     "budget_gb": float, "ttl_s": float, "policy": str, "sync_s": float, "refresh_s": float, "orphan_age_s": float, "fleet_key": str,
                      "index_max_entries": float, "index_max_mb": float}
 #: keys of ``store.remote`` whose values are secrets: no message shows them
 STORE_REMOTE_SECRETS = {"fleet_key"}
@@ -515,6 +520,11 @@ def check_store(store: Mapping[str, Any]) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (str,) if tp is str else (int, float))):
             shown = f"a {type(v).__name__}" if k in STORE_REMOTE_SECRETS or tp is str else repr(v)
             raise ConfigError(f"store.remote.{k}: expected a {tp.__name__}, got {shown}")
+        if isinstance(v, (int, float)) and tp is float and (v < 0 or (v == 0 and k in ("max_gb", "budget_gb"))):
+            raise ConfigError(f"store.remote.{k}: {v!r} must be above 0" if k in ("max_gb", "budget_gb")
+                              else f"store.remote.{k}: {v!r} must be 0 or more")
+    if remote.get("policy") not in (None, "keep", "replace"):
+        raise ConfigError(f"store.remote.policy: {remote['policy']!r} is not keep or replace")
     try:   # credentials in a URL are refused, the message never shows them
         Location.parse(str(remote.get("url") or ""))
         if remote.get("endpoint_url"):

@@ -713,9 +713,21 @@ async def p_store(tmp_path, mp):
     tier = await wiring.build_remote_tier(cfg, table, tiers)
     try:
         assert isinstance(tier, RemoteTier) and tier.bucket.budget_bytes == 2 * 10**9
+        assert tier.bucket.host_max_bytes == 2 * 10**9 and tier.bucket.ttl_s == 0
         assert tier.bucket.objects.location.prefix == "pre/"
     finally:
         await tier.close()
+    cfg = Config(store={"remote": {"url": "s3://bkt/pre", "endpoint_url": _closed_upstream(), "max_gb": 2,
+                                   "budget_gb": 50, "ttl_s": 86400, "policy": "replace"}})
+    tier = await wiring.build_remote_tier(cfg, table, tiers)
+    try:   # the bucket-wide policy this host proposes (and replaces), its own uploads' bound
+        assert (tier.bucket.proposed.budget_bytes, tier.bucket.proposed.ttl_s) == (50 * 10**9, 86400.0)
+        assert tier.bucket.host_max_bytes == 2 * 10**9 and tier.bucket._replace is True
+    finally:
+        await tier.close()
+    for bad in ({"policy": "overwrite"}, {"ttl_s": -1}, {"budget_gb": 0}):
+        with pytest.raises(cfg_mod.ConfigError, match=f"store.remote.{next(iter(bad))}"):
+            cfg_mod.check_store({"remote": {"url": "s3://bkt", **bad}})
     with pytest.raises(cfg_mod.ConfigError, match="store.remote: unknown key"):
         cfg_mod.check_store({"remote": {"url": "s3://bkt", "bucket": "x"}})
 

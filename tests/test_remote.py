@@ -123,7 +123,7 @@ async def test_a_host_that_dies_between_data_and_record_leaves_nothing_restorabl
         assert await bb.sweep() == 0                           # younger than orphan_age_s: kept
         bb.orphan_age_s = 0.0
         assert await bb.sweep() == len(e.files)                # then swept
-        assert await listed(ob, "") == {}
+        assert await listed(ob, "") == {"policy.json": (await ob.head("policy.json")).size}   # nothing else
 
 
 async def test_two_hosts_uploading_one_entry_keep_one_record_and_the_winners_bytes(tmp_path, s3_bucket):
@@ -239,6 +239,7 @@ def test_doctor_checks_the_bucket(tmp_path, s3_bucket, secret_ok, monkeypatch):
     line = next((ln for ln in out.stdout.splitlines() if "store.remote" in ln), "")
     if secret_ok:
         assert "[ok] store.remote" in line and "(0 entries)" in line, out.stdout + out.stderr
+        assert "bucket policy: none yet" in line, line            # no host listed the bucket yet
         assert "[warn] store.remote.fleet_key: not set" in out.stdout, out.stdout   # records unsigned
     else:
         assert "[error] store.remote" in line and out.returncode == 1, out.stdout + out.stderr

@@ -31,11 +31,13 @@ _WHO: contextvars.ContextVar[str] = contextvars.ContextVar("who", default="backg
 
 def count_requests(objects: S3Objects) -> list[tuple[str, str]]:
     """Record ``(who, operation)`` of every request the client sends from now on (``who`` from
-    ``_WHO`` in the sending task's context: tasks a lookup gathers inherit it)."""
+    ``_WHO`` in the sending task's context: tasks a lookup gathers inherit it); a request for the
+    bucket's policy object is ``"<operation> policy"``."""
     calls: list[tuple[str, str]] = []
 
-    def before_call(model, **kw):
-        calls.append((_WHO.get(), model.name))
+    def before_call(model, params=None, **kw):
+        policy = str((params or {}).get("url_path", "")).endswith("/policy.json")
+        calls.append((_WHO.get(), model.name + (" policy" if policy else "")))
 
     objects.client.meta.events.register("before-call.s3", before_call)
     return calls
@@ -128,7 +130,7 @@ async def test_lookups_ask_by_key_never_list_and_do_not_grow_with_the_bucket(tmp
         await bb.refresh()                        # (a listing of 10,001 records: the sync's, not a lookup's)
         assert len(bb.catalog) == FILLER + 1 and bb.index.nbytes < 1 << 20
         assert [op for who, op in calls if who == "request"] == []
-        assert {op for who, op in calls} == {"ListObjectsV2"}
+        assert {op for who, op in calls} - {"GetObject policy", "PutObject policy"} == {"ListObjectsV2"}
 
         # the index is bounded in entries and bytes
         small = RemoteBucket(ob, sb, budget_bytes=10**9, index_max_entries=4, index_max_bytes=10**9)

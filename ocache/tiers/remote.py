@@ -42,8 +42,11 @@ What it does
       the entry's use object (the bucket's eviction input).
 
 Configuration (``store.remote`` in ocache.yaml, ``ocache.config.check_store``): ``url``
-(``s3://bucket/prefix``), ``endpoint_url``, ``region``, ``profile``, ``max_gb`` (the bucket's
-budget, default 100), ``sync_s`` (1), ``refresh_s`` (10: also how long a key found missing is not
+(``s3://bucket/prefix``), ``endpoint_url``, ``region``, ``profile``, ``max_gb`` (10^9 bytes this
+host's own uploads may hold in the bucket, default 100), ``budget_gb`` (default ``max_gb``) and
+``ttl_s`` (seconds, 0: none): the bucket-wide policy this host creates when the bucket has none
+(the bucket's ``policy.json`` rules once it exists: ``ocache.tiers.remote_policy``), ``policy``
+(``keep``; ``replace``: write this host's over the bucket's once at start), ``sync_s`` (1), ``refresh_s`` (10: also how long a key found missing is not
 asked again), ``orphan_age_s`` (3600), ``index_max_entries`` (4096) and ``index_max_mb`` (64: the
 bounds of the records kept in memory), ``fleet_key`` (or env ``OCACHE_FLEET_KEY``: the HMAC key of
 the records, ``RemoteBucket``; unset: unsigned). The lookup's grid is the disk tier's
@@ -130,13 +133,17 @@ class RemoteRef:
 
 @dataclass(frozen=True)
 class RemoteSettings:
-    """``store.remote`` (see the module docstring); times in seconds, ``max_gb`` in 10^9 bytes."""
+    """``store.remote`` (see the module docstring); times in seconds, ``max_gb`` and ``budget_gb``
+    in 10^9 bytes, ``policy`` ``keep`` or ``replace``."""
 
     url: str
     endpoint_url: str | None = None
     region: str | None = None
     profile: str | None = None
     max_gb: float = 100.0
+    budget_gb: float | None = None
+    ttl_s: float = 0.0
+    policy: str = "keep"
     sync_s: float = 1.0
     refresh_s: float = 10.0
     orphan_age_s: float = 3600.0
@@ -536,6 +543,8 @@ class RemoteTier(TierBase):
         return {**self.counters, **self.bucket.counters, "entries": len(self.bucket.sizes),
                 "index_entries": len(self.bucket.index), "index_bytes": self.bucket.index.nbytes,
                 "absent_keys": len(self.bucket.absent), "bytes": self.bucket.used_bytes(), "budget_bytes": self.bucket.budget_bytes,
+                "ttl_s": self.bucket.ttl_s, "policy": self.bucket.policy_source, "own_bytes": self.bucket.own_bytes(),
+                "host_max_bytes": self.bucket.host_max_bytes,
                 "download_bytes_s": round(self.download_rate.value),
                 "download_s_p50": xs[len(xs) // 2] if xs else None,
                 "download_s_max": xs[-1] if xs else None}
@@ -559,13 +568,16 @@ def remote_warnings(config: Any, env: Any = None) -> list[str]:
 
 async def check_remote(config: Any) -> tuple[bool, str] | None:
     """``ocache doctor``'s check of ``store.remote``: the fleet key (if any) is long enough, the
-    bucket answers with these credentials and its records can be listed. Returns ``(ok, one
-    line)``, None when no remote is configured."""
+    bucket answers with these credentials and its records can be listed; the line ends with the
+    bucket's policy (``ocache.tiers.remote_policy``: its budget and TTL, none yet, or why this host
+    would refuse it). Returns ``(ok, one line)``, None when no remote is configured."""
+    from ocache.tiers.remote_policy import POLICY, PolicyRefused, parse_policy
+
     settings = RemoteSettings.of(config)
     if settings is None:
         return None
     try:
-        settings.key()
+        key = settings.key()
     except RemoteConfigError as exc:
         return False, str(exc)
     where = f"{shown_url(settings.url)} at {shown_url(settings.endpoint_url) if settings.endpoint_url else 'AWS'}"
@@ -573,11 +585,20 @@ async def check_remote(config: Any) -> tuple[bool, str] | None:
         async with settings.objects() as objects:
             await objects.check()
             n = len(await objects.list("records/"))   # (a listing: the doctor's, never a request's)
+            raw = await objects.get(POLICY)
     except ImportError:
         return False, "store.remote: aiobotocore is not installed (pip install 'ocache[s3]')"
     except Exception as exc:  # noqa: BLE001 - the line says what failed
         return False, f"store.remote: {where}: {type(exc).__name__}: {exc}"
-    return True, f"store.remote: {where} answers ({n} entries)"
+    if raw is None:
+        policy = "none yet (the first host to list the bucket creates it from its budget_gb and ttl_s)"
+    else:
+        try:
+            p, _ = parse_policy(raw, key)
+            policy = f"budget {p.budget_bytes / 1e9:.3g} GB, ttl {f'{p.ttl_s:.0f} s' if p.ttl_s else 'none'}"
+        except PolicyRefused as exc:
+            policy = f"refused by this host ({exc}): it would keep its own config's"
+    return True, f"store.remote: {where} answers ({n} entries), bucket policy: {policy}"
 
 
 async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier | None:
@@ -602,8 +623,9 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
     if bucket is None:
         objects = settings.objects()
         await objects.__aenter__()
-        bucket = RemoteBucket(objects, store, budget_bytes=int(settings.max_gb * 1e9),
-                              orphan_age_s=settings.orphan_age_s, fleet_key=fleet_key,
+        bucket = RemoteBucket(objects, store, budget_bytes=int((settings.budget_gb or settings.max_gb) * 1e9),
+                              ttl_s=settings.ttl_s, host_max_bytes=int(settings.max_gb * 1e9),
+                              replace_policy=settings.policy == "replace", orphan_age_s=settings.orphan_age_s, fleet_key=fleet_key,
                               index_max_entries=int(settings.index_max_entries),
                               index_max_bytes=int(settings.index_max_mb * 2**20),
                               absent_s=max(1.0, settings.refresh_s))
@@ -616,8 +638,11 @@ async def open_remote_tier(config: Any, store: Store, table: Any) -> RemoteTier 
     if owner:
         tier.owns = shared_key
         tier.start()
-        log.info("remote tier: %s (endpoint %s, budget %.3g GB, records %s)", shown_url(settings.url),
+        log.info("remote tier: %s (endpoint %s, this host's uploads up to %.3g GB, bucket policy proposed "
+                 "%.3g GB / ttl %.0f s%s, records %s)", shown_url(settings.url),
                  shown_url(settings.endpoint_url) if settings.endpoint_url else "AWS", settings.max_gb,
+                 settings.budget_gb or settings.max_gb, settings.ttl_s,
+                 ", replacing the bucket's" if settings.policy == "replace" else "",
                  "signed" if fleet_key else "unsigned")
     return tier
 

@@ -1,6 +1,6 @@
 """The bucket side of the remote tier (``ocache.tiers.remote``): the object layout, the index of
 the bucket's records, uploads of local entries, verified downloads into the local store, and
-eviction under the bucket's byte budget (docs/decisions.md D7, D10).
+eviction under the bucket-wide policy (``ocache.tiers.remote_policy``; docs/decisions.md D7, D10).
 
 Layout under the location's prefix (``ocache.tiers.remote_client.Location``)
     * ``data/<key>-<role>-<xxh3>``: one object per file of an entry (``bin``, ``ckpt``), named by
@@ -18,7 +18,8 @@ Layout under the location's prefix (``ocache.tiers.remote_client.Location``)
     * ``sessions/<xxh3-128 of identity and session key>.json``: ``{"key"}``, the record key of the
       session's latest spill (kind ``s``, not a guest's), overwritten by each upload of one: how a
       lookup finds a conversation by key. It only points: the record it names is checked as any
-      (its session, identity and signature), so a wrong pointer costs one GET, never a wrong restore.
+      (its session, identity and signature), so a wrong pointer costs one GET, never a wrong restore;
+    * ``policy.json``: the bucket-wide budget and TTL every host keeps to (``ocache.tiers.remote_policy``).
 
 Index: entries are looked up **by key** (:meth:`RemoteBucket.entry`: one GET of
 ``records/<key>.json``), never by listing the bucket on a request's path. What was read is kept in
@@ -50,9 +51,12 @@ A record of a higher version, from a newer ocache, is held (:class:`HeldRecord`)
 counted, evicted nor swept by this host, so hosts of two versions share one bucket while a fleet
 upgrades; any layout change that older hosts cannot read raises the version.
 
-Eviction: the local store's value rule (``ocache.tiers.evict.ValuePolicy``) over the index, with
-the hits and last use of the use objects; a victim's record is deleted first (from then on no
-host restores it), then its data and use objects.
+Eviction (``ocache.tiers.remote_policy.BucketRules``, a base of :class:`RemoteBucket`): to the
+bucket-wide policy's budget, by the local store's value rule (``ocache.tiers.evict.ValuePolicy``)
+over the index, with the hits and last use of the use objects; entries past the policy's TTL; this
+host's own uploads to its own ``max_gb``. A victim's record is deleted first (from then on no host
+restores it), then its data and use objects; a host does not upload again an entry that left the
+bucket.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ import xxhash
 from ocache.tiers.entry import Entry, entry_key, token_bytes, tokens_from_bytes
 from ocache.tiers.evict import EvictionPolicy, ValuePolicy
 from ocache.tiers.remote_client import ObjectInfo, S3Objects
+from ocache.tiers.remote_policy import BucketRules
 from ocache.tiers.slotfile import CHUNK
 from ocache.tiers.store import BudgetError, Store, reserve_async
 
@@ -369,11 +374,14 @@ async def point_session(objects: S3Objects, absent: AbsentKeys, e: Entry) -> Non
         log.info("remote: session pointer of %s not written: %s", e.key[:16], exc)
 
 
-class RemoteBucket:
+class RemoteBucket(BucketRules):
     """The bucket of a remote tier, in front of one host's local :class:`Store`.
 
-    ``objects``: an open :class:`S3Objects`. ``budget_bytes``: most bytes of entries in the
-    bucket (``store.remote.max_gb``). ``host``: this host's name in the records (logs only).
+    ``objects``: an open :class:`S3Objects`. ``budget_bytes`` / ``ttl_s``: the bucket-wide policy
+    this host proposes (``store.remote.budget_gb``, ``ttl_s``; the bucket's own policy object, once
+    read, rules: ``ocache.tiers.remote_policy``); ``host_max_bytes``: most bytes of this host's own
+    uploads in the bucket (``store.remote.max_gb``; None: no bound of its own); ``replace_policy``:
+    write the proposal over the bucket's policy once. ``host``: this host's name in the records.
     ``orphan_age_s``: data objects no record names are deleted by :meth:`sweep` once this old.
     ``fleet_key``: the key records are signed with on upload and verified with on read (None: records
     are written unsigned and read unverified). ``index_max_entries`` / ``index_max_bytes``: the
@@ -385,10 +393,10 @@ class RemoteBucket:
                  orphan_age_s: float = 3600.0, clock: Callable[[], float] = time.time,
                  policy: EvictionPolicy | None = None, fleet_key: bytes | None = None,
                  index_max_entries: int = INDEX_MAX_ENTRIES, index_max_bytes: int = INDEX_MAX_BYTES,
-                 absent_s: float = 10.0) -> None:
+                 absent_s: float = 10.0, ttl_s: float = 0.0, host_max_bytes: int | None = None,
+                 replace_policy: bool = False) -> None:
         self.objects = objects
         self.store = store
-        self.budget_bytes = int(budget_bytes)
         self.host = host or os.uname().nodename
         self.orphan_age_s = float(orphan_age_s)
         self.clock = clock
@@ -419,12 +427,9 @@ class RemoteBucket:
             "skipped_budget": 0, "newer_records": 0, "quarantined": 0,
             "record_gets": 0, "record_absent": 0, "lists": 0,
         }
+        self._init_rules(budget_bytes, ttl_s, host_max_bytes, replace_policy)
 
     # ------------------------------------------------------------------ index
-    def used_bytes(self) -> int:
-        """Bytes of the entries this host believes the bucket holds (held records not counted)."""
-        return sum(self.sizes.values())
-
     def holds(self, key: str) -> bool:
         """Whether the last listing, an upload or a read since showed a record of ``key`` (no
         request)."""
@@ -530,7 +535,8 @@ class RemoteBucket:
         from the listing leave the index; one whose ETag changed is read again when next asked
         for; a listed key is no longer remembered as absent. No record is read here: an entry's
         bytes are its record's when this host read it, else its listed data objects'. The use
-        objects of indexed entries whose ETag changed are read (hits, last use)."""
+        objects of indexed entries whose ETag changed are read (hits, last use). Then the bucket's
+        policy is read (:meth:`load_policy`)."""
         listed = await self.objects.list(RECORDS)
         data = await self.objects.list(DATA)
         uses = await self.objects.list(USE)
@@ -555,11 +561,17 @@ class RemoteBucket:
                 continue
             r = self.index.get(k)
             sizes[k] = r.entry.bytes if r is not None else sum(o.size for o in by_key.get(k, ()))
+        for k in self.sizes.keys() - catalog.keys():
+            self.mark_left(k)
         self.catalog, self.sizes = catalog, sizes
+        if any(k not in catalog for k in self.mine):    # this host's uploads deleted by another
+            self.mine = {k: n for k, n in self.mine.items() if k in catalog}
+            await self.save_mine()
         for k in list(self.quarantined):
             if k not in catalog:
                 del self.quarantined[k]
         await self._read_uses([k for k in self._uses if k in self.index])
+        await self.load_policy()
         self.refreshed_at = time.monotonic()
 
     async def _read_uses(self, keys: Iterable[str]) -> None:
@@ -580,17 +592,22 @@ class RemoteBucket:
 
     # ------------------------------------------------------------------ upload
     async def upload(self, e: Entry) -> bool:
-        """Upload a local entry: make room under the budget, put its data objects (the bytes read
-        and checked against the local record first), then its record, create-only, then (a
-        session's spill) its session pointer. Returns True when the bucket holds the entry
-        afterwards (ours or another host's), False when it was skipped (no room, its local files
-        changed or went). Whether the bucket has it already is asked by key (one HEAD) unless
-        known. Raises what the bucket raises."""
+        """Upload a local entry: make room under this host's own bound (its own entries only,
+        :meth:`make_own_room`) and, from a fresh listing of ``data/`` (:meth:`fresh_usage`), under
+        the bucket-wide budget (:meth:`make_room`); put its data objects (the bytes read and
+        checked against the local record first), then its record, create-only, then (a session's
+        spill) its session pointer. Returns True when the bucket holds the entry afterwards (ours
+        or another host's), False when it was skipped (larger than either budget, it left the
+        bucket before, its local files changed or went). Whether the bucket has it already is
+        asked by key (one HEAD) unless known. Raises what the bucket raises."""
         if self.holds(e.key):
             return True
         if e.key in self.held:    # a newer ocache's or a quarantined record holds the key
             return False
-        if e.bytes > self.budget_bytes:
+        if e.key in self.left:    # evicted or expired from the bucket: not put back
+            return False
+        own = self.budget_bytes if self.host_max_bytes is None else self.host_max_bytes
+        if e.bytes > min(self.budget_bytes, own):
             self.counters["skipped_budget"] += 1
             return False
         found = await self.objects.head(f"{RECORDS}{e.key}.json")
@@ -607,7 +624,9 @@ class RemoteBucket:
             except (OSError, KeyError, ValueError) as exc:   # evicted or changed meanwhile
                 log.info("remote: %s not uploaded: %s", e.key[:16], exc)
                 return False
-            await self.make_room(e.bytes)
+            await self.make_own_room(e.bytes)      # this host's own bound: only its own entries
+            await self.fresh_usage()               # the bucket's bytes now, others' uploads in flight included
+            await self.make_room(e.bytes)          # the bucket-wide budget
             objects = {role: f"{DATA}{e.key}-{role}-{f.xxh3}" for role, f in e.files.items()}
             for role, name in objects.items():
                 await self.objects.put(name, files[role])
@@ -628,6 +647,8 @@ class RemoteBucket:
         self.index[e.key] = RemoteEntry(Entry.from_dict(e.summary(), with_tokens=False),
                                         token_bytes(toks), objects, self.host)
         self.sizes[e.key] = e.bytes
+        self.mine[e.key] = e.bytes
+        await self.save_mine()
         self.absent.discard(e.key)
         self.counters["uploads"] += 1
         self.counters["upload_bytes"] += e.bytes
@@ -636,41 +657,6 @@ class RemoteBucket:
         return True
 
     # ------------------------------------------------------------------ eviction
-    def _last_active(self, k: str) -> float:
-        r = self.index.get(k)
-        if r is not None:
-            return max(r.entry.last_used, r.entry.created)
-        u = self._uses.get(k)
-        c = self.catalog.get(k)
-        return max(u.modified if u is not None else 0.0, c.modified if c is not None else 0.0)
-
-    async def make_room(self, nbytes: int) -> int:
-        """Evict by value (lowest first) until ``nbytes`` more fit the budget: the policy ranks a
-        pool of the ``EVICTION_POOL`` least recently active entries (their records and use objects
-        read by key, at most that many each round), then the next pool while still over. Returns
-        the bytes freed. Raises what the bucket raises."""
-        freed = 0
-        tried: set[str] = set()
-        while self.used_bytes() + nbytes > self.budget_bytes:
-            keys = sorted((k for k in self.sizes if k not in tried), key=self._last_active)[:EVICTION_POOL]
-            if not keys:
-                break
-            tried.update(keys)
-            pool = []
-            for k in keys:
-                r = await self.entry(k)
-                if r is not None:
-                    pool.append(r)
-            await self._read_uses([r.key for r in pool])
-            for victim in self.policy.candidates([r.entry for r in pool], self.clock()):
-                if self.used_bytes() + nbytes <= self.budget_bytes:
-                    break
-                freed += victim.bytes
-                await self.delete(victim.key, "evicted by value for the bucket's budget")
-                self.counters["evicted"] += 1
-                self.counters["evicted_bytes"] += victim.bytes
-        return freed
-
     async def delete(self, key: str, reason: str) -> None:
         """Delete an entry from the bucket: its record first, then its data objects (the record's
         and any listed under its key) and use object."""
@@ -679,32 +665,16 @@ class RemoteBucket:
         names.update(o.key for o in self._data.pop(key, ()))
         self._forget(key)
         self.quarantined.pop(key, None)
+        self._uses.pop(key, None)
+        self.mark_left(key)
+        if self.mine.pop(key, None) is not None:
+            await self.save_mine()
         log.info("remote: deleting %s: %s", key[:16], reason)
         await self.objects.delete(f"{RECORDS}{key}.json")
         for name in sorted(names):
             await self.objects.delete(name)
         await self.objects.delete(f"{USE}{key}.json")
         self.absent.mark(key)
-
-    async def sweep(self) -> int:
-        """Delete data objects of no record and older than ``orphan_age_s`` (a host died between its
-        data and its record; one uploading now has its data younger than that): a data object is
-        kept while a record of its key is listed, indexed or held. Call after :meth:`refresh`
-        (whose listing of ``data/`` it reads). Returns how many."""
-        named = {o for r in self.index.values() for o in r.objects.values()}
-        named.update(o for h in self.held.values() for o in h.objects)
-        now = time.time()   # the server's LastModified is wall time, whatever ``clock`` says
-        gone = 0
-        for k, objs in list(self._data.items()):
-            if k in self.catalog or k in self.sizes or k in self.index or k in self.held:
-                continue
-            for o in list(objs):
-                if o.key not in named and now - o.modified >= self.orphan_age_s:
-                    await self.objects.delete(o.key)
-                    objs.remove(o)
-                    gone += 1
-        self.counters["orphans_deleted"] += gone
-        return gone
 
     # ------------------------------------------------------------------ download
     async def fetch(self, key: str) -> Entry:
