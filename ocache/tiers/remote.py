@@ -547,7 +547,9 @@ class RemoteTier(TierBase):
                 "host_max_bytes": self.bucket.host_max_bytes,
                 "download_bytes_s": round(self.download_rate.value),
                 "download_s_p50": xs[len(xs) // 2] if xs else None,
-                "download_s_max": xs[-1] if xs else None}
+                "download_s_max": xs[-1] if xs else None,
+                # requests sent to the bucket by kind (LIST, HEAD, GET, PUT, POST, DELETE)
+                "s3_requests": dict(getattr(self.bucket.objects, "requests", None) or {})}
 
 
 def remote_warnings(config: Any, env: Any = None) -> list[str]:

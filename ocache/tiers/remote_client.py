@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, BinaryIO, Callable
 from urllib.parse import urlparse
@@ -35,6 +36,12 @@ READ_TIMEOUT_S = 60.0
 MULTIPART_THRESHOLD_BYTES = 4 << 30
 MULTIPART_PART_BYTES = 64 << 20
 MULTIPART_CONCURRENCY = 4
+
+#: the kinds of request :attr:`S3Objects.requests` counts: one per HTTP request the client asks
+#: botocore for (each page of a listing as it is answered, each part of a multipart upload;
+#: botocore's own retries of one request not counted). ``POST``: a multipart upload's create and
+#: complete; ``DELETE`` includes its abort.
+REQUEST_KINDS = ("LIST", "HEAD", "GET", "PUT", "POST", "DELETE")
 
 
 class RemoteConfigError(ValueError):
@@ -137,6 +144,12 @@ class S3Objects:
         self.part_bytes = MULTIPART_PART_BYTES
         self.part_concurrency = MULTIPART_CONCURRENCY
         self.multipart_uploads = 0
+        #: requests sent, by kind (:data:`REQUEST_KINDS`), since this object was made
+        self.requests: Counter[str] = Counter()
+
+    def _count(self, kind: str) -> None:
+        """Count one request of ``kind`` (one of :data:`REQUEST_KINDS`) about to be sent."""
+        self.requests[kind] += 1
 
     async def __aenter__(self) -> "S3Objects":
         from aiobotocore.config import AioConfig
@@ -170,6 +183,7 @@ class S3Objects:
 
     async def check(self) -> None:
         """Head the bucket (``ocache doctor``): raises ClientError (403, 404) or a connection error."""
+        self._count("HEAD")
         await self.client.head_bucket(Bucket=self.location.bucket)
 
     async def put(self, key: str, body: bytes | BinaryIO, *, create_only: bool = False) -> bool:
@@ -183,6 +197,7 @@ class S3Objects:
                 await self.put_multipart(key, body, left)
                 return True
         kw: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
+        self._count("PUT")
         try:
             await self.client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=body, **kw)
         except Exception as exc:
@@ -201,6 +216,7 @@ class S3Objects:
         import asyncio
 
         bucket, full = self.location.bucket, self._key(key)
+        self._count("POST")
         up = await self.client.create_multipart_upload(Bucket=bucket, Key=full)
         uid = up["UploadId"]
         parts: dict[int, str] = {}
@@ -208,6 +224,7 @@ class S3Objects:
 
         async def send(n: int, data: bytes) -> None:
             try:
+                self._count("PUT")
                 resp = await self.client.upload_part(Bucket=bucket, Key=full, UploadId=uid, PartNumber=n, Body=data)
                 parts[n] = str(resp["ETag"])
             finally:
@@ -230,6 +247,7 @@ class S3Objects:
                 left -= len(data)
                 tasks.append(asyncio.create_task(send(n, data)))
             await asyncio.gather(*tasks)
+            self._count("POST")
             await self.client.complete_multipart_upload(
                 Bucket=bucket, Key=full, UploadId=uid,
                 MultipartUpload={"Parts": [{"PartNumber": i, "ETag": parts[i]} for i in sorted(parts)]})
@@ -238,6 +256,7 @@ class S3Objects:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
+                self._count("DELETE")
                 await self.client.abort_multipart_upload(Bucket=bucket, Key=full, UploadId=uid)
             raise
         self.multipart_uploads += 1
@@ -249,6 +268,7 @@ class S3Objects:
 
     async def get_tagged(self, key: str) -> tuple[bytes, str] | None:
         """The object's bytes and ETag (one GET), or None when there is no such key."""
+        self._count("GET")
         try:
             resp = await self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
         except Exception as exc:
@@ -261,6 +281,7 @@ class S3Objects:
     async def head(self, key: str) -> ObjectInfo | None:
         """The object's size, modification time and ETag (one HEAD), or None when there is no such
         key."""
+        self._count("HEAD")
         try:
             resp = await self.client.head_object(Bucket=self.location.bucket, Key=self._key(key))
         except Exception as exc:
@@ -274,6 +295,7 @@ class S3Objects:
     async def stream(self, key: str, sink: Callable[[bytes], None], chunk: int = 1 << 20) -> int:
         """Hand the object's bytes to ``sink`` in chunks of at most ``chunk`` bytes; returns the
         bytes read. Raises FileNotFoundError when there is no such key."""
+        self._count("GET")
         try:
             resp = await self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
         except Exception as exc:
@@ -299,8 +321,10 @@ class S3Objects:
     async def _pages(self, prefix: str) -> AsyncIterator[dict]:
         pager = self.client.get_paginator("list_objects_v2")
         async for page in pager.paginate(Bucket=self.location.bucket, Prefix=self._key(prefix)):
+            self._count("LIST")     # one request per page (counted as it is answered)
             yield page
 
     async def delete(self, key: str) -> None:
         """Delete ``key`` (no error when it is gone already: S3 answers 204 either way)."""
+        self._count("DELETE")
         await self.client.delete_object(Bucket=self.location.bucket, Key=self._key(key))
