@@ -510,109 +510,101 @@ class _Warnings(logging.Handler):
 
 
 async def _worker(cfg: FleetConfig, worker: int, host_ids: list[int], settings: dict, root: Path, conn: Any) -> None:
-    warnings = _Warnings()
-    logging.getLogger().addHandler(warnings)
-    rss = {"start": rss_bytes()}
-    outbox: list = []
-    hosts = {n: Host(n, cfg, settings, root, outbox) for n in host_ids}
-    for h in hosts.values():
-        await h.open()
-    rss["open"] = rss_bytes()
-    loop = asyncio.get_running_loop()
-    go: asyncio.Future = loop.create_future()
-    probes: set[asyncio.Task] = set()
+    await _Worker(cfg, worker, host_ids, settings, root, conn).run()
 
-    def readable() -> None:
-        while conn.poll():
-            msg = conn.recv()
-            if msg[0] == "go" and not go.done():
-                go.set_result(float(msg[1]))
+
+class _Worker:
+    """One worker's hosts and its side of the parent's pipe (see :func:`worker_main`)."""
+
+    def __init__(self, cfg: FleetConfig, worker: int, host_ids: list[int], settings: dict, root: Path,
+                 conn: Any) -> None:
+        self.cfg, self.worker, self.conn = cfg, worker, conn
+        self.outbox: list = []
+        self.hosts = {n: Host(n, cfg, settings, root, self.outbox) for n in host_ids}
+        self.probes: set[asyncio.Task] = set()
+        self.lags: list[float] = []
+        self.samples: list[tuple[float, int]] = []
+        self.t0 = 0.0
+
+    def readable(self) -> None:
+        """The parent's messages: ``go`` (the day's start), ``probe``, ``end`` (no more probes)."""
+        loop = asyncio.get_running_loop()
+        while self.conn.poll():
+            msg = self.conn.recv()
+            if msg[0] in ("go", "end") and not self.waits[msg[0]].done():
+                self.waits[msg[0]].set_result(msg[1] if len(msg) > 1 else None)
             elif msg[0] == "probe":
-                t = loop.create_task(hosts[msg[1]].probe(msg[2], msg[3]))
-                probes.add(t)
-                t.add_done_callback(probes.discard)
+                t = loop.create_task(self.hosts[msg[1]].probe(msg[2], msg[3]))
+                self.probes.add(t)
+                t.add_done_callback(self.probes.discard)
 
-    loop.add_reader(conn.fileno(), readable)
-    conn.send(("ready", worker))
-    t0 = await asyncio.wait_for(go, cfg.open_timeout_s)
-    lags: list[float] = []
-    samples: list[tuple[float, int]] = []
-
-    async def run_host(h: Host) -> None:
+    async def run_host(self, h: Host) -> None:
+        cfg = self.cfg
         for t, what, arg in schedule(cfg, h.n):
-            at = t0 + t / cfg.compression
-            wait = at - time.time()
+            wait = self.t0 + t / cfg.compression - time.time()
             if wait > 0:
                 await asyncio.sleep(wait)
             else:
-                lags.append(-wait)
+                self.lags.append(-wait)
             try:
-                if what == "turn":
-                    await h.turn(arg)
-                else:
-                    await h.restart()
+                await (h.turn(arg) if what == "turn" else h.restart())
             except Exception as exc:  # noqa: BLE001 - counted; the day goes on
                 h.counters[f"sim_error_{type(exc).__name__}"] += 1
                 log.warning("host %d %s: %s: %s", h.n, what, type(exc).__name__, exc)
 
-    async def flush_outbox() -> None:
+    async def background(self) -> None:
+        """Commits to the parent as they happen; memory sampled every ``sample_s``."""
+        next_sample = 0.0
         while True:
-            while outbox:
-                conn.send(outbox.pop(0))
+            while self.outbox:
+                self.conn.send(self.outbox.pop(0))
+            if time.monotonic() >= next_sample:
+                self.samples.append((time.time() - self.t0, rss_bytes()))
+                for h in self.hosts.values():
+                    h.sample_memory()
+                next_sample = time.monotonic() + self.cfg.sample_s
             await asyncio.sleep(0.02)
 
-    async def sample() -> None:
-        while True:
-            samples.append((time.time() - t0, rss_bytes()))
-            for h in hosts.values():
-                h.sample_memory()
-            await asyncio.sleep(cfg.sample_s)
-
-    flusher = loop.create_task(flush_outbox())
-    sampler = loop.create_task(sample())
-    await asyncio.gather(*(run_host(h) for h in hosts.values()))
-    # the day is over: the last uploads, then the probes of what they committed
-    for h in hosts.values():
-        await on_path("drain", h.tier.flush())
-    for h in hosts.values():
-        h.sample_memory()
-    samples.append((time.time() - t0, rss_bytes()))
-    while outbox:
-        conn.send(outbox.pop(0))
-    conn.send(("flushed", worker))
-    # wait for the parent's last probes: it sends ("end",) once every worker flushed
-    end = loop.create_future()
-
-    def readable_end() -> None:
-        while conn.poll():
-            msg = conn.recv()
-            if msg[0] == "probe":
-                t = loop.create_task(hosts[msg[1]].probe(msg[2], msg[3]))
-                probes.add(t)
-                t.add_done_callback(probes.discard)
-            elif msg[0] == "end" and not end.done():
-                end.set_result(True)
-
-    loop.remove_reader(conn.fileno())
-    loop.add_reader(conn.fileno(), readable_end)
-    await asyncio.wait_for(end, cfg.probe_timeout_s + 120)
-    if probes:
-        await asyncio.wait(set(probes), timeout=cfg.probe_timeout_s + 10)
-    loop.remove_reader(conn.fileno())
-    flusher.cancel()
-    sampler.cancel()
-    out: dict[str, Any] = {"worker": worker, "rss": rss, "rss_samples": samples, "lags": lags, "hosts": [],
-           "warnings": dict(warnings.seen.most_common(8))}
-    for h in hosts.values():
-        await h.close(wipe=False)
-        out["hosts"].append({
-            "n": h.n, "requests": [[p, k, v] for (p, k), v in h.requests().items()],
-            "lookups": h.lookups, "bring_s": h.bring_s, "bring_failed": dict(h.bring_failed),
-            "hits": h.hits, "spills": h.spills, "anchors": h.anchors, "restarts": h.restarts,
-            "turns": h.turns, "new_sessions": h.new_sessions, "counters": dict(h.counters),
-            "active_s": h.active_s,
-            "peak": h.peak, "events": h.events})
-    conn.send(("done", out))
+    async def run(self) -> None:
+        cfg, conn = self.cfg, self.conn
+        warnings = _Warnings()
+        logging.getLogger().addHandler(warnings)
+        rss = {"start": rss_bytes()}
+        for h in self.hosts.values():
+            await h.open()
+        rss["open"] = rss_bytes()
+        loop = asyncio.get_running_loop()
+        self.waits = {"go": loop.create_future(), "end": loop.create_future()}
+        loop.add_reader(conn.fileno(), self.readable)
+        conn.send(("ready", self.worker))
+        self.t0 = float(await asyncio.wait_for(self.waits["go"], cfg.open_timeout_s))
+        bg = loop.create_task(self.background())
+        await asyncio.gather(*(self.run_host(h) for h in self.hosts.values()))
+        # the day is over: the last uploads, then the probes of what they committed, until the
+        # parent's ("end",) once every worker flushed
+        for h in self.hosts.values():
+            await on_path("drain", h.tier.flush())
+            h.sample_memory()
+        self.samples.append((time.time() - self.t0, rss_bytes()))
+        bg.cancel()
+        while self.outbox:
+            conn.send(self.outbox.pop(0))
+        conn.send(("flushed", self.worker))
+        await asyncio.wait_for(self.waits["end"], cfg.probe_timeout_s + 120)
+        if self.probes:
+            await asyncio.wait(set(self.probes), timeout=cfg.probe_timeout_s + 10)
+        loop.remove_reader(conn.fileno())
+        out: dict[str, Any] = {"worker": self.worker, "rss": rss, "rss_samples": self.samples, "lags": self.lags,
+                               "hosts": [], "warnings": dict(warnings.seen.most_common(8))}
+        for h in self.hosts.values():
+            await h.close(wipe=False)
+            out["hosts"].append({
+                "n": h.n, "requests": [[p, k, v] for (p, k), v in h.requests().items()],
+                "lookups": h.lookups, "bring_s": h.bring_s, "bring_failed": dict(h.bring_failed),
+                "hits": h.hits, "spills": h.spills, "anchors": h.anchors, "restarts": h.restarts,
+                "turns": h.turns, "new_sessions": h.new_sessions, "counters": dict(h.counters),
+                "active_s": h.active_s, "peak": h.peak, "events": h.events})
+        conn.send(("done", out))
 
 
 # ---------------------------------------------------------------------------------------- the parent
@@ -639,12 +631,85 @@ def split_hosts(hosts: int, workers: int) -> list[list[int]]:
     return [list(range(w, hosts, workers)) for w in range(workers)]
 
 
+class _Relay:
+    """The parent's side of the workers' pipes: who is ready, flushed and done, the commits (each
+    relayed at once to a random other host as a ``probe``), a worker's failure. Every message of a
+    worker is read in order, so its commits are relayed before its ``flushed``."""
+
+    def __init__(self, cfg: FleetConfig, groups: list[list[int]], conns: list) -> None:
+        self.cfg, self.groups, self.conns = cfg, groups, conns
+        self.where = {n: w for w, g in enumerate(groups) for n in g}
+        self.rng = random.Random(f"{cfg.seed}-probes")
+        self.ready: set[int] = set()
+        self.flushed: set[int] = set()
+        self.done: dict[int, dict] = {}
+        self.commits: list[tuple[str, float, int]] = []
+        self.failed: list[str] = []
+        self.changed = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        for w, c in enumerate(conns):
+            self.loop.add_reader(c.fileno(), self.readable, w)
+
+    def readable(self, w: int) -> None:
+        c = self.conns[w]
+        try:
+            while c.poll():
+                msg = c.recv()
+                if msg[0] == "ready":
+                    self.ready.add(w)
+                elif msg[0] == "commit":
+                    _, key, t, host, _ = msg
+                    self.commits.append((key, t, host))
+                    if self.cfg.hosts > 1:
+                        other = self.rng.choice([n for n in range(self.cfg.hosts) if n != host])
+                        self.conns[self.where[other]].send(("probe", other, key, t))
+                elif msg[0] == "flushed":
+                    self.flushed.add(w)
+                elif msg[0] == "done":
+                    self.done[w] = msg[1]
+                    self.loop.remove_reader(c.fileno())
+                elif msg[0] == "failed":
+                    self.failed.append(msg[2])
+                    self.loop.remove_reader(c.fileno())
+                self.changed.set()
+        except (EOFError, OSError):
+            self.loop.remove_reader(c.fileno())
+            self.failed.append(f"worker {w}: its pipe closed")
+            self.changed.set()
+
+    async def until(self, cond: Any, timeout: float, what: str) -> None:
+        """Wait until ``cond()`` holds, at most ``timeout`` seconds (TimeoutError); RuntimeError at
+        once when a worker failed."""
+        end = time.monotonic() + timeout
+        while not cond():
+            if self.failed:
+                raise RuntimeError("a worker failed:\n" + "\n".join(self.failed))
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"sim-fleet: {what} not within {timeout:.0f} s")
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), min(left, 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+    def send(self, msg: tuple) -> None:
+        for c in self.conns:
+            c.send(msg)
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                self.loop.remove_reader(c.fileno())
+            except (ValueError, OSError):
+                pass
+
+
 async def _conduct(cfg: FleetConfig, settings: dict, root: Path) -> dict:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     groups = split_hosts(cfg.hosts, cfg.workers)
-    where = {n: w for w, g in enumerate(groups) for n in g}
     conns, procs = [], []
     for w, g in enumerate(groups):
         mine, theirs = ctx.Pipe()
@@ -654,96 +719,38 @@ async def _conduct(cfg: FleetConfig, settings: dict, root: Path) -> dict:
         theirs.close()
         conns.append(mine)
         procs.append(p)
-    loop = asyncio.get_running_loop()
-    rng = random.Random(f"{cfg.seed}-probes")
-    state: dict[str, Any] = {"ready": set(), "flushed": set(), "done": {}, "commits": [], "failed": []}
-    changed = asyncio.Event()
-
-    def reader(w: int) -> Any:
-        def readable() -> None:
-            c = conns[w]
-            try:
-                while c.poll():
-                    msg = c.recv()
-                    kind = msg[0]
-                    if kind == "ready":
-                        state["ready"].add(w)
-                    elif kind == "commit":
-                        _, key, t, host, _ = msg
-                        state["commits"].append((key, t, host))
-                        if cfg.hosts > 1:
-                            other = rng.choice([n for n in range(cfg.hosts) if n != host])
-                            conns[where[other]].send(("probe", other, key, t))
-                    elif kind == "flushed":
-                        state["flushed"].add(w)
-                    elif kind == "done":
-                        state["done"][w] = msg[1]
-                        loop.remove_reader(c.fileno())
-                    elif kind == "failed":
-                        state["failed"].append(msg[2])
-                        loop.remove_reader(c.fileno())
-                    changed.set()
-            except (EOFError, OSError):
-                loop.remove_reader(c.fileno())
-                state["failed"].append(f"worker {w}: its pipe closed")
-                changed.set()
-        return readable
-
-    for w, c in enumerate(conns):
-        loop.add_reader(c.fileno(), reader(w))
-
-    async def until(cond: Any, timeout: float, what: str) -> None:
-        end = time.monotonic() + timeout
-        while not cond():
-            if state["failed"]:
-                raise RuntimeError("a worker failed:\n" + "\n".join(state["failed"]))
-            left = end - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"sim-fleet: {what} not within {timeout:.0f} s")
-            changed.clear()
-            try:
-                await asyncio.wait_for(changed.wait(), min(left, 1.0))
-            except asyncio.TimeoutError:
-                pass
-
+    relay = _Relay(cfg, groups, conns)
     samples: list = []
     observer = None
     try:
         t_open = time.time()
-        await until(lambda: len(state["ready"]) == len(groups), cfg.open_timeout_s, "the hosts' start")
+        await relay.until(lambda: len(relay.ready) == len(groups), cfg.open_timeout_s, "the hosts' start")
         opened_s = time.time() - t_open
         log.warning("sim-fleet: %d hosts open in %d workers after %.0f s; the day starts (%.0f s)", cfg.hosts,
                     len(groups), opened_s, cfg.duration_s)
         t0 = time.time() + 0.5
         load0 = os.getloadavg()
-        for c in conns:
-            c.send(("go", t0))
-        observer = loop.create_task(_observe(settings, cfg.budget_bytes // cfg.scale, t0, cfg.sample_s, samples))
-        await until(lambda: len(state["flushed"]) == len(groups), cfg.duration_s * 3 + 300, "the day")
+        relay.send(("go", t0))
+        observer = asyncio.create_task(_observe(settings, cfg.budget_bytes // cfg.scale, t0, cfg.sample_s, samples))
+        await relay.until(lambda: len(relay.flushed) == len(groups), cfg.duration_s * 3 + 300, "the day")
         day_wall = time.time() - t0
-        log.warning("sim-fleet: the day ran in %.0f s; %d records committed; waiting for the last probes",
-                    day_wall, len(state["commits"]))
         load1 = os.getloadavg()
-        await asyncio.sleep(min(2.0, cfg.probe_interval_s * 4))   # commits of the last flush relayed
-        for c in conns:
-            c.send(("end",))
-        await until(lambda: len(state["done"]) == len(groups), cfg.probe_timeout_s + 300, "the workers' results")
+        log.warning("sim-fleet: the day ran in %.0f s; %d records committed; waiting for the last probes",
+                    day_wall, len(relay.commits))
+        relay.send(("end",))
+        await relay.until(lambda: len(relay.done) == len(groups), cfg.probe_timeout_s + 300, "the workers' results")
     finally:
         if observer is not None:
             observer.cancel()
-        for c in conns:
-            try:
-                loop.remove_reader(c.fileno())
-            except (ValueError, OSError):
-                pass
+        relay.close()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
-    return {"config": dataclasses.asdict(cfg), "groups": groups, "opened_s": opened_s, "day_wall_s": day_wall, "t0": t0,
-            "load": [load0, load1], "workers": [state["done"][w] for w in sorted(state["done"])],
-            "commits": state["commits"], "bucket": samples}
+    return {"config": dataclasses.asdict(cfg), "groups": groups, "opened_s": opened_s, "day_wall_s": day_wall,
+            "t0": t0, "load": [load0, load1], "workers": [relay.done[w] for w in sorted(relay.done)],
+            "commits": relay.commits, "bucket": samples}
 
 
 def run(cfg: FleetConfig, settings: dict, root: Path) -> "FleetResult":
@@ -811,13 +818,19 @@ class FleetResult:
                 "first_offer": list(first.values())}
 
     def table(self) -> str:
-        """The markdown tables of the run (see ``scripts/sim-fleet``)."""
+        """The markdown tables of the run (see ``scripts/sim-fleet``): the run, requests by kind and
+        path, lookups, memory, convergence, the bucket over time."""
+        parts = [self._summary(), self._requests(), self._lookups(), self._memory(), self._convergence(),
+                 self._bucket()]
+        return "\n".join(line for p in parts for line in p)
+
+    def _summary(self) -> list[str]:
+        """How the run went and what the hosts did."""
         cfg, raw = self.cfg, self.raw
         wall = raw["day_wall_s"]
-        hosts = len(self.hosts)
         lines: list[str] = []
+        hosts = len(self.hosts)
         tot = lambda key: sum(h[key] for h in self.hosts)   # noqa: E731
-        lk = self.lookups
         lags = [x for w in raw["workers"] for x in w["lags"]]
         lines.append(f"{hosts} hosts in {len(raw['workers'])} worker processes "
                      f"({', '.join(str(len(g)) for g in raw['groups'])} hosts), one SeaweedFS; a day of "
@@ -835,7 +848,12 @@ class FleetResult:
                      f"({sum(sum(h['bring_failed'].values()) for h in self.hosts)} failed: "
                      f"{dict(sum((Counter(h['bring_failed']) for h in self.hosts), Counter()))}).")
         lines.append("")
-        # requests by kind and path
+        return lines
+
+    def _requests(self) -> list[str]:
+        """Requests to the bucket by kind and path."""
+        lines: list[str] = []
+        lk = self.lookups
         paths = [("lookup", "a lookup (request path)"), ("fetch", "a download (request path)"),
                  ("after", "after a hit (use object)"), ("background", "background sync"),
                  ("drain", "drains and the last flush"), ("probe", "convergence probes")]
@@ -860,7 +878,13 @@ class FleetResult:
         lines.append(f"| every host, per second of the run ({span:.0f} s, what the bucket served) | "
                      + " | ".join(f"{allc[k] / span:.1f}" for k in KINDS) + " |")
         lines.append("")
-        # lookups
+        return lines
+
+    def _lookups(self) -> list[str]:
+        """Lookups by prompt length and by the bucket's size when they ran."""
+        raw = self.raw
+        lines: list[str] = []
+        lk = self.lookups
         lines.append("| lookups | n | p50 ms | p95 ms | max ms | candidate lengths: mean / max | requests: mean / max | LISTs |")
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
         bins = [("all", lambda x: True)]
@@ -890,7 +914,13 @@ class FleetResult:
                          f"{max(s) * 1e3:.1f} | {sum(x[1] for x in xs) / len(xs):.1f} / {max(x[1] for x in xs)} | "
                          f"{sum(x[2] for x in xs) / len(xs):.1f} / {max(x[2] for x in xs)} | {sum(x[3] for x in xs)} |")
         lines.append("")
-        # memory
+        return lines
+
+    def _memory(self) -> list[str]:
+        """RSS per worker and host; the largest of each host's structures."""
+        raw = self.raw
+        wall = raw["day_wall_s"]
+        lines: list[str] = []
         rs = raw["workers"]
         per_host_open = [(w["rss"]["open"] - w["rss"]["start"]) / max(1, len(w["hosts"])) for w in rs]
         per_host_end = [(max(r for _, r in w["rss_samples"]) - w["rss"]["start"]) / max(1, len(w["hosts"])) for w in rs]
@@ -914,7 +944,13 @@ class FleetResult:
         lines.append(f"| a host's absent keys / catalog, the day's largest | {pk('absent_keys'):,} keys (bound 65,536) / "
                      f"{pk('catalog'):,} records (~470 bytes each) |")
         lines.append("")
-        # convergence
+        return lines
+
+    def _convergence(self) -> list[str]:
+        """From a record's commit to its read on another host."""
+        cfg, raw = self.cfg, self.raw
+        wall = raw["day_wall_s"]
+        lines: list[str] = []
         cv = self.convergence()
         f = cv["found"]
         lines.append("| convergence of a new entry | value |")
@@ -929,7 +965,14 @@ class FleetResult:
         lines.append(f"| offered to another host's request, from the commit | {len(fo):,} entries: p50 "
                      f"{pct(fo, .5):.1f} s wall ({pct(fo, .5) * cfg.compression / 60:.0f} simulated min) |")
         lines.append("")
-        # the bucket over time
+        return lines
+
+    def _bucket(self) -> list[str]:
+        """The bucket's bytes against its budget over time; evictions; warnings."""
+        cfg, raw = self.cfg, self.raw
+        wall = raw["day_wall_s"]
+        lines: list[str] = []
+        mb = 1e6
         budget = cfg.budget_bytes / cfg.scale
         lines.append(f"| wall s | simulated hour (as scheduled) | records | data MB | of the budget ({budget / mb:.0f} MB) |")
         lines.append("|---:|---:|---:|---:|---:|")
@@ -945,16 +988,19 @@ class FleetResult:
             lines.append(f"| the peak, at {peak[0]:.0f} s | | {peak[1]:,} | {peak[2] / mb:.1f} | {peak[2] / budget:.0%} |")
         evicted = sum(h["counters"].get("evicted", 0) for h in self.hosts)
         lines.append("")
-        lines.append(f"Evicted for the budget: {evicted} entries "
+        dels = self.events("delete")
+        lines.append(f"Evicted for the budget, as the hosts count it: {evicted} entries "
                      f"({sum(h['counters'].get('evicted_bytes', 0) for h in self.hosts) / mb:.1f} MB) by "
-                     f"{sum(1 for h in self.hosts if h['counters'].get('evicted', 0))} hosts.")
+                     f"{sum(1 for h in self.hosts if h['counters'].get('evicted', 0))} hosts; the records "
+                     f"deleted: {len(dels)} DELETEs of {len({e[1] for e in dels})} distinct entries, by "
+                     f"{len({e[3] for e in dels})} hosts.")
         warns: Counter = Counter()
-        for w in rs:
+        for w in raw["workers"]:
             warns.update(w["warnings"])
         if warns:
             lines.append("")
             lines.append("Warnings logged: " + "; ".join(f"{k!r} x{v}" for k, v in warns.most_common(5)))
-        return "\n".join(lines)
+        return lines
 
     def dump(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.raw))
