@@ -529,8 +529,17 @@ class _Worker:
     def readable(self) -> None:
         """The parent's messages: ``go`` (the day's start), ``probe``, ``end`` (no more probes)."""
         loop = asyncio.get_running_loop()
-        while self.conn.poll():
-            msg = self.conn.recv()
+        while True:
+            try:
+                if not self.conn.poll():
+                    return
+                msg = self.conn.recv()
+            except (EOFError, OSError):      # the parent is gone: nothing more to wait for
+                loop.remove_reader(self.conn.fileno())
+                for f in self.waits.values():
+                    if not f.done():
+                        f.set_exception(RuntimeError("sim-fleet: the parent closed its pipe"))
+                return
             if msg[0] in ("go", "end") and not self.waits[msg[0]].done():
                 self.waits[msg[0]].set_result(msg[1] if len(msg) > 1 else None)
             elif msg[0] == "probe":
@@ -590,7 +599,8 @@ class _Worker:
         while self.outbox:
             conn.send(self.outbox.pop(0))
         conn.send(("flushed", self.worker))
-        await asyncio.wait_for(self.waits["end"], cfg.probe_timeout_s + 120)
+        # (the slowest worker may flush much later: the parent's own bound for the day)
+        await asyncio.wait_for(self.waits["end"], cfg.duration_s * 3 + 300 + cfg.probe_timeout_s)
         if self.probes:
             await asyncio.wait(set(self.probes), timeout=cfg.probe_timeout_s + 10)
         loop.remove_reader(conn.fileno())
