@@ -36,7 +36,9 @@ behind runs its events late: ``lag`` in the results). Per host, from ``seed`` an
 
 Every turn calls ``lookup`` (the layer asks every tier on every request); an offer longer than what
 the host has locally (its slot, its local spill or anchor) is brought (download, verify, the stub's
-restore) and admitted as a confirmed hit (its use object written, in the background).
+restore) and admitted as a confirmed hit (its use object written, in the background). A key found
+missing is remembered ``absent_s`` (default the production's 10 s divided by the compression, so
+that a session's next turn asks the bucket again as it would in production).
 
 Sizes, scaled: the slot files keep llama-server's layout and its 4-byte token ids, but their state is
 ``state_bytes_per_token`` (32) a token where an 8B model's fp16 KV cache is 131,072 (32 layers x 8
@@ -878,10 +880,13 @@ class FleetResult:
                 lines.append(f"| per lookup ({len(lk):,}) | " + " | ".join(f"{c[k] / n_look:.2f}" for k in KINDS) + " |")
             if p == "fetch":
                 lines.append(f"| per download ({n_fetch:,}) | " + " | ".join(f"{c[k] / n_fetch:.2f}" for k in KINDS) + " |")
-            if p == "background":
+            if p in ("fetch", "background"):
+                label = "request path (lookups and downloads)" if p == "fetch" else "background"
                 act = [max(1e-9, h["active_s"]) for h in self.hosts]
-                per = [[v / a for v, a in zip(self.per_host(p, k), act)] for k in KINDS]
-                lines.append("| background, per host per second open: mean / max host | "
+                per = [[v / a for v, a in zip(self.per_host(p, k) if p == "background" else
+                                              [x + y for x, y in zip(self.per_host("lookup", k), self.per_host("fetch", k))],
+                                              act)] for k in KINDS]
+                lines.append(f"| {label}, per host per second open: mean / max host | "
                              + " | ".join(f"{sum(x) / max(1, len(x)):.2f} / {max(x, default=0):.2f}" for x in per) + " |")
         allc = self.requests()
         span = max(h["active_s"] for h in self.hosts)
