@@ -106,10 +106,8 @@ class OCacheLayer:
         self.upstream = upstream
         self.config = config
         opts = wiring.layer_options(config)
-        self.opt_warm = opts.warm
-        self.opt_keep_origin = opts.keep_origin
-        self.opt_reconcile = opts.reconcile
-        self.opt_known = opts.known
+        self.opt_warm, self.opt_keep_origin, self.opt_reconcile, self.opt_known = (
+            opts.warm, opts.keep_origin, opts.reconcile, opts.known)
         self.param_overrides = dict(opts.param_overrides)
         #: the launch flags: ``server_args`` / ``--launch`` as configured, else (per epoch) what a
         #: patched server reports in ``/props`` ``ocache.launch`` (patches/0009, ``argv_from_launch``)
@@ -119,7 +117,7 @@ class OCacheLayer:
         self._viewer = viewer
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.align = AlignRoute(align_enabled(config), exact=align_mode(config) == "exact")   # ocache/cache/align_route.py
-        self.wants_message = self.align.on                # the proxy collects streamed answers
+        self.wants_message = self.align.on  # the proxy collects streamed answers (alignment reads them)
         self.continued = ContinueRoute(continue_enabled(config))   # ocache/cache/routes/continued.py
         self.table: SlotTable | None = table
         self.head_tier: HeadTier | None = None if table is None else self._make_head_tier(table)
@@ -345,8 +343,7 @@ class OCacheLayer:
         (``ocache.api.figures.strip_generated``)."""
         if self.align.exact:
             await self.align.warmups.cancel()   # an arriving request: the idle warm-up gives way
-        if self.built.session is not None:
-            self.built.session.live.arrived()   # and a live save waits for the next quiet moment
+        self.built.arrived()                    # and a live save waits for the next quiet moment
         plan = await self._route(req)
         if (self.align.on and req.path in RECORDED_CHAT and isinstance(plan.body_updates.get("id_slot"), int)
                 and ((getattr(self.upstream, "props", None) or {}).get("ocache") or {}).get("generated_ids")):
@@ -518,8 +515,7 @@ class OCacheLayer:
         response, or before a plan) and no origin upkeep is started; :meth:`drain` and what it
         awaits still talk to the server."""
         self._stopping = True
-        if self.built.session is not None:
-            self.built.session.live.stop()
+        self.built.stop_live()
 
     def calls_inflight(self) -> int:
         """Slot HTTP calls to the server not answered yet (``SlotTable.calls_inflight``)."""

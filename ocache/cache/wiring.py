@@ -168,6 +168,17 @@ class BuiltTiers:
                 log.info("session: live saves on (after each turn, %g s after the last request)", live.quiet_s)
 
 
+    def arrived(self) -> None:
+        """A request arrived: a live save waits for the next quiet moment (``ocache/tiers/live.py``)."""
+        if self.session is not None:
+            self.session.live.arrived()
+
+    def stop_live(self) -> None:
+        """A planned stop began: no live save starts from now on."""
+        if self.session is not None:
+            self.session.live.stop()
+
+
 def checked_params(params: ServerParams, config: Any) -> ServerParams:
     """``params`` for the setup checks, with the slot-save folder the config gives
     (``config.slot_save_path``) where the launch flags do not say it: the checks then see the
