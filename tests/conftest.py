@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,62 @@ def load_headers(name: str) -> dict:
     if not path.exists():
         pytest.skip(f"fixture headers {path} not found")
     return json.loads(path.read_text())
+
+
+def body_of(name: str, max_tokens: int = 8) -> dict:
+    """A captured request body made short and repeatable: not streamed, ``max_tokens``, temperature 0."""
+    body = copy.deepcopy(load_fixture(name))
+    body["stream"] = False
+    body.pop("stream_options", None)
+    body["max_tokens"] = max_tokens
+    body["temperature"] = 0
+    return body
+
+
+def session_headers(name: str) -> dict:
+    """The session headers (``x-session-affinity``, ``x-session-id``) the client sent with fixture ``name``."""
+    hdrs = dict(load_headers(name)["headers"])
+    return {k: v for k, v in hdrs.items() if k.lower() in ("x-session-affinity", "x-session-id")}
+
+
+@contextlib.asynccontextmanager
+async def listening(proxy) -> AsyncIterator[str]:
+    """``proxy``'s app served in-process on a free loopback port; yields its base URL."""
+    from aiohttp.test_utils import TestServer
+    from ocache.proxy import RUNNER_KWARGS
+
+    server = TestServer(proxy.make_app(), host="127.0.0.1")
+    await server.start_server(**RUNNER_KWARGS)
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+
+
+def ocache_proxy(config):
+    """A Proxy with one OCacheLayer per upstream of ``config`` (a Router over them for several), no monitor."""
+    from ocache.cache import OCacheLayer
+    from ocache.proxy import Proxy
+
+    return Proxy(config, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
+
+
+@contextlib.asynccontextmanager
+async def through_ocache(config):
+    """A proxy with OCacheLayer in front of ``config.upstream``; yields (base_url, proxy)."""
+    proxy = ocache_proxy(config)
+    async with listening(proxy) as base:
+        yield base, proxy
+
+
+def forget_store(cache_dir: Path) -> None:
+    """What a process exit does to the shared store: close it (its lock) and forget it, so the next
+    layer opens it afresh (index load, orphan sweep) like a new ocache process would."""
+    from ocache.tiers import store as store_mod
+
+    s = store_mod._SHARED.pop((Path(cache_dir) / "store").resolve(), None)
+    if s is not None:
+        s.close()
 
 
 @pytest.fixture(autouse=True)

@@ -23,15 +23,16 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from ocache import config as cfg_mod
 from ocache import serving as proxy_mod
 from ocache.commands import serve as serve_cmd
 from ocache.config import Config
 from ocache.layer import NullLayer
-from ocache.proxy import RUNNER_KWARGS, Proxy
+from ocache.proxy import Proxy
 from ocache.llama.server import free_port
+
+from conftest import listening
 
 IDENTITY = "test-identity-0123456789abcdef"
 
@@ -45,13 +46,8 @@ async def _proxy(**kw):
     """A Proxy with the NullLayer on a free loopback port; yields (base_url, proxy)."""
     kw.setdefault("upstream", _closed_upstream())
     proxy = Proxy(Config(**kw), layer_factory=NullLayer, monitor=False)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
-    try:
-        async with aiohttp.ClientSession() as c:
-            yield f"http://127.0.0.1:{server.port}", proxy, c
-    finally:
-        await server.close()
+    async with listening(proxy) as base, aiohttp.ClientSession() as c:
+        yield base, proxy, c
 
 
 async def _get(c, url, **kw):

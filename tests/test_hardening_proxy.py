@@ -21,16 +21,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from ocache.config import Config
 from ocache.layer import NullLayer
-from ocache.proxy import RUNNER_KWARGS, Proxy, default_layer_factory
+from ocache.proxy import Proxy, default_layer_factory
 from ocache.serving import serve
 from ocache.llama.server import free_port
 
 from test_proxy import FakeUpstream, client, fake_upstream, normalise, poll, stream_with_stop
-from conftest import end_serve, serve_in_task
+from conftest import end_serve, listening, serve_in_task
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,12 +41,8 @@ async def proxy_on(upstream: str, layer: str = "ocache", monitor: bool = True, *
     config = Config(upstream=upstream, **cfg)
     factory = default_layer_factory() if layer == "ocache" else NullLayer
     proxy = Proxy(config, layer_factory=factory, monitor=monitor)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
-    try:
-        yield f"http://127.0.0.1:{server.port}", proxy
-    finally:
-        await server.close()
+    async with listening(proxy) as base:
+        yield base, proxy
 
 
 def chat(content: str = "hello", max_tokens: int = 4, **kw) -> dict:
