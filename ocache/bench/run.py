@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -62,7 +61,7 @@ from ocache.bench.results import ConfigRun
 from ocache.bench.rule2 import RULE2_MAX, over_requests, rule2
 from ocache.bench.replay import (REJECTED_NOTE, PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
                      measure, replay, scenario_from_recording)
-from ocache.llama.server import LlamaServer, ServerError, free_port
+from ocache.llama.server import LlamaServer, ServerError, free_port, stop_process_group
 
 log = logging.getLogger("ocache.bench.run")
 
@@ -234,14 +233,8 @@ class OCacheProcess:
             return None
 
     def stop(self, timeout: float = 60.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout)
 
     def log_tail(self, n: int = 30) -> str:
         try:
