@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from ocache.toolchain import clients
-from ocache.llama.server import free_port
+from ocache.llama.server import free_port, stop_process_group
 
 
 #: Server shape: opencode's agent turn is ~7-8k tokens (tools + system prompt), so 16k per slot;
@@ -59,14 +58,18 @@ def _install(client: clients.NpmClient) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def opencode_bin() -> Path:
-    return _install(clients.OPENCODE)
+def _installed(client: clients.NpmClient, name: str):
+    """A module fixture ``name``: the path of ``client``'s installed command (``_install``)."""
+    @pytest.fixture(scope="module", name=name)
+    def fixture() -> Path:
+        return _install(client)
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def pi_bin() -> Path:
-    return _install(clients.PI)
+opencode_bin = _installed(clients.OPENCODE, "opencode_bin")
+pi_bin = _installed(clients.PI, "pi_bin")
+claude_bin = _installed(clients.CLAUDE, "claude_bin")
+codex_bin = _installed(clients.CODEX, "codex_bin")
 
 
 class OcacheProcess:
@@ -118,13 +121,7 @@ class OcacheProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc, 30)
         self.log.close()
 
 
@@ -437,16 +434,6 @@ def _prompt_tokens_total(url: str) -> float:
 
 AGENT_CTX = 16384
 EOS_BIAS = ["--logit-bias", "151645+100", "-n", str(MAX_OUTPUT)]
-
-
-@pytest.fixture(scope="module")
-def claude_bin() -> Path:
-    return _install(clients.CLAUDE)
-
-
-@pytest.fixture(scope="module")
-def codex_bin() -> Path:
-    return _install(clients.CODEX)
 
 
 def _write_agent_config(path: Path, srv) -> Path:
