@@ -11,7 +11,7 @@ import contextlib
 import copy
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -88,6 +88,31 @@ async def listening(proxy) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{server.port}"
     finally:
         await server.close()
+
+
+@contextlib.contextmanager
+def app_in_thread(app) -> Iterator[str]:
+    """The aiohttp ``app`` served on a free loopback port by an event loop in a thread of its own,
+    for code under test that blocks (the CLI's commands); yields its base URL."""
+    import threading
+
+    from aiohttp import web
+    from ocache.llama.server import free_port
+
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
 
 
 def ocache_proxy(config):

@@ -22,7 +22,7 @@ from ocache.llama.flags import params_from_argv
 from ocache.tiers.disk import DiskConfig, DiskTier, DiskTierError
 from ocache.tiers.store import IntegrityError, Store
 from ocache.tokens import TokenViewer, TokenViewError
-from conftest import load_fixture
+from conftest import app_in_thread, load_fixture
 
 server = pytest.mark.server
 
@@ -319,32 +319,19 @@ def test_journal_keeps_the_head_and_never_the_conversation(tmp_path):
 def test_warm_cli_unknown_folder_and_no_server(tmp_path, capsys):
     """`ocache warm DIR` exits non-zero with a clear message: folder never seen (404 from the
     route) or no ocache listening."""
-    import threading
     from aiohttp import web
 
     from ocache.cli import main
-    from ocache.warm import FolderJournal, WarmDeps, make_warm_handler
     from ocache.llama.server import free_port
+    from ocache.warm import FolderJournal, WarmDeps, make_warm_handler
 
     j = FolderJournal(tmp_path / "journal")
     deps = WarmDeps(journal=j, viewer=None, tier=None, slots=None, pick_slot=None)
     app = web.Application()
     app.router.add_post("/v1/cache/warm", make_warm_handler(lambda: deps))
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    try:
-        rc = main(["warm", str(tmp_path / "never"), "--url", f"http://127.0.0.1:{port}"])
+    with app_in_thread(app) as url:
+        rc = main(["warm", str(tmp_path / "never"), "--url", url])
         assert rc == 1 and "never seen" in capsys.readouterr().err
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        t.join()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
     rc = main(["warm", str(tmp_path), "--url", f"http://127.0.0.1:{free_port()}"])
     assert rc == 2 and "cannot reach ocache" in capsys.readouterr().err
 

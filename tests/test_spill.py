@@ -32,7 +32,7 @@ from ocache import admin
 from ocache.tiers import spill as spill_mod
 from ocache.tokens import TokenViewer
 
-from conftest import body_of, forget_store, load_fixture, session_headers, through_ocache  # noqa: F401 (others import them from here)
+from conftest import app_in_thread, body_of, forget_store, session_headers, through_ocache
 
 UB = 128
 SERVER = dict(ubatch=UB, batch=512, ctx_checkpoints=32, checkpoint_min_step=256, cache_ram=0)
@@ -478,18 +478,10 @@ def test_drain_command_calls_the_route(tmp_path, capsys):
         return web.json_response({})
 
     app.router.add_get("/v1/cache/stats", stats)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{port}"
-    parser_args = ["drain", "--url", url, "--wait", "0"]
     from ocache.cli import build_parser
 
-    try:
+    with app_in_thread(app) as url:
+        parser_args = ["drain", "--url", url, "--wait", "0"]
         p = build_parser()
         args = p.parse_args(parser_args)
         assert args.func(args) == 1 and not stopped.is_set()
@@ -498,10 +490,5 @@ def test_drain_command_calls_the_route(tmp_path, capsys):
         args = p.parse_args(parser_args + ["--admin-token", "s3cret"])
         assert args.func(args) == 0
         assert stopped.wait(10)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        t.join()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
     args = p.parse_args(["drain", "--url", f"http://127.0.0.1:{free_port()}", "--wait", "0"])
     assert args.func(args) == 2 and "cannot reach ocache" in capsys.readouterr().err
