@@ -11,6 +11,7 @@ import contextlib
 import copy
 import json
 import os
+from fractions import Fraction
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -88,6 +89,25 @@ async def listening(proxy) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{server.port}"
     finally:
         await server.close()
+
+
+def damage_file(path: Path, fault: str, keep: Fraction, flip: int) -> bool:
+    """Damage the state file ``path`` as ``fault`` names: ``missing`` (deleted), ``truncated`` (the
+    first ``keep`` of its bytes kept), ``zero`` (emptied) or ``bitflip`` (its middle byte xor
+    ``flip``). False, and the file untouched, for any other fault."""
+    data = bytearray(path.read_bytes())
+    if fault == "missing":
+        path.unlink()
+    elif fault == "truncated":
+        path.write_bytes(data[: int(len(data) * keep)])
+    elif fault == "zero":
+        path.write_bytes(b"")
+    elif fault == "bitflip":
+        data[len(data) // 2] ^= flip
+        path.write_bytes(data)
+    else:
+        return False
+    return True
 
 
 @contextlib.contextmanager
