@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 
 from ocache.bench.replay import PrefillMeter, Scenario, Target, assign_server_prefill, measure, replay
+from ocache.bench.results import fixed, table_row
 from ocache.bench.run import Bench, ConfigRun, OCacheProcess, layer_name
 from ocache.llama.server import LlamaServer
 
@@ -317,11 +318,11 @@ class HostsBench:
                             return "-"
                         return f"{base[cfg] / base[other]:.3f}"
                     prefill = f"error: {run.error[:60]}" if run.error else str(run.observed)
-                    lines.append(f"| {model} | {sc} | {cfg}: {TITLES[cfg]} | {len(run.rows)} | {prefill} "
-                                 f"| {' + '.join(f'{h} {v}' for h, v in hosts.items()) or '-'} "
-                                 f"| {run.oracle_total} | {'-' if eff is None else f'{eff:.3f}'} "
-                                 f"| {self.from_bucket(run) if cfg == 'shared' else '-'} | {k}/{n} "
-                                 f"| {vs('local')} | {vs('one')} | {vs('plain')} |")
+                    lines.append(table_row(
+                        model, sc, f"{cfg}: {TITLES[cfg]}", len(run.rows), prefill,
+                        " + ".join(f"{h} {v}" for h, v in hosts.items()) or "-", run.oracle_total, fixed(eff, 3),
+                        self.from_bucket(run) if cfg == "shared" else "-", f"{k}/{n}",
+                        vs("local"), vs("one"), vs("plain")))
         return "\n".join(lines)
 
     def detail_tables(self) -> str:

@@ -9,6 +9,16 @@ from dataclasses import dataclass
 from ocache.bench.replay import Row
 
 
+def fixed(value: float | None, digits: int) -> str:
+    """``value`` with ``digits`` decimals for a report, ``-`` where there is none."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table_row(*cells: object) -> str:
+    """One row of a Markdown table."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 @dataclass
 class ConfigRun:
     """One configuration on one scenario."""

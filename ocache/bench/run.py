@@ -57,7 +57,7 @@ from ocache.bench.exact import TOL_NATS
 from ocache.paths import checkout, repo_root, shipped
 import aiohttp
 
-from ocache.bench.results import ConfigRun
+from ocache.bench.results import ConfigRun, fixed, table_row
 from ocache.bench.rule2 import RULE2_MAX, over_requests, rule2
 from ocache.bench.replay import (REJECTED_NOTE, PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
                      measure, replay, scenario_from_recording)
@@ -442,12 +442,9 @@ class Bench:
                         notes.append(f"{len(errs)} request errors" + (
                             f" ({len(rejected)} rejected by the server itself: {rejected[0][:100]})"
                             if rejected else ""))
-                    lines.append(
-                        f"| {model} | {sc} | {cfg} | {len(run.rows)} | {run.total('prompt_n')} "
-                        f"| {run.observed} | {run.oracle_total} | {'-' if eff is None else f'{eff:.3f}'} "
-                        f"| {run.oracle_exact_total} "
-                        f"| {'-' if ratio is None else f'{ratio:.2f}'} | {k}/{n} "
-                        f"| {'; '.join(notes)} |")
+                    lines.append(table_row(model, sc, cfg, len(run.rows), run.total("prompt_n"), run.observed,
+                                           run.oracle_total, fixed(eff, 3), run.oracle_exact_total,
+                                           fixed(ratio, 2), f"{k}/{n}", "; ".join(notes)))
         return "\n".join(lines)
 
     def never_worse_table(self) -> str:
