@@ -11,8 +11,8 @@ import contextlib
 import copy
 import json
 import os
-from fractions import Fraction
 from collections.abc import AsyncIterator, Iterator
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -135,18 +135,14 @@ def app_in_thread(app) -> Iterator[str]:
         loop.close()
 
 
-def ocache_proxy(config):
-    """A Proxy with one OCacheLayer per upstream of ``config`` (a Router over them for several), no monitor."""
+@contextlib.asynccontextmanager
+async def through_ocache(config):
+    """A proxy (no monitor) with OCacheLayer in front of ``config.upstream`` (with several
+    ``upstreams``: the Router over one OCacheLayer each); yields (base_url, proxy)."""
     from ocache.cache import OCacheLayer
     from ocache.proxy import Proxy
 
-    return Proxy(config, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
-
-
-@contextlib.asynccontextmanager
-async def through_ocache(config):
-    """A proxy with OCacheLayer in front of ``config.upstream``; yields (base_url, proxy)."""
-    proxy = ocache_proxy(config)
+    proxy = Proxy(config, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
     async with listening(proxy) as base:
         yield base, proxy
 
