@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter as _Counter
-from typing import Any, Callable
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -203,7 +203,7 @@ class Stats:
         self.unparsed_c.labels(route, str(status)).inc()
         self._unparsed[(route, status)] += 1
 
-    def _count(self, counter: Any, key: str) -> None:
+    def _count(self, counter: Counter, key: str) -> None:
         """One more of ``counter`` (a Prometheus counter, labelled already where it has labels)
         and of ``key`` in the JSON stats."""
         counter.inc()
