@@ -203,37 +203,35 @@ class Stats:
         self.unparsed_c.labels(route, str(status)).inc()
         self._unparsed[(route, status)] += 1
 
+    def _count(self, counter: Counter, key: str) -> None:
+        """One more of ``counter`` (a Prometheus counter, labelled already where it has labels)
+        and of ``key`` in the JSON stats."""
+        counter.inc()
+        self._misc[key] += 1
+
     def disconnect(self, path: str) -> None:
-        self.disconnects.labels(route_label(path)).inc()
-        self._misc["client_disconnects"] += 1
+        self._count(self.disconnects.labels(route_label(path)), "client_disconnects")
 
     def figures_late(self) -> None:
-        self.figures_late_c.inc()
-        self._misc["figures_late"] += 1
+        self._count(self.figures_late_c, "figures_late")
 
     def stale_plan(self) -> None:
-        self.stale_plans_c.inc()
-        self._misc["stale_plans"] += 1
+        self._count(self.stale_plans_c, "stale_plans")
 
     def upstream_unavailable(self) -> None:
-        self.unavailable.inc()
-        self._misc["upstream_unavailable"] += 1
+        self._count(self.unavailable, "upstream_unavailable")
 
     def upstream_restart(self) -> None:
-        self.restarts.inc()
-        self._misc["upstream_restarts"] += 1
+        self._count(self.restarts, "upstream_restarts")
 
     def layer_error(self, stage: str) -> None:
-        self.layer_errors.labels(stage).inc()
-        self._misc[f"layer_errors.{stage}"] += 1
+        self._count(self.layer_errors.labels(stage), f"layer_errors.{stage}")
 
     def unplannable(self, reason: str) -> None:
-        self.unplannable_c.labels(reason).inc()
-        self._misc[f"unplannable.{reason}"] += 1
+        self._count(self.unplannable_c.labels(reason), f"unplannable.{reason}")
 
     def held_loading(self) -> None:
-        self.held_loading_c.inc()
-        self._misc["held_loading"] += 1
+        self._count(self.held_loading_c, "held_loading")
 
     # --- views --------------------------------------------------------------------------------
     def prometheus(self) -> bytes:

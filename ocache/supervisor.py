@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from ocache.background import cancel_and_wait
 from ocache.llama.flags import given_flags
 from ocache.llama.server import free_port
 
@@ -248,11 +249,7 @@ class Supervisor:
         server, its connections closed)."""
         self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
         p = self.proc
         if p is None or p.returncode is not None:
             return

@@ -56,6 +56,7 @@ from typing import Awaitable, Callable, Iterator, Protocol
 import aiohttp
 
 # the patched build's process id header (patches/0005); what llama-server's answers mean
+from ocache.background import cancel_and_wait
 from ocache.llama.slot_api import BOOT_HEADER, is_llama_props, is_loading, json_or_none
 
 log = logging.getLogger("ocache.upstream")
@@ -215,11 +216,7 @@ class Upstream:
             except (asyncio.CancelledError, Exception):
                 pass
         if self._monitor is not None:
-            self._monitor.cancel()
-            try:
-                await self._monitor
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._monitor)
             self._monitor = None
         if self.session is not None:
             await self.session.close()

@@ -76,11 +76,19 @@ def folder_of(body: Mapping) -> str | None:
     for m in msgs:
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
             continue
-        text = _text(m.get("content"))
-        for pat in FOLDER_PATTERNS:
-            hit = pat.search(text)
-            if hit:
-                return hit.group(1)
+        hit = _first_match(FOLDER_PATTERNS, m)
+        if hit:
+            return hit
+    return None
+
+
+def _first_match(patterns: tuple[re.Pattern[str], ...], message: Mapping) -> str | None:
+    """The folder the first of ``patterns`` that matches ``message``'s text names, or None."""
+    text = _text(message.get("content"))
+    for pat in patterns:
+        hit = pat.search(text)
+        if hit:
+            return hit.group(1)
     return None
 
 
@@ -105,11 +113,9 @@ def folder_label(body: Mapping) -> str | None:
     for m in msgs:
         if not isinstance(m, dict) or m.get("role") == "assistant":
             break
-        text = _text(m.get("content"))
-        for pat in LABEL_PATTERNS:
-            hit = pat.search(text)
-            if hit:
-                return hit.group(1)
+        hit = _first_match(LABEL_PATTERNS, m)
+        if hit:
+            return hit
     return None
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import os
+from collections.abc import AsyncIterator, Iterator
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -56,6 +59,102 @@ def load_headers(name: str) -> dict:
     if not path.exists():
         pytest.skip(f"fixture headers {path} not found")
     return json.loads(path.read_text())
+
+
+def body_of(name: str, max_tokens: int = 8) -> dict:
+    """A captured request body made short and repeatable: not streamed, ``max_tokens``, temperature 0."""
+    body = copy.deepcopy(load_fixture(name))
+    body["stream"] = False
+    body.pop("stream_options", None)
+    body["max_tokens"] = max_tokens
+    body["temperature"] = 0
+    return body
+
+
+def session_headers(name: str) -> dict:
+    """The session headers (``x-session-affinity``, ``x-session-id``) the client sent with fixture ``name``."""
+    hdrs = dict(load_headers(name)["headers"])
+    return {k: v for k, v in hdrs.items() if k.lower() in ("x-session-affinity", "x-session-id")}
+
+
+@contextlib.asynccontextmanager
+async def listening(proxy) -> AsyncIterator[str]:
+    """``proxy``'s app served in-process on a free loopback port; yields its base URL."""
+    from aiohttp.test_utils import TestServer
+    from ocache.proxy import RUNNER_KWARGS
+
+    server = TestServer(proxy.make_app(), host="127.0.0.1")
+    await server.start_server(**RUNNER_KWARGS)
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+
+
+def damage_file(path: Path, fault: str, keep: Fraction, flip: int) -> bool:
+    """Damage the state file ``path`` as ``fault`` names: ``missing`` (deleted), ``truncated`` (the
+    first ``keep`` of its bytes kept), ``zero`` (emptied) or ``bitflip`` (its middle byte xor
+    ``flip``). False, and the file untouched, for any other fault."""
+    data = bytearray(path.read_bytes())
+    if fault == "missing":
+        path.unlink()
+    elif fault == "truncated":
+        path.write_bytes(data[: int(len(data) * keep)])
+    elif fault == "zero":
+        path.write_bytes(b"")
+    elif fault == "bitflip":
+        data[len(data) // 2] ^= flip
+        path.write_bytes(data)
+    else:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def app_in_thread(app) -> Iterator[str]:
+    """The aiohttp ``app`` served on a free loopback port by an event loop in a thread of its own,
+    for code under test that blocks (the CLI's commands); yields its base URL."""
+    import threading
+
+    from aiohttp import web
+    from ocache.llama.server import free_port
+
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+@contextlib.asynccontextmanager
+async def through_ocache(config):
+    """A proxy (no monitor) with OCacheLayer in front of ``config.upstream`` (with several
+    ``upstreams``: the Router over one OCacheLayer each); yields (base_url, proxy)."""
+    from ocache.cache import OCacheLayer
+    from ocache.proxy import Proxy
+
+    proxy = Proxy(config, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
+    async with listening(proxy) as base:
+        yield base, proxy
+
+
+def forget_store(cache_dir: Path) -> None:
+    """What a process exit does to the shared store: close it (its lock) and forget it, so the next
+    layer opens it afresh (index load, orphan sweep) like a new ocache process would."""
+    from ocache.tiers import store as store_mod
+
+    s = store_mod._SHARED.pop((Path(cache_dir) / "store").resolve(), None)
+    if s is not None:
+        s.close()
 
 
 @pytest.fixture(autouse=True)

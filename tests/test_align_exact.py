@@ -34,11 +34,25 @@ def _saved(srv, tmp_path, slot: int, name: str) -> list[int]:
     return slot_file_tokens(tmp_path / "slots" / name)
 
 
+#: the loop's first messages: a coding agent's system prompt and a task that starts with a tool call
+OPENING = [{"role": "system", "content": "You are a coding agent."},
+           {"role": "user", "content": "Read a file, then say what it does."}]
+
+
+def after_answer(msgs: list[dict], i: int, content: str, user: str) -> list[dict]:
+    """The loop's messages after answer ``i`` (``content``): the first answer (a tool call) gets
+    the tool's result (a chat template's text), later ones the user message ``user``."""
+    if i == 0:
+        return msgs + [{"role": "assistant", "content": content},
+                       {"role": "tool", "tool_call_id": "c1",
+                        "content": engine.chat_template_file("Qwen3.5-4B.jinja").read_text()[:1500]}]
+    return msgs + [{"role": "assistant", "content": content}, {"role": "user", "content": user}]
+
+
 def _play(url: str, srv, tmp_path, grammar_last: str | None):
     """The loop through ``url``; after each answer the slot it ran on is saved. Yields per request
     (body, response, headers, the slot's tokens)."""
-    msgs = [{"role": "system", "content": "You are a coding agent."},
-            {"role": "user", "content": "Read a file, then say what it does."}]
+    msgs = list(OPENING)
     for i, grammar in enumerate((CALL, ANSWER, grammar_last)):
         body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0,
                 "max_tokens": 200 if grammar else 12}
@@ -47,13 +61,7 @@ def _play(url: str, srv, tmp_path, grammar_last: str | None):
         res, headers = _chat(url, body)
         slot = int(headers["X-OCache-Slot"])
         yield body, res, headers, _saved(srv, tmp_path, slot, f"turn{i}.bin")
-        content = res["choices"][0]["message"]["content"]
-        if i == 0:
-            msgs = msgs + [{"role": "assistant", "content": content},
-                           {"role": "tool", "tool_call_id": "c1",
-                            "content": engine.chat_template_file("Qwen3.5-4B.jinja").read_text()[:1500]}]
-        else:
-            msgs = msgs + [{"role": "assistant", "content": content}, {"role": "user", "content": USER}]
+        msgs = after_answer(msgs, i, res["choices"][0]["message"]["content"], USER)
 
 
 def test_with_alignment_off_every_prompt_is_the_templates_byte_for_byte(serve_template, tmp_path, monkeypatch):

@@ -329,6 +329,18 @@ async def test_stock_server_anthropic_route_is_forwarded_unplanned(start_server)
         assert c.layer.counters["planned"] == 0
 
 
+async def head_then_other_folder(c, first: str, other: str, head_min: int) -> tuple[int, dict]:
+    """``first`` goes cold, the head warmed within that request (at least ``head_min`` tokens);
+    ``other`` (another folder's first request) then reuses at least ``head_min`` tokens and the whole
+    head but one ubatch. Returns (the head's length, ``other``'s record)."""
+    a = await c.send(first)
+    head_len = len(next(iter(c.layer.head_tier.heads.values())).tokens)
+    assert head_len >= head_min and a["tier"] == "cold"
+    b = await c.send(other)
+    assert b["reused"] >= head_min and b["reused"] >= head_len - UB
+    return head_len, b
+
+
 @pytest.mark.server
 async def test_claude_code_new_folder_and_new_prompt_resume_from_the_tools_block(start_server):
     """Claude Code in folder A, then folder B, then another prompt: B's and the other prompt's first
@@ -337,11 +349,7 @@ async def test_claude_code_new_folder_and_new_prompt_resume_from_the_tools_block
     planner kept it: its slot or the session tier)."""
     srv = start_server("hybrid", n_parallel=2, ctx_size=2 * 16384, **STOCK_SPACING)
     async with through_ocache(srv) as c:
-        a = await c.send("claude_run1_agent_turn1.json")
-        head_len = len(next(iter(c.layer.head_tier.heads.values())).tokens)
-        assert head_len >= 7000 and a["tier"] == "cold"  # the head warmed within this request
-        b = await c.send("claude_run4_proj2_agent_turn1.json")
-        assert b["reused"] >= 7000 and b["reused"] >= head_len - UB
+        await head_then_other_folder(c, "claude_run1_agent_turn1.json", "claude_run4_proj2_agent_turn1.json", 7000)
         a2 = await c.send("claude_run1_after_tool.json")   # A goes on from its own conversation
         assert a2["reused"] >= 0.95 * a2["n_prompt"]
         o = await c.send("claude_run6_otherprompt_agent_turn1.json")   # a third session, 2 slots
@@ -355,11 +363,7 @@ async def test_claude_code_new_folder_and_new_prompt_resume_from_the_tools_block
 async def test_codex_new_folder_resumes_from_the_base_instructions(start_server):
     srv = start_server("hybrid", n_parallel=2, ctx_size=2 * 16384, **STOCK_SPACING)
     async with through_ocache(srv) as c:
-        a = await c.send("codex_run1_turn1.json")
-        head_len = len(next(iter(c.layer.head_tier.heads.values())).tokens)
-        assert head_len >= 5000 and a["tier"] == "cold"  # the head warmed within this request
-        b = await c.send("codex_run4_proj2_turn1.json")
-        assert b["reused"] >= 5000 and b["reused"] >= head_len - UB
+        head_len, b = await head_then_other_folder(c, "codex_run1_turn1.json", "codex_run4_proj2_turn1.json", 5000)
         # and up to A's first user item (AGENTS.md, where the folders part), as llama-server alone
         # would keep it: the split at the first user message after the head warm-up
         assert b["reused"] > head_len + UB and c.layer.counters["user_splits"] >= 1

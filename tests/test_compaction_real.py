@@ -14,7 +14,7 @@ import pytest
 from ocache.compaction import opencode_request
 from test_compaction import AFTER, SYSTEM
 from test_real_templates import (ANSWER, CALL, TEMPLATES, TOOLS, _chat, _post, _prefilled,  # noqa: F401
-                                 serve_template)
+                                 answered_as_cold, serve_template, switched_off)
 from ocache.toolchain import engine
 
 pytestmark = pytest.mark.server
@@ -76,7 +76,6 @@ def test_a_compaction_is_served_as_the_conversations_continuation(serve_template
     ``tiers.resident.continue_compaction: false`` it is forwarded as sent: the same prompt as alone.
     Fails on the code before the route: the compaction prefilled its whole prompt."""
     from ocache.bench.run import OCacheProcess
-    from test_patch import slot_file_tokens
 
     srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
     msgs, _ = _conversation(srv.url, srv.url)
@@ -107,22 +106,14 @@ def test_a_compaction_is_served_as_the_conversations_continuation(serve_template
     assert stats["requests"] == 1 and stats["saved_tokens"] == n_sent - new, stats
 
     # the answer equals a cold prefill of the prompt served (saved from the slot it ran on)
-    slot = int(headers["X-OCache-Slot"])
     n_prompt = res["usage"]["prompt_tokens"]
     assert n_prompt == kept + new
-    _post(srv.url, f"/slots/{slot}?action=save", {"filename": "served.bin"})
-    held = slot_file_tokens(tmp_path / "slots" / "served.bin")
-    served, generated = held[:n_prompt], held[n_prompt:]
+    generated = answered_as_cold(srv, tmp_path / "slots", int(headers["X-OCache-Slot"]), n_prompt)
     assert len(generated) == t["predicted_n"] - 1 >= SUMMARY_TOKENS - 1
-    cold = _post(srv.url, "/completion", {"prompt": served, "n_predict": len(generated), "id_slot": 1 - slot,
-                                          "cache_prompt": False, "return_tokens": True, "temperature": 0})
-    assert cold["timings"]["cache_n"] == 0 and cold["tokens"] == generated
     srv.stop()
 
     # switched off: forwarded as sent, the prompt the client's
-    monkeypatch.setenv("OCACHE_TIERS", "{resident: {continue_compaction: false}}")
-    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on", slot_save_path=None)
-    prox = OCacheProcess(srv.url, tmp_path / "cache-off", tmp_path / "ocache-off.log").start()
+    srv, prox = switched_off(serve_template, tmp_path, monkeypatch, "{resident: {continue_compaction: false}}")
     try:
         got, _ = _conversation(prox.url, srv.url)
         off, headers, off_prefill, n_off = _compaction(prox.url, srv.url, got)

@@ -18,20 +18,22 @@ import logging
 import subprocess
 import sys
 from contextlib import asynccontextmanager
+from operator import attrgetter
 from pathlib import Path
 from types import SimpleNamespace
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from ocache import config as cfg_mod
 from ocache import serving as proxy_mod
 from ocache.commands import serve as serve_cmd
 from ocache.config import Config
 from ocache.layer import NullLayer
-from ocache.proxy import RUNNER_KWARGS, Proxy
+from ocache.proxy import Proxy
 from ocache.llama.server import free_port
+
+from conftest import listening
 
 IDENTITY = "test-identity-0123456789abcdef"
 
@@ -45,13 +47,8 @@ async def _proxy(**kw):
     """A Proxy with the NullLayer on a free loopback port; yields (base_url, proxy)."""
     kw.setdefault("upstream", _closed_upstream())
     proxy = Proxy(Config(**kw), layer_factory=NullLayer, monitor=False)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
-    try:
-        async with aiohttp.ClientSession() as c:
-            yield f"http://127.0.0.1:{server.port}", proxy, c
-    finally:
-        await server.close()
+    async with listening(proxy) as base, aiohttp.ClientSession() as c:
+        yield base, proxy, c
 
 
 async def _get(c, url, **kw):
@@ -87,22 +84,31 @@ def _slots(save_dir: Path | None, n_ubatch: int = 512):
                                                   n_ubatch=n_ubatch))
 
 
-def _disk(tmp_path: Path, **kw):
-    from ocache.tiers.disk import make_disk_tier
+def _tier_factory(name: str):
+    """The factory of tier ``name``: ``make_disk_tier`` (``disk``) or ``make_session_tier`` (``session``)."""
+    if name == "disk":
+        from ocache.tiers.disk import make_disk_tier
 
+        return make_disk_tier
+    from ocache.tiers.spill import make_session_tier
+
+    return make_session_tier
+
+
+def _tier(name: str, tmp_path: Path, **kw):
+    """Tier ``name`` as ``Config(**kw)`` makes it for a server with a slot-save path (None: off)."""
     save = tmp_path / "slots"
     save.mkdir(exist_ok=True)
     kw.setdefault("cache_dir", str(tmp_path / "state"))
-    return make_disk_tier(Config(**kw), _slots(save), IDENTITY)
+    return _tier_factory(name)(Config(**kw), _slots(save), IDENTITY)
+
+
+def _disk(tmp_path: Path, **kw):
+    return _tier("disk", tmp_path, **kw)
 
 
 def _session(tmp_path: Path, **kw):
-    from ocache.tiers.spill import make_session_tier
-
-    save = tmp_path / "slots"
-    save.mkdir(exist_ok=True)
-    kw.setdefault("cache_dir", str(tmp_path / "state"))
-    return make_session_tier(Config(**kw), _slots(save), IDENTITY)
+    return _tier("session", tmp_path, **kw)
 
 
 def _layer(**kw):
@@ -283,29 +289,26 @@ def _capture_supervisor(mp, seen):
     mp.setattr(supervisor, "Supervisor", Fake)
 
 
-async def p_launch(tmp_path, mp):
+async def _launched(mp, **kw) -> list:
+    """``serve`` of ``launch: [-m, x.gguf]`` and ``kw`` up to the supervisor's start (faked):
+    what the supervisor was made with, as ``_capture_supervisor`` notes it."""
     seen: list = []
     _capture_supervisor(mp, seen)
     with pytest.raises(_Launched):
-        await proxy_mod.serve(Config(launch=["-m", "x.gguf"]), handle_signals=False)
-    assert seen == [(["-m", "x.gguf"], None)]
+        await proxy_mod.serve(Config(launch=["-m", "x.gguf"], **kw), handle_signals=False)
+    return seen
+
+
+async def p_launch(tmp_path, mp):
+    assert await _launched(mp) == [(["-m", "x.gguf"], None)]
 
 
 async def p_launch_binary(tmp_path, mp):
-    seen: list = []
-    _capture_supervisor(mp, seen)
-    with pytest.raises(_Launched):
-        await proxy_mod.serve(Config(launch=["-m", "x.gguf"], launch_binary="/opt/ls"),
-                              handle_signals=False)
-    assert seen == [(["-m", "x.gguf"], "/opt/ls")]
+    assert await _launched(mp, launch_binary="/opt/ls") == [(["-m", "x.gguf"], "/opt/ls")]
 
 
 async def p_launch_max_failures(tmp_path, mp):
-    seen: list = []
-    _capture_supervisor(mp, seen)
-    with pytest.raises(_Launched):
-        await proxy_mod.serve(Config(launch=["-m", "x.gguf"], launch_max_failures=2),
-                              handle_signals=False)
+    await _launched(mp, launch_max_failures=2)
     assert mp.seen_failures == [2]
 
 
@@ -408,12 +411,7 @@ async def p_head_budget_gb(tmp_path, mp):
 
 
 async def p_launch_backend(tmp_path, mp):
-    seen: list = []
-    _capture_supervisor(mp, seen)
-    with pytest.raises(_Launched):
-        await proxy_mod.serve(Config(launch=["-m", "x.gguf"], launch_backend="cuda"),
-                              handle_signals=False)
-    assert seen == [(["-m", "x.gguf"], None, "cuda")]
+    assert await _launched(mp, launch_backend="cuda") == [(["-m", "x.gguf"], None, "cuda")]
 
 
 async def p_disk_budget_gb(tmp_path, mp):
@@ -456,34 +454,15 @@ async def p_resident_server_args(tmp_path, mp):
     assert _layer(launch=["-np", "2"]).argv == ["-np", "2"]
 
 
-async def p_resident_warm(tmp_path, mp):
-    assert _layer(tiers={"resident": {"warm": False}}).opt_warm is False
-    assert _layer().opt_warm is True
+def p_resident_switch(key: str, attr: str):
+    """The probe of the switch ``tiers.resident.<key>`` (on by default): the layer's ``attr``
+    (a dotted path) is False when it is off, True when it is not set."""
+    read = attrgetter(attr)
 
-
-async def p_resident_keep_origin(tmp_path, mp):
-    assert _layer(tiers={"resident": {"keep_origin": False}}).opt_keep_origin is False
-    assert _layer().opt_keep_origin is True
-
-
-async def p_resident_reconcile(tmp_path, mp):
-    assert _layer(tiers={"resident": {"reconcile": False}}).opt_reconcile is False
-    assert _layer().opt_reconcile is True
-
-
-async def p_resident_known(tmp_path, mp):
-    assert _layer(tiers={"resident": {"known": False}}).opt_known is False
-    assert _layer().opt_known is True
-
-
-async def p_resident_align(tmp_path, mp):
-    assert _layer(tiers={"resident": {"align": False}}).align.on is False
-    assert _layer().align.on is True
-
-
-async def p_resident_continue_compaction(tmp_path, mp):
-    assert _layer(tiers={"resident": {"continue_compaction": False}}).continued.on is False
-    assert _layer().continued.on is True
+    async def probe(tmp_path, mp):
+        assert read(_layer(tiers={"resident": {key: False}})) is False
+        assert read(_layer()) is True
+    return probe
 
 
 async def p_resident_server_params(tmp_path, mp):
@@ -494,20 +473,26 @@ async def p_resident_server_params(tmp_path, mp):
     assert params_from_argv(None, {}, [], **layer.param_overrides).n_ubatch == 256
 
 
-async def p_disk_enabled(tmp_path, mp):
-    assert _disk(tmp_path) is not None
-    assert _disk(tmp_path, tiers={"disk": {"enabled": False}}) is None
+def p_tier_enabled(name: str):
+    """The probe of ``tiers.<name>.enabled``: the tier is made unless it is false."""
+    async def probe(tmp_path, mp):
+        assert _tier(name, tmp_path) is not None
+        assert _tier(name, tmp_path, tiers={name: {"enabled": False}}) is None
+    return probe
 
 
-async def p_disk_slot_save_path(tmp_path, mp):
-    from ocache.tiers.disk import make_disk_tier
-
-    other = tmp_path / "other"
-    other.mkdir()
-    c = Config(cache_dir=str(tmp_path / "state"), tiers={"disk": {"slot_save_path": str(other)}})
-    tier = make_disk_tier(c, _slots(None), IDENTITY)
-    assert tier is not None and Path(tier.store.data_dir) == other
-    assert make_disk_tier(Config(cache_dir=str(tmp_path / "s2")), _slots(None), IDENTITY) is None
+def p_tier_slot_save_path(name: str):
+    """The probe of ``tiers.<name>.slot_save_path``: the tier's files go there, also when the
+    server names no slot-save path; without either there is no tier."""
+    async def probe(tmp_path, mp):
+        make = _tier_factory(name)
+        other = tmp_path / "other"
+        other.mkdir()
+        c = Config(cache_dir=str(tmp_path / "state"), tiers={name: {"slot_save_path": str(other)}})
+        tier = make(c, _slots(None), IDENTITY)
+        assert tier is not None and Path(tier.store.data_dir) == other
+        assert make(Config(cache_dir=str(tmp_path / "s2")), _slots(None), IDENTITY) is None
+    return probe
 
 
 async def p_disk_grid(tmp_path, mp):
@@ -520,22 +505,6 @@ async def p_disk_free_floor_gb(tmp_path, mp):
 
 async def p_disk_admit_after(tmp_path, mp):
     assert _disk(tmp_path, tiers={"disk": {"admit_after": 5}}).cfg.admit_after == 5
-
-
-async def p_session_enabled(tmp_path, mp):
-    assert _session(tmp_path) is not None
-    assert _session(tmp_path, tiers={"session": {"enabled": False}}) is None
-
-
-async def p_session_slot_save_path(tmp_path, mp):
-    from ocache.tiers.spill import make_session_tier
-
-    other = tmp_path / "other"
-    other.mkdir()
-    c = Config(cache_dir=str(tmp_path / "state"), tiers={"session": {"slot_save_path": str(other)}})
-    tier = make_session_tier(c, _slots(None), IDENTITY)
-    assert tier is not None and Path(tier.store.data_dir) == other
-    assert make_session_tier(Config(cache_dir=str(tmp_path / "s2")), _slots(None), IDENTITY) is None
 
 
 async def p_session_drain_min_tokens(tmp_path, mp):
@@ -762,17 +731,19 @@ PROBES = {
     "disk_ttl_days": p_disk_ttl_days, "disk_min_tokens": p_disk_min_tokens,
     "spill_budget_gb": p_spill_budget_gb, "spill_min_tokens": p_spill_min_tokens,
     "volatile_markers": p_volatile_markers, "tiers": p_tiers,
-    "tiers.resident.server_args": p_resident_server_args, "tiers.resident.warm": p_resident_warm,
-    "tiers.resident.keep_origin": p_resident_keep_origin,
-    "tiers.resident.reconcile": p_resident_reconcile,
-    "tiers.resident.known": p_resident_known,
-    "tiers.resident.align": p_resident_align,
-    "tiers.resident.continue_compaction": p_resident_continue_compaction,
+    "tiers.resident.server_args": p_resident_server_args,
+    "tiers.resident.warm": p_resident_switch("warm", "opt_warm"),
+    "tiers.resident.keep_origin": p_resident_switch("keep_origin", "opt_keep_origin"),
+    "tiers.resident.reconcile": p_resident_switch("reconcile", "opt_reconcile"),
+    "tiers.resident.known": p_resident_switch("known", "opt_known"),
+    "tiers.resident.align": p_resident_switch("align", "align.on"),
+    "tiers.resident.continue_compaction": p_resident_switch("continue_compaction", "continued.on"),
     "tiers.resident.<ServerParams.field>": p_resident_server_params,
-    "tiers.disk.enabled": p_disk_enabled, "tiers.disk.slot_save_path": p_disk_slot_save_path,
+    "tiers.disk.enabled": p_tier_enabled("disk"),
+    "tiers.disk.slot_save_path": p_tier_slot_save_path("disk"),
     "tiers.disk.grid": p_disk_grid, "tiers.disk.free_floor_gb": p_disk_free_floor_gb,
-    "tiers.disk.admit_after": p_disk_admit_after, "tiers.head.budget_gb": p_head_budget_gb, "tiers.session.enabled": p_session_enabled,
-    "tiers.session.slot_save_path": p_session_slot_save_path,
+    "tiers.disk.admit_after": p_disk_admit_after, "tiers.head.budget_gb": p_head_budget_gb, "tiers.session.enabled": p_tier_enabled("session"),
+    "tiers.session.slot_save_path": p_tier_slot_save_path("session"),
     "tiers.session.drain_min_tokens": p_session_drain_min_tokens,
     "tiers.session.guest_min_tokens": p_session_guest_min_tokens,
     "tiers.session.resume": p_session_resume,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import yaml
 from conftest import load_fixture, load_headers
 from ocache import dashboard
 from ocache.proxy import request_line
-from ocache.llama.server import free_port
+from ocache.llama.server import free_port, stop_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "dash-token"
@@ -159,13 +158,7 @@ class Ocache:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc, 30)
         self.log.close()
 
 

@@ -10,6 +10,7 @@ prefill at the anchor lines) before forwarding a request pinned to the slot, ``a
 from __future__ import annotations
 
 import asyncio
+from fractions import Fraction
 from pathlib import Path
 
 import aiohttp
@@ -22,7 +23,7 @@ from ocache.llama.flags import params_from_argv
 from ocache.tiers.disk import DiskConfig, DiskTier, DiskTierError
 from ocache.tiers.store import IntegrityError, Store
 from ocache.tokens import TokenViewer, TokenViewError
-from conftest import load_fixture
+from conftest import app_in_thread, damage_file, load_fixture
 
 server = pytest.mark.server
 
@@ -150,12 +151,16 @@ def ub(h: Harness) -> int:
     return h.srv.ubatch
 
 
+def two_turns() -> tuple[dict, dict]:
+    """An opencode agent turn and the next request of its conversation (after a tool call)."""
+    return load_fixture("opencode_agent_turn1.json"), load_fixture("opencode_agent_turn1_after_tool.json")
+
+
 @server
 @pytest.mark.parametrize("model", ["dense", "hybrid"])
 async def test_restart_between_turns_resumes_from_anchors(harness, model):
     h = await harness(model)
-    t1 = load_fixture("opencode_agent_turn1.json")
-    t2 = load_fixture("opencode_agent_turn1_after_tool.json")
+    t1, t2 = two_turns()
     other = load_fixture("opencode_run2_agent_turn1.json")
     v1 = await h.view(t1)
     assert v1.head_end and len(v1.user_starts) == 1
@@ -194,8 +199,7 @@ FAULTS = ["missing", "truncated", "zero", "bitflip", "ckpt_missing", "foreign"]
 @pytest.mark.parametrize("model", ["dense", "hybrid"])
 async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, model):
     h = await harness(model)
-    t1 = load_fixture("opencode_agent_turn1.json")
-    t2 = load_fixture("opencode_agent_turn1_after_tool.json")
+    t1, t2 = two_turns()
     await h.turn(t1)
     entries = h.store.entries("a")
     assert len(entries) == 2
@@ -209,18 +213,7 @@ async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, mo
         offer = await h.tier.lookup(v2, None)
         assert offer is not None, fault
         e = h.store.get(offer.ref.key)
-        p = Path(h.srv.slot_save_path) / e.bin_name
-        data = bytearray(p.read_bytes())
-        if fault == "missing":
-            p.unlink()
-        elif fault == "truncated":
-            p.write_bytes(data[: len(data) * 2 // 3])
-        elif fault == "zero":
-            p.write_bytes(b"")
-        elif fault == "bitflip":
-            data[len(data) // 2] ^= 0x04
-            p.write_bytes(data)
-        elif fault == "ckpt_missing":
+        if fault == "ckpt_missing":
             if "ckpt" not in e.files:
                 continue  # a build without the sidecar: nothing to remove
             (Path(h.srv.slot_save_path) / e.files["ckpt"].name).unlink()
@@ -239,6 +232,8 @@ async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, mo
             h.store.open()
             assert h.store.get(e.key) is not None and h.store.find_prefixes(v2.tokens)
             continue
+        else:
+            assert damage_file(Path(h.srv.slot_save_path) / e.bin_name, fault, keep=Fraction(2, 3), flip=0x04)
         with pytest.raises(DiskTierError):
             await h.tier.bring(offer, 0)
         assert h.tier.counters["verify_failed"] == 1, fault
@@ -259,8 +254,7 @@ async def test_damaged_anchor_is_deleted_and_the_request_served_cold(harness, mo
 async def test_unconfirmed_restore_is_a_counted_miss(harness):
     """C3: a restore counts as a hit only when the next response's cache_n confirms it."""
     h = await harness("dense")
-    t1 = load_fixture("opencode_agent_turn1.json")
-    t2 = load_fixture("opencode_agent_turn1_after_tool.json")
+    t1, t2 = two_turns()
     await h.turn(t1)
     await h.restart()
     v2 = await h.view(t2)
@@ -319,32 +313,19 @@ def test_journal_keeps_the_head_and_never_the_conversation(tmp_path):
 def test_warm_cli_unknown_folder_and_no_server(tmp_path, capsys):
     """`ocache warm DIR` exits non-zero with a clear message: folder never seen (404 from the
     route) or no ocache listening."""
-    import threading
     from aiohttp import web
 
     from ocache.cli import main
-    from ocache.warm import FolderJournal, WarmDeps, make_warm_handler
     from ocache.llama.server import free_port
+    from ocache.warm import FolderJournal, WarmDeps, make_warm_handler
 
     j = FolderJournal(tmp_path / "journal")
     deps = WarmDeps(journal=j, viewer=None, tier=None, slots=None, pick_slot=None)
     app = web.Application()
     app.router.add_post("/v1/cache/warm", make_warm_handler(lambda: deps))
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    try:
-        rc = main(["warm", str(tmp_path / "never"), "--url", f"http://127.0.0.1:{port}"])
+    with app_in_thread(app) as url:
+        rc = main(["warm", str(tmp_path / "never"), "--url", url])
         assert rc == 1 and "never seen" in capsys.readouterr().err
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        t.join()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
     rc = main(["warm", str(tmp_path), "--url", f"http://127.0.0.1:{free_port()}"])
     assert rc == 2 and "cannot reach ocache" in capsys.readouterr().err
 
@@ -544,8 +525,7 @@ async def test_a_restore_refused_for_a_missing_file_still_writes_the_anchor(star
     cache = tmp_path / "cache"
     cfg = Config(upstream=srv.url, cache_dir=str(cache), disk_min_tokens=1024, spill_min_tokens=1_000_000,
                  tiers={"resident": {"server_args": srv.command()[1:]}})
-    t1 = load_fixture("opencode_agent_turn1.json")
-    t2 = load_fixture("opencode_agent_turn1_after_tool.json")
+    t1, t2 = two_turns()
 
     def body(b: dict) -> dict:
         out = dict(b, stream=False, max_tokens=4, temperature=0)

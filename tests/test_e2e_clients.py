@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from ocache.toolchain import clients
-from ocache.llama.server import free_port
+from ocache.llama.server import free_port, stop_process_group
 
 
 #: Server shape: opencode's agent turn is ~7-8k tokens (tools + system prompt), so 16k per slot;
@@ -59,14 +58,18 @@ def _install(client: clients.NpmClient) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def opencode_bin() -> Path:
-    return _install(clients.OPENCODE)
+def _installed(client: clients.NpmClient, name: str):
+    """A module fixture ``name``: the path of ``client``'s installed command (``_install``)."""
+    @pytest.fixture(scope="module", name=name)
+    def fixture() -> Path:
+        return _install(client)
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def pi_bin() -> Path:
-    return _install(clients.PI)
+opencode_bin = _installed(clients.OPENCODE, "opencode_bin")
+pi_bin = _installed(clients.PI, "pi_bin")
+claude_bin = _installed(clients.CLAUDE, "claude_bin")
+codex_bin = _installed(clients.CODEX, "codex_bin")
 
 
 class OcacheProcess:
@@ -118,13 +121,7 @@ class OcacheProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_process_group(self.proc, 30)
         self.log.close()
 
 
@@ -290,15 +287,8 @@ def test_opencode_after_upstream_restart_resumes_from_the_saved_head(opencode_bi
     srv, proxy = stack
     mode = request.node.callspec.params["stack"]
 
-    def restart(i: int) -> None:
-        before = proxy.stats()["upstream_restarts"]
-        srv.restart()
-        deadline = time.monotonic() + 30
-        while proxy.stats()["upstream_restarts"] <= before:  # the proxy's epoch probe
-            assert time.monotonic() < deadline, "ocache did not notice the upstream restart"
-            time.sleep(0.1)  # polling another process's state
-
-    runs, records = _opencode_runs(opencode_bin, proxy, tmp_path, ["proj-a", "proj-b"], restart)
+    runs, records = _opencode_runs(opencode_bin, proxy, tmp_path, ["proj-a", "proj-b"],
+                                   lambda i: _restart_upstream(srv, proxy))
     turns = _agent_turns(records)
     heads = _head_tokens(srv.url, turns)
     stats = proxy.stats()
@@ -439,16 +429,6 @@ AGENT_CTX = 16384
 EOS_BIAS = ["--logit-bias", "151645+100", "-n", str(MAX_OUTPUT)]
 
 
-@pytest.fixture(scope="module")
-def claude_bin() -> Path:
-    return _install(clients.CLAUDE)
-
-
-@pytest.fixture(scope="module")
-def codex_bin() -> Path:
-    return _install(clients.CODEX)
-
-
 def _write_agent_config(path: Path, srv) -> Path:
     import yaml
 
@@ -473,6 +453,26 @@ def agent_stack(start_server, tmp_path, request):
     finally:
         proxy.stop()
         print(f"\n--- ocache log tail\n{proxy.log_tail(30)}")
+
+
+def _two_folders_restart_between(srv, proxy: OcacheProcess, tmp_path: Path, plan, run):
+    """Run a client per ``plan`` entry (folder name, prompt, extra), ``run(folder, prompt, extra)``,
+    in the folders ``proj-a`` and ``proj-b`` (made here, a ``main.py`` each), llama-server restarted
+    before the third run; each run must succeed and be recorded. Returns (the runs, the number of
+    records before each run, the records)."""
+    for name in ("proj-a", "proj-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "main.py").write_text("print('hello')\n")
+    runs, n_before = [], []
+    for i, (folder, prompt, extra) in enumerate(plan):
+        if i == 2:
+            _restart_upstream(srv, proxy)
+        n_before.append(len(proxy.records()))
+        runs.append(run(tmp_path / folder, prompt, extra))
+        _check_runs(runs[-1:])
+        _wait_recorded(proxy, lambda recs, n=n_before[-1]: len(recs) > n)
+    records = _wait_recorded(proxy, lambda recs: len(recs) >= n_before[-1] + 1)
+    return runs, n_before, records
 
 
 def _restart_upstream(srv, proxy: OcacheProcess) -> None:
@@ -637,23 +637,13 @@ def test_claude_code_two_folders_restart_continue(claude_bin, agent_stack, tmp_p
     home = tmp_path / "home"
     home.mkdir()
     env = clients.claude_env(home, proxy.url)
-    for name in ("proj-a", "proj-b"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "main.py").write_text("print('hello')\n")
     model = str(models_tiny["hybrid"])
     plan = [("proj-a", "list the files and explain main.py", ()),
             ("proj-b", "list the files and explain main.py", ()),
             ("proj-a", "now explain main.py again", ("--continue",))]
-    runs, n_before = [], []
-    for i, (folder, prompt, args) in enumerate(plan):
-        if i == 2:
-            _restart_upstream(srv, proxy)
-        n_before.append(len(proxy.records()))
-        runs.append(clients.run_claude(claude_bin, tmp_path / folder, prompt, env, model=model,
-                                       args=args, timeout=RUN_TIMEOUT_S))
-        _check_runs(runs[-1:])
-        _wait_recorded(proxy, lambda recs, n=n_before[-1]: len(recs) > n)
-    records = _wait_recorded(proxy, lambda recs: len(recs) >= n_before[-1] + 1)
+    runs, n_before, records = _two_folders_restart_between(
+        srv, proxy, tmp_path, plan, lambda folder, prompt, args: clients.run_claude(
+            claude_bin, folder, prompt, env, model=model, args=args, timeout=RUN_TIMEOUT_S))
     report = _agent_report(f"claude code ({mode})", runs, records)
     print("\n" + report)
     assert all(r["path"] == "/v1/messages" for r in records), report
@@ -676,22 +666,12 @@ def test_codex_two_folders_restart_resume(codex_bin, agent_stack, tmp_path, mode
     codex_home = home / ".codex"
     clients.write_codex_config(codex_home, proxy.url + "/v1", model=str(models_tiny["hybrid"]))
     env = clients.codex_env(home, codex_home)
-    for name in ("proj-a", "proj-b"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "main.py").write_text("print('hello')\n")
     plan = [("proj-a", "list the files and explain main.py", False),
             ("proj-b", "list the files and explain main.py", False),
             ("proj-a", "now explain main.py again", True)]
-    runs, n_before = [], []
-    for i, (folder, prompt, resume) in enumerate(plan):
-        if i == 2:
-            _restart_upstream(srv, proxy)
-        n_before.append(len(proxy.records()))
-        runs.append(clients.run_codex(codex_bin, tmp_path / folder, prompt, env, resume=resume,
-                                      timeout=RUN_TIMEOUT_S))
-        _check_runs(runs[-1:])
-        _wait_recorded(proxy, lambda recs, n=n_before[-1]: len(recs) > n)
-    records = _wait_recorded(proxy, lambda recs: len(recs) >= n_before[-1] + 1)
+    runs, n_before, records = _two_folders_restart_between(
+        srv, proxy, tmp_path, plan, lambda folder, prompt, resume: clients.run_codex(
+            codex_bin, folder, prompt, env, resume=resume, timeout=RUN_TIMEOUT_S))
     report = _agent_report(f"codex ({mode})", runs, records)
     print("\n" + report)
     assert all(r["path"] == "/v1/responses" for r in records), report

@@ -35,13 +35,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from fakes import cold_chat as cold
-from ocache.cache import OCacheLayer, plan_request
+from ocache.cache import plan_request
 from ocache.config import Config
 from ocache.layer import ParsedRequest
-from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.llama.flags import ServerParams
 from ocache.llama.reuse import common_prefix
 from ocache.slots import SlotState, SlotTable
@@ -49,7 +47,9 @@ from ocache.tiers import store as store_mod
 from ocache.tiers.base import Offer
 from ocache.tiers.resident import RequestContext
 
-from conftest import load_fixture, load_headers
+from conftest import body_of, forget_store
+from conftest import session_headers as hdrs
+from conftest import through_ocache as serve_ocache
 
 UB = 128
 SERVER = dict(ubatch=UB, batch=512, ctx_checkpoints=32, checkpoint_min_step=256, cache_ram=0)
@@ -71,36 +71,13 @@ def make_config(srv, cache_dir: Path, *, spill_min: int = NEVER, disk_min: int =
 
 @asynccontextmanager
 async def through_ocache(config: Config):
-    """A proxy with OCacheLayer in front of ``config.upstream``; yields (base_url, proxy)."""
-    proxy = Proxy(config, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
+    """conftest's ``through_ocache``, then what a process exit does to the shared store
+    (``forget_store``); yields (base_url, proxy)."""
     try:
-        yield f"http://127.0.0.1:{server.port}", proxy
+        async with serve_ocache(config) as out:
+            yield out
     finally:
-        await server.close()
         forget_store(Path(config.cache_dir))
-
-
-def forget_store(cache_dir: Path) -> None:
-    """What a process exit does to the shared store: close it and forget it."""
-    s = store_mod._SHARED.pop((Path(cache_dir) / "store").resolve(), None)
-    if s is not None:
-        s.close()
-
-
-def body_of(name: str, max_tokens: int = 8) -> dict:
-    body = copy.deepcopy(load_fixture(name))
-    body["stream"] = False
-    body.pop("stream_options", None)
-    body["max_tokens"] = max_tokens
-    body["temperature"] = 0
-    return body
-
-
-def hdrs(name: str) -> dict:
-    h = dict(load_headers(name)["headers"])
-    return {k: v for k, v in h.items() if k.lower() in ("x-session-affinity", "x-session-id")}
 
 
 A1, A2, B1 = "opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json", "opencode_run3_proj2_agent_turn1.json"

@@ -21,16 +21,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from ocache.config import Config
 from ocache.layer import NullLayer
-from ocache.proxy import RUNNER_KWARGS, Proxy, default_layer_factory
+from ocache.proxy import Proxy, default_layer_factory
 from ocache.serving import serve
 from ocache.llama.server import free_port
 
 from test_proxy import FakeUpstream, client, fake_upstream, normalise, poll, stream_with_stop
-from conftest import end_serve, serve_in_task
+from conftest import end_serve, listening, serve_in_task
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,12 +41,8 @@ async def proxy_on(upstream: str, layer: str = "ocache", monitor: bool = True, *
     config = Config(upstream=upstream, **cfg)
     factory = default_layer_factory() if layer == "ocache" else NullLayer
     proxy = Proxy(config, layer_factory=factory, monitor=monitor)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
-    try:
-        yield f"http://127.0.0.1:{server.port}", proxy
-    finally:
-        await server.close()
+    async with listening(proxy) as base:
+        yield base, proxy
 
 
 def chat(content: str = "hello", max_tokens: int = 4, **kw) -> dict:
@@ -59,6 +54,16 @@ async def post_raw(c: aiohttp.ClientSession, url: str, raw: bytes, **kw):
     async with c.post(url + "/v1/chat/completions", data=raw,
                       headers={"Content-Type": "application/json"}, **kw) as r:
         return r.status, dict(r.headers), await r.read()
+
+
+def launch_config(engine_patched, models_tiny, tmp_path: Path, slots: Path, n_parallel: int, ctx: int,
+                  **kw) -> Config:
+    """``serve --launch``: ocache starts the patched llama-server on the tiny dense model itself
+    (``n_parallel`` slots, ``ctx`` tokens in all, ``--slot-save-path slots``), on a free port."""
+    return Config(port=0, probe_interval_s=0.2, cache_dir=str(tmp_path / "cache"),
+                  launch_binary=str(engine_patched.binary),
+                  launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", str(n_parallel),
+                          "-c", str(ctx), "--no-webui", "--slot-save-path", str(slots)], **kw)
 
 
 def errors_logged(caplog) -> list[logging.LogRecord]:
@@ -74,36 +79,11 @@ async def dense(start_server, tmp_path):
         yield srv, base, proxy
 
 
-# --------------------------------------------------------------------------------------------------
-# §2 deeply nested JSON, §6 UTF-16 / undecodable / lone surrogates: the upstream's answer
-@pytest.mark.server
-async def test_deep_nesting_gets_the_upstreams_answer(dense, caplog):
-    """3,000 nested arrays: Python's json raises RecursionError, llama-server answers 200. The
-    client gets the server's 200 (the bytes forwarded as they are), not aiohttp's 500."""
+async def answered_as_the_server_answers(dense, caplog, raw: bytes, case: str = "") -> int:
+    """Post ``raw`` to the server and through ocache: ocache's answer is the server's (the same
+    status; the same JSON, up to ``normalise``, for a 200, else the same bytes), not fail-open, counted
+    as one unplannable body and no cache-layer error, nothing logged as an error. The server's status."""
     srv, base, proxy = dense
-    raw = json.dumps(chat())[:-1].encode() + b', "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"
-    async with client() as c:
-        ds, _, draw = await post_raw(c, srv.url, raw)
-        ps, ph, praw = await post_raw(c, base, raw)
-    assert ds == 200 and ps == ds
-    assert normalise(json.loads(praw)) == normalise(json.loads(draw))
-    assert "X-OCache-Fail-Open" not in ph
-    await proxy.wait_background()
-    st = proxy.stats.to_dict()
-    assert st["layer_errors"] == {} and st["unplannable"] == {"body": 1}
-    assert errors_logged(caplog) == []
-
-
-@pytest.mark.server
-@pytest.mark.parametrize("case", ["utf16", "utf8-bom", "latin1", "lone-surrogate"])
-async def test_bodies_ocache_cannot_reencode_are_forwarded_byte_for_byte(dense, caplog, case):
-    """A body that is not plain UTF-8 JSON (UTF-16, a BOM, Latin-1 bytes) or holds a lone
-    surrogate: the server's own answer, never a re-encoded body; not a cache-layer error."""
-    srv, base, proxy = dense
-    text = json.dumps(chat("héllo wörld"), ensure_ascii=False)
-    raw = {"utf16": text.encode("utf-16"), "utf8-bom": b"\xef\xbb\xbf" + text.encode(),
-           "latin1": text.encode("latin-1"),
-           "lone-surrogate": text[:-1].encode() + b', "user": "x\\ud800y"}'}[case]
     async with client() as c:
         ds, _, draw = await post_raw(c, srv.url, raw)
         ps, ph, praw = await post_raw(c, base, raw)
@@ -117,6 +97,29 @@ async def test_bodies_ocache_cannot_reencode_are_forwarded_byte_for_byte(dense, 
     st = proxy.stats.to_dict()
     assert st["layer_errors"] == {} and st["unplannable"] == {"body": 1}
     assert errors_logged(caplog) == []
+    return ds
+
+
+# --------------------------------------------------------------------------------------------------
+# §2 deeply nested JSON, §6 UTF-16 / undecodable / lone surrogates: the upstream's answer
+@pytest.mark.server
+async def test_deep_nesting_gets_the_upstreams_answer(dense, caplog):
+    """3,000 nested arrays: Python's json raises RecursionError, llama-server answers 200. The
+    client gets the server's 200 (the bytes forwarded as they are), not aiohttp's 500."""
+    raw = json.dumps(chat())[:-1].encode() + b', "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    assert await answered_as_the_server_answers(dense, caplog, raw) == 200
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("case", ["utf16", "utf8-bom", "latin1", "lone-surrogate"])
+async def test_bodies_ocache_cannot_reencode_are_forwarded_byte_for_byte(dense, caplog, case):
+    """A body that is not plain UTF-8 JSON (UTF-16, a BOM, Latin-1 bytes) or holds a lone
+    surrogate: the server's own answer, never a re-encoded body; not a cache-layer error."""
+    text = json.dumps(chat("héllo wörld"), ensure_ascii=False)
+    raw = {"utf16": text.encode("utf-16"), "utf8-bom": b"\xef\xbb\xbf" + text.encode(),
+           "latin1": text.encode("latin-1"),
+           "lone-surrogate": text[:-1].encode() + b', "user": "x\\ud800y"}'}[case]
+    await answered_as_the_server_answers(dense, caplog, raw, case)
 
 
 @pytest.mark.server
@@ -350,6 +353,23 @@ async def _two_in_flight(c, srv, base):
     return plain, stream
 
 
+@asynccontextmanager
+async def _stopped_under_two(c, srv, base, status: int, error: str):
+    """``_two_in_flight``, then llama-server stopped (SIGSTOP): the non-streamed forward ends with
+    ``status`` and ``error`` in its message, the stream is cut. The server is continued (SIGCONT)
+    when the block ends."""
+    plain, stream = await _two_in_flight(c, srv, base)
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        r = await asyncio.wait_for(plain, 60)
+        assert r.status == status and error in (await r.json())["error"]["message"]
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await asyncio.wait_for(stream.read(), 60)
+        yield
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+
+
 @pytest.mark.server
 async def test_stopped_upstream_read_timeouts(start_server):
     """llama-server stopped (SIGSTOP) with two forwards in flight and no monitor to notice: the
@@ -359,17 +379,9 @@ async def test_stopped_upstream_read_timeouts(start_server):
     async with proxy_on(srv.url, layer="null", monitor=False, probe_timeout_s=1.0,
                         upstream_read_timeout_s=2.0, stream_idle_timeout_s=2.0) as (base, proxy), \
             client() as c:
-        plain, stream = await _two_in_flight(c, srv, base)
-        os.kill(srv.proc.pid, signal.SIGSTOP)
-        try:
-            r = await asyncio.wait_for(plain, 60)
-            assert r.status == 504 and "upstream_read_timeout_s" in (await r.json())["error"]["message"]
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await asyncio.wait_for(stream.read(), 60)
-            async with c.get(base + "/health") as r:
-                assert r.status == 503 and r.headers["Retry-After"]
-        finally:
-            os.kill(srv.proc.pid, signal.SIGCONT)
+        async with _stopped_under_two(c, srv, base, 504, "upstream_read_timeout_s"), \
+                c.get(base + "/health") as r:
+            assert r.status == 503 and r.headers["Retry-After"]
 
 
 @pytest.mark.server
@@ -380,21 +392,13 @@ async def test_stopped_upstream_ends_forwards_503_at_once_then_recovers(start_se
     srv = await asyncio.to_thread(start_server, "dense", n_parallel=2)
     async with proxy_on(srv.url, layer="null", probe_interval_s=0.2, probe_timeout_s=1.0) as (base, proxy), \
             client() as c:
-        plain, stream = await _two_in_flight(c, srv, base)
-        os.kill(srv.proc.pid, signal.SIGSTOP)
-        try:
-            r = await asyncio.wait_for(plain, 60)
-            assert r.status == 503 and "no answer to GET /health" in (await r.json())["error"]["message"]
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await asyncio.wait_for(stream.read(), 60)
+        async with _stopped_under_two(c, srv, base, 503, "no answer to GET /health"):
             assert proxy.upstream.hung
             probes = proxy.upstream.probes
             for path in ("/health", "/v1/chat/completions"):
                 async with c.post(base + path, json=chat()) if path != "/health" else c.get(base + path) as r:
                     assert r.status == 503 and r.headers["Retry-After"]
             assert proxy.upstream.probes - probes <= 1
-        finally:
-            os.kill(srv.proc.pid, signal.SIGCONT)
         await poll(lambda: proxy.upstream.state == "ready", timeout=30, what="ready again")
         async with c.post(base + "/v1/chat/completions", json=chat()) as r:
             assert r.status == 200
@@ -666,10 +670,8 @@ async def test_launch_creates_a_missing_slot_save_path(engine_patched, models_ti
     The supervisor creates it (mode 0700) before each start and the child comes up."""
     slots = tmp_path / "new" / "slots"
     stop = asyncio.Event()
-    cfg = Config(port=0, probe_interval_s=0.2, cache_dir=str(tmp_path / "cache"), launch_max_failures=2,
-                 launch_binary=str(engine_patched.binary),
-                 launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "1", "-c", "2048",
-                         "--no-webui", "--slot-save-path", str(slots)])
+    cfg = launch_config(engine_patched, models_tiny, tmp_path, slots, n_parallel=1, ctx=2048,
+                        launch_max_failures=2)
     task, ready = serve_in_task(cfg, stop)
     try:
         proxy, _ = await asyncio.wait_for(ready, 60)
@@ -828,10 +830,7 @@ async def test_launch_stop_sends_sigterm_with_no_get_slots_in_flight(engine_patc
     monkeypatch.setattr(sup_mod.os, "killpg", killpg)
     slots = tmp_path / "slots"
     slots.mkdir()
-    cfg = Config(port=0, probe_interval_s=0.2, cache_dir=str(tmp_path / "cache"),
-                 launch_binary=str(engine_patched.binary),
-                 launch=["-m", str(models_tiny["dense"]), "-t", "1", "-tb", "1", "-np", "2", "-c", "4096",
-                         "--no-webui", "--slot-save-path", str(slots)])
+    cfg = launch_config(engine_patched, models_tiny, tmp_path, slots, n_parallel=2, ctx=4096)
     task, ready = serve_in_task(cfg, stop)
     try:
         proxy, port = await asyncio.wait_for(ready, 60)

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
@@ -56,56 +57,52 @@ class SlowHealth(FakeUpstream):
         return resp
 
 
-async def _slow_health():
+@asynccontextmanager
+async def _streaming(hung_probes: int):
+    """A stream through ocache (the null layer, no periodic probe, probes that time out after 0.3 s,
+    the hung verdict after ``hung_probes`` misses) from a ``SlowHealth`` upstream; yields (the fake,
+    the proxy, the stream's response)."""
     fake = SlowHealth()
     server = TestServer(fake.app, host="127.0.0.1")
     await server.start_server()
-    return fake, server
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        async with proxy_on(url, layer="null", probe_interval_s=60, probe_timeout_s=0.3,
+                            hung_probes=hung_probes) as (base, proxy), client() as c:
+            yield fake, proxy, await c.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
+    finally:
+        await server.close()
 
 
 async def test_one_missed_probe_does_not_cut_a_healthy_generation():
     """One ``/health`` without an answer while a stream runs: the probe tries again, gets the answer,
     and the stream ends whole. On the old code the one miss was the hung verdict: the stream was cut."""
-    fake, server = await _slow_health()
-    url = f"http://127.0.0.1:{server.port}"
-    try:
-        async with proxy_on(url, layer="null", probe_interval_s=60, probe_timeout_s=0.3,
-                            hung_probes=3) as (base, proxy), client() as c:
-            resp = await c.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
-            assert resp.status == 200
-            assert (await resp.content.readline()).startswith(b"data:")
-            calls = fake.health_calls
-            fake.stall = 1
-            await asyncio.wait_for(proxy.upstream.probe(), 30)
-            assert fake.health_calls == calls + 2     # the missed one, then the answered one
-            assert proxy.upstream.state == "ready" and not proxy.upstream.hung
-            assert proxy.upstream.missed_probes == 1
-            fake.finish.set()
-            rest = await asyncio.wait_for(resp.read(), 30)
-            assert b'"stop":true' in rest and not fake.stream_cancelled.is_set()
-    finally:
-        await server.close()
+    async with _streaming(hung_probes=3) as (fake, proxy, resp):
+        assert resp.status == 200
+        assert (await resp.content.readline()).startswith(b"data:")
+        calls = fake.health_calls
+        fake.stall = 1
+        await asyncio.wait_for(proxy.upstream.probe(), 30)
+        assert fake.health_calls == calls + 2     # the missed one, then the answered one
+        assert proxy.upstream.state == "ready" and not proxy.upstream.hung
+        assert proxy.upstream.missed_probes == 1
+        fake.finish.set()
+        rest = await asyncio.wait_for(resp.read(), 30)
+        assert b'"stop":true' in rest and not fake.stream_cancelled.is_set()
 
 
 async def test_hung_verdict_after_every_probe_missed_cancels_the_abandoned_stream():
     """``hung_probes`` misses in a row: the verdict, the stream cut, and the upstream connection
     closed, so the server cancels the abandoned generation (llama-server stops a task whose
     connection closed: server-context.cpp:4709-4716, ``should_stop``)."""
-    fake, server = await _slow_health()
-    url = f"http://127.0.0.1:{server.port}"
-    try:
-        async with proxy_on(url, layer="null", probe_interval_s=60, probe_timeout_s=0.3,
-                            hung_probes=2) as (base, proxy), client() as c:
-            resp = await c.post(base + "/v1/completions", json={"prompt": "x", "stream": True})
-            await resp.content.readline()
-            fake.stall = 2
-            await asyncio.wait_for(proxy.upstream.probe(), 30)
-            assert proxy.upstream.hung and proxy.upstream.missed_probes == 2
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await asyncio.wait_for(resp.read(), 30)
-            await asyncio.wait_for(fake.stream_cancelled.wait(), 30)
-    finally:
-        await server.close()
+    async with _streaming(hung_probes=2) as (fake, proxy, resp):
+        await resp.content.readline()
+        fake.stall = 2
+        await asyncio.wait_for(proxy.upstream.probe(), 30)
+        assert proxy.upstream.hung and proxy.upstream.missed_probes == 2
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await asyncio.wait_for(resp.read(), 30)
+        await asyncio.wait_for(fake.stream_cancelled.wait(), 30)
 
 
 @pytest.mark.server

@@ -36,6 +36,21 @@ def manual_config(srv, cache_dir) -> Config:
                   tiers={"resident": {"server_args": readme_yaml_args(srv)}})
 
 
+def server_config(srv, cache_dir) -> Config:
+    """ocache in front of ``srv``, told the flags the server was started with."""
+    return Config(upstream=srv.url, cache_dir=str(cache_dir),
+                  tiers={"resident": {"server_args": srv.command()[1:]}})
+
+
+async def committed_turn(s, base, proxy, body: dict, headers: dict) -> tuple[dict, object, str]:
+    """``send`` one turn and wait for its anchors' commits: (its record, the disk tier, the
+    identity key the layer has now)."""
+    rec = await send(s, base, proxy, body, headers)
+    disk = proxy.layer.disk_tier
+    await disk.flush()
+    return rec, disk, proxy.layer._ident().key
+
+
 def launch_config(srv, cache_dir) -> Config:
     # what `ocache serve --launch -- ARGS` hands the layer: the arguments after `--` (the
     # supervisor adds --host/--port/--metrics; here the server is already running with them)
@@ -64,10 +79,7 @@ async def test_manual_yaml_and_launch_are_one_identity(start_server, tmp_path):
     h = session_headers("opencode_agent_turn1.json")
     cache = tmp_path / "cache"
     async with through_ocache(manual_config(srv, cache)) as (base, proxy), aiohttp.ClientSession() as s:
-        await send(s, base, proxy, t1, h)
-        disk = proxy.layer.disk_tier
-        await disk.flush()
-        manual_key = proxy.layer._ident().key
+        _, disk, manual_key = await committed_turn(s, base, proxy, t1, h)
         anchors = sorted(e.n_tokens for e in disk.store.entries("a"))
         assert anchors, disk.stats()
     forget_store(cache)
@@ -91,21 +103,15 @@ async def test_model_switch_a_b_a_reuses_a_from_disk(start_server, tmp_path, mod
     b1 = body_of("opencode_run3_proj2_agent_turn1.json")
     ha, hb = session_headers("opencode_agent_turn1.json"), session_headers("opencode_run3_proj2_agent_turn1.json")
     cache = tmp_path / "cache"
-    cfg = Config(upstream=srv.url, cache_dir=str(cache),
-                 tiers={"resident": {"server_args": srv.command()[1:]}})
+    cfg = server_config(srv, cache)
     async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
-        await send(s, base, proxy, a1, ha)
-        disk = proxy.layer.disk_tier
-        await disk.flush()
-        key_a = proxy.layer._ident().key
+        _, disk, key_a = await committed_turn(s, base, proxy, a1, ha)
         a_entries = {e.key for e in disk.store.entries("a")}
         head_a = max(e.n_tokens for e in disk.store.entries("a") if e.meta.get("reason") == "head")
         assert a_entries
 
         await restart_seen(proxy, srv, models_tiny["hybrid"])
-        rec = await send(s, base, proxy, b1, hb)
-        await disk.flush()
-        key_b = proxy.layer._ident().key
+        rec, _, key_b = await committed_turn(s, base, proxy, b1, hb)
         assert key_b != key_a and disk.store.identity == key_b
         assert rec["tier"] != "disk"                       # A's anchors are never offered to B
         assert a_entries <= {e.key for e in disk.store.entries("a")}, "A's anchors were deleted"
@@ -191,13 +197,9 @@ async def test_weights_changed_outside_the_sample_are_served_cold(start_server, 
     srv.start()
     t1, t2 = body_of("opencode_agent_turn1.json"), body_of("opencode_agent_turn1_after_tool.json")
     h = session_headers("opencode_agent_turn1.json")
-    cfg = Config(upstream=srv.url, cache_dir=str(tmp_path / "cache"),
-                 tiers={"resident": {"server_args": srv.command()[1:]}})
+    cfg = server_config(srv, tmp_path / "cache")
     async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
-        await send(s, base, proxy, t1, h)
-        disk = proxy.layer.disk_tier
-        await disk.flush()
-        old_key = proxy.layer._ident().key
+        _, disk, old_key = await committed_turn(s, base, proxy, t1, h)
         old_entries = {e.key for e in disk.store.entries("a") if e.identity == old_key}
         assert old_entries, disk.stats()
 
@@ -212,9 +214,7 @@ async def test_weights_changed_outside_the_sample_are_served_cold(start_server, 
         os.utime(served, ns=(st.st_atime_ns, st.st_mtime_ns))
         assert (served.stat().st_size, served.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
         await restart_seen(proxy, srv)
-        rec = await send(s, base, proxy, t2, h)
-        await disk.flush()
-        new_key = proxy.layer._ident().key
+        rec, _, new_key = await committed_turn(s, base, proxy, t2, h)
         assert rec["tier"] != "disk", (rec["tier"], disk.stats())
         assert new_key != old_key and disk.store.identity == new_key
         assert proxy.layer._ident().fields["gguf"]["file_xxh3_128"]      # digested before the turn
@@ -230,8 +230,7 @@ async def test_a_model_over_the_inline_bound_is_digested_in_the_background(start
     monkeypatch.setattr(llama_gguf, "DIGEST_INLINE_BYTES", 0)
     monkeypatch.setattr(llama_gguf, "_digests", {})     # a file never digested in this process
     srv = start_server("dense", n_parallel=1, ctx_size=16384, **SERVER)
-    cfg = Config(upstream=srv.url, cache_dir=str(tmp_path / "cache"),
-                 tiers={"resident": {"server_args": srv.command()[1:]}})
+    cfg = server_config(srv, tmp_path / "cache")
     async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
         await proxy.layer._ensure_ready()
         provisional = proxy.layer._ident()

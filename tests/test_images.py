@@ -23,6 +23,8 @@ import pytest
 
 from ocache.toolchain.vision import TINY, make_projector
 
+from conftest import through_ocache
+
 pytestmark = pytest.mark.server
 
 #: the media marker llama-server's /apply-template leaves where an image goes (random per process:
@@ -94,7 +96,6 @@ async def test_token_view_keys_each_image_by_its_digest(start_server, tmp_path):
     image's first position on for other pixels; through ocache the next identical request is
     predicted right (no view mismatch). On main the marker was tokenized as text: the view was
     the wrong length (this fails there)."""
-    from ocache.cache import OCacheLayer
     from ocache.config import Config
     from ocache.media import digest
     from ocache.tokens import TokenViewer, TokenViewError
@@ -126,25 +127,14 @@ async def test_token_view_keys_each_image_by_its_digest(start_server, tmp_path):
         await viewer.close()
     cfg = Config(upstream=srv.url, cache_dir=str(tmp_path / "cache"),
                  tiers={"resident": {"server_args": srv.command()[1:]}})
-    from aiohttp.test_utils import TestServer
-
-    from ocache.proxy import RUNNER_KWARGS, Proxy
-
-    proxy = Proxy(cfg, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
-    try:
-        async with aiohttp.ClientSession() as s:
-            base = f"http://127.0.0.1:{server.port}"
-            for url in (data_url(a), data_url(a, "image/jpeg")):
-                async with s.post(base + "/v1/chat/completions", json=chat(url)) as r:
-                    assert r.status == 200 and "X-OCache-Fail-Open" not in r.headers
-                    got = await r.json()
-                    predicted = int(r.headers["X-OCache-Predicted-Cache"])
-                await proxy.wait_background()
-                await proxy.layer.idle()
-            assert got["timings"]["cache_n"] == predicted, (got["timings"], predicted)
-            assert proxy.layer.counters["view_mismatches"] == 0
-            assert proxy.layer.counters["mispredictions"] == 0
-    finally:
-        await server.close()
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        for url in (data_url(a), data_url(a, "image/jpeg")):
+            async with s.post(base + "/v1/chat/completions", json=chat(url)) as r:
+                assert r.status == 200 and "X-OCache-Fail-Open" not in r.headers
+                got = await r.json()
+                predicted = int(r.headers["X-OCache-Predicted-Cache"])
+            await proxy.wait_background()
+            await proxy.layer.idle()
+        assert got["timings"]["cache_n"] == predicted, (got["timings"], predicted)
+        assert proxy.layer.counters["view_mismatches"] == 0
+        assert proxy.layer.counters["mispredictions"] == 0

@@ -129,6 +129,18 @@ async def _third_turn_ready(start_server, tmp_path, stock: bool = False):
             yield s, base, proxy, srv, h, body
 
 
+async def known_turn_then_next(s: aiohttp.ClientSession, base: str, proxy, h: dict, body: dict,
+                               question: str) -> dict:
+    """Send ``body`` (a known turn: it must take the known route), let its background work end;
+    returns the body of the turn after it, which asks ``question``."""
+    async with s.post(base + CHAT, json=body, headers=h) as r:
+        assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
+        data = await r.json()
+    await proxy.wait_background()
+    await proxy.layer.idle()
+    return _next_turn(body, data["choices"][0]["message"]["content"] or "ok", question)
+
+
 async def _served_as_alone(s: aiohttp.ClientSession, base: str, proxy, url: str, h: dict, body: dict,
                            data: dict, question: str) -> dict:
     """The turn after ``data`` (the answer to ``body``) once the table cannot name that slot's
@@ -530,12 +542,7 @@ async def test_a_known_turn_whose_reconcile_fails_after_a_restart_is_planned_as_
         layer = proxy.layer
         if check == "health":
             layer.table.if_boot = False       # as a build without patches/0007 says in /props
-        async with s.post(base + CHAT, json=body, headers=h) as r:
-            assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
-            data = await r.json()
-        await proxy.wait_background()
-        await layer.idle()
-        nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "After the restart?")
+        nxt = await known_turn_then_next(s, base, proxy, h, body, "After the restart?")
         real_fetch = layer.table.fetch_slots
         failed: list[int] = []
 

@@ -26,11 +26,11 @@ from aiohttp.test_utils import TestServer
 from ocache.config import Config
 from ocache.api.figures import Figures
 from ocache.layer import NullLayer, Plan
-from ocache.proxy import RUNNER_KWARGS, Proxy, forward_request_headers, host_name
+from ocache.proxy import Proxy, forward_request_headers, host_name
 from ocache.llama.server import free_port
 from multidict import CIMultiDict
 
-from conftest import end_serve, load_fixture, serve_in_task
+from conftest import end_serve, listening, load_fixture, serve_in_task
 
 
 # --------------------------------------------------------------------------------------------------
@@ -41,12 +41,8 @@ async def run_proxy(upstream: str, layer=None, **cfg):
     config = Config(upstream=upstream, **cfg)
     factory = (lambda u, c: layer) if layer is not None else NullLayer
     proxy = Proxy(config, layer_factory=factory)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
-    try:
-        yield f"http://127.0.0.1:{server.port}", proxy
-    finally:
-        await server.close()
+    async with listening(proxy) as base:
+        yield base, proxy
 
 
 @asynccontextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -126,6 +127,31 @@ def _chat(url: str, body: dict) -> tuple[dict, dict]:
     return out, headers
 
 
+def answered_as_cold(srv, slots: Path, slot: int, n_prompt: int) -> list[int]:
+    """Save ``slot`` (to ``slots``) and check that what it generated after the ``n_prompt`` tokens
+    served is what a cold prefill of the same tokens in the other slot generates. Returns the tokens
+    it generated."""
+    from test_patch import slot_file_tokens
+
+    _post(srv.url, f"/slots/{slot}?action=save", {"filename": "served.bin"})
+    held = slot_file_tokens(slots / "served.bin")
+    served, generated = held[:n_prompt], held[n_prompt:]
+    cold = _post(srv.url, "/completion", {"prompt": served, "n_predict": len(generated), "id_slot": 1 - slot,
+                                          "cache_prompt": False, "return_tokens": True, "temperature": 0})
+    assert cold["timings"]["cache_n"] == 0 and cold["tokens"] == generated
+    return generated
+
+
+def switched_off(serve_template, tmp_path: Path, monkeypatch, tiers: str):
+    """A new hybrid server (two slots, no slot folder) and ``ocache serve`` in front of it with
+    ``OCACHE_TIERS=tiers`` (a feature switched off), started: (the server, the ocache process)."""
+    from ocache.bench.run import OCacheProcess
+
+    monkeypatch.setenv("OCACHE_TIERS", tiers)
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on", slot_save_path=None)
+    return srv, OCacheProcess(srv.url, tmp_path / "cache-off", tmp_path / "ocache-off.log").start()
+
+
 def _prefilled(url: str) -> int:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
@@ -194,22 +220,13 @@ def test_a_rewritten_history_is_served_from_the_slots_own_tokens_through_ocache(
     assert stats["aligned"] == 2
 
     # the answer equals a cold prefill of the prompt served (saved from the slot it ran on)
-    slot = int(headers["X-OCache-Slot"])
-    n_prompt = last["usage"]["prompt_tokens"]
-    _post(srv.url, f"/slots/{slot}?action=save", {"filename": "served.bin"})
-    from test_patch import slot_file_tokens
-    held = slot_file_tokens(tmp_path / "slots" / "served.bin")
-    served, generated = held[:n_prompt], held[n_prompt:]
+    generated = answered_as_cold(srv, tmp_path / "slots", int(headers["X-OCache-Slot"]),
+                                 last["usage"]["prompt_tokens"])
     assert len(generated) == last["timings"]["predicted_n"] - 1 >= 8
-    cold = _post(srv.url, "/completion", {"prompt": served, "n_predict": len(generated), "id_slot": 1 - slot,
-                                          "cache_prompt": False, "return_tokens": True, "temperature": 0})
-    assert cold["timings"]["cache_n"] == 0 and cold["tokens"] == generated
     srv.stop()
 
     # alignment off: every prompt is the template's (the client's render), byte for byte
-    monkeypatch.setenv("OCACHE_TIERS", "{resident: {align: false}}")
-    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on", slot_save_path=None)
-    prox = OCacheProcess(srv.url, tmp_path / "cache-off", tmp_path / "ocache-off.log").start()
+    srv, prox = switched_off(serve_template, tmp_path, monkeypatch, "{resident: {align: false}}")
     try:
         off = _loop(prox.url, srv.url)
     finally:

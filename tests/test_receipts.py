@@ -20,7 +20,7 @@ import pytest
 from ocache.layer import Plan, ReceiptLedger
 
 from test_hardening_cache import CHAT
-from test_known_turn import _next_turn, _third_turn_ready
+from test_known_turn import _third_turn_ready, known_turn_then_next
 
 
 # --------------------------------------------------------------------------- the receipt (no server)
@@ -97,12 +97,7 @@ async def test_a_client_that_leaves_while_its_turn_is_planned_again_is_released_
     async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
         layer = proxy.layer
         assert layer.table.if_boot               # the patched build checks the process itself
-        async with s.post(base + CHAT, json=body, headers=h) as r:
-            assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
-            data = await r.json()
-        await proxy.wait_background()
-        await layer.idle()
-        nxt = _next_turn(body, data["choices"][0]["message"]["content"] or "ok", "After the restart?")
+        nxt = await known_turn_then_next(s, base, proxy, h, body, "After the restart?")
 
         real_plan = layer.plan
         releases: list[list[str]] = []            # per plan made: its release calls

@@ -25,6 +25,13 @@ def write(tmp_path: Path, text: str, name: str = "sc.yaml") -> Path:
     return p
 
 
+def smoke(tmp_path: Path, steps: str):
+    """The scenario ``smoke`` (4 tokens per answer, no gaps) of ``steps`` (YAML, the items of
+    ``steps:``), on the captured fixtures (skips without them)."""
+    need_fixtures()
+    return load_scenario(write(tmp_path, "name: smoke\nmax_tokens: 4\ngap_s: 0\nsteps:" + steps), FIXTURES)
+
+
 def need_fixtures():
     if not FIXTURES.is_dir():
         # deliberate: the captures are third-party text kept in ../shared, never in the repository;
@@ -125,12 +132,7 @@ def test_recording_becomes_a_scenario_with_gaps(tmp_path):
 
 @pytest.mark.server
 def test_replay_tiny_scenario_against_real_server(tmp_path, start_server):
-    need_fixtures()
-    sc = load_scenario(write(tmp_path, """
-name: smoke
-max_tokens: 4
-gap_s: 0
-steps:
+    sc = smoke(tmp_path, """
   - parallel:
       - send: opencode_title.json
       - send: opencode_agent_turn1.json
@@ -138,7 +140,7 @@ steps:
   - turn: main
   - restart: true
   - turn: main
-"""), FIXTURES)
+""")
     srv = start_server(model="hybrid", n_parallel=2, ctx_size=2 * 12288)
 
     async def restart():
@@ -190,20 +192,15 @@ steps:
 @pytest.mark.server
 @pytest.mark.slow
 def test_bench_tiny_writes_table_and_plot(tmp_path, engine_stock, engine_patched, models_tiny):
-    need_fixtures()
     from ocache.bench.run import Bench
 
-    sc = load_scenario(write(tmp_path, """
-name: smoke
-max_tokens: 4
-gap_s: 0
-steps:
+    sc = smoke(tmp_path, """
   - send: opencode_agent_turn1.json
     session: main
   - turn: main
   - restart: true
   - turn: main
-"""), FIXTURES)
+""")
     bench = Bench("tiny", [sc], tmp_path / "out")
     asyncio.run(bench.run())
     md, pngs = bench.write(1.0, "test")

@@ -29,13 +29,12 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from ocache.api.refresh import ID_KEYS, TIME_KEYS
-from ocache.cache import OCacheLayer
 from ocache.config import Config
-from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.response_cache import Lead
+
+from conftest import through_ocache
 
 pytestmark = pytest.mark.server
 
@@ -56,14 +55,8 @@ async def proxy_for(srv, tmp_path, admin_token=None, upstream_api_key=None, **rc
     cfg = Config(upstream=srv.url, cache_dir=str(tmp_path / "cache"), admin_token=admin_token,
                  upstream_api_key=upstream_api_key, response_cache={"enabled": True, **rc},
                  tiers={"resident": {"server_args": srv.command()[1:]}})
-    proxy = Proxy(cfg, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
-    try:
-        async with aiohttp.ClientSession() as s:
-            yield f"http://127.0.0.1:{server.port}", proxy, s
-    finally:
-        await server.close()
+    async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
+        yield base, proxy, s
 
 
 async def work(s: aiohttp.ClientSession, url: str) -> tuple[int, int]:

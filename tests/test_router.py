@@ -17,15 +17,13 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from ocache.bench.exact import PROBS_FIELDS, Generation, compare, describe
-from ocache.cache import OCacheLayer
 from ocache.config import Config
-from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache.router import Router, Server, cost_s
 
-from test_spill import CHAT, SERVER, body_of, session_headers
+from conftest import body_of, session_headers, through_ocache
+from test_spill import CHAT, SERVER
 
 A1, A2 = "opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json"
 B1, B2 = "opencode_run3_proj2_agent_turn1.json", "opencode_run3_proj2_agent_turn1_after_tool.json"
@@ -39,14 +37,9 @@ def router_config(servers, cache_dir, **kw) -> Config:
 @asynccontextmanager
 async def through_router(config: Config):
     """A proxy with the Router over one OCacheLayer per upstream; yields (base_url, proxy)."""
-    proxy = Proxy(config, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
-    try:
+    async with through_ocache(config) as (base, proxy):
         assert isinstance(proxy.layer, Router)
-        yield f"http://127.0.0.1:{server.port}", proxy
-    finally:
-        await server.close()
+        yield base, proxy
 
 
 def body(name: str, max_tokens: int = 8) -> dict:

@@ -21,23 +21,18 @@ import random
 import signal
 import subprocess
 import sys
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from ocache.cache import OCacheLayer
 from ocache.config import Config
 from ocache.bench.exact import PROBS_FIELDS, Generation, compare, describe
-from ocache.proxy import RUNNER_KWARGS, Proxy
 from ocache import admin
 from ocache.tiers import spill as spill_mod
-from ocache.tiers import store as store_mod
 from ocache.tokens import TokenViewer
 
-from conftest import load_fixture, load_headers
+from conftest import app_in_thread, body_of, forget_store, session_headers, through_ocache
 
 UB = 128
 SERVER = dict(ubatch=UB, batch=512, ctx_checkpoints=32, checkpoint_min_step=256, cache_ram=0)
@@ -52,45 +47,10 @@ def make_config(srv, cache_dir: Path, min_tokens: int, **session) -> Config:
                   tiers={"resident": {"server_args": srv.command()[1:]}, "session": session})
 
 
-@asynccontextmanager
-async def through_ocache(config: Config):
-    """A proxy with OCacheLayer in front of ``config.upstream``; yields (base_url, proxy)."""
-    proxy = Proxy(config, layer_factory=lambda u, c: OCacheLayer(u, c), monitor=False)
-    server = TestServer(proxy.make_app(), host="127.0.0.1")
-    await server.start_server(**RUNNER_KWARGS)
-    try:
-        yield f"http://127.0.0.1:{server.port}", proxy
-    finally:
-        await server.close()
-
-
 def tier_of(proxy) -> spill_mod.SessionTier:
     t = next((t for t in proxy.layer.tiers if t.name == "session"), None)
     assert t is not None, "the session tier was not registered (no --slot-save-path seen?)"
     return t
-
-
-def forget_store(cache_dir: Path) -> None:
-    """What a process exit does to the shared store: close it (its lock) and forget it, so the next
-    layer opens it afresh (index load, orphan sweep) like a new ocache process would."""
-    meta = (Path(cache_dir) / "store").resolve()
-    s = store_mod._SHARED.pop(meta, None)
-    if s is not None:
-        s.close()
-
-
-def body_of(name: str, max_tokens: int = 8) -> dict:
-    body = copy.deepcopy(load_fixture(name))
-    body["stream"] = False
-    body.pop("stream_options", None)
-    body["max_tokens"] = max_tokens
-    body["temperature"] = 0
-    return body
-
-
-def session_headers(name: str) -> dict:
-    hdrs = dict(load_headers(name)["headers"])
-    return {k: v for k, v in hdrs.items() if k.lower() in ("x-session-affinity", "x-session-id")}
 
 
 async def send(s: aiohttp.ClientSession, base: str, proxy, body: dict, headers: dict | None = None,
@@ -518,18 +478,10 @@ def test_drain_command_calls_the_route(tmp_path, capsys):
         return web.json_response({})
 
     app.router.add_get("/v1/cache/stats", stats)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{port}"
-    parser_args = ["drain", "--url", url, "--wait", "0"]
     from ocache.cli import build_parser
 
-    try:
+    with app_in_thread(app) as url:
+        parser_args = ["drain", "--url", url, "--wait", "0"]
         p = build_parser()
         args = p.parse_args(parser_args)
         assert args.func(args) == 1 and not stopped.is_set()
@@ -538,10 +490,5 @@ def test_drain_command_calls_the_route(tmp_path, capsys):
         args = p.parse_args(parser_args + ["--admin-token", "s3cret"])
         assert args.func(args) == 0
         assert stopped.wait(10)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        t.join()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
     args = p.parse_args(["drain", "--url", f"http://127.0.0.1:{free_port()}", "--wait", "0"])
     assert args.func(args) == 2 and "cannot reach ocache" in capsys.readouterr().err

@@ -15,9 +15,8 @@ import pytest
 
 from ocache.align import xxh3
 from ocache.bench.run import OCacheProcess
-from test_align_exact import _saved, _tokens
+from test_align_exact import OPENING, _saved, _tokens, after_answer
 from test_real_templates import ANSWER, CALL, TOOLS, _post, serve_template  # noqa: F401
-from ocache.toolchain import engine
 
 pytestmark = pytest.mark.server
 
@@ -46,8 +45,7 @@ def _loop(url: str, session: str, answer_grammar: str = ANSWER, opens: bool = Fa
     """A tool turn under a grammar, its result, the answer, a new user message, as opencode sends
     them (the reasoning dropped), for ``session`` (``opens``: the model opens its think block,
     Qwen3's template; ``n``: the first requests only). Returns (body, response, headers) per request."""
-    msgs = [{"role": "system", "content": "You are a coding agent."},
-            {"role": "user", "content": "Read a file, then say what it does."}]
+    msgs = list(OPENING)
     out = []
     for i, grammar in enumerate(opening(g) if opens else g for g in (CALL, answer_grammar, ANSWER)[:n]):
         body = {"messages": msgs, "tools": TOOLS, "tool_choice": "none", "temperature": 0,
@@ -55,13 +53,7 @@ def _loop(url: str, session: str, answer_grammar: str = ANSWER, opens: bool = Fa
         status, res, headers = _chat(url, body, {"x-session-affinity": session})
         assert status == 200, res
         out.append((body, res, headers))
-        content = res["choices"][0]["message"]["content"]
-        if i == 0:
-            msgs = msgs + [{"role": "assistant", "content": content},
-                           {"role": "tool", "tool_call_id": "c1",
-                            "content": engine.chat_template_file("Qwen3.5-4B.jinja").read_text()[:1500]}]
-        else:
-            msgs = msgs + [{"role": "assistant", "content": content}, {"role": "user", "content": NEW_USER}]
+        msgs = after_answer(msgs, i, res["choices"][0]["message"]["content"], NEW_USER)
     return out
 
 

@@ -198,30 +198,34 @@ async def test_the_full_render_check_waits_until_no_completion_is_in_flight(star
 
 
 @pytest.mark.server
-async def test_a_wrong_delta_render_is_found_and_switches_deltas_off(start_server):
+async def test_a_wrong_delta_render_is_found_and_switches_deltas_off(dense):
     """The append-only claim is checked in the background: a delta that differs from the full
     render (here: a remembered prefix made one character short) is counted, replaced by the full
     render in the cache, and later turns are rendered in full."""
+    _, viewer = dense
+    b0, b1, b2 = _grown_conversation()[:3]
+    await viewer.render(b0)
+    (digest, (key, n)), = viewer.msg_prefixes.items()
+    viewer.msg_prefixes[digest] = (key, n - 1)
+    wrong = await viewer.render(b1)
+    await viewer.wait_verified()
+    full = await viewer._render_full({k: b1[k] for k in ("messages", "tools", "tool_choice")})
+    assert wrong != full
+    assert viewer.counters["delta_mismatch"] == 1 and not viewer.delta_ok
+    assert await viewer.render(b1) == full  # the cache now holds the full render
+    renders = viewer.counters["renders"]
+    assert await viewer.render(b2) == await viewer._render_full(
+        {k: b2[k] for k in ("messages", "tools", "tool_choice")})
+    assert viewer.counters["renders"] == renders + 1 and viewer.counters["delta_renders"] == 1
+
+
+@pytest.fixture
+async def dense(start_server):
+    """(the tiny dense model's server, a TokenViewer of it); the viewer is closed after the test."""
     srv = start_server("dense")
     viewer = TokenViewer(srv.url)
-    try:
-        b0, b1, b2 = _grown_conversation()[:3]
-        await viewer.render(b0)
-        (digest, (key, n)), = viewer.msg_prefixes.items()
-        viewer.msg_prefixes[digest] = (key, n - 1)
-        wrong = await viewer.render(b1)
-        await viewer.wait_verified()
-        full = await viewer._render_full({k: b1[k] for k in ("messages", "tools", "tool_choice")})
-        assert wrong != full
-        assert viewer.counters["delta_mismatch"] == 1 and not viewer.delta_ok
-        assert await viewer.render(b1) == full  # the cache now holds the full render
-        renders = viewer.counters["renders"]
-        assert await viewer.render(b2) == await viewer._render_full(
-            {k: b2[k] for k in ("messages", "tools", "tool_choice")})
-        assert viewer.counters["renders"] == renders + 1 and viewer.counters["delta_renders"] == 1
-    finally:
-        await viewer.close()
-
+    yield srv, viewer
+    await viewer.close()
 
 
 async def _chat(url: str, body: dict) -> dict:
@@ -271,112 +275,96 @@ async def test_view_length_equals_what_the_server_prefills(start_server, model):
 
 
 @pytest.mark.server
-async def test_view_of_raw_completion_prompts(start_server):
-    srv = start_server("dense")
-    viewer = TokenViewer(srv.url)
-    try:
-        body = load_fixture("pi_turn1.json")
-        text = await viewer.render(body)
-        v = await viewer.view("/completion", {"prompt": text, "n_predict": 1})
-        assert v.tokens == await _full_tokenize(srv.url, text) and v.head_end is None
-        assert (await viewer.view("/completion", {"prompt": v.tokens[:50]})).tokens == v.tokens[:50]
-        mixed = await viewer.view("/completion", {"prompt": [v.tokens[0], "hello world"]})
-        assert mixed.tokens[0] == v.tokens[0] and len(mixed.tokens) > 1
-        async with aiohttp.ClientSession() as s:
-            async with s.post(srv.url + "/completion", json={"prompt": text, "n_predict": 1}) as r:
-                t = (await r.json())["timings"]
-        assert len(v.tokens) == t["prompt_n"] + t["cache_n"]
-        with pytest.raises(TokenViewError):
-            await viewer.view("/completion", {"prompt": ["a", "b"]})  # two prompts = two tasks
-        with pytest.raises(TokenViewError) as err:
-            await viewer.view(CHAT, {"messages": "nope"})
-        assert err.value.status == 400
-    finally:
-        await viewer.close()
+async def test_view_of_raw_completion_prompts(dense):
+    srv, viewer = dense
+    body = load_fixture("pi_turn1.json")
+    text = await viewer.render(body)
+    v = await viewer.view("/completion", {"prompt": text, "n_predict": 1})
+    assert v.tokens == await _full_tokenize(srv.url, text) and v.head_end is None
+    assert (await viewer.view("/completion", {"prompt": v.tokens[:50]})).tokens == v.tokens[:50]
+    mixed = await viewer.view("/completion", {"prompt": [v.tokens[0], "hello world"]})
+    assert mixed.tokens[0] == v.tokens[0] and len(mixed.tokens) > 1
+    async with aiohttp.ClientSession() as s:
+        async with s.post(srv.url + "/completion", json={"prompt": text, "n_predict": 1}) as r:
+            t = (await r.json())["timings"]
+    assert len(v.tokens) == t["prompt_n"] + t["cache_n"]
+    with pytest.raises(TokenViewError):
+        await viewer.view("/completion", {"prompt": ["a", "b"]})  # two prompts = two tasks
+    with pytest.raises(TokenViewError) as err:
+        await viewer.view(CHAT, {"messages": "nope"})
+    assert err.value.status == 400
 
 
 @pytest.mark.server
-async def test_incremental_tokenization_equals_a_full_tokenize(start_server):
-    srv = start_server("dense")
-    viewer = TokenViewer(srv.url)
-    try:
-        probe = await viewer.probe()
-        assert probe["incremental"] and probe["n_bos"] == 0  # Qwen vocab: no BOS, no EOS added
-        conversation = ["opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json",
-                        "opencode_run4_continue_turn2.json", "opencode_run4_continue_turn2_after_tool.json",
-                        "pi_turn1.json", "pi_turn1_after_tool.json"]
-        for name in conversation:
-            text = await viewer.render(load_fixture(name))
-            before = viewer.counters["tokenized_chars"]
-            tokens = await viewer.tokenize(text)
-            assert tokens == await _full_tokenize(srv.url, text), name
-            if name.endswith("after_tool.json"):
-                # only the part after the longest cached boundary prefix went to /tokenize
-                assert viewer.counters["tokenized_chars"] - before < len(text) // 4, name
-        assert viewer.counters["prefix_hits"] >= 3
-        # a continuation that starts right at a cached boundary, and one that starts with one
-        text = await viewer.render(load_fixture("opencode_agent_turn1_after_tool.json"))
-        cut = text.rindex("<|im_start|>")
-        for t in (text[:cut] + "<|im_start|>user\nünïcödé ✓ <tool_call>\n", "<|im_start|>system\nx"):
-            assert await viewer.tokenize(t) == await _full_tokenize(srv.url, t)
-    finally:
-        await viewer.close()
+async def test_incremental_tokenization_equals_a_full_tokenize(dense):
+    srv, viewer = dense
+    probe = await viewer.probe()
+    assert probe["incremental"] and probe["n_bos"] == 0  # Qwen vocab: no BOS, no EOS added
+    conversation = ["opencode_agent_turn1.json", "opencode_agent_turn1_after_tool.json",
+                    "opencode_run4_continue_turn2.json", "opencode_run4_continue_turn2_after_tool.json",
+                    "pi_turn1.json", "pi_turn1_after_tool.json"]
+    for name in conversation:
+        text = await viewer.render(load_fixture(name))
+        before = viewer.counters["tokenized_chars"]
+        tokens = await viewer.tokenize(text)
+        assert tokens == await _full_tokenize(srv.url, text), name
+        if name.endswith("after_tool.json"):
+            # only the part after the longest cached boundary prefix went to /tokenize
+            assert viewer.counters["tokenized_chars"] - before < len(text) // 4, name
+    assert viewer.counters["prefix_hits"] >= 3
+    # a continuation that starts right at a cached boundary, and one that starts with one
+    text = await viewer.render(load_fixture("opencode_agent_turn1_after_tool.json"))
+    cut = text.rindex("<|im_start|>")
+    for t in (text[:cut] + "<|im_start|>user\nünïcödé ✓ <tool_call>\n", "<|im_start|>system\nx"):
+        assert await viewer.tokenize(t) == await _full_tokenize(srv.url, t)
 
 
 @pytest.mark.server
-async def test_head_end_tokens_are_identical_for_sessions_in_two_folders(start_server):
-    srv = start_server("dense")
-    viewer = TokenViewer(srv.url)
-    try:
-        views, heads = {}, {}
-        for name in ("opencode_run2_agent_turn1.json", "opencode_run3_proj2_agent_turn1.json",
-                     "opencode_run3_proj2_agent_turn1_after_tool.json"):
-            body = load_fixture(name)
-            heads[name] = fp.harness_head(body)
-            views[name] = await viewer.view(CHAT, body, heads[name])
-        a, b, c = views.values()
-        assert a.head_end is not None and a.head_end == b.head_end == c.head_end
-        assert a.tokens[: a.head_end] == b.tokens[: b.head_end] == c.tokens[: c.head_end]
-        assert a.tokens != b.tokens
-        assert viewer.counters["head_renders"] == 1  # the cut render is done once per head
-        # the head is the tools block plus the system text up to the first marker
-        head_text = await _detokenize(srv.url, a.tokens[: a.head_end])
-        assert a.text.startswith(head_text)
-        assert a.text[len(head_text):].startswith(heads["opencode_run2_agent_turn1.json"].marker)
-        assert head_text.endswith(heads["opencode_run2_agent_turn1.json"].system_head)
-        assert '"name":"webfetch"' in head_text.replace(" ", "")
-        # the first differing token (the folder, inside <env>) lies after the head
-        lcp = next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
-        assert lcp >= a.head_end
-    finally:
-        await viewer.close()
+async def test_head_end_tokens_are_identical_for_sessions_in_two_folders(dense):
+    srv, viewer = dense
+    views, heads = {}, {}
+    for name in ("opencode_run2_agent_turn1.json", "opencode_run3_proj2_agent_turn1.json",
+                 "opencode_run3_proj2_agent_turn1_after_tool.json"):
+        body = load_fixture(name)
+        heads[name] = fp.harness_head(body)
+        views[name] = await viewer.view(CHAT, body, heads[name])
+    a, b, c = views.values()
+    assert a.head_end is not None and a.head_end == b.head_end == c.head_end
+    assert a.tokens[: a.head_end] == b.tokens[: b.head_end] == c.tokens[: c.head_end]
+    assert a.tokens != b.tokens
+    assert viewer.counters["head_renders"] == 1  # the cut render is done once per head
+    # the head is the tools block plus the system text up to the first marker
+    head_text = await _detokenize(srv.url, a.tokens[: a.head_end])
+    assert a.text.startswith(head_text)
+    assert a.text[len(head_text):].startswith(heads["opencode_run2_agent_turn1.json"].marker)
+    assert head_text.endswith(heads["opencode_run2_agent_turn1.json"].system_head)
+    assert '"name":"webfetch"' in head_text.replace(" ", "")
+    # the first differing token (the folder, inside <env>) lies after the head
+    lcp = next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
+    assert lcp >= a.head_end
 
 
 @pytest.mark.server
-async def test_user_starts_and_pi_head(start_server):
-    srv = start_server("dense")
-    viewer = TokenViewer(srv.url)
-    try:
-        body = load_fixture("pi_turn1_after_tool.json")
-        view = await viewer.view(CHAT, body, fp.harness_head(body))
-        probe = await viewer.probe()
-        turns = sum(1 for i, m in enumerate(body["messages"])
-                    if m["role"] == "user" or (m["role"] == "tool" and body["messages"][i - 1]["role"] != "tool"))
-        assert len(view.user_starts) == turns >= 2
-        for i in view.user_starts:
-            assert view.tokens[i: i + len(probe["user_ids"])] == probe["user_ids"]
-        assert view.head_end is not None and view.head_end < view.user_starts[0]
-        other = copy.deepcopy(body)
-        other["messages"][0]["content"] = other["messages"][0]["content"].replace("2026-11-29", "2027-02-03")
-        other_view = await viewer.view(CHAT, other, fp.harness_head(other))
-        assert other_view.head_end == view.head_end
-        assert other_view.tokens[: view.head_end] == view.tokens[: view.head_end]
-        unknown = copy.deepcopy(body)
-        unknown["messages"][0]["content"] = "A harness without markers."
-        assert fp.harness_head(unknown) is None
-        assert (await viewer.view(CHAT, unknown, None)).head_end is None
-    finally:
-        await viewer.close()
+async def test_user_starts_and_pi_head(dense):
+    _, viewer = dense
+    body = load_fixture("pi_turn1_after_tool.json")
+    view = await viewer.view(CHAT, body, fp.harness_head(body))
+    probe = await viewer.probe()
+    turns = sum(1 for i, m in enumerate(body["messages"])
+                if m["role"] == "user" or (m["role"] == "tool" and body["messages"][i - 1]["role"] != "tool"))
+    assert len(view.user_starts) == turns >= 2
+    for i in view.user_starts:
+        assert view.tokens[i: i + len(probe["user_ids"])] == probe["user_ids"]
+    assert view.head_end is not None and view.head_end < view.user_starts[0]
+    other = copy.deepcopy(body)
+    other["messages"][0]["content"] = other["messages"][0]["content"].replace("2026-11-29", "2027-02-03")
+    other_view = await viewer.view(CHAT, other, fp.harness_head(other))
+    assert other_view.head_end == view.head_end
+    assert other_view.tokens[: view.head_end] == view.tokens[: view.head_end]
+    unknown = copy.deepcopy(body)
+    unknown["messages"][0]["content"] = "A harness without markers."
+    assert fp.harness_head(unknown) is None
+    assert (await viewer.view(CHAT, unknown, None)).head_end is None
 
 
 @pytest.mark.server

@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 
 from ocache.bench.replay import PrefillMeter, Scenario, Target, assign_server_prefill, measure, replay
+from ocache.bench.results import fixed, scenario_runs, table_row
 from ocache.bench.run import Bench, ConfigRun, OCacheProcess, layer_name
 from ocache.llama.server import LlamaServer
 
@@ -303,53 +304,51 @@ class HostsBench:
         lines = ["| model | scenario | configuration | requests | server prefill | per host | grid oracle "
                  "| efficiency | from the bucket | exact | vs (i) | vs (iii) | vs plain |",
                  "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for model, per in self.results.items():
-            for sc, runs in per.items():
-                base = {c: runs[c].observed for c in runs if not runs[c].error and runs[c].rows}
-                for cfg, run in runs.items():
-                    facts = self.hosts_of.get((model, sc, cfg), {})
-                    hosts = facts.get("per_host") or {}
-                    k, n = run.exact
-                    eff = run.efficiency
+        for model, sc, runs in scenario_runs(self.results):
+            base = {c: runs[c].observed for c in runs if not runs[c].error and runs[c].rows}
+            for cfg, run in runs.items():
+                facts = self.hosts_of.get((model, sc, cfg), {})
+                hosts = facts.get("per_host") or {}
+                k, n = run.exact
+                eff = run.efficiency
 
-                    def vs(other: str) -> str:
-                        if cfg == other or other not in base or cfg not in base or not base[other]:
-                            return "-"
-                        return f"{base[cfg] / base[other]:.3f}"
-                    prefill = f"error: {run.error[:60]}" if run.error else str(run.observed)
-                    lines.append(f"| {model} | {sc} | {cfg}: {TITLES[cfg]} | {len(run.rows)} | {prefill} "
-                                 f"| {' + '.join(f'{h} {v}' for h, v in hosts.items()) or '-'} "
-                                 f"| {run.oracle_total} | {'-' if eff is None else f'{eff:.3f}'} "
-                                 f"| {self.from_bucket(run) if cfg == 'shared' else '-'} | {k}/{n} "
-                                 f"| {vs('local')} | {vs('one')} | {vs('plain')} |")
+                def vs(other: str) -> str:
+                    if cfg == other or other not in base or cfg not in base or not base[other]:
+                        return "-"
+                    return f"{base[cfg] / base[other]:.3f}"
+                prefill = f"error: {run.error[:60]}" if run.error else str(run.observed)
+                lines.append(table_row(
+                    model, sc, f"{cfg}: {TITLES[cfg]}", len(run.rows), prefill,
+                    " + ".join(f"{h} {v}" for h, v in hosts.items()) or "-", run.oracle_total, fixed(eff, 3),
+                    self.from_bucket(run) if cfg == "shared" else "-", f"{k}/{n}",
+                    vs("local"), vs("one"), vs("plain")))
         return "\n".join(lines)
 
     def detail_tables(self) -> str:
         out = []
-        for model, per in self.results.items():
-            for sc, runs in per.items():
-                out.append(f"\n### {model} / {sc}\n")
-                out.append("| # | request | tokens | oracle | " + " | ".join(
-                    f"{c}: host, server prefill (cache_n), tier" for c in runs) + " | exact " + "/".join(runs) + " |")
-                out.append("|---:|---|---:|---:|" + "---|" * len(runs) + "---|")
-                base = next((r for r in runs.values() if r.rows), None)
-                if base is None:
-                    continue
-                for i, r in enumerate(base.rows):
-                    cells, ex = [], []
-                    for cfg, run in runs.items():
-                        rr = run.rows[i] if i < len(run.rows) else None
-                        routed = (self.hosts_of.get((model, sc, cfg)) or {}).get("routed") or []
-                        if rr is None:
-                            cells.append("-")
-                            ex.append("-")
-                            continue
-                        tier = next((v for k, v in rr.ocache.items() if k.lower() == "x-ocache-tier"), "")
-                        cells.append(f"{routed[i] if i < len(routed) else '?'}, {rr.server_prefill} "
-                                     f"({rr.cache_n}){', ' + tier if tier else ''}")
-                        ex.append({True: "y", False: "**n**", None: "?"}[rr.exact])
-                    out.append(f"| {i} | {r.label} | {r.n_tokens} | {r.oracle.prefill} | "
-                               + " | ".join(cells) + " | " + "/".join(ex) + " |")
+        for model, sc, runs in scenario_runs(self.results):
+            out.append(f"\n### {model} / {sc}\n")
+            out.append("| # | request | tokens | oracle | " + " | ".join(
+                f"{c}: host, server prefill (cache_n), tier" for c in runs) + " | exact " + "/".join(runs) + " |")
+            out.append("|---:|---|---:|---:|" + "---|" * len(runs) + "---|")
+            base = next((r for r in runs.values() if r.rows), None)
+            if base is None:
+                continue
+            for i, r in enumerate(base.rows):
+                cells, ex = [], []
+                for cfg, run in runs.items():
+                    rr = run.rows[i] if i < len(run.rows) else None
+                    routed = (self.hosts_of.get((model, sc, cfg)) or {}).get("routed") or []
+                    if rr is None:
+                        cells.append("-")
+                        ex.append("-")
+                        continue
+                    tier = next((v for k, v in rr.ocache.items() if k.lower() == "x-ocache-tier"), "")
+                    cells.append(f"{routed[i] if i < len(routed) else '?'}, {rr.server_prefill} "
+                                 f"({rr.cache_n}){', ' + tier if tier else ''}")
+                    ex.append({True: "y", False: "**n**", None: "?"}[rr.exact])
+                out.append(f"| {i} | {r.label} | {r.n_tokens} | {r.oracle.prefill} | "
+                           + " | ".join(cells) + " | " + "/".join(ex) + " |")
         return "\n".join(out)
 
     def markdown(self, wall_s: float, command: str) -> str:

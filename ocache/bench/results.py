@@ -4,9 +4,29 @@ by its report (``ocache.bench.run.Bench``) and by rule 2 (``ocache.bench.rule2``
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ocache.bench.replay import Row
+
+
+def scenario_runs(results: dict[str, dict[str, dict[str, ConfigRun]]]
+                  ) -> Iterator[tuple[str, str, dict[str, ConfigRun]]]:
+    """(model, scenario, its runs by configuration) of a bench's ``results`` (model -> scenario ->
+    configuration), in their order."""
+    for model, per in results.items():
+        for sc, runs in per.items():
+            yield model, sc, runs
+
+
+def fixed(value: float | None, digits: int) -> str:
+    """``value`` with ``digits`` decimals for a report, ``-`` where there is none."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table_row(*cells: object) -> str:
+    """One row of a Markdown table."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 @dataclass

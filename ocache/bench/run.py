@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -58,11 +57,11 @@ from ocache.bench.exact import TOL_NATS
 from ocache.paths import checkout, repo_root, shipped
 import aiohttp
 
-from ocache.bench.results import ConfigRun
+from ocache.bench.results import ConfigRun, fixed, scenario_runs, table_row
 from ocache.bench.rule2 import RULE2_MAX, over_requests, rule2
 from ocache.bench.replay import (REJECTED_NOTE, PrefillMeter, Row, Scenario, Target, assign_server_prefill, load_scenario,
                      measure, replay, scenario_from_recording)
-from ocache.llama.server import LlamaServer, ServerError, free_port
+from ocache.llama.server import LlamaServer, ServerError, free_port, stop_process_group
 
 log = logging.getLogger("ocache.bench.run")
 
@@ -234,14 +233,8 @@ class OCacheProcess:
             return None
 
     def stop(self, timeout: float = 60.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout)
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -431,30 +424,26 @@ class Bench:
         lines = ["| model | scenario | config | requests | client prompt_n | server prefill "
                  "| grid oracle | efficiency | LCP bound | TTFT / cold (median) | exact | notes |",
                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for model, per in self.results.items():
-            for sc, runs in per.items():
-                for cfg, run in runs.items():
-                    k, n = run.exact
-                    eff = run.efficiency
-                    ratio = run.ttft_ratio
-                    notes = []
-                    if run.error:
-                        notes.append(f"error: {run.error[:80]}")
-                    if cfg == "c" and run.layer:
-                        notes.append(f"layer {run.layer}")
-                    errs = [r for r in run.rows if r.error]
-                    if errs:
-                        rejected = [r.note.removeprefix(REJECTED_NOTE) for r in errs
-                                    if r.note and r.note.startswith(REJECTED_NOTE)]
-                        notes.append(f"{len(errs)} request errors" + (
-                            f" ({len(rejected)} rejected by the server itself: {rejected[0][:100]})"
-                            if rejected else ""))
-                    lines.append(
-                        f"| {model} | {sc} | {cfg} | {len(run.rows)} | {run.total('prompt_n')} "
-                        f"| {run.observed} | {run.oracle_total} | {'-' if eff is None else f'{eff:.3f}'} "
-                        f"| {run.oracle_exact_total} "
-                        f"| {'-' if ratio is None else f'{ratio:.2f}'} | {k}/{n} "
-                        f"| {'; '.join(notes)} |")
+        for model, sc, runs in scenario_runs(self.results):
+            for cfg, run in runs.items():
+                k, n = run.exact
+                eff = run.efficiency
+                ratio = run.ttft_ratio
+                notes = []
+                if run.error:
+                    notes.append(f"error: {run.error[:80]}")
+                if cfg == "c" and run.layer:
+                    notes.append(f"layer {run.layer}")
+                errs = [r for r in run.rows if r.error]
+                if errs:
+                    rejected = [r.note.removeprefix(REJECTED_NOTE) for r in errs
+                                if r.note and r.note.startswith(REJECTED_NOTE)]
+                    notes.append(f"{len(errs)} request errors" + (
+                        f" ({len(rejected)} rejected by the server itself: {rejected[0][:100]})"
+                        if rejected else ""))
+                lines.append(table_row(model, sc, cfg, len(run.rows), run.total("prompt_n"), run.observed,
+                                       run.oracle_total, fixed(eff, 3), run.oracle_exact_total,
+                                       fixed(ratio, 2), f"{k}/{n}", "; ".join(notes)))
         return "\n".join(lines)
 
     def never_worse_table(self) -> str:
@@ -467,22 +456,21 @@ class Bench:
         lines = ["| model | scenario | (a) stock | (b) tuned | (c) ocache | (c) / min((a), (b)) "
                  "| requests (c) > min((a), (b)) | title requests among them | rule 2 |",
                  "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-        for model, per in self.results.items():
-            for sc, runs in per.items():
-                obs = {c: runs[c].observed for c in ("a", "b", "c") if c in runs}
-                v = rule2(runs)
-                ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
-                if v["ratio"] is not None and v["ratio"] > RULE2_MAX:
-                    ratio = f"**{ratio}**"
-                over = v["over"]
-                verdict = {None: "-", True: "holds", False: "**fails**"}[v["holds"]]
-                if v["swapped"]:
-                    verdict += (f" ({v['swapped']} baseline request(s) of another prompt or without an "
-                                f"answer: counted as (c)'s)")
-                lines.append(f"| {model} | {sc} | {obs.get('a', '-')} | {obs.get('b', '-')} "
-                             f"| {obs.get('c', '-')} | {ratio} "
-                             f"| {len(over)} (+{sum(o['excess'] for o in over)} tokens) "
-                             f"| {sum(1 for o in over if o['title'])} | {verdict} |")
+        for model, sc, runs in scenario_runs(self.results):
+            obs = {c: runs[c].observed for c in ("a", "b", "c") if c in runs}
+            v = rule2(runs)
+            ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
+            if v["ratio"] is not None and v["ratio"] > RULE2_MAX:
+                ratio = f"**{ratio}**"
+            over = v["over"]
+            verdict = {None: "-", True: "holds", False: "**fails**"}[v["holds"]]
+            if v["swapped"]:
+                verdict += (f" ({v['swapped']} baseline request(s) of another prompt or without an "
+                            f"answer: counted as (c)'s)")
+            lines.append(f"| {model} | {sc} | {obs.get('a', '-')} | {obs.get('b', '-')} "
+                         f"| {obs.get('c', '-')} | {ratio} "
+                         f"| {len(over)} (+{sum(o['excess'] for o in over)} tokens) "
+                         f"| {sum(1 for o in over if o['title'])} | {verdict} |")
         return "\n".join(lines)
 
     def worse_requests(self) -> str:
@@ -490,90 +478,87 @@ class Bench:
         with the three prefills, ``cache_n`` and ocache's headers (the reason to read), under the
         scenario's rule-2 verdict."""
         out = []
-        for model, per in self.results.items():
-            for sc, runs in per.items():
-                v = rule2(runs)
-                if not v["over"]:
-                    continue
-                over = v["over"]
-                verdict = {None: "-", True: "holds", False: "fails"}[v["holds"]]
-                out.append(f"- **{model}/{sc}**: {len(over)} requests, "
-                           f"+{sum(o['excess'] for o in over)} tokens over min((a), (b)) in all, "
-                           f"{sum(1 for o in over if o['title'])} of them title requests; "
-                           f"(c) / min((a), (b)) "
-                           f"{'-' if v['ratio'] is None else format(v['ratio'], '.3f')}: "
-                           f"rule 2 {verdict}")
-                for o in over:
-                    r = o["row"]
-                    hdrs = ", ".join(f"{h}={v}" for h, v in sorted(r.ocache.items()))
-                    out.append(f"  - #{r.index} {r.label}{' (title)' if o['title'] else ''}: "
-                               f"(a) {'-' if o['a'] is None else o['a']}, "
-                               f"(b) {'-' if o['b'] is None else o['b']}, (c) {o['c']} "
-                               f"(+{o['excess']}); cache_n {r.cache_n}"
-                               + (f"; ocache: {hdrs}" if hdrs else ""))
+        for model, sc, runs in scenario_runs(self.results):
+            v = rule2(runs)
+            if not v["over"]:
+                continue
+            over = v["over"]
+            verdict = {None: "-", True: "holds", False: "fails"}[v["holds"]]
+            out.append(f"- **{model}/{sc}**: {len(over)} requests, "
+                       f"+{sum(o['excess'] for o in over)} tokens over min((a), (b)) in all, "
+                       f"{sum(1 for o in over if o['title'])} of them title requests; "
+                       f"(c) / min((a), (b)) "
+                       f"{'-' if v['ratio'] is None else format(v['ratio'], '.3f')}: "
+                       f"rule 2 {verdict}")
+            for o in over:
+                r = o["row"]
+                hdrs = ", ".join(f"{h}={v}" for h, v in sorted(r.ocache.items()))
+                out.append(f"  - #{r.index} {r.label}{' (title)' if o['title'] else ''}: "
+                           f"(a) {'-' if o['a'] is None else o['a']}, "
+                           f"(b) {'-' if o['b'] is None else o['b']}, (c) {o['c']} "
+                           f"(+{o['excess']}); cache_n {r.cache_n}"
+                           + (f"; ocache: {hdrs}" if hdrs else ""))
         return "\n".join(out) if out else "(none)"
 
     def detail_tables(self) -> str:
         out = []
-        for model, per in self.results.items():
-            for sc, runs in per.items():
-                out.append(f"\n### {model} / {sc}\n")
-                out.append("| # | request | tokens | oracle prefill | "
-                           + " | ".join(f"{c} prefill: server / client (cache_n)" for c in runs)
-                           + " | " + " | ".join(f"{c} TTFT/cold" for c in runs)
-                           + " | exact " + "/".join(runs) + " |")
-                out.append("|---:|---|---:|---:|" + "---:|" * (2 * len(runs)) + "---|")
-                base = runs.get("c") or next(iter(runs.values()))
-                for i, r in enumerate(base.rows):
-                    cells, ttfts, ex = [], [], []
-                    for cfg, run in runs.items():
-                        rr = run.rows[i] if i < len(run.rows) else None
-                        if rr is None:
-                            cells.append("-")
-                            ttfts.append("-")
-                            ex.append("-")
-                            continue
-                        cells.append(f"{rr.server_prefill} / {rr.prompt_n} ({rr.cache_n})")
-                        ttfts.append("-" if rr.ttft_ratio is None else f"{rr.ttft_ratio:.2f}")
-                        ex.append({True: "y", False: "**n**", None: "?"}[rr.exact])
-                    label = ("↻ " if r.restart_before else "") + r.label
-                    out.append(f"| {i} | {label} | {r.n_tokens} | {r.oracle.prefill} | "
-                               + " | ".join(cells) + " | " + " | ".join(ttfts)
-                               + " | " + "/".join(ex) + " |")
+        for model, sc, runs in scenario_runs(self.results):
+            out.append(f"\n### {model} / {sc}\n")
+            out.append("| # | request | tokens | oracle prefill | "
+                       + " | ".join(f"{c} prefill: server / client (cache_n)" for c in runs)
+                       + " | " + " | ".join(f"{c} TTFT/cold" for c in runs)
+                       + " | exact " + "/".join(runs) + " |")
+            out.append("|---:|---|---:|---:|" + "---:|" * (2 * len(runs)) + "---|")
+            base = runs.get("c") or next(iter(runs.values()))
+            for i, r in enumerate(base.rows):
+                cells, ttfts, ex = [], [], []
+                for cfg, run in runs.items():
+                    rr = run.rows[i] if i < len(run.rows) else None
+                    if rr is None:
+                        cells.append("-")
+                        ttfts.append("-")
+                        ex.append("-")
+                        continue
+                    cells.append(f"{rr.server_prefill} / {rr.prompt_n} ({rr.cache_n})")
+                    ttfts.append("-" if rr.ttft_ratio is None else f"{rr.ttft_ratio:.2f}")
+                    ex.append({True: "y", False: "**n**", None: "?"}[rr.exact])
+                label = ("↻ " if r.restart_before else "") + r.label
+                out.append(f"| {i} | {label} | {r.n_tokens} | {r.oracle.prefill} | "
+                           + " | ".join(cells) + " | " + " | ".join(ttfts)
+                           + " | " + "/".join(ex) + " |")
         return "\n".join(out)
 
     def shortfalls(self) -> str:
         """Where (c) fell short of the goal: each request whose prefill exceeded the oracle's,
         with the token position where reuse stopped and ocache's own headers about it."""
         out = []
-        for model, per in self.results.items():
-            for sc, runs in per.items():
-                run = runs.get("c")
-                if run is None:
-                    continue
-                eff = run.efficiency
-                k, n = run.exact
-                if run.error:
-                    out.append(f"- **{model}/{sc}**: (c) failed: {run.error}")
-                    continue
-                if (eff is not None and eff >= GOAL) and k == n:
-                    continue
-                out.append(f"- **{model}/{sc}**: efficiency "
-                           f"{'-' if eff is None else f'{eff:.3f}'}, exact {k}/{n}")
-                for r in run.rows:
-                    used = r.server_prefill if r.server_prefill is not None else (r.prompt_n or 0)
-                    short = used - r.oracle.prefill
-                    if short > 0 or r.exact is False:
-                        hdrs = ", ".join(f"{h}={v}" for h, v in sorted(r.ocache.items()))
-                        out.append(
-                            f"  - #{r.index} {r.label}: {r.n_tokens} tokens; reuse stopped at "
-                            f"token {r.cache_n} (cache_n), the oracle reuses {r.oracle.reuse} "
-                            f"(LCP {r.oracle.lcp} with earlier sequence {r.oracle.source}); "
-                            f"server prefilled {used} (client prompt_n {r.prompt_n}), "
-                            f"{short} tokens over the oracle"
-                            + ("" if r.exact is not False else "; **output differs from cold**")
-                            + (f"; ocache: {hdrs}" if hdrs else "")
-                            + (f"; {r.note}" if r.note else ""))
+        for model, sc, runs in scenario_runs(self.results):
+            run = runs.get("c")
+            if run is None:
+                continue
+            eff = run.efficiency
+            k, n = run.exact
+            if run.error:
+                out.append(f"- **{model}/{sc}**: (c) failed: {run.error}")
+                continue
+            if (eff is not None and eff >= GOAL) and k == n:
+                continue
+            out.append(f"- **{model}/{sc}**: efficiency "
+                       f"{'-' if eff is None else f'{eff:.3f}'}, exact {k}/{n}")
+            for r in run.rows:
+                used = r.server_prefill if r.server_prefill is not None else (r.prompt_n or 0)
+                short = used - r.oracle.prefill
+                if short > 0 or r.exact is False:
+                    hdrs = ", ".join(f"{h}={v}" for h, v in sorted(r.ocache.items()))
+                    out.append(
+                        f"  - #{r.index} {r.label}: {r.n_tokens} tokens; reuse stopped at "
+                        f"token {r.cache_n} (cache_n), the oracle reuses {r.oracle.reuse} "
+                        f"(LCP {r.oracle.lcp} with earlier sequence {r.oracle.source}); "
+                        f"server prefilled {used} (client prompt_n {r.prompt_n}), "
+                        f"{short} tokens over the oracle"
+                        + ("" if r.exact is not False else "; **output differs from cold**")
+                        + (f"; ocache: {hdrs}" if hdrs else "")
+                        + (f"; {r.note}" if r.note else ""))
         return "\n".join(out) if out else "(none: (c) met the goal on every scenario)"
 
     def markdown(self, wall_s: float, command: str) -> str:

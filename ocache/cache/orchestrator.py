@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 from ocache import fingerprint as fp_mod
 from ocache.background import Background
@@ -88,6 +88,15 @@ COUNTERS = (
     "known_failed", "view_mismatches", "known_boot_checked", "known_if_boot", "known_waits",
     "known_waits_usual",
 )
+
+_Part = TypeVar("_Part")
+
+
+def _made_ready(part: _Part | None, what: str) -> _Part:
+    """``part`` of the layer, which ``ensure_ready`` makes; RuntimeError while it is None."""
+    if part is None:
+        raise RuntimeError(f"the cache layer is not ready: no {what} yet")
+    return part
 
 
 class OCacheLayer:
@@ -271,9 +280,7 @@ class OCacheLayer:
     @property
     def ready_table(self) -> SlotTable:
         """The slot table; raises RuntimeError before the layer was first made ready."""
-        if self.table is None:
-            raise RuntimeError("the cache layer is not ready: no slot table yet")
-        return self.table
+        return _made_ready(self.table, "slot table")
 
     @property
     def current_viewer(self) -> TokenViewer | None:   # None before the layer was first made ready
@@ -282,16 +289,12 @@ class OCacheLayer:
     @property
     def ready_head(self) -> HeadTier:
         """The head tier; raises RuntimeError before the layer was first made ready."""
-        if self.head_tier is None:
-            raise RuntimeError("the cache layer is not ready: no head tier yet")
-        return self.head_tier
+        return _made_ready(self.head_tier, "head tier")
 
     @property
     def viewer(self) -> TokenViewer:
         """The token viewer; raises RuntimeError before the layer was first made ready."""
-        if self._viewer is None:
-            raise RuntimeError("the cache layer is not ready: no token viewer yet")
-        return self._viewer
+        return _made_ready(self._viewer, "token viewer")
 
     @property
     def template_append_only(self) -> bool:

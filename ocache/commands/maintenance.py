@@ -136,14 +136,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_gc(args: argparse.Namespace) -> int:
+def _open_to_write(args: argparse.Namespace, action: str, when_locked: str) -> Store | int:
+    """The store opened for writing, or the exit status when there is nothing to do (no store: 0)
+    or a running ocache holds it (1, with ``when_locked`` said on stderr)."""
     try:
         s = _open(args, readonly=False)
     except LockedError as exc:
-        print(f"ocache cache gc: {exc}; a running ocache does this itself", file=sys.stderr)
+        print(f"ocache cache {action}: {exc}; {when_locked}", file=sys.stderr)
         return 1
-    if s is None:
-        return 0
+    return 0 if s is None else s
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    s = _open_to_write(args, "gc", "a running ocache does this itself")
+    if isinstance(s, int):
+        return s
     rep = s.report
     r = s.gc()
     print(f"gc: index {rep.index}; removed {rep.orphans} orphan files ({_human(rep.orphan_bytes)}), "
@@ -154,13 +161,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    try:
-        s = _open(args, readonly=False)
-    except LockedError as exc:
-        print(f"ocache cache clear: {exc}; use POST /v1/cache/clear on the running ocache", file=sys.stderr)
-        return 1
-    if s is None:
-        return 0
+    s = _open_to_write(args, "clear", "use POST /v1/cache/clear on the running ocache")
+    if isinstance(s, int):
+        return s
     n = s.clear(KINDS[args.kind])
     print(f"clear: deleted {n} entries ({args.kind})")
     s.close()

@@ -177,12 +177,19 @@ def _defaults(args: argparse.Namespace) -> tuple[str, str | None]:
     return args.url, args.token or os.environ.get("OCACHE_ADMIN_TOKEN") or None
 
 
+def _first_view(command: str, url: str, token: str | None) -> dict | None:
+    """The stats view from ``url``, or None after saying on stderr why it could not be read."""
+    try:
+        return fetch_view(url, token)
+    except FetchError as exc:
+        print(f"ocache {command}: {exc}", file=sys.stderr)
+        return None
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     url, token = _defaults(args)
-    try:
-        v = fetch_view(url, token)
-    except FetchError as exc:
-        print(f"ocache stats: {exc}", file=sys.stderr)
+    v = _first_view("stats", url, token)
+    if v is None:
         return 1
     if args.json:
         print(json.dumps(v, indent=2))
@@ -206,10 +213,8 @@ def cmd_top(args: argparse.Namespace) -> int:
 
     url, token = _defaults(args)
     console = Console()
-    try:
-        v = fetch_view(url, token)
-    except FetchError as exc:
-        print(f"ocache top: {exc}", file=sys.stderr)
+    v = _first_view("top", url, token)
+    if v is None:
         return 1
     if args.once:
         view = top_renderable(v, url)

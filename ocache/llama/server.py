@@ -30,6 +30,22 @@ class ServerError(RuntimeError):
     """llama-server exited or did not become healthy; the message carries its log tail."""
 
 
+def stop_process_group(proc: subprocess.Popen, timeout: float) -> None:
+    """Stop a child started with ``start_new_session=True``: SIGTERM to its process group, then
+    SIGKILL after ``timeout`` seconds; nothing when it has ended already."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @dataclass
 class LlamaServer:
     """One llama-server process.
@@ -123,17 +139,8 @@ class LlamaServer:
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout`` seconds; idempotent."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout)
 
     def kill(self) -> None:
         """SIGKILL at once (a crash, for fault tests)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ocache.llama.server import stop_process_group
 from ocache.paths import cache_root, file_lock
 
 
@@ -573,10 +574,4 @@ def _wait_recorded(rec: Path, want: int, runs: int) -> None:
 
 def _stop_child(proc: subprocess.Popen) -> None:
     """SIGTERM to the child's process group, SIGKILL after 30 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    stop_process_group(proc, 30)

@@ -59,7 +59,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -411,13 +411,19 @@ def _write(spec: ModelSpec, dest: Path, name: str, vocab: Path, vocab_sha256: st
                              else gguf.LlamaFileType.MOSTLY_F16)
         n_vocab = _copy_tokenizer(gguf, writer, vocab, vocab_sha256, extra_tokens)
         writer.add_chat_template(template)
-        for tname, arr in _tensors(spec, n_vocab):
-            writer.add_tensor(tname, arr)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=False)
+        write_tensors(writer, _tensors(spec, n_vocab))
     finally:
         writer.close()
+
+
+def write_tensors(writer: Any, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+    """Add ``tensors`` ((name, array) pairs) to a ``gguf.GGUFWriter`` whose keys are set, and write
+    the file: header, keys, tensors."""
+    for name, arr in tensors:
+        writer.add_tensor(name, arr)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
 
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ocache.paths import file_lock
-from ocache.toolchain.models import _import_gguf, models_dir
+from ocache.toolchain.models import _import_gguf, models_dir, write_tensors
 
 #: Bump when the file written for the same spec changes.
 GENERATOR_VERSION = 1
@@ -108,11 +108,7 @@ def _write(spec: VisionSpec, dest: Path) -> None:
         w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
         w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
         w.add_uint32("general.file_type", 0)   # ALL_F32
-        for name, arr in _tensors(spec):
-            w.add_tensor(name, arr)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file(progress=False)
+        write_tensors(w, _tensors(spec))
     finally:
         w.close()
 
