@@ -72,10 +72,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ocache.background import Background
 from ocache.tiers.base import Offer, Rate, TierBase, TierError
-from ocache.tiers.restore import restore_verified
+from ocache.tiers.restore import restore_verified, save_reserved
 from ocache.config import field_of as _get, slot_save_path
 from ocache.llama.checks import FLAGS_FIX
-from ocache.tiers.store import BudgetError, Store, entry_key, grid_hashes, reserve_async, shared_store
+from ocache.tiers.store import BudgetError, Store, entry_key, grid_hashes, shared_store
 from ocache.llama.reuse import media_spans
 
 log = logging.getLogger(__name__)
@@ -331,24 +331,16 @@ class DiskTier(TierBase):
         if est is None:
             est = int(self.fixed_bytes + (self.bytes_per_token or 0) * len(tokens))
         try:
-            await reserve_async(self.store, key, est, KIND)
+            tmp, resp, took = await save_reserved(self.store, self.slots, slot, key, KIND, est)
         except BudgetError as exc:
             log.info("disk: no room for a %d-token anchor: %s", len(tokens), exc)
             self.counters["skipped_budget"] += 1
             return False
-        tmp = self.store.temp_name(KIND, key)
-        t0 = time.monotonic()
-        try:
-            resp = await self.slots.save(slot, tmp)
-        except BaseException as exc:  # cancelled too: nothing reserved or written is left behind
-            self.store.release(key)
-            self.store.discard_temp(tmp)
-            if not isinstance(exc, Exception):
-                raise
+        except Exception as exc:  # noqa: BLE001 - nothing reserved or written is left behind
             log.warning("disk: save of slot %d failed: %s", slot, exc)
             self.counters["save_failed"] += 1
             return False
-        self.save_s.append(time.monotonic() - t0)
+        self.save_s.append(took)
         self.store.note_size(len(tokens), int(_get(resp, "n_written", 0) or 0))  # the .bin's bytes
         if int(_get(resp, "n_saved", -1)) != len(tokens):
             log.warning("disk: slot %d saved %s tokens, expected %d; discarded", slot, _get(resp, "n_saved"), len(tokens))

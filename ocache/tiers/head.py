@@ -143,7 +143,8 @@ class HeadTier(TierBase):
         server's ``action=save`` to a temp name; hashing and the commit run in the background
         (:meth:`flush`). Returns True when the save call succeeded or the entry exists already.
         Raises SlotNotSupported (no ``--slot-save-path``); other failures are logged and counted."""
-        from ocache.tiers.store import BudgetError, entry_key, reserve_async
+        from ocache.tiers.restore import save_reserved
+        from ocache.tiers.store import BudgetError, entry_key
 
         store = self.store
         if store is None or store.identity is None:
@@ -156,22 +157,17 @@ class HeadTier(TierBase):
             return True
         est = store.estimate_bytes(len(rec.tokens)) or 0
         try:
-            await reserve_async(store, key, est, HEAD_KIND)
+            tmp, saved, _ = await save_reserved(store, self.table, slot, key, HEAD_KIND, est)
         except BudgetError as exc:
             self.counters["skipped_budget"] += 1
             log.info("[%s] no room for head %s (%d tokens): %s", rid, rec.key, len(rec.tokens), exc)
             return False
-        tmp = store.temp_name(HEAD_KIND, key)
-        try:
-            saved = await self.table.save(slot, tmp)
-        except BaseException as exc:
-            store.release(key)
-            store.discard_temp(tmp)
-            if isinstance(exc, SlotError) and not isinstance(exc, SlotNotSupported):
-                self.counters["save_failed"] += 1
-                log.warning("[%s] saving head %s failed: %s", rid, rec.key, exc)
-                return False
-            raise
+        except SlotError as exc:
+            if isinstance(exc, SlotNotSupported):
+                raise
+            self.counters["save_failed"] += 1
+            log.warning("[%s] saving head %s failed: %s", rid, rec.key, exc)
+            return False
         if int(saved.get("n_saved", -1)) != len(rec.tokens):
             self.counters["save_failed"] += 1
             store.release(key)

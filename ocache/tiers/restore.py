@@ -1,5 +1,7 @@
-"""One restore flow for every tier that keeps slot files in the store (disk anchors, session spills,
-remote entries once downloaded, heads): verify the files, restore them into the slot, classify a
+"""One save flow and one restore flow for every tier that keeps slot files in the store (disk
+anchors, session spills, remote entries once downloaded, heads). Save (:func:`save_reserved`):
+reserve the bytes, have the server write the slot to a temp name, give both back on any failure.
+Restore (:func:`restore_verified`): verify the files, restore them into the slot, classify a
 failure, count it. The tiers differ only in what they offer and how an entry reaches the local
 store; from the store to the slot the path is this one.
 
@@ -22,7 +24,7 @@ from ocache.rate import Rate
 from ocache.slots import SlotHashMismatch, file_refused
 from ocache.tiers.base import TierError
 from ocache.tiers.entry import Entry, IntegrityError
-from ocache.tiers.store import Store, sidecar_checkpoints
+from ocache.tiers.store import Store, reserve_async, sidecar_checkpoints
 
 
 def entry_checkpoints(store: Store, e: Entry) -> list:
@@ -35,6 +37,26 @@ def entry_checkpoints(store: Store, e: Entry) -> list:
     if "ckpt" in e.files:
         return [Checkpoint(n) for n in sidecar_checkpoints(store.path(e.files["ckpt"].name))]
     return []
+
+
+async def save_reserved(store: Store, table: Any, slot: int, key: str, kind: str,
+                        est_bytes: int) -> tuple[str, dict, float]:
+    """Reserve ``est_bytes`` in the store for entry ``key`` of ``kind`` (room made by its eviction
+    policy), then have the server save ``slot`` (``POST /slots/{id}?action=save``, through the slot
+    table) to a temp name. Returns ``(temp name, the save's answer, seconds the save took)``; the
+    caller commits the temp file or releases ``key`` and discards it. Raises
+    ``ocache.tiers.store.BudgetError`` (nothing reserved) or what the save raised, cancellation
+    included (the reservation released and the temp file discarded first)."""
+    await reserve_async(store, key, est_bytes, kind)
+    tmp = store.temp_name(kind, key)
+    t0 = time.monotonic()
+    try:
+        resp = await table.save(slot, tmp)
+    except BaseException:
+        store.release(key)
+        store.discard_temp(tmp)
+        raise
+    return tmp, resp, time.monotonic() - t0
 
 
 def _count(counters: MutableMapping[str, int], name: str) -> None:

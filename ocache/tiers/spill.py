@@ -152,12 +152,12 @@ import xxhash
 
 from ocache.background import Background
 from ocache.tiers.base import Offer, Rate, TierBase, TierError
-from ocache.tiers.restore import restore_verified
+from ocache.tiers.restore import restore_verified, save_reserved
 from ocache.config import field_of as _get, slot_save_path
 from ocache.llama.checks import FLAGS_FIX
 from ocache.tiers.store import sidecar_checkpoints
 from ocache.tiers.store import (BudgetError, IntegrityError, LockedError, Store, StoreError, atomic_write, entry_key,
-                    prefix_hash, read_slot_tokens, reserve_async, shared_store)
+                    prefix_hash, read_slot_tokens, shared_store)
 from ocache.tiers.spill_policy import SlotSeen, SpillConfig, SpillPolicy, is_guest
 from ocache.tiers.live import LiveSaves, live_mode
 
@@ -424,24 +424,16 @@ class SessionTier(TierBase):
         if est is None:
             est = int(self.bytes_per_token * n)
         try:
-            await reserve_async(self.store, pkey, est, KIND)
+            tmp, resp, took = await save_reserved(self.store, self.table, slot, pkey, KIND, est)
         except BudgetError as exc:
             self.counters["spill_skipped_budget"] += 1
             log.warning("session: no room to spill slot %d (%d tokens): %s", slot, n, exc)
             return None
-        tmp = self.store.temp_name(KIND, pkey)
-        t0 = time.monotonic()
-        try:
-            resp = await self.table.save(slot, tmp)
-        except BaseException as exc:  # cancelled too: nothing reserved or written is left behind
-            self.store.release(pkey)
-            self.store.discard_temp(tmp)
-            if not isinstance(exc, Exception):
-                raise
+        except Exception as exc:  # noqa: BLE001 - nothing reserved or written is left behind
             self.counters["spill_failed"] += 1  # the request proceeds; the conversation is lost
             log.warning("session: save of slot %d failed: %s", slot, exc)
             return None
-        self.spill_s.append(time.monotonic() - t0)
+        self.spill_s.append(took)
         self.store.note_size(n, int(resp.get("n_written", 0) or 0))  # the .bin's bytes
         try:
             tokens = await asyncio.to_thread(read_slot_tokens, self.store.path(tmp))
