@@ -409,3 +409,36 @@ def test_a_keyed_session_never_reaches_a_keyless_conversations_spill(serve_templ
         print("keyless owner again:", h.get("X-OCache-Tier"), h.get("X-OCache-Aligned"), res["timings"]["prompt_n"])
     finally:
         rig.stop()
+
+
+def test_two_modes_alternating_are_each_served_from_their_own_spill(serve_template, tmp_path):
+    """One session, one slot, two tool sets, each conversation long enough to spill: A's loop,
+    B's loop (A spilled), then A, B, A again. Each turn after a switch is served from its own
+    mode's spill, aligned (its ids, read back from the slot, are that mode's last ids: never the
+    other mode's), and the session prefills no more than llama-server alone with the same flags."""
+    rig = Rig(serve_template, tmp_path)
+    alone = serve_template("dense", n_parallel=1, ctx_size=8192, flash_attn="on",
+                           slot_save_path=tmp_path / "slots-alone", log_path=tmp_path / "alone.log")
+    s = {"x-session-affinity": "ses_alice"}
+    total = {"ocache": 0, "alone": 0}
+    try:
+        conv = {}
+        for mode, tools in (("a", TOOLS), ("b", TOOLS_B)):
+            turns = loop(rig.prox.url, s, tools=tools)
+            for body, res, _ in turns:
+                total["ocache"] += _prefilled(res)
+                _, res_alone, _ = _chat(alone.url, body)
+                total["alone"] += _prefilled(res_alone)
+            conv[mode] = (turns, rig.saved(0, f"{mode}3.bin"))
+        for i, mode in enumerate("aba"):
+            turns, held = conv[mode]
+            body = next_of(turns, user=f"And then? ({i})")
+            res = assert_own_spill(rig, body, s, held, f"{mode}-{i}.bin")
+            _, res_alone, _ = _chat(alone.url, body)
+            total["ocache"] += _prefilled(res)
+            total["alone"] += _prefilled(res_alone)
+            turns = turns + [(body, res, {})]
+            conv[mode] = (turns, rig.saved(0, f"{mode}-{i}-after.bin"))
+        assert total["ocache"] <= total["alone"], total
+    finally:
+        rig.stop()
