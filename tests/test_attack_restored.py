@@ -377,7 +377,9 @@ def test_other_credentials_never_take_the_owners_slot_as_their_own(serve_templat
     """Two slots: Alice (key one) holds slot 0, slot 1 is empty. Mallory, with Alice's session key
     and the other valid key, starts a conversation of her own: it is not Alice's, so it must not
     overwrite Alice's slot as the session's own (unspilled); Alice's next turn is still aligned on
-    her ids (resident or from her spill), prefilling only its new part."""
+    her ids (resident or from her spill), prefilling only its new part (15 tokens), and no more than
+    llama-server alone. Before, Mallory's request took Alice's slot as the session's own, unspilled,
+    and Alice's turn prefilled 451 tokens (as alone does)."""
     rig = Rig(serve_template, tmp_path, api_key="key-one,key-two", n_parallel=2)
     alice = {"x-session-affinity": "ses_alice", "Authorization": "Bearer key-one"}
     mallory = {"x-session-affinity": "ses_alice", "Authorization": "Bearer key-two"}
@@ -385,8 +387,16 @@ def test_other_credentials_never_take_the_owners_slot_as_their_own(serve_templat
         turns = loop(rig.prox.url, alice)
         slot = int(turns[-1][2]["X-OCache-Slot"])
         held = rig.saved(slot, "victim.bin")
-        loop(rig.prox.url, mallory, n=2, first=MALLORY)
+        theirs = loop(rig.prox.url, mallory, n=2, first=MALLORY)
         status, res, h = _chat(rig.prox.url, next_of(turns), alice)
+        # llama-server alone, two slots, the same requests (its similarity rule puts Mallory's
+        # conversation on Alice's slot too: 451 tokens for Alice's turn)
+        alone = serve_template("dense", n_parallel=2, ctx_size=16384, flash_attn="on",
+                               slot_save_path=tmp_path / "slots-alone", log_path=tmp_path / "alone.log")
+        for body, _, _ in turns + theirs:
+            assert _chat(alone.url, body)[0] == 200
+        res_alone = _chat(alone.url, next_of(turns))[1]
+        assert _prefilled(res) <= _prefilled(res_alone) + 8, (res["timings"], res_alone["timings"])
         assert status == 200 and "X-OCache-Aligned" in h, h
         k, n = map(int, h["X-OCache-Aligned"].split("+"))
         assert k == len(held) and res["timings"]["prompt_n"] == n < 64
