@@ -50,8 +50,8 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import aiohttp
 
 from ocache.api.figures import Figures
-from ocache.align import (NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide, record,
-                          sampled_ids, text_calls, turn_end_marker)
+from ocache.align import (NO_PARTIAL, PROBE, Aligned, AsSent, Decision, Turn, canonical, decide, fields_of,
+                          record, sampled_ids, text_calls, turn_end_marker)
 from ocache.cache.align_judge import SpanJudge
 from ocache.fingerprint import session_key
 from ocache.substitute import owned, owner_of
@@ -160,6 +160,18 @@ def mode(config: Any) -> str:
 def enabled(config: Any) -> bool:
     """Whether the align route records turns (``mode`` splice or exact)."""
     return mode(config) != "off"
+
+
+def _continues(turn: Turn, body: Any) -> bool:
+    """Whether a request (its ``body``) continues ``turn``'s conversation: the same prompt fields
+    (tools, template arguments) and its messages open with the record's, reasoning aside."""
+    msgs = body.get("messages") if isinstance(body, Mapping) else None
+    if not isinstance(msgs, list) or len(msgs) < len(turn.messages) or fields_of(body) != dict(turn.fields):
+        return False
+    try:
+        return all(canonical(a) == canonical(b) for a, b in zip(msgs, turn.messages))
+    except (AttributeError, TypeError):
+        return False
 
 
 class AlignRoute:
@@ -433,6 +445,10 @@ class AlignRoute:
             self.counters["as_sent_" + dec.reason.replace(" ", "_")] += 1
             if dec.reason != "extends":
                 log.info("[%s] not aligned on slot %d: %s", req.request_id, slot, dec.reason)
+            if dec.reason != "extends" and prepared_of is not None and owner_of(req.headers) in self.parked:
+                # the slot holds the requester's other conversation (another mode: its tools or
+                # system prompt): the one it continues may wait in its spill
+                return await self._restored_plan(layer, req, body, msgs, prepared_of, kind)
             return None
         # the slot's content is the one the record was checked against (``seq`` from before the
         # view was awaited): another request that took the slot meanwhile voids the plan here,
@@ -551,8 +567,13 @@ class AlignRoute:
         else:
             return
         gone = self.records.pop(slot, None)
-        if gone is not None and gone[1].owner != owner_of(req.headers):
-            self._park(gone[1])      # another conversation took the slot: the record waits for its spill
+        sent = (req.memo.get("chat") or {}) if req.path in RESPONSES_ROUTES else (req.body or {})
+        if gone is not None and (gone[1].owner != owner_of(req.headers) or not _continues(gone[1], sent)):
+            # another conversation took the slot (another owner's, or the owner's own in another
+            # mode: its tools or system prompt switched, which the resident tier keeps as another
+            # live conversation and spills, ``ocache.tiers.resident.departs_before_user``): the
+            # record waits for its spill
+            self._park(gone[1])
         message = getattr(obs, "message", None)
         body = req.body or {}
         raw = None

@@ -42,6 +42,25 @@ log = logging.getLogger("ocache.cache")
 Refusal = Literal["unpinnable", "unrenderable"]
 
 
+def session_of(req: ParsedRequest) -> str | None:
+    """The session a request belongs to: its client's session key, and, when it sends credentials
+    (``ocache.substitute.CREDENTIAL_HEADERS``), ``|`` and the first 16 hex of their digest
+    (``ocache.substitute.credentials_of``). Two clients under one session key with other
+    credentials are two sessions: the slot table's owner, the resident tier's "own" slot and the
+    session tier's identity (whose spill supersedes whose) tell them apart, as the substitutions'
+    ``owner_of`` does. None without a session key."""
+    from ocache.substitute import CREDENTIAL_HEADERS, credentials_of
+
+    headers = getattr(req, "headers", None)
+    session = req.session_hint or fp_mod.session_key(headers)
+    if session is None or not headers:
+        return session
+    names = {str(k).lower() for k in headers.keys()}
+    if not names & set(CREDENTIAL_HEADERS):
+        return session
+    return f"{session}|{credentials_of(headers)[:16]}"
+
+
 @dataclass(frozen=True)
 class Shape:
     """A request as the cache layer reads it before its token view.
@@ -51,7 +70,8 @@ class Shape:
     ``kind``: ``agent`` | ``guest`` | ``other`` (``other`` off the chat routes). ``head``: the
     harness head of an agent request (``fingerprint.harness_head``), else None. ``keys``:
     ``message_keys(body)`` of a chat body, else None. ``session``: the client's session key
-    (``ParsedRequest.session_hint``, else ``fingerprint.session_key`` of its headers).
+    (``ParsedRequest.session_hint``, else ``fingerprint.session_key`` of its headers) with its
+    credentials when it sends any (:func:`session_of`).
     ``cache_prompt``: the body does not switch the server's prompt cache off."""
 
     request_id: str
@@ -187,7 +207,7 @@ def shape_of(req: ParsedRequest, markers: Sequence[str], pin_ok: Callable[[], bo
         if "keys" not in memo:
             memo["keys"] = message_keys(body)
         keys = memo["keys"]
-    session = req.session_hint or fp_mod.session_key(getattr(req, "headers", None))
+    session = session_of(req)
     shape = Shape(req.request_id, path, body, chat, kind, head, keys, session,
                   cache_prompt=body.get("cache_prompt") is not False)
     memo[key] = shape
