@@ -45,7 +45,7 @@ import logging
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterator, Mapping, Sequence
 
 import aiohttp
 
@@ -273,9 +273,16 @@ class AlignRoute:
         self.off_why = None
         return self.eot_id
 
-    def _candidate(self, table: SlotTable, msgs: list) -> tuple[int, int, Turn] | None:
+    def _candidate(self, table: SlotTable, msgs: list, owner: str | None = None) -> tuple[int, int, Turn] | None:
         """The slot whose record's messages open ``msgs`` (reasoning aside) and whose content is
-        still the one recorded."""
+        still the one recorded; of several such slots (two sessions that sent the same messages),
+        the one whose record is ``owner``'s (``owner_of`` of the request), else the first."""
+        found = list(self._candidates(table, msgs))
+        return next((c for c in found if c[2].owner == owner), found[0] if found else None)
+
+    def _candidates(self, table: SlotTable, msgs: list) -> Iterator[tuple[int, int, Turn]]:
+        """Each ``(slot, seq, turn)`` whose record's messages open ``msgs`` and whose content is
+        still the one recorded (a record whose slot changed is parked on the way)."""
         for slot, (seq, turn) in list(self.records.items()):
             n = len(turn.messages)
             if len(msgs) < n + 2:
@@ -284,13 +291,12 @@ class AlignRoute:
                 if any(canonical(a) != canonical(b) for a, b in zip(msgs[:n], turn.messages)):
                     continue
             except (AttributeError, TypeError):
-                return None
+                return
             st = table[slot]
             if st.seq != seq or st.pending:
                 self._park(self.records.pop(slot, (seq, turn))[1])
                 continue
-            return slot, seq, turn
-        return None
+            yield slot, seq, turn
 
     def _judge_of(self, layer: Any) -> SpanJudge:
         """The span judge, its port the layer's token viewer's bounded call."""
@@ -428,7 +434,7 @@ class AlignRoute:
         if not isinstance(msgs, list) or table is None:
             return None
         await self._settle(table, keys)
-        found = self._candidate(table, msgs)
+        found = self._candidate(table, msgs, owner_of(req.headers))
         whole = found is not None
         if found is None:
             found = self._owned(table, req.headers)   # the requester's own slot: a partial splice only
