@@ -74,7 +74,16 @@ def _session(binary, proxy, tmp_path: Path, name: str, auto: bool, model: str):
         runs.append(clients.run_claude(binary, project, prompt, env, model=model,
                                        args=("--continue",) if i else (), timeout=300))
         assert runs[-1].returncode == 0, runs[-1].describe(5)
-    return runs, _wait_recorded(proxy, lambda rs: bool(_compactions(rs)) and len(rs) >= len(prompts) + 1)
+    # Claude Code compacts by itself once its own estimate of the context passes the threshold,
+    # and the tiny model's answers (their lengths) decide on which turn: a few more turns, at
+    # most three, until it has (a loaded run's conversation stayed under it once)
+    for _ in range(3 if auto else 0):
+        if _compactions(_wait_recorded(proxy, lambda rs: len(rs) >= len(runs) + 1)):
+            break
+        runs.append(clients.run_claude(binary, project, "what next?", env, model=model,
+                                       args=("--continue",), timeout=300))
+        assert runs[-1].returncode == 0, runs[-1].describe(5)
+    return runs, _wait_recorded(proxy, lambda rs: bool(_compactions(rs)) and len(rs) >= len(runs) + 1)
 
 
 @pytest.mark.server
