@@ -312,8 +312,14 @@ def test_the_real_pi_compaction_is_served_as_the_conversations_continuation(star
         p = oc["prefix"]
         assert p["headers"].get("X-OCache-Path") != "continued"
         assert p["headers"].get("X-OCache-Slot") != h["headers"].get("X-OCache-Slot"), figures
-    # the next turn prefills no more than alone
-    assert oc["next"]["prompt_n"] <= alone["next"]["prompt_n"], figures
+    # the next turn prefills no more than alone. Its prompt holds the summary the model wrote, and
+    # the two runs' summaries differ (the hybrid model's numerics follow where a prefill resumed:
+    # one loaded run wrote 2,985 tokens more through ocache), so what ocache's next turn prefilled
+    # beyond its longer prompt is compared, and its reuse directly
+    n_oc = oc["next"]["prompt_n"] + oc["next"]["cache_n"]
+    n_alone = alone["next"]["prompt_n"] + alone["next"]["cache_n"]
+    assert oc["next"]["prompt_n"] - max(0, n_oc - n_alone) <= alone["next"]["prompt_n"], figures
+    assert oc["next"]["cache_n"] >= alone["next"]["cache_n"], figures
     assert got["ocache"][2]["continued"]["requests"] == 1, got["ocache"][2]["continued"]
 
 
