@@ -414,7 +414,7 @@ class ViewCalls:
             await self._own_session.close()
             self._own_session = None
 
-    async def _post(self, path: str, payload: dict) -> dict:
+    async def post(self, path: str, payload: dict) -> dict:
         """POST to a read-only endpoint (``/tokenize``, ``/apply-template``); one retry when the
         connection drops before an answer: after a llama-server restart on the same port the
         session's pooled keep-alive connection still points at the dead process, and its first use
@@ -470,7 +470,7 @@ class ViewCalls:
         """One call's bound: :meth:`bound_s` of what it sends (at most ``timeout_s``; ``timeout_s``
         alone without ``view_timeout_s``). It covers the
         calls made outside a view as well: the alignment route's once-a-process probe of the
-        template's end-of-turn token (``AlignRoute._eot``: an ``/apply-template`` and a
+        template's end-of-turn token (``AlignRoute.eot``: an ``/apply-template`` and a
         ``/tokenize`` on the first request) waited for the 120 s ``timeout_s`` in front of a server
         that did not answer them, and the first request with it (121 s,
         ``scripts/measure-second-ocache --held 1``)."""
@@ -486,11 +486,11 @@ class ViewCalls:
         ``VIEW_SLACK_S``."""
         return VIEW_SLACK_S if self.view_slack_s is None else self.view_slack_s
 
-    async def _tokenize_remote(self, content: Any, add_special: bool) -> list[int]:
+    async def tokenize_remote(self, content: Any, add_special: bool) -> list[int]:
         self.counters["tokenize_calls"] += 1
         if isinstance(content, str):
             self.counters["tokenized_chars"] += len(content)
-        data = await self._post("/tokenize", {"content": content, "add_special": add_special,
+        data = await self.post("/tokenize", {"content": content, "add_special": add_special,
                                               "parse_special": True})
         return list(data["tokens"])
 
@@ -500,12 +500,12 @@ class ViewCalls:
         parse_special, several without) and add_special must add nothing after the text."""
         if self._probe is None:
             b_sp, b_raw, u_sp, a_sp, a_raw = await asyncio.gather(
-                self._post("/tokenize", {"content": self.boundary, "add_special": False, "parse_special": True}),
-                self._post("/tokenize", {"content": self.boundary, "add_special": False, "parse_special": False}),
-                self._post("/tokenize", {"content": self.user_delimiter, "add_special": False,
+                self.post("/tokenize", {"content": self.boundary, "add_special": False, "parse_special": True}),
+                self.post("/tokenize", {"content": self.boundary, "add_special": False, "parse_special": False}),
+                self.post("/tokenize", {"content": self.user_delimiter, "add_special": False,
                                          "parse_special": True}),
-                self._post("/tokenize", {"content": "a b", "add_special": True, "parse_special": True}),
-                self._post("/tokenize", {"content": "a b", "add_special": False, "parse_special": True}),
+                self.post("/tokenize", {"content": "a b", "add_special": True, "parse_special": True}),
+                self.post("/tokenize", {"content": "a b", "add_special": False, "parse_special": True}),
             )
             bid, braw, uid = b_sp["tokens"], b_raw["tokens"], u_sp["tokens"]
             with_sp, without = a_sp["tokens"], a_raw["tokens"]
@@ -625,14 +625,16 @@ class TokenViewer(ViewCalls):
                 text = None
         if text is None:
             self.counters["renders"] += 1
-            text = await self._render_full(payload)
+            text = await self.render_full(payload)
         self.renders.put(key, text)
         if digests:
             await self._remember_prefix(payload, digests[-1], key, text)
         return text
 
-    async def _render_full(self, payload: Mapping) -> str:
-        data = await self._post("/apply-template", dict(payload))
+    async def render_full(self, payload: Mapping) -> str:
+        """The server's own rendering of ``payload`` (``POST /apply-template``, whole, not the
+        incremental view's); raises TokenViewError when the answer holds no prompt string."""
+        data = await self.post("/apply-template", dict(payload))
         text = data.get("prompt")
         if not isinstance(text, str):
             raise TokenViewError("/apply-template returned no prompt string")
@@ -646,8 +648,8 @@ class TokenViewer(ViewCalls):
             raise TokenViewError("the template rewrites earlier turns at a new user message")
         hit = self.stubs.get(skey)
         if hit is None:
-            q = await self._render_full({**meta, "messages": [_STUB], "add_generation_prompt": False})
-            g = await self._render_full({**meta, "messages": [_STUB], "add_generation_prompt": True})
+            q = await self.render_full({**meta, "messages": [_STUB], "add_generation_prompt": False})
+            g = await self.render_full({**meta, "messages": [_STUB], "add_generation_prompt": True})
             if not g.startswith(q):
                 raise TokenViewError("generation prompt is not appended to the render")
             if not await self._appends(meta):
@@ -669,8 +671,8 @@ class TokenViewer(ViewCalls):
         render drops: delta renders are refused for them (``delta_refused``) and every render is
         the server's full one. Costs two ``/apply-template`` calls per set of render fields."""
         turn = [_STUB, {"role": "assistant", "content": "y", "reasoning_content": "z"}]
-        a = await self._render_full({**meta, "messages": turn, "add_generation_prompt": False})
-        b = await self._render_full({**meta, "messages": [*turn, {"role": "user", "content": "w"}],
+        a = await self.render_full({**meta, "messages": turn, "add_generation_prompt": False})
+        b = await self.render_full({**meta, "messages": [*turn, {"role": "user", "content": "w"}],
                                      "add_generation_prompt": False})
         return b.startswith(a)
 
@@ -715,7 +717,7 @@ class TokenViewer(ViewCalls):
                 return None
             meta = self._delta_meta(payload)
             _, q, _ = await self._stub(meta)
-            out = await self._render_full({**meta, "messages": [_STUB, *new]})
+            out = await self.render_full({**meta, "messages": [_STUB, *new]})
             if not out.startswith(q):
                 return None
             text = base[: hit[1]] + out[len(q):]
@@ -742,7 +744,7 @@ class TokenViewer(ViewCalls):
         if epoch != self._epoch:
             return
         try:
-            full = await self._render_full(payload)
+            full = await self.render_full(payload)
         except TokenViewError as exc:
             log.debug("delta render check skipped: %s", exc)
             return
@@ -798,7 +800,7 @@ class TokenViewer(ViewCalls):
             return list(hit)
         probe = await self.probe()
         if not probe["incremental"]:
-            whole = await self._tokenize_remote(text, True)
+            whole = await self.tokenize_remote(text, True)
             self.texts.put(key, whole, [])
             return list(whole)
         bnd = self.boundary.encode("utf-8")
@@ -820,14 +822,14 @@ class TokenViewer(ViewCalls):
             if found is not None:
                 head, head_idx = found
                 self.counters["prefix_hits"] += 1
-                tail = await self._tokenize_remote(raw[p:].decode("utf-8"), False)
+                tail = await self.tokenize_remote(raw[p:].decode("utf-8"), False)
                 tokens = head + tail
                 if head_idx is not None:  # only the new tail is scanned for boundary tokens
                     n = len(head)
                     all_idx = head_idx + [n + i for i, t in enumerate(tail) if t == bid]
                 break
         if tokens is None:
-            tokens = await self._tokenize_remote(text, True)
+            tokens = await self.tokenize_remote(text, True)
         # token count at each boundary: the k-th boundary id <-> the k-th boundary text occurrence
         if all_idx is None:
             all_idx = [i for i, t in enumerate(tokens) if t == bid]
@@ -853,7 +855,7 @@ class TokenViewer(ViewCalls):
             if b == 0:
                 return None
             prefix = text[:b]
-            head_tokens = await self._tokenize_remote(prefix, True)
+            head_tokens = await self.tokenize_remote(prefix, True)
             cached = (prefix, head_tokens)
             self.heads[head.key] = cached
             while len(self.heads) > self.max_heads:
@@ -941,14 +943,14 @@ class TokenViewer(ViewCalls):
         from ocache import media  # noqa: PLC0415 (a module of its own; the marker is imported above)
 
         async def tok(part: str, first: bool) -> list[int]:
-            return await self.tokenize(part) if first else await self._tokenize_remote(part, False)
+            return await self.tokenize(part) if first else await self.tokenize_remote(part, False)
 
         async def positions(url: str, dig: str) -> int:
             n = self.media_positions.get(dig)
             if n is None:
                 counts = []
                 for content in ([{"type": "image_url", "image_url": {"url": url}}], [{"type": "text", "text": ""}]):
-                    got = await self._post("/v1/chat/completions/input_tokens",
+                    got = await self.post("/v1/chat/completions/input_tokens",
                                            {"messages": [{"role": "user", "content": content}]})
                     counts.append(int(got["input_tokens"]))
                 n = self.media_positions[dig] = counts[0] - counts[1]
@@ -976,7 +978,7 @@ async def prompt_tokens(viewer: "TokenViewer", prompt: Any) -> tuple[list[int], 
             return list(prompt), ""
         if all(isinstance(t, (int, str)) and not isinstance(t, bool) for t in prompt):
             if any(isinstance(t, int) for t in prompt):  # one mixed prompt (tokenize_mixed)
-                return await viewer._tokenize_remote(prompt, True), ""
+                return await viewer.tokenize_remote(prompt, True), ""
         raise TokenViewError("a prompt array of several prompts runs several tasks; not viewed")
     raise TokenViewError("prompt must be a string, a token array or a mixed array")
 
@@ -1012,7 +1014,7 @@ async def bench(url: str, bodies: Sequence[dict], repeat: int = 3) -> dict:
                     text = await fresh.render(b)
                     acc["render"] += time.perf_counter() - t
                     t = time.perf_counter()
-                    tokens = await fresh._tokenize_remote(text, True)
+                    tokens = await fresh.tokenize_remote(text, True)
                     acc["tokenize"] += time.perf_counter() - t
                     fresh.clear()
                     await fresh.probe()

@@ -167,11 +167,13 @@ class CountingTier(TierBase):
         self.evicts.append(slot)
 
 
-def make_layer(n_slots: int = 2, n_ctx: int = 8192, tiers: Sequence[Any] = (), config: Any = None) -> Any:
-    """An ``OCacheLayer`` over a :class:`FakeSlotTable` (``layer.table``) and a :class:`FakeViewer`."""
+def make_layer(n_slots: int = 2, n_ctx: int = 8192, tiers: Sequence[Any] = (), config: Any = None,
+               viewer: Any = None) -> Any:
+    """An ``OCacheLayer`` over a :class:`FakeSlotTable` (``layer.table``) and ``viewer`` (default a
+    :class:`FakeViewer`)."""
     from ocache.cache import OCacheLayer
 
-    layer = OCacheLayer(FakeUpstream(), config, viewer=FakeViewer(), tiers=list(tiers),
+    layer = OCacheLayer(FakeUpstream(), config, viewer=viewer or FakeViewer(), tiers=list(tiers),
                         table=FakeSlotTable(n_slots, n_ctx))
     layer.param_overrides = {**layer.param_overrides, "cache_ram": 0, "checkpoints": False}
     return layer

@@ -250,7 +250,7 @@ def test_a_call_in_the_text_that_is_not_the_one_sent_back_differs(content):
 
 
 async def test_an_end_of_turn_probe_without_answer_costs_one_request_not_the_process():
-    """The route's once-per-process probe of the template's end-of-turn token (``AlignRoute._eot``)
+    """The route's once-per-process probe of the template's end-of-turn token (``AlignRoute.eot``)
     whose call gets no answer (a loaded or stopped server: the view's calls are bounded) leaves
     alignment off for that request only, says why, and probes again on the next one."""
     from types import SimpleNamespace
@@ -261,17 +261,17 @@ async def test_an_end_of_turn_probe_without_answer_costs_one_request_not_the_pro
     class Viewer:
         calls = 0
 
-        async def _post(self, path, payload):
+        async def post(self, path, payload):
             Viewer.calls += 1
             if Viewer.calls == 1:
                 raise TokenViewError(f"{path}: no answer within 5 s")
             return {"prompt": "<|im_start|>user\nocache-turn-end-probe<|im_end|>\n"}
 
-        async def _tokenize_remote(self, text, special):
+        async def tokenize_remote(self, text, special):
             return [7] if text == "<|im_end|>" else [8]
 
     route = AlignRoute()
     layer = SimpleNamespace(upstream=SimpleNamespace(props={"ocache": {"splice": True, "generated_ids": True}}),
-                            _viewer=Viewer())
-    assert await route._eot(layer) is None and "probed again" in (route.off_why or "")
-    assert await route._eot(layer) == 7 and route.off_why is None and route.think_close == 8
+                            viewer=Viewer())
+    assert await route.eot(layer) is None and "probed again" in (route.off_why or "")
+    assert await route.eot(layer) == 7 and route.off_why is None and route.think_close == 8

@@ -225,12 +225,13 @@ def test_the_continuation_is_the_recorded_conversation_then_the_instruction():
 
 # --- the route's log and counters, on an in-memory server (tests/fakes.py) ------------------------
 
-async def _route_layer(turn_: Turn):
+async def _route_layer(turn_: Turn, viewer=None):
     """A layer over the fake server whose slot 0 holds ``turn_``'s conversation (as the aligned
-    route records it), on a server with 0008 (the end-of-turn token known)."""
+    route records it), on a server with 0008 (the end-of-turn token known); ``viewer``: the
+    layer's token viewer (default the fakes' own)."""
     from fakes import make_layer
 
-    layer = make_layer()
+    layer = make_layer(viewer=viewer)
     await layer.table.refresh()
     layer.align._probed, layer.align.eot_id = True, 9
     layer.align.records[0] = (layer.table[0].seq, turn_)
@@ -269,13 +270,11 @@ async def test_a_title_request_is_neither_logged_nor_counted_as_a_compaction(cap
 async def test_another_sessions_compaction_is_logged_as_not_continued(caplog):
     """A compaction of the very conversation slot 0 holds, from another session: recognised,
     logged and counted as a compaction not continued (``as_sent_another_session``), no plan."""
-    layer = await _route_layer(turn())
-
     class Viewer:     # the continuation is rendered only once a record was taken for the request's
         async def view(self, *a, **k):
             raise AssertionError("another session's conversation was about to be continued")
 
-    layer._viewer = Viewer()
+    layer = await _route_layer(turn(), Viewer())
     body = compaction_of([*CONVERSATION, {"role": "assistant", **ANSWER}])
     caplog.set_level("INFO", logger="ocache.cache")
     assert await _plan(layer, body, {**HEADERS, "x-session-affinity": "ses_beta"}) is None

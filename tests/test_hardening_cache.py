@@ -170,7 +170,7 @@ async def test_a_damaged_spill_falls_back_to_another_tiers_anchor(start_server, 
         session = next(t for t in layer.tiers if t.name == "session")
         [spill] = session.store.entries("s")             # A's, spilled when B took the slot
         body = body_of(A2)
-        view = await layer._viewer.view("/v1/chat/completions", body)
+        view = await layer.viewer.view("/v1/chat/completions", body)
         store = layer.disk_tier.store
         best = max(e.n_tokens for e in store.entries("a") if view.tokens[:e.n_tokens] == store.tokens(e.key))
         shared = common_prefix(layer.table[0].tokens, view.tokens)

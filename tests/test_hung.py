@@ -151,7 +151,7 @@ async def test_server_stopped_during_the_token_view_ends_the_plan_with_503(start
     from ocache.tokens import TokenViewer
 
     srv = await asyncio.to_thread(start_server, "dense", n_parallel=1)
-    real = TokenViewer._post
+    real = TokenViewer.post
     stopped: list[str] = []
 
     async def stop_first(self, where, payload):
@@ -160,7 +160,7 @@ async def test_server_stopped_during_the_token_view_ends_the_plan_with_503(start
             os.kill(srv.proc.pid, signal.SIGSTOP)
         return await real(self, where, payload)
 
-    monkeypatch.setattr(TokenViewer, "_post", stop_first)
+    monkeypatch.setattr(TokenViewer, "post", stop_first)
     async with proxy_on(srv.url, probe_interval_s=0.2, probe_timeout_s=0.5, hung_probes=2) as (base, proxy), \
             client() as c:
         try:

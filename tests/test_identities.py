@@ -48,7 +48,7 @@ async def committed_turn(s, base, proxy, body: dict, headers: dict) -> tuple[dic
     rec = await send(s, base, proxy, body, headers)
     disk = proxy.layer.disk_tier
     await disk.flush()
-    return rec, disk, proxy.layer._ident().key
+    return rec, disk, proxy.layer.identity().key
 
 
 def launch_config(srv, cache_dir) -> Config:
@@ -85,8 +85,8 @@ async def test_manual_yaml_and_launch_are_one_identity(start_server, tmp_path):
     forget_store(cache)
     srv.restart()  # empty slots: only the disk can serve the next turn
     async with through_ocache(launch_config(srv, cache)) as (base, proxy), aiohttp.ClientSession() as s:
-        await proxy.layer._ensure_ready()
-        assert proxy.layer._ident().key == manual_key
+        await proxy.layer.ensure_ready()
+        assert proxy.layer.identity().key == manual_key
         assert sorted(e.n_tokens for e in proxy.layer.disk_tier.store.entries("a")) == anchors
         rec = await send(s, base, proxy, t2, h)
         assert rec["tier"] == "disk", (rec["tier"], proxy.layer.disk_tier.stats())
@@ -125,7 +125,7 @@ async def test_model_switch_a_b_a_reuses_a_from_disk(start_server, tmp_path, mod
     async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
         rec = await send(s, base, proxy, a2, ha)
         disk = proxy.layer.disk_tier
-        assert proxy.layer._ident().key == key_a
+        assert proxy.layer.identity().key == key_a
         assert rec["tier"] == "disk", (rec["tier"], disk.stats())
         assert rec["timings"]["cache_n"] >= head_a - UB, (rec["timings"], head_a)
         print(f"A's return after A -> B -> A: tier {rec['tier']}, cache_n {rec['timings']['cache_n']}, "
@@ -217,7 +217,7 @@ async def test_weights_changed_outside_the_sample_are_served_cold(start_server, 
         rec, _, new_key = await committed_turn(s, base, proxy, t2, h)
         assert rec["tier"] != "disk", (rec["tier"], disk.stats())
         assert new_key != old_key and disk.store.identity == new_key
-        assert proxy.layer._ident().fields["gguf"]["file_xxh3_128"]      # digested before the turn
+        assert proxy.layer.identity().fields["gguf"]["file_xxh3_128"]      # digested before the turn
         assert old_entries <= {e.key for e in disk.store.entries("a")}, "the old model's anchors were deleted"
 
 
@@ -232,13 +232,13 @@ async def test_a_model_over_the_inline_bound_is_digested_in_the_background(start
     srv = start_server("dense", n_parallel=1, ctx_size=16384, **SERVER)
     cfg = server_config(srv, tmp_path / "cache")
     async with through_ocache(cfg) as (base, proxy), aiohttp.ClientSession() as s:
-        await proxy.layer._ensure_ready()
-        provisional = proxy.layer._ident()
+        await proxy.layer.ensure_ready()
+        provisional = proxy.layer.identity()
         assert provisional.fields["gguf"]["pending"] and not provisional.fields["gguf"]["file_xxh3_128"]
         disk = proxy.layer.disk_tier
         assert disk.store.identity == provisional.key
         await proxy.layer.ids.digest_task
-        ident = proxy.layer._ident()
+        ident = proxy.layer.identity()
         assert "pending" not in ident.fields["gguf"]
         assert ident.fields["gguf"]["file_xxh3_128"] == llama_gguf.known_digest(srv.model)
         assert disk.store.identity == ident.key != provisional.key

@@ -112,7 +112,7 @@ async def _two_turns(s: aiohttp.ClientSession, base: str, proxy, h: dict) -> dic
             answer = (await r.json())["choices"][0]["message"]["content"] or "ok"
         await proxy.wait_background()
         body = _next_turn(body, answer, q)
-    await proxy.layer._viewer.wait_verified()
+    await proxy.layer.viewer.wait_verified()
     return body
 
 
@@ -182,11 +182,11 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
             await proxy.wait_background()
             await proxy.layer.idle()
             layer = proxy.layer
-            await layer._viewer.wait_verified()
-            assert layer._viewer.append_only and layer.counters["known"] == 0
+            await layer.viewer.wait_verified()
+            assert layer.viewer.append_only and layer.counters["known"] == 0
 
             forwarded, answered = asyncio.Event(), asyncio.Event()
-            real_forward, real_view = proxy.forwards.forward, layer._viewer.view
+            real_forward, real_view = proxy.forwards.forward, layer.viewer.view
             order: list[str] = []
 
             async def forward(*a, **kw):
@@ -205,7 +205,7 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
                 await asyncio.wait_for(answered.wait(), 20)
                 return await real_view(*a, **kw)
 
-            proxy.forwards.forward, layer._viewer.view = forward, view
+            proxy.forwards.forward, layer.viewer.view = forward, view
             t3 = _next_turn(t2, a2, "Which one first?")
             before = await _prompt_total(s, srv.url)
             async with s.post(base + CHAT, json=t3, headers=h) as r:
@@ -218,7 +218,7 @@ async def test_known_turn_is_forwarded_before_its_view_and_its_figures_are_exact
                 data = await r.json()
             await proxy.wait_background()
             await layer.idle()
-            proxy.forwards.forward, layer._viewer.view = real_forward, real_view
+            proxy.forwards.forward, layer.viewer.view = real_forward, real_view
             predicted = _predicted(proxy, h3)       # the record's figures (log line, stats)
             t = data["timings"]
             assert order[:2] == ["forward", "view"]
@@ -257,19 +257,19 @@ async def test_a_known_turn_whose_view_fails_is_served_and_the_slot_relearned(st
         async with aiohttp.ClientSession() as s:
             body = await _two_turns(s, base, proxy, h)
             layer = proxy.layer
-            real_view = layer._viewer.view
+            real_view = layer.viewer.view
 
             async def broken(*a, **kw):
                 raise RuntimeError("view failed")
 
-            layer._viewer.view = broken
+            layer.viewer.view = broken
             async with s.post(base + CHAT, json=body, headers=h) as r:
                 assert r.status == 200 and r.headers.get("X-OCache-Path") == "known"
                 assert "X-OCache-Predicted-Cache" not in r.headers
                 slot = int(r.headers["X-OCache-Slot"])
                 data = await r.json()
             await proxy.wait_background()
-            layer._viewer.view = real_view
+            layer.viewer.view = real_view
             assert layer.counters["known_failed"] == 1
             assert layer.table[slot].msg_key is None            # no record from a failed view
             nxt = await _served_as_alone(s, base, proxy, srv.url, h, body, data, "Third?")
@@ -299,7 +299,7 @@ async def test_a_resend_takes_the_known_path_before_the_template_is_checked(star
                     heads.append(dict(r.headers))
                     t = (await r.json())["timings"]
                 await proxy.wait_background()
-            assert not proxy.layer._viewer.append_only
+            assert not proxy.layer.viewer.append_only
             assert heads[0].get("X-OCache-Path") is None and heads[1].get("X-OCache-Path") == "known"
             assert heads[1]["X-OCache-Slot"] == heads[0]["X-OCache-Slot"]
             assert _predicted(proxy, heads[1]) == t["cache_n"] > 0
@@ -314,7 +314,7 @@ async def test_a_known_turn_too_long_for_the_slot_is_the_servers_400_and_keeps_t
     takes the known path again, with exact figures."""
     async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
         layer = proxy.layer
-        assert layer._viewer.append_only
+        assert layer.viewer.append_only
         too_long = _next_turn(body, "ok", "word " * 12000)
         async with s.post(base + CHAT, json=too_long, headers=h) as r:
             assert r.status == 400 and r.headers.get("X-OCache-Path") == "known"
@@ -347,22 +347,22 @@ async def test_a_view_the_server_contradicts_is_not_recorded_and_delta_renders_s
 
     async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
         layer = proxy.layer
-        assert layer._viewer.append_only
-        real_view = layer._viewer.view
+        assert layer.viewer.append_only
+        real_view = layer.viewer.view
 
         async def short(*a, **kw):
             v = await real_view(*a, **kw)
             return TokenView(v.tokens[:-5], v.head_end, v.user_starts, v.text, v.stats, v.msg_key, v.n_msgs)
 
-        layer._viewer.view = short
+        layer.viewer.view = short
         async with s.post(base + CHAT, json=body, headers=h) as r:
             assert r.status == 200
             slot = int(r.headers["X-OCache-Slot"])
             data = await r.json()
         await proxy.wait_background()
         await layer.idle()
-        layer._viewer.view = real_view
-        assert layer.counters["view_mismatches"] == 1 and not layer._viewer.append_only
+        layer.viewer.view = real_view
+        assert layer.counters["view_mismatches"] == 1 and not layer.viewer.append_only
         assert layer.table[slot].msg_key is None and layer.table[slot].foreign
         await _served_as_alone(s, base, proxy, srv.url, h, body, data, "Next?")
         assert layer.counters["view_mismatches"] == 1 and layer.counters["mispredictions"] == 0

@@ -44,8 +44,8 @@ async def test_a_routed_request_costs_one_token_view_and_one_lookup_per_tier(sta
         tiers = []
         for srv in proxy.layer.servers:
             layer = srv.layer
-            await layer._ensure_ready()
-            _count(layer._viewer, "view", views, srv.index)
+            await layer.ensure_ready()
+            _count(layer.viewer, "view", views, srv.index)
             for tier in (layer.head_tier, *layer.tiers):
                 _count(tier, "lookup", lookups, (srv.index, tier.name))
                 tiers.append((srv.index, tier.name))

@@ -482,7 +482,7 @@ async def test_a_known_conversations_next_turn_is_routed_without_estimates(start
             b["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": q}]
             if q.startswith("And"):
                 for srv in proxy.layer.servers:
-                    await srv.layer._viewer.wait_verified()
+                    await srv.layer.viewer.wait_verified()
                 asked: list[str] = []
                 for srv in proxy.layer.servers:
                     real = srv.layer.estimate

@@ -123,7 +123,7 @@ async def test_a_view_after_the_shared_session_closed_is_a_view_error():
     await session.close()
     viewer = TokenViewer(types.SimpleNamespace(base_url="http://127.0.0.1:9", session=session, epoch=1))
     with pytest.raises(TokenViewError, match="session is closed"):
-        await viewer._post("/apply-template", {"messages": []})
+        await viewer.post("/apply-template", {"messages": []})
     await viewer._verify({"messages": []}, b"k", "text")    # returns: the check is skipped
 
 
@@ -138,7 +138,7 @@ async def test_delta_render_equals_the_full_render(start_server):
         for i, body in enumerate(bodies):
             payload = {k: body[k] for k in ("messages", "tools", "tool_choice") if k in body}
             text = await viewer.render(body)
-            assert text == await viewer._render_full(payload), i
+            assert text == await viewer.render_full(payload), i
         await viewer.wait_verified()
         # every turn after the first is a delta, except the one that starts with a system message
         assert viewer.counters["delta_renders"] == len(bodies) - 2
@@ -161,13 +161,13 @@ async def test_the_full_render_check_waits_until_no_completion_is_in_flight(star
     await up.start(monitor=False)
     viewer = TokenViewer(up, verify_first=100)
     full_renders = []
-    render_full = viewer._render_full
+    render_full = viewer.render_full
 
     async def counted(payload):
         full_renders.append(len(payload.get("messages") or ()))
         return await render_full(payload)
 
-    viewer._render_full = counted
+    viewer.render_full = counted
     try:
         b0, b1, b2 = _grown_conversation()[:3]
         await viewer.render(b0)
@@ -209,12 +209,12 @@ async def test_a_wrong_delta_render_is_found_and_switches_deltas_off(dense):
     viewer.msg_prefixes[digest] = (key, n - 1)
     wrong = await viewer.render(b1)
     await viewer.wait_verified()
-    full = await viewer._render_full({k: b1[k] for k in ("messages", "tools", "tool_choice")})
+    full = await viewer.render_full({k: b1[k] for k in ("messages", "tools", "tool_choice")})
     assert wrong != full
     assert viewer.counters["delta_mismatch"] == 1 and not viewer.delta_ok
     assert await viewer.render(b1) == full  # the cache now holds the full render
     renders = viewer.counters["renders"]
-    assert await viewer.render(b2) == await viewer._render_full(
+    assert await viewer.render(b2) == await viewer.render_full(
         {k: b2[k] for k in ("messages", "tools", "tool_choice")})
     assert viewer.counters["renders"] == renders + 1 and viewer.counters["delta_renders"] == 1
 

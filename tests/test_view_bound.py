@@ -194,7 +194,7 @@ async def test_a_first_request_whose_template_probe_gets_no_answer_waits_only_fo
     """The real patched server behind a relay that holds every ``/apply-template`` and
     ``/tokenize`` (a server that cannot answer them: stopped, asleep, starved) and passes the rest.
     The first request's calls outside the view (the alignment route's end-of-turn probe,
-    ``AlignRoute._eot``) are priced like the view's (``ViewCalls.call_timeout``): the request goes
+    ``AlignRoute.eot``) are priced like the view's (``ViewCalls.call_timeout``): the request goes
     as sent with the server's own answer, counted (``view.call_timeouts``, ``fail_open``). On the
     old code the probe waited for the viewer's 120 s call timeout (121 s in
     ``scripts/measure-second-ocache --held 1``): this test's 60 s bound fails first."""

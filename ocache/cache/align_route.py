@@ -57,6 +57,7 @@ from ocache.fingerprint import session_key
 from ocache.substitute import owned, owner_of
 from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.exact import ExactWarmups
+from ocache.cache.ports import PlanningServices
 from ocache.cache.execute import PlanContext
 from ocache.config import field_of
 from ocache.layer import Observation, Plan, ParsedRequest
@@ -74,7 +75,7 @@ RECORDED_PATHS = ("/v1/chat/completions", "/chat/completions", *RESPONSES_ROUTES
 #: server the plan's, so the proxy plans the request again rather than relaying it
 SPLICE_HEADER = "X-OCache-Splice"
 
-#: most seconds a plan waits for the previous answer of its conversation to be observed (``_settle``)
+#: most seconds a plan waits for the previous answer of its conversation to be observed (``settle``)
 SETTLE_WAIT_S = 2.0
 
 
@@ -174,6 +175,23 @@ def _continues(turn: Turn, body: Any) -> bool:
         return False
 
 
+def settle_slot(table: SlotTable, slot: int, seq: int, obs: Observation) -> None:
+    """What a substituted response (aligned or continued) left in ``slot``, through the table's
+    verbs, while the slot still holds the plan's content (``seq``) and no request holds it: a
+    complete answer, the count (``SlotTable.finish``: prompt + generated - 1); one cut short,
+    ``interrupted`` (``GET /slots`` counts it); a refused or failed one (412: patch 0008 refused
+    the splice), unknown until ``GET /slots``."""
+    if table.lock(slot).locked() or table[slot].seq != seq:
+        return
+    n_held = held_after(obs.timings or {})
+    if obs.status == 200 and obs.completed and n_held is not None:
+        table.finish(slot, seq, n_held)
+    elif obs.status == 200:
+        table.interrupted(slot, seq)
+    else:
+        table.mark_unknown(slot)
+
+
 class AlignRoute:
     """Per-slot records and the aligned plans (module docstring). ``counters``: ``aligned``
     (requests served with a splice), ``aligned_saved_tokens`` (``Aligned.saved`` summed: what those
@@ -235,7 +253,7 @@ class AlignRoute:
         return {"enabled": self.on, "off": self.off_why, "records": len(self.records), **self.counters,
                 "aligned_not_served": not_served, "last": list(self.last)}
 
-    async def _eot(self, layer: Any) -> int | None:
+    async def eot(self, layer: PlanningServices) -> int | None:
         """The template's end-of-turn token (``ocache.align.turn_end_marker`` of the server's render
         of a probe, tokenized: one token), once per process; None (no alignment) without patch 0008
         (``/props`` ``ocache.splice``) or without such a token."""
@@ -248,11 +266,11 @@ class AlignRoute:
             self.off_why = "the server does not serve ocache_splice (patches/0008)"
             return None
         try:
-            rendered = (await layer._viewer._post("/apply-template", {
+            rendered = (await layer.viewer.post("/apply-template", {
                 "messages": [{"role": "user", "content": PROBE}], "add_generation_prompt": False})).get("prompt", "")
             marker = turn_end_marker(rendered) if isinstance(rendered, str) else None
-            toks = await layer._viewer._tokenize_remote(marker, False) if marker else []
-            close = await layer._viewer._tokenize_remote("</think>", False)
+            toks = await layer.viewer.tokenize_remote(marker, False) if marker else []
+            close = await layer.viewer.tokenize_remote("</think>", False)
         except (TokenViewError, asyncio.TimeoutError, aiohttp.ClientError, ValueError) as exc:
             # the probe's calls are bounded (``ocache.tokens`` prices them): a loaded or stopped
             # server costs this request its alignment, not the process's; probed again next time
@@ -298,10 +316,10 @@ class AlignRoute:
                 continue
             yield slot, seq, turn
 
-    def _judge_of(self, layer: Any) -> SpanJudge:
+    def judge_of(self, layer: PlanningServices) -> SpanJudge:
         """The span judge, its port the layer's token viewer's bounded call."""
         if self.judge is None:
-            self.judge = SpanJudge(lambda: layer._viewer._post)
+            self.judge = SpanJudge(lambda: layer.viewer.post)
         return self.judge
 
     def _owned(self, table: SlotTable, headers: Any) -> tuple[int, int, Turn] | None:
@@ -328,7 +346,7 @@ class AlignRoute:
         while len(self.parked) > PARKED_KEPT:
             self.parked.popitem(last=False)
 
-    async def _restored_plan(self, layer: Any, req: ParsedRequest, body: Mapping, msgs: list,
+    async def _restored_plan(self, layer: PlanningServices, req: ParsedRequest, body: Mapping, msgs: list,
                              prepared_of: Callable[[], Awaitable[Any]], kind: str) -> Plan | None:
         """The requester's conversation left its slot (``parked``): when the request is that
         conversation rewritten plus a new part (the same guard, ``decide`` and declared spans), plan
@@ -348,10 +366,10 @@ class AlignRoute:
         prep = await prepared_of()
         if prep is None or self.eot_id is None:
             return None
-        table: SlotTable = layer.table
+        table: SlotTable = layer.ready_table
         dec = decide(turn, body, prep.view.tokens, self.eot_id, n_ctx=table.params.n_ctx_slot, owner=owner)
         if isinstance(dec, Aligned):
-            dec = await self._judge_of(layer).whole(turn, prep.view.tokens, dec)
+            dec = await self.judge_of(layer).whole(turn, prep.view.tokens, dec)
         if isinstance(dec, AsSent):
             self.counters["restored_as_sent_" + dec.reason.replace(" ", "_")] += 1
             return None
@@ -380,7 +398,7 @@ class AlignRoute:
                  plan.headers.get("X-OCache-Tier"), sp.n_keep, len(sp.tail))
         return plan
 
-    async def _settle(self, table: SlotTable, keys: Any) -> None:
+    async def settle(self, table: SlotTable, keys: Any) -> None:
         """An agent sends its next turn the moment the previous answer ends, before the proxy has
         observed that answer (and this route recorded it): wait (bounded, ``SETTLE_WAIT_S``) for a
         slot whose last request's messages open this one's (``SlotState.msg_key``, the digests of
@@ -394,20 +412,20 @@ class AlignRoute:
                 await table.wait_settled(st.id, SETTLE_WAIT_S)
                 return
 
-    async def _decision(self, layer: Any, req: ParsedRequest, body: Mapping, slot: int, turn: Turn,
+    async def _decision(self, layer: PlanningServices, req: ParsedRequest, body: Mapping, slot: int, turn: Turn,
                         tokens: Sequence[int], whole: bool) -> Decision:
         """The gate's decision for a request (its rendering ``tokens``) on ``turn``'s slot: the
         whole splice (``decide``, its spans judged) when the record's history opens the request
         (``whole``), else or failing that a partial one (``SpanJudge.partial``); counted
         ``partial_as_sent_<why>`` when neither is made."""
-        table: SlotTable = layer.table
+        table: SlotTable = layer.ready_table
         eot = self.eot_id if self.eot_id is not None else -1
         dec: Decision = (decide(turn, body, tokens, eot, n_ctx=table.params.n_ctx_slot, owner=owner_of(req.headers))
                          if whole else AsSent("history differs"))
         if isinstance(dec, Aligned):
-            dec = await self._judge_of(layer).whole(turn, tokens, dec)
+            dec = await self.judge_of(layer).whole(turn, tokens, dec)
         if isinstance(dec, AsSent) and dec.reason not in NO_PARTIAL and table.params.checkpoints is not None:
-            part = await self._judge_of(layer).partial(table, slot, turn, tokens, eot, owner_of(req.headers),
+            part = await self.judge_of(layer).partial(table, slot, turn, tokens, eot, owner_of(req.headers),
                                                        session_key(req.headers) is not None)
             if isinstance(part, AsSent):
                 self.counters["partial_as_sent_" + part.reason.replace(" ", "_")] += 1
@@ -415,7 +433,7 @@ class AlignRoute:
                 dec = part
         return dec
 
-    async def plan(self, layer: Any, req: ParsedRequest, body: Mapping, path: str, kind: str,
+    async def plan(self, layer: PlanningServices, req: ParsedRequest, body: Mapping, path: str, kind: str,
                    head: Any, keys: Any, view_of: Callable[[], Awaitable[Any]] | None = None,
                    prepared_of: Callable[[], Awaitable[Any]] | None = None) -> Plan | None:
         """An aligned plan for ``req``, or None (the other routes plan it as sent). ``view_of``: the
@@ -427,13 +445,13 @@ class AlignRoute:
             return None
         # probed here, once, so that recording an answer (observe) never waits for the server:
         # the next turn may be planned the moment the answer's last byte left
-        if await self._eot(layer) is None or not (self.records or self.parked):
+        if await self.eot(layer) is None or not (self.records or self.parked):
             return None
         msgs = body.get("messages")
-        table: SlotTable = layer.table
+        table = layer.table
         if not isinstance(msgs, list) or table is None:
             return None
-        await self._settle(table, keys)
+        await self.settle(table, keys)
         found = self._candidate(table, msgs, owner_of(req.headers))
         whole = found is not None
         if found is None:
@@ -443,7 +461,7 @@ class AlignRoute:
                 return None
             return await self._restored_plan(layer, req, body, msgs, prepared_of, kind)
         slot, seq, turn = found
-        view = await view_of() if view_of is not None else await layer._viewer.view(path, body, head, keys)
+        view = await view_of() if view_of is not None else await layer.viewer.view(path, body, head, keys)
         if view is None:   # the server rejects the body: the usual route forwards it as sent
             return None
         dec = await self._decision(layer, req, body, slot, turn, view.tokens, whole)
@@ -495,7 +513,7 @@ class AlignRoute:
                                     reused=dec.reused, predicted_cache=dec.reused),
                     context=ctx, release=release, upstream_headers={SPLICE_HEADER: str(sp.n_keep)})
 
-    async def epilogue(self, layer: Any, ctx: AlignContext, obs: Observation) -> None:
+    async def epilogue(self, layer: PlanningServices, ctx: AlignContext, obs: Observation) -> None:
         """What every planned answer gets after its slot's count (``Observer.observe`` for the
         usual routes), for a substituted one: the prediction checked (a splice serves exactly
         ``n_keep`` tokens of the slot: ``cache_n`` must be that; a miss is counted
@@ -526,24 +544,8 @@ class AlignRoute:
             except Exception:
                 log.exception("[%s] tier %s admit failed", ctx.request_id, tier.name)
 
-    @staticmethod
-    def _settle_slot(table: SlotTable, ctx: AlignContext, obs: Observation) -> None:
-        """What the aligned response left in its slot, through the table's verbs, while the slot
-        still holds this plan's content (``ctx.seq``) and no request holds it: a complete answer,
-        the count (``SlotTable.finish``: prompt + generated - 1); one cut short, ``interrupted``
-        (``GET /slots`` counts it); a refused or failed one (412: 0008 refused the splice),
-        unknown until ``GET /slots``."""
-        if table.lock(ctx.slot).locked() or table[ctx.slot].seq != ctx.seq:
-            return
-        n_held = held_after(obs.timings or {})
-        if obs.status == 200 and obs.completed and n_held is not None:
-            table.finish(ctx.slot, ctx.seq, n_held)
-        elif obs.status == 200:
-            table.interrupted(ctx.slot, ctx.seq)
-        else:
-            table.mark_unknown(ctx.slot)
 
-    async def observe(self, layer: Any, req: ParsedRequest, plan: Plan, obs: Observation) -> None:
+    async def observe(self, layer: PlanningServices, req: ParsedRequest, plan: Plan, obs: Observation) -> None:
         """Record the turn a response leaves in its slot (an aligned one or any other chat turn that
         the slot table recorded); a response without its answer (a stream, an error, cut short)
         drops the slot's record."""
@@ -566,7 +568,7 @@ class AlignRoute:
                 ctx.served = True
                 self.counters["aligned"] += 1
                 self.counters["aligned_saved_tokens"] += ctx.decision.saved
-            self._settle_slot(table, ctx, obs)
+            settle_slot(table, ctx.slot, ctx.seq, obs)
             await self.epilogue(layer, ctx, obs)
         elif isinstance(ctx, PlanContext):
             slot = ctx.slot
@@ -587,7 +589,7 @@ class AlignRoute:
             raw, body = body, req.memo.get("chat") or {}
         if (obs.status != 200 or not obs.completed or not isinstance(message, Mapping)
                 or req.path not in RECORDED_PATHS
-                or await self._eot(layer) is None or self.eot_id is None):
+                or await self.eot(layer) is None or self.eot_id is None):
             return
         t = obs.timings or {}
         if isinstance(ctx, AlignContext):

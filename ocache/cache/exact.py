@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any, Callable, Mapping
 
 from ocache.align import fields_of
+from ocache.cache.ports import PlanningServices
 from ocache.slots import SlotTable
 
 log = logging.getLogger("ocache.cache")
@@ -32,7 +33,7 @@ class ExactWarmups:
         self.forget_record = forget_record
         self._warms: dict[int, asyncio.Task[None]] = {}
 
-    def schedule(self, layer: Any, slot: int, seq: int, body: Mapping, message: Mapping) -> None:
+    def schedule(self, layer: PlanningServices, slot: int, seq: int, body: Mapping, message: Mapping) -> None:
         """Start :meth:`warm` for ``slot`` unless one runs there already."""
         if slot in self._warms:
             return
@@ -44,7 +45,7 @@ class ExactWarmups:
 
         task.add_done_callback(done)
 
-    async def warm(self, layer: Any, slot: int, seq: int, body: Mapping, message: Mapping) -> None:
+    async def warm(self, layer: PlanningServices, slot: int, seq: int, body: Mapping, message: Mapping) -> None:
         """Exact mode, after a turn that ended without a tool call on ``slot`` (whose content was
         ``seq``): render the next request's predictable prefix (the conversation, the answer as
         content alone, a new user message up to its text: the templates that rewrite a history drop
@@ -63,12 +64,12 @@ class ExactWarmups:
             msgs = list(body.get("messages") or []) + [{"role": "assistant", "content": message.get("content") or ""},
                                                       {"role": "user", "content": EXACT_PROBE}]
             payload = {**fields_of(body), "messages": msgs, "add_generation_prompt": True}
-            text = (await layer._viewer._post("/apply-template", payload)).get("prompt")
+            text = (await layer.viewer.post("/apply-template", payload)).get("prompt")
             at = text.find(EXACT_PROBE) if isinstance(text, str) else -1
-            if at <= 0:
+            if not isinstance(text, str) or at <= 0:
                 self.counters["exact_skipped_render"] += 1
                 return
-            tokens = await layer._viewer.tokenize(text[:at])
+            tokens = await layer.viewer.tokenize(text[:at])
             st = table[slot]
             if st.seq != seq or st.pending or any(s.busy for s in table.snapshot()):
                 self.counters["exact_skipped_busy"] += 1

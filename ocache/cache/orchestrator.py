@@ -262,10 +262,6 @@ class OCacheLayer:
         if self._ready and self.head_tier is not None and self.table is not None:
             open_head_store(self.head_tier, self.config, self.table.params, key)
 
-    #: the names tests and subclasses use
-    _ensure_ready = ensure_ready
-    _ident = identity
-
     def _anthropic_pin_ok(self) -> bool:
         """``prepare.anthropic_pin_ok`` for this server and its slot count."""
         return anthropic_pin_ok(getattr(self.upstream, "props", None), len(self.table or ()))

@@ -11,14 +11,16 @@ module stays a leaf of it.
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Protocol
+from collections import Counter, deque
+from typing import Any, Awaitable, Callable, Mapping, Protocol
 
+from ocache.align import Turn
 from ocache.background import Background
+from ocache.cache.align_judge import SpanJudge
 from ocache.cache.prepare import Prepared, Rejected, Shape
 from ocache.config import Config
 from ocache.fingerprint import Identity
-from ocache.layer import ParsedRequest
+from ocache.layer import ParsedRequest, Plan
 from ocache.slots import SlotTable
 from ocache.tiers.base import TierBase
 from ocache.tiers.disk import DiskTier
@@ -35,12 +37,46 @@ class Tally(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
+class AlignRecord(Protocol):
+    """The aligned route's record (``align_route.AlignRoute``) as the continued route and the
+    report read it: its switch, the conversations it recorded per slot (slot -> (the table's
+    ``seq`` when recorded, the turn)), the template's end-of-turn token, its span judge and its
+    wait for the slots' pending observes."""
+
+    on: bool
+    records: dict[int, tuple[int, Turn]]
+
+    async def eot(self, layer: PlanningServices) -> int | None: ...
+
+    async def plan(self, layer: PlanningServices, req: ParsedRequest, body: Mapping, path: str, kind: str,
+                   head: Any, keys: Any, view_of: Callable[[], Awaitable[Any]] | None = None,
+                   prepared_of: Callable[[], Awaitable[Any]] | None = None) -> Plan | None: ...
+
+    def judge_of(self, layer: PlanningServices) -> SpanJudge: ...
+
+    async def settle(self, table: SlotTable, keys: Any) -> None: ...
+
+    def stats(self) -> dict: ...
+
+    def forget(self) -> None: ...
+
+
+class ContinuedRecord(Protocol):
+    """The continued route's record (``routes.continued.ContinueRoute``): its switch, counters
+    and stats."""
+
+    on: bool
+    counters: Counter[str]
+
+    def stats(self) -> dict: ...
+
+
 class PlanningServices(Protocol):
     """The layer (``ocache.cache.orchestrator.OCacheLayer``) as its rooms see it.
 
     ``align`` and ``continued`` are the two routes' own records (``align_route.AlignRoute``,
     ``routes.continued.ContinueRoute``): those modules import the planning core, so they are
-    named here only by what they are."""
+    named here by the protocols of what other rooms read of them."""
 
     # -- the server and the configuration
     @property
@@ -129,10 +165,10 @@ class PlanningServices(Protocol):
     def alone(self) -> Tally: ...
 
     @property
-    def align(self) -> Any: ...
+    def align(self) -> AlignRecord: ...
 
     @property
-    def continued(self) -> Any: ...
+    def continued(self) -> ContinuedRecord: ...
 
     # -- background work and the stop
     @property

@@ -514,7 +514,7 @@ def make_disk_tier(config: Any, slots: SlotOps, identity: Any, *, ubatch: int | 
 
     The slot-save-path: ``ocache.config.slot_save_path``; without one the server cannot save slots (docs/llama-server.md §3) and the tier is off.
     ``identity``: an ``ocache.fingerprint.Identity`` (its ``key``), a key string, or a callable
-    returning either (e.g. ``OCacheLayer._ident``: re-read before every lookup/write, so a restarted
+    returning either (e.g. ``OCacheLayer.identity``: re-read before every lookup/write, so a restarted
     server with another identity is served only its own entries; the others stay). Other settings:
     ``disk_budget_gb``, ``disk_ttl_days``, ``disk_min_tokens`` and ``tiers["disk"]`` keys ``grid``,
     ``free_floor_gb``, ``admit_after``. Opens the store (other identities' entries are kept).

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from ocache.align import Aligned, AsSent, Splice, Turn, decide
 from ocache.api.convert import RESPONSES_ROUTES
 from ocache.api.figures import Figures
-from ocache.cache.align_route import SETTLE_WAIT_S, SPLICE_HEADER, AlignContext, held_after, hold_known
+from ocache.cache.align_route import SETTLE_WAIT_S, SPLICE_HEADER, AlignContext, held_after, hold_known, settle_slot
 from ocache.cache.prepare import Prepared, Shape
 from ocache.compaction import Compaction, continuation, matches, parse, without_tools
 from ocache.config import field_of
@@ -55,7 +55,7 @@ from ocache.substitute import owner_of
 from ocache.tokens import TokenViewError
 
 if TYPE_CHECKING:
-    from ocache.cache.ports import PlanningServices
+    from ocache.cache.ports import AlignRecord, ContinuedRecord, PlanningServices
 
 log = logging.getLogger("ocache.cache")
 
@@ -91,10 +91,10 @@ class ContinuedContext(AlignContext):
     """``Plan.context`` of a continued request (an :class:`AlignContext`: the layer hands its
     response to ``AlignRoute.observe``, which calls :meth:`on_observed`)."""
 
-    route: ContinueRoute = field(default_factory=ContinueRoute)
+    route: ContinuedRecord = field(default_factory=ContinueRoute)
     saved: int = 0
 
-    def on_observed(self, align: Any, table: SlotTable, obs: Observation) -> None:
+    def on_observed(self, align: AlignRecord, table: SlotTable, obs: Observation) -> None:
         """The slot now holds the continuation: its count (prompt + generated - 1) when the answer
         came, and the conversation's record again (still its first tokens); a 412 (the slot no
         longer held them) counts ``refused``, and the record is gone."""
@@ -104,7 +104,7 @@ class ContinuedContext(AlignContext):
         # the slot keeps the conversation's known first prompt and its owner (``hold_known`` at plan
         # time), now with the server's count; not marked unknown, which would show it empty and
         # send every new request server-placed (as after an aligned answer, align_route.hold_known)
-        align._settle_slot(table, self, obs)
+        settle_slot(table, self.slot, self.seq, obs)
         n_held = held_after(obs.timings or {})
         if n_held is None or table[self.slot].seq != self.seq or table[self.slot].pending:
             return
@@ -129,7 +129,7 @@ def _candidate(layer: PlanningServices, table: SlotTable, comp: Compaction | Non
     return why
 
 
-async def _settle(table: SlotTable) -> None:
+async def settle(table: SlotTable) -> None:
     """A client sends its compaction the moment the previous answer ends, before the proxy observed
     it (and the aligned route recorded it): wait for busy slots (bounded, ``SETTLE_WAIT_S``)."""
     for st in table.snapshot():
@@ -137,7 +137,7 @@ async def _settle(table: SlotTable) -> None:
             await table.wait_settled(st.id, SETTLE_WAIT_S)
 
 
-def _as_sent(route: ContinueRoute, rid: str, why: str) -> None:
+def _as_sent(route: ContinuedRecord, rid: str, why: str) -> None:
     route.counters["as_sent_" + why.replace(" ", "_")] += 1
     log.info("[%s] compaction not continued: %s", rid, why)
 
@@ -147,14 +147,14 @@ async def _decide(layer: PlanningServices, table: SlotTable, comp: Compaction | 
     """(slot, turn, the continuation's body fields, the decision, its tokens, whether it needs a
     splice) for a recognised compaction (``comp`` None: a conversation continued without its
     tools, ``found`` its slot and record), or why not."""
-    eot = await layer.align._eot(layer)
+    eot = await layer.align.eot(layer)
     viewer = layer.current_viewer
     if eot is None or viewer is None:
         return "no splice on this server"
     if found is None:
         got = _candidate(layer, table, comp, body, owner)
         if isinstance(got, str):
-            await _settle(table)      # the previous answer may not be recorded yet
+            await settle(table)      # the previous answer may not be recorded yet
             got = _candidate(layer, table, comp, body, owner)
         if isinstance(got, str):
             return got
@@ -189,7 +189,7 @@ async def _decide(layer: PlanningServices, table: SlotTable, comp: Compaction | 
     # the substitution gate's last condition, as for an aligned request: every span the proof
     # declares is judged on its text (a compaction of an answer quoting the end-of-turn marker
     # served the answer's tail twice without it)
-    judged = await layer.align._judge_of(layer).whole(turn, view.tokens, dec)
+    judged = await layer.align.judge_of(layer).whole(turn, view.tokens, dec)
     if isinstance(judged, AsSent):
         return judged.reason
     return slot, turn, fields, judged, view.tokens, True
@@ -213,7 +213,7 @@ def _updates(req: ParsedRequest, body: Any, turn: Turn, fields: dict, slot: int)
 
 async def plan(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Plan | None:
     """A continued plan, or None (module docstring: anything else is forwarded as sent)."""
-    route: ContinueRoute = layer.continued
+    route = layer.continued
     table = layer.table
     if not (route.on and layer.align.on and shape.chat and req.path in (*CHAT_PATHS, *RESPONSES_ROUTES)) \
             or table is None:
@@ -224,10 +224,10 @@ async def plan(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Pla
     if comp is None:
         # a conversation continued by one user turn without its tools (Codex's compaction)? The
         # previous answer may not be recorded yet: wait (bounded) only for a slot whose last request's
-        # messages open this one's (AlignRoute._settle)
+        # messages open this one's (AlignRoute.settle)
         if body.get("tools") or not isinstance(body.get("messages"), list):
             return None
-        await layer.align._settle(table, shape.keys)
+        await layer.align.settle(table, shape.keys)
         if not any(t.fields.get("tools") and 0 < len(body["messages"]) - len(t.messages) <= 2
                    for _, t in layer.align.records.values()):
             return None
