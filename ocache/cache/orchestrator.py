@@ -58,6 +58,7 @@ from ocache.cache.routes import known
 from ocache.config import Config
 from ocache.fingerprint import Identity
 from ocache.layer import Observation, ParsedRequest, Plan
+from ocache.llama.checks import Finding
 from ocache.llama.flags import argv_from_launch, params_from_argv
 from ocache.slots import SlotError, SlotTable
 from ocache.tiers.base import TierBase
@@ -140,7 +141,7 @@ class OCacheLayer:
         self.ids = IdentityKeeper(lambda: getattr(self.upstream, "props", None), lambda: self.argv,
                                   self._ready_lock, self._digested)
         self._epoch = getattr(upstream, "epoch", None)
-        self.findings: list[Any] = []
+        self.findings: list[Finding] = []
         self._no_save = False
         #: the saving against llama-server alone (report.stats ``alone``)
         self.alone = AloneTally()

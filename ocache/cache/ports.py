@@ -12,7 +12,7 @@ module stays a leaf of it.
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Any, Awaitable, Callable, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
 from ocache.align import Turn
 from ocache.background import Background
@@ -21,6 +21,7 @@ from ocache.cache.prepare import Prepared, Rejected, Shape
 from ocache.config import Config
 from ocache.fingerprint import Identity
 from ocache.layer import ParsedRequest, Plan
+from ocache.llama.checks import Finding
 from ocache.slots import SlotTable
 from ocache.tiers.base import TierBase
 from ocache.tiers.disk import DiskTier
@@ -86,7 +87,7 @@ class PlanningServices(Protocol):
     def upstream(self) -> UpstreamPort: ...
 
     @property
-    def markers(self) -> Any: ...
+    def markers(self) -> Sequence[str]: ...
 
     @property
     def opt_warm(self) -> bool: ...
@@ -159,7 +160,7 @@ class PlanningServices(Protocol):
     def by_tier(self) -> dict[str, int]: ...
 
     @property
-    def findings(self) -> list[Any]: ...
+    def findings(self) -> list[Finding]: ...
 
     @property
     def alone(self) -> Tally: ...
