@@ -450,12 +450,15 @@ def test_a_slot_whose_id_task_vanishes_or_goes_back_means_a_new_server_process()
     """``GET /slots`` of a new llama-server process: a slot that reported an ``id_task`` reports
     none (or a lower one). A restored slot of the old process looks exactly like a fresh empty one,
     so this is how the per-request refresh sees a restart before the upstream probe does."""
-    t = SlotTable(None, "http://127.0.0.1:9")
-    assert not t._restarted([{"id": 0, "id_task": 5}, {"id": 1}])
-    assert not t._restarted([{"id": 0, "id_task": 9}, {"id": 1, "id_task": 12}])
-    assert t._restarted([{"id": 0}, {"id": 1}])                   # both vanished
-    assert not t._restarted([{"id": 0, "id_task": 1}, {"id": 1}])
-    assert t._restarted([{"id": 0, "id_task": 0}, {"id": 1}])     # went back
+    from ocache.llama.slot_api import TaskIds
+
+    t = TaskIds()   # the slot table's record of them (SlotTable.refresh)
+    assert not t.record([{"id": 0, "id_task": 5}, {"id": 1}])
+    assert not t.record([{"id": 0, "id_task": 9}, {"id": 1, "id_task": 12}])
+    assert t.record([{"id": 0}, {"id": 1}])                   # both vanished
+    assert not t.record([{"id": 0, "id_task": 1}, {"id": 1}])
+    assert t.record([{"id": 0, "id_task": 0}, {"id": 1}])     # went back
+    assert t.record([{"id": 0, "id_task": 4}], restarted=True) and t.ids == {0: 4}   # another boot id
 
 
 def test_a_conversation_the_session_tier_will_not_spill_is_not_overwritten_for_a_shared_system_prompt():
