@@ -363,7 +363,9 @@ class Upstream:
             raise RuntimeError(f"upstream {self.base_url}: start() was not called")
         return self.session
 
-    def _auth(self) -> dict[str, str]:
+    def auth_headers(self) -> dict[str, str]:
+        """The ``Authorization`` header of the server's ``--api-key`` (config ``upstream_api_key``)
+        for ocache's own requests to it; empty without a key."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _shared_probe(self) -> asyncio.Task:
@@ -453,7 +455,7 @@ class Upstream:
         max_task = props_status = None
         timeout = aiohttp.ClientTimeout(total=max(self.probe_timeout_s, 5.0))
         try:
-            async with self._http.get(self.url("/metrics"), headers=self._auth(),
+            async with self._http.get(self.url("/metrics"), headers=self.auth_headers(),
                                         timeout=timeout) as r:
                 await r.read()
                 if r.status == 200:
@@ -461,7 +463,7 @@ class Upstream:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             pass
         try:
-            async with self._http.get(self.url("/props"), headers=self._auth(),
+            async with self._http.get(self.url("/props"), headers=self.auth_headers(),
                                         timeout=timeout) as r:
                 props_status = r.status
                 data = await r.read()
@@ -476,7 +478,7 @@ class Upstream:
             pass
         if start_time is None:
             try:
-                async with self._http.get(self.url("/slots"), headers=self._auth(),
+                async with self._http.get(self.url("/slots"), headers=self.auth_headers(),
                                             timeout=timeout) as r:
                     if r.status == 200:
                         slots = await r.json(content_type=None)

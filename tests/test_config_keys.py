@@ -154,9 +154,9 @@ async def p_upstream(tmp_path, mp):
 
 async def p_upstream_api_key(tmp_path, mp):
     async with _proxy(upstream_api_key="sekret") as (_, proxy, _c):
-        assert proxy.upstream._auth() == {"Authorization": "Bearer sekret"}
+        assert proxy.upstream.auth_headers() == {"Authorization": "Bearer sekret"}
     async with _proxy() as (_, proxy, _c):
-        assert proxy.upstream._auth() == {}
+        assert proxy.upstream.auth_headers() == {}
 
 
 async def p_admin_token(tmp_path, mp):
