@@ -90,16 +90,11 @@ def test_make_is_cached_outside_the_repo(models_tiny):
 @pytest.mark.parametrize("kind", models.KINDS)
 def test_generation_is_byte_deterministic(models_tiny, tmp_path, kind):
     """Writing the same spec again (fresh process state, other path) gives the same bytes."""
-    spec = models.PRESETS["tiny"][kind]
-    vocab = models._vocab_path()
-    dest = tmp_path / "again.gguf"
-    models._write(spec, dest, f"ocache-tiny-{kind}", vocab, models._vocab_sha256(vocab),
-                  models.template_path().read_text(encoding="utf-8"))
+    seed = models.PRESETS["tiny"][kind].seed
+    dest = models.write_reseeded("tiny", kind, tmp_path / "again.gguf", seed)   # the same seed: the same spec
     assert _sha256(dest) == _sha256(models_tiny[kind])
     # and a different seed gives a different file (the seed reaches the weights)
-    other = tmp_path / "other.gguf"
-    models._write(replace(spec, seed=spec.seed + 1), other, f"ocache-tiny-{kind}", vocab,
-                  models._vocab_sha256(vocab), models.template_path().read_text(encoding="utf-8"))
+    other = models.write_reseeded("tiny", kind, tmp_path / "other.gguf", seed + 1)
     assert _sha256(other) != _sha256(dest)
 
 
