@@ -113,7 +113,13 @@ def classify_slot(s: SlotState, reuse: Reuse, ctx: RequestContext, params: Serve
             # prefilled 1,355 tokens, 838 alone, when the changed turn superseded it.
             same = same and not departs_before_user(reuse.lcp, held, ctx.user_starts)
         else:
-            same = reuse.lcp >= held - params.n_ubatch and s.kind == ctx.kind
+            # without a session key: the same conversation when the request shares the slot's
+            # prompt but for its tail (a template re-renders the last turn's end: up to a ubatch),
+            # never less than half of it: a short slot (under a ubatch) would otherwise count as
+            # the same conversation as any request (lcp >= held - n_ubatch holds for lcp 0), and
+            # two short chats took turns on one slot, each cold, while the other slot stayed
+            # empty (tiny hybrid, -np 2, chats A, B, A, B: 130 tokens, 113 alone)
+            same = reuse.lcp >= held - min(params.n_ubatch, held // 2) and s.kind == ctx.kind
         if same and not s.origin:
             role, loss, protected = "own", 0, False
         elif s.origin:
