@@ -379,7 +379,7 @@ TIER_DOCS: dict[str, dict[str, tuple[str, str, str]]] = {
                   "earlier messages unchanged, the template checked append-only) to that slot before its token "
                   "view is built; the view and the figures follow while the server works (the known route: "
                   "X-OCache-Path: known; `fast_path`, its former name, is still read, with a warning)"),
-        "align": ("bool", "true", "serve a request that repeats the conversation a slot holds, except "
+        "align": ("true | false | exact", "true", "serve a request that repeats the conversation a slot holds, except "
                   "for what the chat template or the client rewrote (past reasoning dropped or "
                   "re-rendered), as the slot's own tokens plus the request's new part (patch 0008; "
                   "the model sees its earlier reasoning); false: every prompt is the template's, "
@@ -443,6 +443,19 @@ def tier_key(sub: Mapping[str, Any], tier: str, key: str, default: Any) -> Any:
     return default
 
 
+def align_mode(value: Any) -> str:
+    """``tiers.resident.align``'s value as a mode: ``"splice"`` (true, the default), ``"off"``
+    (false) or ``"exact"`` (``ocache.cache.align_route.mode`` reads it). Raises ConfigError for
+    another value."""
+    if value is True or value == "splice":
+        return "splice"
+    if value is False or value == "off":
+        return "off"
+    if value == "exact":
+        return "exact"
+    raise ConfigError(f"tiers.resident.align: {value!r} is not one of true, false, exact")
+
+
 def check_tiers(tiers: Mapping[str, Any]) -> None:
     """Reject unknown tier names and keys under ``tiers:`` (a typo there would silently drop the
     server flags ocache needs). Raises ConfigError."""
@@ -462,8 +475,11 @@ def check_tiers(tiers: Mapping[str, Any]) -> None:
                    | (set(ServerParams.__dataclass_fields__) if name == "resident" else set()))
         unknown = sorted(set(map(str, sub)) - allowed)
         if unknown:
+            also = " and llama-server's parameters (`ocache serve --help-config`)" if name == "resident" else ""
             raise ConfigError(f"tiers.{name}: unknown key(s) {', '.join(unknown)}; known: "
-                              f"{', '.join(sorted(TIER_KEYS[name]))}")
+                              f"{', '.join(sorted(TIER_KEYS[name]))}{also}")
+        if name == "resident" and "align" in sub:
+            align_mode(sub["align"])
         if name == "session" and "live_save" in sub:
             from ocache.tiers.live import live_mode
 

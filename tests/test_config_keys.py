@@ -794,3 +794,19 @@ def test_the_known_routes_former_key_is_still_read_with_a_warning(caplog):
     assert "tiers.resident.fast_path is deprecated" in caplog.text
     assert _layer(tiers={"resident": {"fast_path": False}}).opt_known is False
     assert _layer(tiers={"resident": {"fast_path": False, "known": True}}).opt_known is True
+
+
+def test_a_bad_align_value_is_a_config_error_of_serve(tmp_path, capsys):
+    """``tiers.resident.align: maybe`` stops ``ocache serve`` with a config error (exit 2) before
+    anything starts, as every other bad value does (it raised from inside the layer before:
+    a traceback and an unclosed session); the three values and their spellings are accepted."""
+    from ocache.cli import main
+
+    for ok in (True, False, "exact", "splice", "off"):
+        cfg_mod.check_tiers({"resident": {"align": ok}})
+    f = tmp_path / "ocache.yaml"
+    f.write_text("tiers:\n  resident:\n    align: maybe\n")
+    assert main(["serve", "--config", str(f), "--upstream", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: tiers.resident.align: 'maybe' is not one of true, false, exact" in err
+    assert "Traceback" not in err

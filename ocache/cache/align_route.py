@@ -59,7 +59,7 @@ from ocache.api.convert import RESPONSES_ROUTES
 from ocache.cache.exact import ExactWarmups
 from ocache.cache.ports import PlanningServices
 from ocache.cache.execute import PlanContext
-from ocache.config import field_of
+from ocache.config import align_mode, field_of
 from ocache.layer import Observation, Plan, ParsedRequest
 from ocache.slots import SlotTable
 from ocache.tokens import TokenView, TokenViewError
@@ -146,16 +146,9 @@ def mode(config: Any) -> str:
     """``tiers.resident.align``: ``"splice"`` (true, the default: a rewritten history served as the
     slot's ids plus the new part), ``"exact"`` (every prompt the template's; after a turn that
     ended without a tool call the next prompt's predictable prefix is prefilled at idle,
-    :class:`ocache.cache.exact.ExactWarmups`) or ``"off"`` (false). Raises ValueError for another value."""
+    :class:`ocache.cache.exact.ExactWarmups`) or ``"off"`` (false). Raises ConfigError (a ValueError) for another value."""
     tiers = field_of(config, "tiers", None) or {}
-    value = (tiers.get("resident") or {}).get("align", True)
-    if value is True or value == "splice":
-        return "splice"
-    if value is False or value == "off":
-        return "off"
-    if value == "exact":
-        return "exact"
-    raise ValueError(f"tiers.resident.align: {value!r} is not one of true, false, exact")
+    return align_mode((tiers.get("resident") or {}).get("align", True))
 
 
 def enabled(config: Any) -> bool:
