@@ -468,3 +468,13 @@ async def test_port_0_listens_on_a_free_port_and_reports_it():
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+def test_drain_reads_ocache_url_and_takes_token_as_the_other_admin_commands(capsys, monkeypatch):
+    """``ocache drain`` goes to ``$OCACHE_URL`` (as stats, top and warm do; it went to the default
+    port before, which could drain another instance) and takes ``--token`` beside ``--admin-token``."""
+    from ocache.cli import main
+
+    monkeypatch.setenv("OCACHE_URL", "http://127.0.0.1:9")
+    assert main(["drain", "--token", "x", "--wait", "0"]) == 2
+    assert "cannot reach ocache at http://127.0.0.1:9:" in capsys.readouterr().err

@@ -68,7 +68,10 @@ def register(subparsers) -> None:
                               description="POST /v1/cache/drain: the running ocache stops accepting, "
                                           "finishes in-flight requests, spills every slot's conversation "
                                           "to disk, then exits; the next start restores the most recent.")
-    p.add_argument("--url", default="http://127.0.0.1:8081", help="the running ocache (default %(default)s)")
-    p.add_argument("--admin-token", help="admin token (default $OCACHE_ADMIN_TOKEN)")
+    p.add_argument("--url", default=os.environ.get("OCACHE_URL", "http://127.0.0.1:8081"),
+                   help="the running ocache (default %(default)s, env OCACHE_URL), as ocache stats, "
+                   "top and warm read it")
+    p.add_argument("--admin-token", "--token", dest="admin_token",
+                   help="admin token (default $OCACHE_ADMIN_TOKEN)")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for it to exit (0: do not wait)")
     p.set_defaults(func=_cmd_drain)
