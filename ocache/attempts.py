@@ -127,6 +127,7 @@ class Attempts:
 
     def __init__(self, proxy: ProxyPorts) -> None:
         self.proxy = proxy
+        self._refused_epoch: object = None   # the server process whose refusal was logged
 
     async def _plan(self, preq: ParsedRequest, body: bytes) -> tuple[Plan, bytes]:
         """``layer.plan`` and the body it makes (``with_fields``); the plan's receipt is taken at
@@ -226,7 +227,18 @@ class Attempts:
         p = self.proxy
         state = await p.upstream.probe()
         if state == "ready" and p.upstream.epoch == epoch:
-            log.exception("[%s] cache layer plan() failed: forwarding untouched", att.rid)
+            status = getattr(exc, "status", 0)
+            if status in (401, 403):
+                # a server started with --api-key refuses ocache's own GET /slots (its /health is
+                # open, so it looks ready): one line per server process, not a traceback a request
+                if self._refused_epoch != epoch:
+                    self._refused_epoch = epoch
+                    log.warning("[%s] llama-server answers %s to ocache's own requests (%s): it runs "
+                                "with --api-key; set upstream_api_key (env OCACHE_UPSTREAM_API_KEY) to "
+                                "its key. Until then every request is forwarded untouched, uncached",
+                                att.rid, status, exc)
+            else:
+                log.exception("[%s] cache layer plan() failed: forwarding untouched", att.rid)
             p.stats.layer_error("plan")
             att.fail_open = True
             return None

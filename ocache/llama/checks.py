@@ -383,8 +383,9 @@ async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None =
     patched server reports (``/props`` ``ocache.launch``, patches/0009), else unknown; the info's
     ``flags`` says which. Raises ``NotLlamaServer`` when the
     URL answers but not as llama-server does (``/health`` 200 ``{"status": "ok"}`` or 503 "Loading
-    model", tools/server/server-http.cpp:307-327; ``/props`` with ``build_info``), aiohttp errors
-    when it cannot be reached."""
+    model", tools/server/server-http.cpp:307-327; ``/props`` with ``build_info``), RuntimeError
+    when its ``/props`` refuses the key (401/403: ``--api-key``), aiohttp errors when it cannot be
+    reached."""
     import aiohttp
 
     from ocache.llama.slot_api import is_llama_props, is_loading, json_or_none
@@ -403,6 +404,10 @@ async def probe(base_url: str, argv: Sequence[str] | None, api_key: str | None =
                                  + ", not llama-server's {\"status\": \"ok\"}")
         async with s.get(base + "/props") as r:
             props_status, props = r.status, json_or_none(await r.read())
+        if props_status in (401, 403):   # /health is open under --api-key, /props is not
+            raise RuntimeError(f"GET /props answered {props_status}: llama-server runs with --api-key "
+                               "and refuses this key or none; pass --api-key KEY (ocache serve reads "
+                               "upstream_api_key)")
         if props_status == 404 or (props_status == 200 and not is_llama_props(props)):
             raise NotLlamaServer(f"GET /props answered {props_status} without llama-server's "
                                  "build_info / total_slots")
