@@ -135,3 +135,31 @@ def test_doctor_reads_the_patched_servers_flags_and_leads_with_the_tiers_off(sta
     levels = {f["flag"]: f["level"] for f in out["findings"]}
     assert "unknown" not in levels.values() and levels["--slot-save-path"] == "ok", levels
     assert p.returncode == 0 and out["ok"] is True, p.stdout
+
+
+async def test_tiers_off_for_a_stock_server_are_built_for_the_patched_one_that_replaces_it(tmp_path):
+    """``BuiltTiers.ready`` runs for each server process. A stock server reports no slot-save
+    folder, so the disk and session tiers are off; the patched server that replaces it under the
+    same ocache reports one, and they are built then (they stayed off until ocache restarted: the
+    store was never opened and a restart after that was cold)."""
+    from types import SimpleNamespace
+
+    from ocache.cache.wiring import BuiltTiers
+    from ocache.config import Config
+
+    def table(save):
+        return SimpleNamespace(params=SimpleNamespace(slot_save_path=str(save) if save else None, n_ubatch=512))
+
+    tiers: list = []
+    built = BuiltTiers(tiers)
+    config = Config(cache_dir=str(tmp_path / "state"))
+    kw = dict(no_save=False, prefill_tps_of=lambda: None, upstream=SimpleNamespace(generating=0))
+    await built.ready(config, table(None), lambda: "ident-stock", **kw)          # the stock server
+    assert built.disk is None and built.session is None and tiers == []
+    save = tmp_path / "slots"
+    save.mkdir()
+    await built.ready(config, table(save), lambda: "ident-patched", **kw)        # the patched one
+    assert built.disk is not None and built.session is not None
+    assert sorted(t.name for t in tiers) == ["disk", "session"]
+    await built.ready(config, table(save), lambda: "ident-patched", **kw)        # built once
+    assert sorted(t.name for t in tiers) == ["disk", "session"]

@@ -120,15 +120,15 @@ async def build_remote_tier(config: Any, table: Any, tiers: Sequence[Any]) -> An
 
 class BuiltTiers:
     """The disk, session and remote tiers built from the config once the server is known, each
-    once per layer (a tier that could not be built stays off). ``tiers``: the layer's list of
-    registered tiers; each tier built here is appended to it."""
+    once per layer; one that could not be built (a stock server reports no slot-save folder) is
+    tried again when the layer gets ready for the next server process, and the remote tier once
+    more after one of the others was built. ``tiers``: the layer's list of registered tiers; each
+    tier built here is appended to it."""
 
     def __init__(self, tiers: list[Any]) -> None:
         self.tiers = tiers
         self.session: Any = None
         self.disk: Any = None
-        self._session_off = False
-        self._disk_off = False
         self._remote_tried = False
 
     async def ready(self, config: Any, table: Any, identity_fn: Any, *, no_save: bool,
@@ -143,19 +143,20 @@ class BuiltTiers:
         ``tiers.session.live_save`` asks for them (``remote``: when the remote tier is on), paced by
         ``upstream``'s completions in flight (``Upstream.generating``, ``quiet``).
         ``identity_fn()``: the server's current ``Identity``."""
-        if self.session is None and not self._session_off:
-            self.session = build_session_tier(config, table, identity_fn())
-            self._session_off = self.session is None
+        built = False
+        if self.session is None:   # tried again for each server process: a stock server replaced
+            self.session = build_session_tier(config, table, identity_fn())   # by the patched one
             if self.session is not None:
                 self.tiers.append(self.session)
+                built = True
         if self.session is not None:
             await self.session.after_start()
-        if self.disk is None and not self._disk_off:
-            self.disk = None if no_save else build_disk_tier(config, table, identity_fn)
-            self._disk_off = self.disk is None
+        if self.disk is None and not no_save:
+            self.disk = build_disk_tier(config, table, identity_fn)
             if self.disk is not None:
                 self.tiers.append(self.disk)
-        if not self._remote_tried:
+                built = True
+        if not self._remote_tried or (built and not any(t.name == "remote" for t in self.tiers)):
             self._remote_tried = True
             remote = await build_remote_tier(config, table, self.tiers)
             if remote is not None:
