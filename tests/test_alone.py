@@ -98,3 +98,18 @@ async def test_the_model_matches_a_real_stock_server_sent_the_same_requests(star
     assert st["requests"] == len(turns)
     assert abs(st["prefill"] - measured) <= 8 * len(turns), (st, measured)
     assert st["saved"] == st["prefill"] - st["ocache_prefill"] and st["ocache_prefill"] >= through - 8
+
+
+def test_a_dense_prompt_that_continues_into_the_answer_reuses_it_alone():
+    """The model does not know the answer's token ids. On a dense server a next prompt that sends
+    the answer back reuses it too (the server's cache_n covers prompt and answer), so the server
+    alone is not charged for it: the saving against it was overstated by each answer's length (the
+    tiny bench's growth: 45 reported, 0 measured). On a hybrid the prediction stays the checkpoint's."""
+    first = toks(2000, 1)
+    m = AloneModel()
+    assert m.serve(first, DENSE, generated=16) == 2000
+    # the answer (16 tokens ocache never saw) and a 30-token user turn: only these 30 are new
+    assert m.serve(first + toks(16, 2) + toks(30, 3), DENSE) == 30
+    h = AloneModel()
+    h.serve(first, HYBRID, user_starts=(0,), generated=16)
+    assert h.serve(first + toks(16, 2) + toks(30, 3), HYBRID) > 46
