@@ -55,3 +55,20 @@ async def test_doctor_names_the_key_a_server_refuses(start_server):
         await probe(srv.url, None)
     findings, info = await probe(srv.url, None, KEY)
     assert not [f for f in findings if "--metrics" in str(f) and f.level != "ok"], findings
+
+
+async def test_an_answer_the_server_refused_carries_no_reuse_figures(start_server):
+    """With the key configured, a client sending a wrong key gets the server's 401, planned like
+    any request (the known route forwards first): its headers say nothing was reused or prefilled
+    (they said ``X-OCache-Reused`` of the plan before, for an answer the server never computed)."""
+    srv = await asyncio.to_thread(start_server, "dense", n_parallel=2, api_key=KEY)
+    body = {"messages": [{"role": "user", "content": "Say a word about the sea."}], "max_tokens": 4}
+    async with through_ocache(Config(upstream=srv.url, upstream_api_key=KEY)) as (base, _):
+        async with aiohttp.ClientSession() as c:
+            for key, want in ((KEY, 200), ("wrong", 401), (KEY, 200)):
+                async with c.post(base + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": f"Bearer {key}"}) as r:
+                    await r.read()
+                    assert r.status == want
+                    if want == 401:
+                        assert "X-OCache-Reused" not in r.headers and "X-OCache-Prefilled" not in r.headers

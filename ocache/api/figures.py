@@ -81,6 +81,10 @@ class Figures:
                ("prefilled", "X-OCache-Prefilled"), ("reused", "X-OCache-Reused"),
                ("restore_ms", "X-OCache-Restore-Ms"))
 
+    #: the headers that say what the server reused or prefilled for the answer: an error answer
+    #: (status >= 400: a refused key, a bad body) had none, so they are not sent with it
+    ANSWER_HEADERS = ("X-OCache-Reused", "X-OCache-Prefilled", "X-OCache-Aligned", "X-OCache-Continued")
+
     def headers(self) -> dict[str, str]:
         """The figures as response headers (the known ones only)."""
         out = {}
