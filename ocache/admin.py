@@ -121,11 +121,13 @@ def is_slot_action(request: web.BaseRequest) -> bool:
             and any(a in SLOT_ACTIONS for a in request.query.getall("action", ())))
 
 
-def slot_action_refused(request: web.BaseRequest, upstream_url: str, rid: str | None) -> web.Response:
+def slot_action_refused(request: web.BaseRequest, rid: str | None) -> web.Response:
+    """403 for a client's slot action; the message does not name the server's address (a client
+    of ocache need not learn where llama-server listens)."""
     action = ",".join(request.query.getall("action", ()))
     return error(403, f"ocache owns llama-server's slots: a client's /slots action={action} would "
                  "change a slot behind ocache's slot table. Use POST /v1/cache/clear (admin token) "
-                 f"or `ocache warm DIR`, or call llama-server directly at {upstream_url}",
+                 "or `ocache warm DIR`, or call llama-server directly",
                  "forbidden_error", rid)
 
 
@@ -325,7 +327,7 @@ class AdminRoutes:
                                                  not isinstance(proxy.layer, NullLayer)):
             log.warning("[%s] refused a client's %s %s (ocache owns the slots)", rid, request.method,
                         request.path_qs)
-            resp = slot_action_refused(request, proxy.upstream.base_url, rid)
+            resp = slot_action_refused(request, rid)
         if resp is not None:
             proxy.stats.request(path, resp.status)
             return resp

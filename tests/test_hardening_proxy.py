@@ -622,6 +622,7 @@ async def test_client_slot_actions_refused(dense):
                 body = await r.json()
                 assert r.status == 403, body
                 assert "ocache owns" in body["error"]["message"]
+                assert "127.0.0.1" not in body["error"]["message"]   # not where the server listens
         # the spellings llama-server routes too (each reached the server before)
         for path in ("/slots/0/?action=erase", "//slots/0?action=save", "/slots/0?action=foo&action=restore",
                      "/slots/0?action=restore&action=foo", "/slots/0?%61ction=%65rase", "/slots/0%2F?action=erase"):
