@@ -401,8 +401,8 @@ class AdminRoutes:
                     result = await proxy.layer.clear(tier)
                     if tier == "all" and responses is not None:
                         result["response"] = responses.clear()["cleared"]
-            except ValueError as exc:
-                return error(400, str(exc), "invalid_request_error", rid)
+            except ValueError as exc:   # the layer's tiers; this route adds the response cache's
+                return error(400, f"{exc} or 'response'", "invalid_request_error", rid)
             except Exception as exc:
                 proxy.stats.layer_error("clear")
                 log.exception("[%s] cache layer clear(%r) failed", rid, tier)

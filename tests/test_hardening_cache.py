@@ -255,6 +255,9 @@ async def test_head_files_are_store_entries(start_server, tmp_path, capsys):
         assert r["data"]["timings"]["cache_n"] >= len(e.tokens or ht.store.tokens(e.key)) - UB
         ref = await cold(srv.url, b)
         assert r["data"]["choices"][0]["message"] == ref["choices"][0]["message"]
+        async with s.post(base + "/v1/cache/clear?tier=bogus", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            msg = (await resp.json())["error"]["message"]   # every tier the route takes, the response cache too
+            assert resp.status == 400 and "'bogus'" in msg and "'head'" in msg and "'response'" in msg, msg
         async with s.post(base + "/v1/cache/clear?tier=all", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
             assert resp.status == 200, await resp.text()
         assert not heads_on_disk() and not ht.store.entries("h")
