@@ -9,7 +9,8 @@ Environment values are strings and are converted by the field's type: booleans a
 ``1/0/true/false/yes/no/on/off``; lists are comma-separated (``OCACHE_ALLOWED_HOSTS=a.lan,b.lan``);
 ``OCACHE_TIERS`` and ``OCACHE_LAUNCH`` take YAML (``OCACHE_LAUNCH='[-m, /m.gguf]'``).
 Environment variables that are not config keys (``OCACHE_CACHE_DIR`` is one; ``OCACHE_SHARED``
-used by the tests is not) are ignored, because other ocache tools share the prefix. Unknown keys in
+used by the tests is not) are ignored, because other ocache tools share the prefix; one that nearly
+spells a key (``OCACHE_ADMIN_TOKN``) is ignored with a warning. Unknown keys in
 the YAML file and bad values anywhere raise ``ConfigError`` naming the key and the source.
 """
 
@@ -341,6 +342,7 @@ def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = 
         key = "OCACHE_" + name.upper()
         if key in env:
             values[name] = _coerce(name, env[key], f"env {key}", from_env=True)
+    _warn_env_typos(env)
     for k, v in (overrides or {}).items():
         if k in REMOVED and v is not None:
             raise ConfigError(f"the key {k!r} was removed: {REMOVED[k]}")
@@ -354,6 +356,23 @@ def load(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = 
     check_response_cache(cfg.response_cache)
     check_store(cfg.store)
     return cfg
+
+
+def _warn_env_typos(env: Mapping[str, str]) -> list[str]:
+    """Warn of each ``OCACHE_*`` variable that is no config key but nearly spells one
+    (``OCACHE_ADMIN_TOKN``): other variables with the prefix are not config keys and stay ignored
+    (module docstring), a near miss is most likely a typo that would silently leave the key unset.
+    Returns the warnings."""
+    import difflib
+
+    keys = {"OCACHE_" + n.upper() for n in FIELDS}
+    said = []
+    for var in sorted(v for v in env if v.startswith("OCACHE_") and v not in keys):
+        near = difflib.get_close_matches(var, keys, n=1, cutoff=0.9)
+        if near:
+            said.append(f"env {var} is not a config key (ignored): did you mean {near[0]}?")
+            logging.getLogger("ocache.config").warning("%s", said[-1])
+    return said
 
 
 #: Keys that were accepted once and are gone; naming one is a ConfigError with this advice.

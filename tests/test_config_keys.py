@@ -810,3 +810,13 @@ def test_a_bad_align_value_is_a_config_error_of_serve(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "config error: tiers.resident.align: 'maybe' is not one of true, false, exact" in err
     assert "Traceback" not in err
+
+
+def test_a_near_miss_of_a_config_env_variable_is_warned_and_others_stay_quiet(caplog):
+    """``OCACHE_ADMIN_TOKN`` was ignored without a word (the admin routes then answer 404); the
+    variables other tools share the prefix with (``OCACHE_SHARED``, ``OCACHE_URL``) stay quiet."""
+    caplog.set_level("WARNING", logger="ocache.config")
+    cfg = cfg_mod.load(None, env={"OCACHE_ADMIN_TOKN": "x", "OCACHE_SHARED": "/s", "OCACHE_URL": "http://h"})
+    assert cfg.admin_token is None
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["env OCACHE_ADMIN_TOKN is not a config key (ignored): did you mean OCACHE_ADMIN_TOKEN?"], said
