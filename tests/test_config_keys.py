@@ -820,3 +820,11 @@ def test_a_near_miss_of_a_config_env_variable_is_warned_and_others_stay_quiet(ca
     assert cfg.admin_token is None
     said = [r.getMessage() for r in caplog.records]
     assert said == ["env OCACHE_ADMIN_TOKN is not a config key (ignored): did you mean OCACHE_ADMIN_TOKEN?"], said
+
+
+def test_replicas_without_launch_is_a_config_error(capsys):
+    """``--replicas 2`` without ``--launch`` started nothing and said nothing."""
+    from ocache.cli import main
+
+    assert main(["serve", "--replicas", "2", "--upstream", "http://127.0.0.1:9"]) == 2
+    assert "--replicas starts llama-server children: it needs --launch" in capsys.readouterr().err

@@ -85,6 +85,10 @@ def build_config(args: argparse.Namespace) -> Config:
     if getattr(args, "verbose", False):
         overrides["log_level"] = "debug"
     cfg = config_mod.load(args.config, overrides=overrides)
+    if getattr(args, "replicas", None) is not None and not cfg.launch:
+        raise config_mod.ConfigError("--replicas starts llama-server children: it needs --launch -- ARGS "
+                                     "(or `launch` in the config); for servers already running, give "
+                                     "--upstream once per server")
     if args.launch_args and not args.launch:
         if cfg.launch:
             raise config_mod.ConfigError("the config launches llama-server (`launch`), so the arguments "
@@ -139,7 +143,8 @@ def register(subparsers) -> None:
     p.add_argument("--replicas", type=int, metavar="N",
                    help="with --launch: start N llama-server children (config launch_replicas; "
                         "launch_devices gives each its CUDA_VISIBLE_DEVICES)")
-    p.add_argument("--admin-token", help="token for POST /v1/cache/clear")
+    p.add_argument("--admin-token", help="bearer token of the admin routes (POST /v1/cache/clear, "
+                   "/v1/cache/warm, /v1/cache/drain; config admin_token)")
     p.add_argument("--record", metavar="DIR", help="record each completion request (JSON lines, ocache/record.py) in DIR")
     p.add_argument("--redact", action="store_true",
                    help="with --record: keep structure and counts, drop all text (ocache/record.py)")

@@ -59,7 +59,7 @@ def _cli(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("warm", help="warm a project folder's head in a running ocache",
-                              description="Put the head of FOLDER (tools + system prompt of the last agent "
+                              description="Put the head of DIR (tools + system prompt of the last agent "
                               "request ocache saw there) into a slot: restored from the disk tier, or "
                               "prefilled and saved. Exits 1 if ocache never saw the folder.")
     p.add_argument("dir", metavar="DIR", help="project folder (as the agent reports it as its working directory)")
