@@ -193,3 +193,18 @@ async def test_a_lookup_waits_for_the_spill_of_the_conversation_it_continues(tmp
     assert offer is not None and offer.tokens_usable == len(HEAD) + len(TURN), offer
     assert tier.counters["inflight_waits"] >= 1 and tier.counters["spills"] == 1
     assert not tier._inflight
+
+
+async def test_another_identitys_spill_is_not_offered(tmp_path):
+    """A spill of another identity (a patched server replaced by a stock one: another build) is
+    kept for it and not offered: offered, it was refused at its restore's check on every request
+    (a warning each time) and the request planned again."""
+    store = make_store(tmp_path, identity="id-patched")
+    conv = HEAD + TURN + list(range(900, 1000))
+    spill_entry(store, conv, spill_mod.hint_key("ses_A"), prompt_n=len(conv) - 10)
+    req = HEAD + TURN + [7, 8, 9]
+    ctx = SimpleNamespace(session="ses_A", kind="agent")
+    assert await tier_over(store).lookup(view(req), ctx) is not None
+    store.identity = "id-stock"            # the server that replaced it (the layer's identity sync)
+    assert await tier_over(store).lookup(view(req), ctx) is None
+    assert len(store.entries(spill_mod.KIND)) == 1 and store.counters["verify_failed"] == 0

@@ -571,7 +571,11 @@ class SessionTier(TierBase):
         floor = self.policy.offer_floor(guest, int(_get(view, "head_end") or 0))
         if self._inflight:
             await self._await_inflight(view.tokens, floor, guest)
-        entries = [e for e in self.store.entries(KIND) if is_guest(e.meta) == guest]
+        # another identity's spills (another model or build: a patched server replaced by a stock
+        # one) are kept for it and never offered: each would be refused at its restore's check
+        ident = self.store.identity
+        entries = [e for e in self.store.entries(KIND)
+                   if is_guest(e.meta) == guest and (ident is None or e.identity == ident)]
         if not entries:
             return None
         self.counters["lookups"] += 1
