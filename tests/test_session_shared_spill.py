@@ -205,6 +205,6 @@ async def test_another_identitys_spill_is_not_offered(tmp_path):
     req = HEAD + TURN + [7, 8, 9]
     ctx = SimpleNamespace(session="ses_A", kind="agent")
     assert await tier_over(store).lookup(view(req), ctx) is not None
-    store.identity = "id-stock"            # the server that replaced it (the layer's identity sync)
+    store.set_identity("id-stock")         # the server that replaced it (wiring.sync_store_identity)
     assert await tier_over(store).lookup(view(req), ctx) is None
     assert len(store.entries(spill_mod.KIND)) == 1 and store.counters["verify_failed"] == 0
