@@ -69,6 +69,20 @@ def file_bytes(url: str) -> bytes:
         raise MediaError(f"invalid base64 media: {exc}") from None
 
 
+def has_media_parts(body: Mapping[str, Any]) -> bool:
+    """Whether a chat body has a media content part. A rendered prompt's text can hold the
+    marker's shape without one (a user pasting ``<__media_x__>``, a tool reading this module): the
+    server's marker is random per process (``get_media_marker``, tools/server/server-common.cpp:138-148
+    of the pinned source), so without a media part such text is text."""
+    msgs = body.get("messages")
+    for msg in msgs if isinstance(msgs, list) else ():
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if isinstance(content, list) and any(isinstance(p, Mapping) and p.get("type") in MEDIA_PARTS
+                                             for p in content):
+            return True
+    return False
+
+
 def media_parts(body: Mapping[str, Any]) -> list[str]:
     """The URL of every media part of a chat body, in the order the server loads them. Raises
     MediaError for audio and video parts (not viewed yet)."""

@@ -69,7 +69,7 @@ import xxhash
 
 from ocache.api.convert import CONVERTED_ROUTES, ConversionError, to_chat
 from ocache.fingerprint import Head, cut_body
-from ocache.media import MARKER as MEDIA_MARKER
+from ocache.media import MARKER as MEDIA_MARKER, has_media_parts
 from ocache.upstream import UpstreamPort
 
 log = logging.getLogger("ocache.tokens")
@@ -916,7 +916,9 @@ class TokenViewer(ViewCalls):
             if keys[1]:
                 msg_key, n_msgs = keys[2], len(keys[1])
             text = await self.render(body, keys)
-            if MEDIA_MARKER.search(text):   # images: each keyed by its digest (ocache/media.py)
+            # images: each keyed by its digest (ocache/media.py); the marker's shape in a text
+            # without a media part is text (media.has_media_parts)
+            if MEDIA_MARKER.search(text) and has_media_parts(body):
                 tokens = await self._media_tokens(text, body)
             else:
                 tokens = await self.tokenize(text)

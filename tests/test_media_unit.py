@@ -192,3 +192,15 @@ def test_token_id_prefills_stop_before_the_first_image():
     table.slots = [SlotState(0, n_ctx=16384)]
     with pytest.raises(SlotError):
         asyncio.run(table.warm(0, toks[:5016]))
+
+
+def test_the_markers_shape_without_a_media_part_is_text():
+    """``has_media_parts``: only a body with a media part takes the media path; a text holding the
+    marker's shape (this module's source read by an agent's tool) is text."""
+    text_only = {"messages": [{"role": "user", "content": "see <__media_abc123__> in media.py"},
+                              {"role": "tool", "content": [{"type": "text", "text": "<__media_x__>"}]}]}
+    assert not media.has_media_parts(text_only)
+    with_image = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    assert media.has_media_parts(with_image)
+    assert not media.has_media_parts({"messages": "not a list"}) and not media.has_media_parts({})
