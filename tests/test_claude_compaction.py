@@ -66,8 +66,8 @@ def _session(binary, proxy, tmp_path: Path, name: str, auto: bool, model: str):
         extra.update(CLAUDE_CODE_AUTO_COMPACT_WINDOW="100000", CLAUDE_AUTOCOMPACT_PCT_OVERRIDE="24")
     env = clients.claude_env(tmp_path / f"home-{name}", proxy.url, output_tokens=4096, extra=extra)
     sources = sorted((Path(__file__).resolve().parent.parent / "ocache").glob("*.py"))
-    prompts = ["list the files and explain main.py"] + [
-        f"Review this code:\n\n{p.read_text()[:6000]}" for p in sources if p.stat().st_size > 6000][:N_REVIEWS]
+    reviews = [f"Review this code:\n\n{p.read_text()[:6000]}" for p in sources if p.stat().st_size > 6000]
+    prompts = ["list the files and explain main.py"] + reviews[:N_REVIEWS]
     prompts += ["what next?"] if auto else ["/compact", "what next?"]
     runs = []
     for i, prompt in enumerate(prompts):
@@ -76,11 +76,12 @@ def _session(binary, proxy, tmp_path: Path, name: str, auto: bool, model: str):
         assert runs[-1].returncode == 0, runs[-1].describe(5)
     # Claude Code compacts by itself once its own estimate of the context passes the threshold,
     # and the tiny model's answers (their lengths) decide on which turn: a few more turns, at
-    # most three, until it has (a loaded run's conversation stayed under it once)
-    for _ in range(3 if auto else 0):
+    # most three, until it has. Each is another ~1,500-token review, so the context grows past the
+    # threshold whatever the answers (three short "what next?" turns once left it under)
+    for more in reviews[N_REVIEWS:N_REVIEWS + 3] if auto else []:
         if _compactions(_wait_recorded(proxy, lambda rs: len(rs) >= len(runs) + 1)):
             break
-        runs.append(clients.run_claude(binary, project, "what next?", env, model=model,
+        runs.append(clients.run_claude(binary, project, more, env, model=model,
                                        args=("--continue",), timeout=300))
         assert runs[-1].returncode == 0, runs[-1].describe(5)
     return runs, _wait_recorded(proxy, lambda rs: bool(_compactions(rs)) and len(rs) >= len(runs) + 1)
