@@ -108,8 +108,9 @@ def test_a_dense_prompt_that_continues_into_the_answer_reuses_it_alone():
     first = toks(2000, 1)
     m = AloneModel()
     assert m.serve(first, DENSE, generated=16) == 2000
-    # the answer (16 tokens ocache never saw) and a 30-token user turn: only these 30 are new
-    assert m.serve(first + toks(16, 2) + toks(30, 3), DENSE) == 30
+    # the answer (16 tokens ocache never saw; the slot holds 15 of them, the last one sampled and
+    # never evaluated) and a 30-token user turn: that token and the 30 are new
+    assert m.serve(first + toks(16, 2) + toks(30, 3), DENSE) == 31
     h = AloneModel()
     h.serve(first, HYBRID, user_starts=(0,), generated=16)
     assert h.serve(first + toks(16, 2) + toks(30, 3), HYBRID) > 46
