@@ -27,7 +27,7 @@ import base64
 import binascii
 import hashlib
 import re
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Iterator, Mapping
 
 #: the media marker of the rendered prompt (server-common.cpp:138-146)
 MARKER = re.compile(r"<__media_[A-Za-z0-9]+__>")
@@ -74,30 +74,28 @@ def has_media_parts(body: Mapping[str, Any]) -> bool:
     marker's shape without one (a user pasting ``<__media_x__>``, a tool reading this module): the
     server's marker is random per process (``get_media_marker``, tools/server/server-common.cpp:138-148
     of the pinned source), so without a media part such text is text."""
-    msgs = body.get("messages")
-    for msg in msgs if isinstance(msgs, list) else ():
-        content = msg.get("content") if isinstance(msg, Mapping) else None
-        if isinstance(content, list) and any(isinstance(p, Mapping) and p.get("type") in MEDIA_PARTS
-                                             for p in content):
-            return True
-    return False
+    return any(part.get("type") in MEDIA_PARTS for part in _content_parts(body))
 
 
 def media_parts(body: Mapping[str, Any]) -> list[str]:
     """The URL of every media part of a chat body, in the order the server loads them. Raises
     MediaError for audio and video parts (not viewed yet)."""
     out: list[str] = []
+    for part in _content_parts(body):
+        if part.get("type") in MEDIA_PARTS:
+            if part.get("type") != "image_url":
+                raise MediaError(f"{part.get('type')} parts are not viewed (images only)")
+            out.append(_url_of(part))
+    return out
+
+
+def _content_parts(body: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Every content part (a mapping) of a chat body's messages, in order; a string content has none."""
     msgs = body.get("messages")
     for msg in msgs if isinstance(msgs, list) else ():
         content = msg.get("content") if isinstance(msg, Mapping) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if isinstance(part, Mapping) and part.get("type") in MEDIA_PARTS:
-                if part.get("type") != "image_url":
-                    raise MediaError(f"{part.get('type')} parts are not viewed (images only)")
-                out.append(_url_of(part))
-    return out
+        if isinstance(content, list):
+            yield from (part for part in content if isinstance(part, Mapping))
 
 
 def digest(url: str) -> str:
