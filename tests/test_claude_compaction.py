@@ -54,6 +54,25 @@ def _compactions(recs: list[dict]) -> list[int]:
     return [i for i, r in enumerate(recs) if r["body"].get("messages") and _digest(_text(r["body"]["messages"][-1])) == want]
 
 
+def _done(rec: dict) -> bool:
+    """A request whose answer came whole with the server's timings (a stream the client gave up on,
+    or an error, has none: Claude Code then sends the same request again)."""
+    obs = rec.get("obs") or {}
+    return obs.get("status") == 200 and bool(obs.get("completed")) and bool(obs.get("timings"))
+
+
+def _table(recs: list[dict]) -> str:
+    """One line per record (for a failure's message): seq, status, messages, last text's start, timings."""
+    rows = []
+    for r in recs:
+        obs, msgs = r.get("obs") or {}, r["body"].get("messages") or []
+        t = obs.get("timings") or {}
+        rows.append(f"{r.get('seq')} {r['path']} status={obs.get('status')} completed={obs.get('completed')} "
+                    f"messages={len(msgs)} prompt_n={t.get('prompt_n')} cache_n={t.get('cache_n')} "
+                    f"last={_text(msgs[-1])[:40]!r}" if msgs else f"{r.get('seq')} {r['path']}")
+    return "\n".join(rows)
+
+
 def _session(binary, proxy, tmp_path: Path, name: str, auto: bool, model: str):
     from ocache.toolchain import clients
     from test_e2e_clients import _wait_recorded
@@ -84,7 +103,19 @@ def _session(binary, proxy, tmp_path: Path, name: str, auto: bool, model: str):
         runs.append(clients.run_claude(binary, project, more, env, model=model,
                                        args=("--continue",), timeout=300))
         assert runs[-1].returncode == 0, runs[-1].describe(5)
-    return runs, _wait_recorded(proxy, lambda rs: bool(_compactions(rs)) and len(rs) >= len(runs) + 1)
+    # the last record (the turn after the compaction) can trail the client's exit
+    return runs, _wait_recorded(proxy, lambda rs: _next_turn(rs) is not None, timeout=60.0)
+
+
+def _next_turn(recs: list[dict]) -> dict | None:
+    """The first request after the first compaction that is not the compaction asked again (its
+    instruction, with or without the retry's paragraph) and was answered whole; None before it is."""
+    comps = _compactions(recs)
+    if not comps:
+        return None
+    instruction = _text(recs[comps[0]]["body"]["messages"][-1])
+    return next((r for r in recs[comps[0] + 1:] if _done(r) and r["body"].get("messages")
+                 and not _text(r["body"]["messages"][-1]).startswith(instruction)), None)
 
 
 @pytest.mark.server
@@ -118,7 +149,11 @@ def test_the_real_claude_code_compaction_is_served_from_the_slot(start_server, t
         comps = _compactions(recs)
         assert comps, report
         i = comps[0]
-        comp, prev = recs[i]["body"], recs[i - 1]["body"]
+        report += "\n" + _table(recs)
+        # the turn before it: the last one answered whole (one the client gave up on is sent again)
+        turn = next((r for r in reversed(recs[:i]) if _done(r)), None)
+        assert turn is not None and _done(recs[i]), report
+        comp, prev = recs[i]["body"], turn["body"]
         # the shape stored: the previous request, its answer, the instruction turn; the same fields
         assert sorted(comp) == DATA["compaction"]["fields"], sorted(comp)
         assert comp["system"] == prev["system"] and comp["tools"] == prev["tools"], report
@@ -130,12 +165,13 @@ def test_the_real_claude_code_compaction_is_served_from_the_slot(start_server, t
         # Code may also send the compaction again as it was
         instruction = _text(comp["messages"][-1])
         later = recs[i + 1:]
-        retries = [j for j, r in enumerate(later, i + 1) if _text(r["body"]["messages"][-1]).startswith(instruction)
+        retries = [j for j, r in enumerate(later, i + 1) if _done(r) and _text(r["body"]["messages"][-1]).startswith(instruction)
                    and _digest(_text(r["body"]["messages"][-1])[len(instruction):]) == DATA["retry"]["appended"]["sha256"]]
         for j in retries[:1]:
             assert _texts(recs[j]["body"]["messages"][:-1]) == _texts(comp["messages"][:-1])
-        nxt = next(r for r in later if not _text(r["body"]["messages"][-1]).startswith(instruction))
-        steps = [("turn", recs[i - 1]), ("compaction", recs[i]), ("next", nxt)]
+        nxt = _next_turn(recs)
+        assert nxt is not None, report
+        steps = [("turn", turn), ("compaction", recs[i]), ("next", nxt)]
         if retries:
             steps.append(("retry", recs[retries[0]]))
         t = {k: r["obs"]["timings"] for k, r in steps}
