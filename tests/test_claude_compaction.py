@@ -54,11 +54,20 @@ def _compactions(recs: list[dict]) -> list[int]:
     return [i for i, r in enumerate(recs) if r["body"].get("messages") and _digest(_text(r["body"]["messages"][-1])) == want]
 
 
+def _counts(rec: dict) -> dict | None:
+    """The server's own counts for one answer, as recorded: ``prompt_n``, ``cache_n``,
+    ``predicted_n`` (a non-streamed Anthropic answer, which Claude Code sends after a failed stream,
+    has them derived from its ``usage``: ocache/relay.py). None for an answer without them (an
+    error, a stream the client gave up on)."""
+    t = (rec.get("obs") or {}).get("timings")
+    return {k: t.get(k) for k in ("prompt_n", "cache_n", "predicted_n")} if t else None
+
+
 def _done(rec: dict) -> bool:
-    """A request whose answer came whole with the server's timings (a stream the client gave up on,
-    or an error, has none: Claude Code then sends the same request again)."""
+    """A request answered whole with the server's counts (a stream the client gave up on, or an
+    error, has none: Claude Code then sends the same request again)."""
     obs = rec.get("obs") or {}
-    return obs.get("status") == 200 and bool(obs.get("completed")) and bool(obs.get("timings"))
+    return obs.get("status") == 200 and bool(obs.get("completed")) and _counts(rec) is not None
 
 
 def _table(recs: list[dict]) -> str:
@@ -174,8 +183,8 @@ def test_the_real_claude_code_compaction_is_served_from_the_slot(start_server, t
         steps = [("turn", turn), ("compaction", recs[i]), ("next", nxt)]
         if retries:
             steps.append(("retry", recs[retries[0]]))
-        t = {k: r["obs"]["timings"] for k, r in steps}
-        figures[name] = {k: {"prompt_n": v["prompt_n"], "cache_n": v["cache_n"]} for k, v in t.items()}
+        t = {k: _counts(r) for k, r in steps}
+        figures[name] = {k: {"prompt_n": v["prompt_n"], "cache_n": v["cache_n"]} for k, v in t.items() if v}
         figures[name]["turn"]["predicted_n"] = t["turn"]["predicted_n"]
     print("\n" + json.dumps(figures, indent=1))
     alone, oc = figures["alone"], figures["ocache"]
