@@ -35,6 +35,7 @@ from ocache import admin
 from ocache.forward import CONNECT_FAILED, CURRENT_UPSTREAM, UpstreamHung, unavailable
 from ocache.layer import NullLayer, Observation, ParsedRequest, Plan
 from ocache.ports import ProxyPorts
+from ocache.tokens import TokenViewError
 from ocache.wire import NULL_DROPS, STEERING, unplanned_body, with_fields
 
 log = logging.getLogger("ocache.proxy")
@@ -237,6 +238,10 @@ class Attempts:
                                 "with --api-key; set upstream_api_key (env OCACHE_UPSTREAM_API_KEY) to "
                                 "its key. Until then every request is forwarded untouched, uncached",
                                 att.rid, status, exc)
+            elif isinstance(exc, TokenViewError) and exc.timed_out:
+                # the token view got no answer in time (a busy or starved server): a condition the
+                # message names, not a fault of ocache's code to trace
+                log.warning("[%s] the token view failed (%s): forwarding untouched", att.rid, exc)
             else:
                 log.exception("[%s] cache layer plan() failed: forwarding untouched", att.rid)
             p.stats.layer_error("plan")

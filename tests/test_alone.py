@@ -73,12 +73,17 @@ def test_the_view_leads_with_the_saving_against_the_server_alone():
 
 
 @pytest.mark.server
-async def test_the_model_matches_a_real_stock_server_sent_the_same_requests(start_server, tmp_path):
+@pytest.mark.parametrize("fail_open", [False, True], ids=["planned", "first-failed-open"])
+async def test_the_model_matches_a_real_stock_server_sent_the_same_requests(start_server, tmp_path, monkeypatch,
+                                                                           fail_open):
     """The same turns (opencode turn 1, its follow-up, another project's turn 1, the follow-up again)
     sent to a stock llama-server directly and through ocache in front of the patched one: the model's
     prefill for the server alone is the stock server's measured ``prompt_n`` sum, within the answer
     tokens of each request (the model does not know the generated tokens; the dense model reuses at
-    any token), and the headline is that minus what the server prefilled through ocache."""
+    any token), and the headline is that minus what the server prefilled through ocache.
+    ``first-failed-open``: the first turn's plan fails (as when the token view times out on a
+    starved server), so it is forwarded without tokens; the model still counts it, in its place
+    (left out, the follow-up looked cold to the server alone and its reuse was claimed)."""
     turns = [A1, A2, B1, A2]
     alone = start_server("dense", stock=True, n_parallel=2, ctx_size=2 * 16384, **SERVER)
     measured = 0
@@ -90,12 +95,23 @@ async def test_the_model_matches_a_real_stock_server_sent_the_same_requests(star
     srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
     config = Config(upstream=srv.url, cache_dir=str(tmp_path / "state"))
     async with through_ocache(config) as (base, proxy), aiohttp.ClientSession() as s:
+        if fail_open:
+            from ocache.tokens import TokenViewer, TokenViewError
+            view, failed = TokenViewer.view, []
+
+            async def view_failing_once(self, *args, **kwargs):
+                if not failed:
+                    failed.append(1)
+                    raise TokenViewError("/tokenize: no answer within 5 s (a fault of the test)")
+                return await view(self, *args, **kwargs)
+
+            monkeypatch.setattr(TokenViewer, "view", view_failing_once)
         through = 0
         for name in turns:
             rec = await send(s, base, proxy, body_of(name), hdrs(name))
             through += int(rec["data"]["timings"]["prompt_n"])
         st = proxy.layer.stats()["alone"]
-    assert st["requests"] == len(turns)
+    assert st["requests"] == len(turns), st
     assert abs(st["prefill"] - measured) <= 8 * len(turns), (st, measured)
     assert st["saved"] == st["prefill"] - st["ocache_prefill"] and st["ocache_prefill"] >= through - 8
 
@@ -114,3 +130,51 @@ def test_a_dense_prompt_that_continues_into_the_answer_reuses_it_alone():
     h = AloneModel()
     h.serve(first, HYBRID, user_starts=(0,), generated=16)
     assert h.serve(first + toks(16, 2) + toks(30, 3), HYBRID) > 46
+
+
+async def test_a_request_forwarded_without_tokens_is_fed_in_its_place_once_its_prompt_is_learned():
+    """A turn forwarded untouched (the plan failed open, so no tokens) is fed to the model when its
+    prompt is learned after the answer, and the answers after it wait behind it: the next turn,
+    which the server reused from it, is not charged to the server alone as cold. Without it the
+    headline said 7,266 tokens saved on a loaded machine where (b) - (c) measured 0."""
+    import asyncio
+
+    from ocache.cache.observe import AloneTally
+    from ocache.layer import Observation
+
+    from ocache.cache.execute import ServerPlaced
+    from ocache.tiers.base import RequestContext
+
+    def placed(tokens: list[int]) -> ServerPlaced:   # a request the server placed, with its tokens
+        return ServerPlaced("r", tokens, RequestContext())
+
+    def answer(prompt_n: int, cache_n: int) -> Observation:
+        return Observation(status=200, completed=True, timings={"prompt_n": prompt_n, "cache_n": cache_n, "predicted_n": 8})
+
+    turn1, title = toks(1000, 1), toks(300, 9)
+    turn2 = turn1 + toks(40, 2)
+    learned: asyncio.Future = asyncio.get_running_loop().create_future()
+    tasks = []
+    t = AloneTally()
+    assert t.feed(placed(title), answer(300, 0), DENSE) == 300
+    # turn 1 forwarded without tokens: queued; turn 2 (answered after it) waits behind it
+    assert t.feed_later(learned, answer(1000, 0), DENSE, lambda coro, what: tasks.append(asyncio.ensure_future(coro)))
+    assert t.feed(placed(turn2), answer(40, 1000), DENSE) is None and t.pending == 2
+    learned.set_result((turn1, (), 0))
+    await asyncio.gather(*tasks)
+    st = t.stats()
+    assert t.pending == 0 and st["requests"] == 3
+    # alone: the title, turn 1 cold, turn 2 reusing turn 1 (and, dense, up to the 7 answer tokens
+    # the slot holds, Reuse.upper: never more saved than measured); fed without turn 1, turn 2 was
+    # cold alone and 1,000 tokens were claimed
+    assert st["ocache_prefill"] == 300 + 1000 + 40
+    assert 300 + 1000 + 40 - 7 <= st["prefill"] <= st["ocache_prefill"] and -7 <= st["saved"] <= 0
+    # a prompt never learned: as much on both sides, nothing claimed
+    u = AloneTally()
+
+    async def fails():
+        raise OSError("server gone")
+
+    assert u.feed_later(fails(), answer(500, 0), DENSE, lambda coro, what: tasks.append(asyncio.ensure_future(coro)))
+    await asyncio.gather(*tasks)
+    assert u.stats()["saved"] == 0 and u.stats()["unknown_prompts"] == 1 and u.prefill == 500

@@ -75,6 +75,7 @@ async def first_request(**cfg) -> tuple[int, dict, dict, BusyView, float | None]
             assert fake.held >= 1                      # the view was asked and never answered
             assert json.loads(fake.seen[-1]["body"]) == body   # forwarded as sent: no slot pinned
             assert proxy.layer.viewer.counters["view_timeouts"] >= 1
+            await proxy.layer.idle()   # the server-alone model's own view of it, after the answer
             await until(lambda: fake.abandoned == fake.held, "the abandoned view calls closed")
             return status, headers, body, fake, proxy.layer.viewer.view_timeout_s
     finally:
@@ -103,6 +104,7 @@ async def test_the_view_waits_no_longer_than_what_it_buys():
                 stats = await r.json()
             assert stats["layer"]["view"]["view_timeouts"] == 1, stats["layer"]["view"]
             assert stats["fail_open"] == 1
+            await _proxy.layer.idle()   # the server-alone model's own view of it, after the answer
             await until(lambda: fake.abandoned == fake.held, "the abandoned view calls closed")
     finally:
         await server.close()

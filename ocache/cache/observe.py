@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Coroutine, Sequence
 
 from ocache.api import convert
 from ocache.cache.execute import PlanContext, ServerPlaced
@@ -157,20 +157,44 @@ class Observer:
                                                    table.params, placed.ctx.task, media=media_spans(placed.tokens)))
 
 
+#: what a request's prompt is to the server-alone model: its token ids, the positions where user
+#: messages start (a hybrid's checkpoints), tokens ocache prefilled on the slot for it first
+Fed = tuple[Sequence[int], Sequence[int], int]
+
+
 class AloneTally:
     """The saving against llama-server alone (``report.stats`` ``alone``): ``model`` is the server
-    alone with the same flags (``ocache.llama.alone.AloneModel``), fed every answered request;
-    ``ocache_prefill`` the tokens the server prefilled through ocache for them (the answer's
-    ``prompt_n`` plus ocache's own steps for it)."""
+    alone with the same flags (``ocache.llama.alone.AloneModel``), fed every answered request in
+    the order ocache saw the answers; ``ocache_prefill`` the tokens the server prefilled through
+    ocache for them (the answer's ``prompt_n`` plus ocache's own steps for it).
+
+    A request whose prompt tokens the plan did not learn (forwarded untouched after the plan
+    failed: the token view timed out on a starved server, say) is fed when they are learned, after
+    the answer (``feed_later``); the requests answered after it wait behind it, so the model sees
+    them in order. Left out, its prefill counted on neither side while the model's slots missed
+    its prompt, so the next turn looked cold to the server alone: measured on a loaded machine
+    (``ocache bench --preset tiny --scenario title_interleave --models hybrid --configs b,c
+    --no-recordings``), the headline said 7,266 tokens saved where (b) - (c) was 0. A prompt
+    never learned (not renderable, the server gone) counts its ``prompt_n`` on both sides (no
+    saving claimed for it) and leaves the model's slots as they were."""
 
     def __init__(self) -> None:
         self.model = AloneModel()
         self.ocache_prefill = 0
+        #: answered requests not yet fed, oldest first: their prompt (or what learns it), answer
+        #: and the server's flags; non-empty only while a ``feed_later`` is pending
+        self._queue: deque[tuple[Fed | None | Awaitable[Fed | None], Observation, ServerParams]] = deque()
+        self.unknown = 0
 
     @property
     def prefill(self) -> int:
         """Tokens the server alone would have prefilled so far."""
         return self.model.prefill
+
+    @property
+    def pending(self) -> int:
+        """Answered requests waiting for a prompt to be learned before they are fed."""
+        return len(self._queue)
 
     def restart(self) -> None:
         """A new server process: the server alone would have lost every slot too."""
@@ -178,19 +202,14 @@ class AloneTally:
 
     def stats(self) -> dict:
         return {**self.model.stats(), "ocache_prefill": self.ocache_prefill,
-                "saved": self.model.prefill - self.ocache_prefill}
+                "saved": self.model.prefill - self.ocache_prefill, "unknown_prompts": self.unknown}
 
-    def feed(self, pctx: Any, obs: Observation, params: ServerParams) -> int | None:
-        """Feed the model an answered request: its prompt tokens (the plan's token view, the aligned
-        request's own render, a server-placed request's tokens) and the server's prefill for it
-        through ocache (the answer's raw ``prompt_n`` plus the tokens ocache prefilled on the slot
-        for it first, ``PlanContext.split``). Returns the tokens the server alone would have
-        prefilled for it (None: not modelled). Never raises."""
+    @staticmethod
+    def fed(pctx: Any) -> Fed | None:
+        """What the model is fed for a plan's context (the plan's token view, the aligned
+        request's own render, a server-placed request's tokens); None when it holds no tokens."""
         from ocache.cache.align_route import AlignContext
 
-        timings = obs.timings or {}
-        if obs.status != 200 or "prompt_n" not in timings:
-            return None
         if isinstance(pctx, PlanContext):
             view = getattr(pctx, "view", None)
             tokens, starts, split = getattr(view, "tokens", None), pctx.ctx.user_starts, pctx.split
@@ -199,12 +218,71 @@ class AloneTally:
             starts = pctx.ctx.user_starts if isinstance(pctx, ServerPlaced) else ()
         else:
             return None
-        if not tokens:
+        return (tokens, starts or (), int(split or 0)) if tokens else None
+
+    def feed(self, pctx: Any, obs: Observation, params: ServerParams) -> int | None:
+        """Feed the model an answered request whose plan holds its prompt tokens (``fed``).
+        Returns the tokens the server alone would have prefilled for it; None when it is not
+        modelled (no tokens, not a 200 with ``timings.prompt_n``) or waits behind a
+        ``feed_later`` (then it is fed in turn). Never raises."""
+        if not self._answered(obs):
             return None
+        got = self.fed(pctx)
+        if got is None:
+            return None
+        if self._queue:
+            self._queue.append((got, obs, params))
+            return None
+        return self._apply(got, obs, params)
+
+    def feed_later(self, learn: Awaitable[Fed | None], obs: Observation, params: ServerParams,
+                   spawn: Callable[[Coroutine[Any, Any, None], str], Any]) -> bool:
+        """Queue an answered request whose prompt ``learn`` finds (None: it cannot); the queue is
+        fed in order by a task ``spawn`` runs (``Background.spawn``). Whether it was queued (not
+        for an answer the model does not count); ``learn`` is closed unawaited then."""
+        if not self._answered(obs):
+            close = getattr(learn, "close", None)
+            if close is not None:
+                close()
+            return False
+        self._queue.append((learn, obs, params))
+        if len(self._queue) == 1:
+            spawn(self._drain(), "alone")
+        return True
+
+    @staticmethod
+    def _answered(obs: Observation) -> bool:
+        return obs.status == 200 and "prompt_n" in (obs.timings or {})
+
+    async def _drain(self) -> None:
+        while self._queue:
+            item, obs, params = self._queue[0]
+            got: Fed | None
+            if isinstance(item, tuple) or item is None:
+                got = item
+            else:
+                try:
+                    got = await item
+                except Exception:
+                    log.debug("a prompt for the server-alone model was not learned", exc_info=True)
+                    got = None
+            self._queue.popleft()
+            self._apply(got, obs, params)
+
+    def _apply(self, got: Fed | None, obs: Observation, params: ServerParams) -> int | None:
+        timings = obs.timings or {}
+        prompt_n = int(timings.get("prompt_n") or 0)
+        if got is None:
+            # no prompt: as much as through ocache on both sides, the model's slots unchanged
+            self.unknown += 1
+            self.model.prefill += prompt_n
+            self.ocache_prefill += prompt_n
+            return None
+        tokens, starts, split = got
         try:   # a figure for the dashboard: never in the way of the request's own bookkeeping
-            alone = self.model.serve(tokens, params, starts or (), int(timings.get("predicted_n") or 0))
+            alone = self.model.serve(tokens, params, starts, int(timings.get("predicted_n") or 0))
         except Exception:
             log.debug("server-alone model failed", exc_info=True)
             return None
-        self.ocache_prefill += int(timings.get("prompt_n") or 0) + int(split or 0)
+        self.ocache_prefill += prompt_n + split
         return alone

@@ -51,7 +51,7 @@ from ocache.cache.routes.continued import ContinueRoute, enabled as continue_ena
 from ocache.cache.estimate import estimate as estimate_of
 from ocache.cache.execute import PlanContext, ServerPlaced
 from ocache.cache.identity import IdentityKeeper
-from ocache.cache.observe import AloneTally, Observer
+from ocache.cache.observe import AloneTally, Fed, Observer
 from ocache.cache.plan import Estimate
 from ocache.cache.prepare import Prepared, Refusal, Rejected, Shape, anthropic_pin_ok, prepare, shape_of
 from ocache.cache.routes import known
@@ -447,6 +447,8 @@ class OCacheLayer:
         if table is None:
             return
         alone_n = self.alone.feed(pctx, obs, table.params)
+        if AloneTally.fed(pctx) is None:   # forwarded without tokens (the plan failed open)
+            self.alone.feed_later(prompt_of(self, req), obs, table.params, self.background.spawn)
         if isinstance(pctx, AlignContext):
             if alone_n is not None:   # [align] its saving against the server alone, measured
                 self.align.saved_vs_alone(pctx, alone_n - int((obs.timings or {}).get("prompt_n") or 0))
@@ -539,3 +541,17 @@ class OCacheLayer:
         """``report.clear``: erase what ``tier`` (``resident``, ``head``, a tier's name, ``all``)
         holds; returns ``{"tier", "cleared"}``. Raises ValueError for an unknown tier."""
         return await report.clear(self, tier)
+
+
+async def prompt_of(layer: OCacheLayer, req: ParsedRequest) -> Fed | None:
+    """The prompt tokens and user-message starts of a request answered without a plan that held
+    them (``OCacheLayer.prepare``: one token view, kept in the request's memo), for the
+    server-alone model (``AloneTally.feed_later``); None when it has none (not a chat body ocache
+    renders, rejected by the server). Raises what the view raises (the server unreachable)."""
+    shape = layer.shape(req)
+    if isinstance(shape, str):
+        return None
+    prep = await layer.prepare(req, shape)
+    if not isinstance(prep, Prepared) or not prep.view.tokens:
+        return None
+    return list(prep.view.tokens), prep.ctx.user_starts, 0
