@@ -55,9 +55,10 @@ def test_a_restart_empties_every_slot_and_a_hybrid_resumes_only_at_checkpoints()
     m.restart()
     assert m.serve(a1 + toks(10, 2), DENSE) == 2010 and m.restarts == 1
     h = AloneModel()
-    h.serve(a1, HYBRID, user_starts=(0, 1500), generated=20)
-    # the next turn re-renders the answer differently: it diverges inside what the slot holds, so
-    # the hybrid resumes from the newest checkpoint at or before the divergence, not from token 2000
+    h.serve(a1, HYBRID, user_starts=(0, 1500), generated=20, generated_ids=toks(20, 4))
+    # the next turn re-renders the answer differently (the server reported the ids it sampled):
+    # it diverges inside what the slot holds, so the hybrid resumes from the newest checkpoint at
+    # or before the divergence, not from token 2000
     got = h.serve(a1 + toks(300, 5), HYBRID, user_starts=(0, 1500, 2100))
     assert 300 < got < 2300, got
 
@@ -120,16 +121,26 @@ def test_a_dense_prompt_that_continues_into_the_answer_reuses_it_alone():
     """The model does not know the answer's token ids. On a dense server a next prompt that sends
     the answer back reuses it too (the server's cache_n covers prompt and answer), so the server
     alone is not charged for it: the saving against it was overstated by each answer's length (the
-    tiny bench's growth: 45 reported, 0 measured). On a hybrid the prediction stays the checkpoint's."""
+    tiny bench's growth: 45 reported, 0 measured). A hybrid reuses the whole slot when the prompt
+    runs past all it holds, else it resumes at a checkpoint: with the answer's ids unknown, a prompt
+    that long is taken to continue into it (the tiny hybrid's title_interleave: 19 tokens claimed);
+    with the ids the server reported (``ocache_generated``), the prediction is exact either way."""
     first = toks(2000, 1)
+    nxt = first + toks(16, 2) + toks(30, 3)
     m = AloneModel()
     assert m.serve(first, DENSE, generated=16) == 2000
     # the answer (16 tokens ocache never saw; the slot holds 15 of them, the last one sampled and
     # never evaluated) and a 30-token user turn: that token and the 30 are new
-    assert m.serve(first + toks(16, 2) + toks(30, 3), DENSE) == 31
+    assert m.serve(nxt, DENSE) == 31
     h = AloneModel()
     h.serve(first, HYBRID, user_starts=(0,), generated=16)
-    assert h.serve(first + toks(16, 2) + toks(30, 3), HYBRID) > 46
+    assert h.serve(nxt, HYBRID) == 31
+    # the ids known: the same answer sent back reuses it all; another rendering of it resumes at
+    # a checkpoint inside the prompt (before token 2000)
+    for ids, expect in ((toks(16, 2), lambda n: n == 31), (toks(16, 7), lambda n: n > 46)):
+        k = AloneModel()
+        k.serve(first, HYBRID, user_starts=(0,), generated=16, generated_ids=ids)
+        assert expect(k.serve(nxt, HYBRID)), k.prefill
 
 
 async def test_a_request_forwarded_without_tokens_is_fed_in_its_place_once_its_prompt_is_learned():

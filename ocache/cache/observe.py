@@ -16,6 +16,7 @@ import logging
 from collections import deque
 from typing import Any, Awaitable, Callable, Coroutine, Sequence
 
+from ocache.align import sampled_ids
 from ocache.api import convert
 from ocache.cache.execute import PlanContext, ServerPlaced
 from ocache.layer import Observation, ParsedRequest
@@ -280,7 +281,8 @@ class AloneTally:
             return None
         tokens, starts, split = got
         try:   # a figure for the dashboard: never in the way of the request's own bookkeeping
-            alone = self.model.serve(tokens, params, starts, int(timings.get("predicted_n") or 0))
+            alone = self.model.serve(tokens, params, starts, int(timings.get("predicted_n") or 0),
+                                     sampled_ids(timings))
         except Exception:
             log.debug("server-alone model failed", exc_info=True)
             return None

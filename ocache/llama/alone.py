@@ -71,10 +71,12 @@ class AloneModel:
         return best
 
     def serve(self, tokens: Sequence[int], params: ServerParams, user_starts: Sequence[int] = (),
-              generated: int = 0) -> int:
+              generated: int = 0, generated_ids: Sequence[int] | None = None) -> int:
         """Model one request of ``tokens`` (prompt token ids) whose answer had ``generated``
-        tokens; returns the tokens the server alone would have prefilled for it (at least 1 for a
-        non-empty prompt: the server evaluates one token for the logits)."""
+        tokens, their ids ``generated_ids`` when the server reported them (``timings.ocache_generated``,
+        patches/0010: then the slot's content is known exactly); returns the tokens the server
+        alone would have prefilled for it (at least 1 for a non-empty prompt: the server evaluates
+        one token for the logits)."""
         i = self.pick(tokens, params)
         s = self.slots[i]
         self.seq += 1
@@ -87,12 +89,24 @@ class AloneModel:
         # --scenario growth --scenario mid_prompt_insertion --scenario title_interleave: the saving
         # reported 45, 15 and 30 tokens where 0 was measured; now -30, -15, -15: alone is taken to
         # reuse a few tokens more than it does, the side the module docstring keeps). A hybrid
-        # resumes only at a checkpoint when the prompt departs inside them: its prediction stands
-        reused = r.cache_n if params.checkpoints else min(r.upper, max(len(tokens) - 1, 0))
+        # resumes at a checkpoint when the prompt departs inside them, but reuses the whole slot
+        # when the prompt runs past all it holds: a prompt that extends the known prompt that far
+        # is taken to continue into the answer exactly (the tiny hybrid's title_interleave: a turn
+        # reported 50 where the server prefilled 31, 19 tokens claimed)
+        # (with the answer's ids known, ``generated_ids``, the slot has no unknown tail: the
+        # prediction is exact either way)
+        if not params.checkpoints:
+            reused = min(r.upper, max(len(tokens) - 1, 0))
+        elif s.tokens and r.lcp == len(s.tokens) and len(tokens) > s.n_total:
+            reused = max(r.cache_n, s.n_total)
+        else:
+            reused = r.cache_n
         prefill = len(tokens) - reused
         # the slot then holds the prompt and the answer but its last token, which is sampled and
         # never evaluated (prompt + generated - 1, as SlotTable.finish counts it)
-        self.slots[i] = _Slot(list(tokens), len(tokens) + max(0, int(generated) - 1), r.checkpoints_after, self.seq)
+        held = list(tokens) + list(generated_ids or ())[:-1]
+        self.slots[i] = _Slot(held, max(len(held), len(tokens) + max(0, int(generated) - 1)),
+                              r.checkpoints_after, self.seq)
         self.prefill += prefill
         self.requests += 1
         return prefill
