@@ -132,6 +132,12 @@ class Plan:
         if self.figures is not None:
             self.headers.update(self.figures.headers())
 
+    @property
+    def substitutes(self) -> bool:
+        """Whether the server is served a prompt other than the client's own rendering (patch
+        0008's ``ocache_splice``: the aligned and continued routes, ``ocache/substitute.py``)."""
+        return "ocache_splice" in self.body_updates
+
     def set_figures(self, figures: Figures) -> None:
         """The plan's figures, now known (a known turn's completion): kept, and added to
         ``headers`` (the ones sent when the answer begins)."""

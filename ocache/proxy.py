@@ -417,8 +417,9 @@ class Proxy(Lifecycle):
         obs.status = up_resp.status
         headers = forward_response_headers(up_resp.headers)
         headers.update(att.extra)
-        if up_resp.status >= 400:   # no answer: nothing was reused or prefilled for one
-            for name in figures.Figures.ANSWER_HEADERS:
+        if up_resp.status >= 400:   # no answer: no figures, nothing the plan found
+            for name in [h for h in headers if h.lower().startswith("x-ocache-")
+                         and h.lower() not in figures.Figures.ERROR_HEADERS]:
                 headers.pop(name, None)
         if up_resp.status == 503 and self.upstream.state == "loading":
             headers["Retry-After"] = str(self.config.retry_after_s)

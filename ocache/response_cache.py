@@ -350,6 +350,12 @@ class ResponseCache:
         obs, up, data = att.obs, att.up_resp, att.keep
         if obs.status != 200 or not obs.completed or up is None or data is None or not data:
             return None
+        if att.plan is not None and att.plan.substitutes:
+            # the answer to a prompt other than the rendering the key names (the requester's own
+            # slot tokens spliced in): another session sending the same body would be answered
+            # from this owner's conversation (a second engineer's attack: replayed to another
+            # session key, and to a client without one)
+            return None
         ctype = up.headers.get("Content-Type", "")
         sse = ctype.startswith("text/event-stream")
         if not _complete(bytes(data), sse):

@@ -51,7 +51,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -64,6 +64,18 @@ MAX_FILLER = 16
 #: the request headers llama-server reads a client's key from (``Authorization: Bearer``, then
 #: ``X-Api-Key``: tools/server/server-http.cpp:260-305 of the pinned source, the api-key middleware)
 CREDENTIAL_HEADERS: tuple[str, ...] = ("authorization", "x-api-key")
+
+
+def one_completion(body: Mapping[str, Any]) -> bool:
+    """Whether ``body`` asks for one completion, the only kind patch 0008's splice serves (the
+    patched server answers 400 "ocache_splice serves one completion" otherwise): ``n_cmpl``, or
+    its alias ``n`` (tools/server/server-schema.cpp, field ``n_cmpl``), absent or 1. A body asking
+    for more goes as sent: the server alone answers it."""
+    for name in ("n_cmpl", "n"):
+        if name in body:
+            v = body[name]
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
+    return True
 
 
 def credentials_of(headers: Mapping[str, str] | None) -> str:

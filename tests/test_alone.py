@@ -74,9 +74,9 @@ def test_the_view_leads_with_the_saving_against_the_server_alone():
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("fail_open", [False, True], ids=["planned", "first-failed-open"])
+@pytest.mark.parametrize("mode", ["planned", "first-failed-open", "pinned"])
 async def test_the_model_matches_a_real_stock_server_sent_the_same_requests(start_server, tmp_path, monkeypatch,
-                                                                           fail_open):
+                                                                           mode):
     """The same turns (opencode turn 1, its follow-up, another project's turn 1, the follow-up again)
     sent to a stock llama-server directly and through ocache in front of the patched one: the model's
     prefill for the server alone is the stock server's measured ``prompt_n`` sum, within the answer
@@ -84,19 +84,28 @@ async def test_the_model_matches_a_real_stock_server_sent_the_same_requests(star
     any token), and the headline is that minus what the server prefilled through ocache.
     ``first-failed-open``: the first turn's plan fails (as when the token view times out on a
     starved server), so it is forwarded without tokens; the model still counts it, in its place
-    (left out, the follow-up looked cold to the server alone and its reuse was claimed)."""
+    (left out, the follow-up looked cold to the server alone and its reuse was claimed).
+    ``pinned``: the bodies name ``id_slot`` 1, 0, 1, 0, which the server alone honours (the
+    follow-up lands on the empty slot, cold) and ocache does not pass on (it places each request
+    itself); the model takes the client's slot as the server alone does (before: it placed by
+    similarity, took the follow-up as warm and claimed a reuse that alone never had)."""
     turns = [A1, A2, B1, A2]
+    pins = iter([1, 0, 1, 0] * 2)
+
+    def body_of_mode(name: str) -> dict:
+        return {**body_of(name), "id_slot": next(pins)} if mode == "pinned" else body_of(name)
+
     alone = start_server("dense", stock=True, n_parallel=2, ctx_size=2 * 16384, **SERVER)
     measured = 0
     async with aiohttp.ClientSession() as s:
         for name in turns:
-            async with s.post(alone.url + CHAT, json=body_of(name), timeout=aiohttp.ClientTimeout(total=300)) as r:
+            async with s.post(alone.url + CHAT, json=body_of_mode(name), timeout=aiohttp.ClientTimeout(total=300)) as r:
                 data = await r.json()
             measured += int(data["timings"]["prompt_n"])
     srv = start_server("dense", n_parallel=2, ctx_size=2 * 16384, **SERVER)
     config = Config(upstream=srv.url, cache_dir=str(tmp_path / "state"))
     async with through_ocache(config) as (base, proxy), aiohttp.ClientSession() as s:
-        if fail_open:
+        if mode == "first-failed-open":
             from ocache.tokens import TokenViewer, TokenViewError
             view, failed = TokenViewer.view, []
 
@@ -109,7 +118,7 @@ async def test_the_model_matches_a_real_stock_server_sent_the_same_requests(star
             monkeypatch.setattr(TokenViewer, "view", view_failing_once)
         through = 0
         for name in turns:
-            rec = await send(s, base, proxy, body_of(name), hdrs(name))
+            rec = await send(s, base, proxy, body_of_mode(name), hdrs(name))
             through += int(rec["data"]["timings"]["prompt_n"])
         st = proxy.layer.stats()["alone"]
     assert st["requests"] == len(turns), st

@@ -81,9 +81,11 @@ class Figures:
                ("prefilled", "X-OCache-Prefilled"), ("reused", "X-OCache-Reused"),
                ("restore_ms", "X-OCache-Restore-Ms"))
 
-    #: the headers that say what the server reused or prefilled for the answer: an error answer
-    #: (status >= 400: a refused key, a bad body) had none, so they are not sent with it
-    ANSWER_HEADERS = ("X-OCache-Reused", "X-OCache-Prefilled", "X-OCache-Aligned", "X-OCache-Continued")
+    #: the only ocache headers an error answer (status >= 400: a refused key, a bad body) carries:
+    #: nothing was reused or prefilled for it, and what the plan found (the slot, the tier, the
+    #: tokens a held slot shares with the body) is not told to a client the server refused (a
+    #: second engineer's attack read a held conversation's length off a 401's X-OCache-Predicted-Cache)
+    ERROR_HEADERS = frozenset({"x-ocache-request-id", "x-ocache-fail-open"})
 
     def headers(self) -> dict[str, str]:
         """The figures as response headers (the known ones only)."""

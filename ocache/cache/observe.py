@@ -161,6 +161,9 @@ class Observer:
 #: what a request's prompt is to the server-alone model: its token ids, the positions where user
 #: messages start (a hybrid's checkpoints), tokens ocache prefilled on the slot for it first
 Fed = tuple[Sequence[int], Sequence[int], int]
+#: an answered request waiting to be fed: its prompt (or what learns it), the answer, the server's
+#: flags, the ``id_slot`` the client asked for
+_Queued = tuple["Fed | None | Awaitable[Fed | None]", Observation, ServerParams, object]
 
 
 class AloneTally:
@@ -184,7 +187,7 @@ class AloneTally:
         self.ocache_prefill = 0
         #: answered requests not yet fed, oldest first: their prompt (or what learns it), answer
         #: and the server's flags; non-empty only while a ``feed_later`` is pending
-        self._queue: deque[tuple[Fed | None | Awaitable[Fed | None], Observation, ServerParams]] = deque()
+        self._queue: deque[_Queued] = deque()
         self.unknown = 0
 
     @property
@@ -221,8 +224,9 @@ class AloneTally:
             return None
         return (tokens, starts or (), int(split or 0)) if tokens else None
 
-    def feed(self, pctx: Any, obs: Observation, params: ServerParams) -> int | None:
-        """Feed the model an answered request whose plan holds its prompt tokens (``fed``).
+    def feed(self, pctx: Any, obs: Observation, params: ServerParams, id_slot: object = None) -> int | None:
+        """Feed the model an answered request whose plan holds its prompt tokens (``fed``;
+        ``id_slot``: the slot the client's body asked for, which the server alone honours).
         Returns the tokens the server alone would have prefilled for it; None when it is not
         modelled (no tokens, not a 200 with ``timings.prompt_n``) or waits behind a
         ``feed_later`` (then it is fed in turn). Never raises."""
@@ -232,12 +236,12 @@ class AloneTally:
         if got is None:
             return None
         if self._queue:
-            self._queue.append((got, obs, params))
+            self._queue.append((got, obs, params, id_slot))
             return None
-        return self._apply(got, obs, params)
+        return self._apply(got, obs, params, id_slot)
 
     def feed_later(self, learn: Awaitable[Fed | None], obs: Observation, params: ServerParams,
-                   spawn: Callable[[Coroutine[Any, Any, None], str], Any]) -> bool:
+                   spawn: Callable[[Coroutine[Any, Any, None], str], Any], id_slot: object = None) -> bool:
         """Queue an answered request whose prompt ``learn`` finds (None: it cannot); the queue is
         fed in order by a task ``spawn`` runs (``Background.spawn``). Whether it was queued (not
         for an answer the model does not count); ``learn`` is closed unawaited then."""
@@ -246,7 +250,7 @@ class AloneTally:
             if close is not None:
                 close()
             return False
-        self._queue.append((learn, obs, params))
+        self._queue.append((learn, obs, params, id_slot))
         if len(self._queue) == 1:
             spawn(self._drain(), "alone")
         return True
@@ -257,7 +261,7 @@ class AloneTally:
 
     async def _drain(self) -> None:
         while self._queue:
-            item, obs, params = self._queue[0]
+            item, obs, params, id_slot = self._queue[0]
             got: Fed | None
             if isinstance(item, tuple) or item is None:
                 got = item
@@ -268,9 +272,9 @@ class AloneTally:
                     log.debug("a prompt for the server-alone model was not learned", exc_info=True)
                     got = None
             self._queue.popleft()
-            self._apply(got, obs, params)
+            self._apply(got, obs, params, id_slot)
 
-    def _apply(self, got: Fed | None, obs: Observation, params: ServerParams) -> int | None:
+    def _apply(self, got: Fed | None, obs: Observation, params: ServerParams, id_slot: object) -> int | None:
         timings = obs.timings or {}
         prompt_n = int(timings.get("prompt_n") or 0)
         if got is None:
@@ -282,7 +286,7 @@ class AloneTally:
         tokens, starts, split = got
         try:   # a figure for the dashboard: never in the way of the request's own bookkeeping
             alone = self.model.serve(tokens, params, starts, int(timings.get("predicted_n") or 0),
-                                     sampled_ids(timings))
+                                     sampled_ids(timings), id_slot)
         except Exception:
             log.debug("server-alone model failed", exc_info=True)
             return None

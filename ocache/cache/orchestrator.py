@@ -446,9 +446,10 @@ class OCacheLayer:
         table = self.table
         if table is None:
             return
-        alone_n = self.alone.feed(pctx, obs, table.params)
+        pin = (req.body or {}).get("id_slot")   # the client's own: the server alone honours it
+        alone_n = self.alone.feed(pctx, obs, table.params, pin)
         if AloneTally.fed(pctx) is None:   # forwarded without tokens (the plan failed open)
-            self.alone.feed_later(prompt_of(self, req), obs, table.params, self.background.spawn)
+            self.alone.feed_later(prompt_of(self, req), obs, table.params, self.background.spawn, pin)
         if isinstance(pctx, AlignContext):
             if alone_n is not None:   # [align] its saving against the server alone, measured
                 self.align.saved_vs_alone(pctx, alone_n - int((obs.timings or {}).get("prompt_n") or 0))

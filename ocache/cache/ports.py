@@ -41,11 +41,12 @@ class Tally(Protocol):
 class AlignRecord(Protocol):
     """The aligned route's record (``align_route.AlignRoute``) as the continued route and the
     report read it: its switch, the conversations it recorded per slot (slot -> (the table's
-    ``seq`` when recorded, the turn)), the template's end-of-turn token, its span judge and its
-    wait for the slots' pending observes."""
+    ``seq`` when recorded, the turn)), its counters, the template's end-of-turn token, its span
+    judge and its wait for the slots' pending observes."""
 
     on: bool
     records: dict[int, tuple[int, Turn]]
+    counters: Counter[str]
 
     async def eot(self, layer: PlanningServices) -> int | None: ...
 

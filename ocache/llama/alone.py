@@ -71,13 +71,17 @@ class AloneModel:
         return best
 
     def serve(self, tokens: Sequence[int], params: ServerParams, user_starts: Sequence[int] = (),
-              generated: int = 0, generated_ids: Sequence[int] | None = None) -> int:
+              generated: int = 0, generated_ids: Sequence[int] | None = None, id_slot: object = None) -> int:
         """Model one request of ``tokens`` (prompt token ids) whose answer had ``generated``
         tokens, their ids ``generated_ids`` when the server reported them (``timings.ocache_generated``,
         patches/0010: then the slot's content is known exactly); returns the tokens the server
         alone would have prefilled for it (at least 1 for a non-empty prompt: the server evaluates
-        one token for the logits)."""
+        one token for the logits). ``id_slot``: the slot the client asked for; the server alone
+        takes it (modulo the slot count, server-context.cpp ``get_slot_by_id``), where ocache
+        places the request itself."""
         i = self.pick(tokens, params)
+        if isinstance(id_slot, int) and not isinstance(id_slot, bool) and id_slot >= 0:
+            i = id_slot % len(self.slots)
         s = self.slots[i]
         self.seq += 1
         r = predict_reuse(s.tokens, s.n_total if s.tokens else 0, s.checkpoints, tokens, params,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ocache.cache.prepare import Prepared, Rejected, Shape
 from ocache.layer import ParsedRequest, Plan
+from ocache.substitute import one_completion
 from ocache.tokens import TokenView
 
 if TYPE_CHECKING:
@@ -20,8 +21,12 @@ if TYPE_CHECKING:
 
 
 async def plan(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Plan | None:
-    """An aligned plan, or None (alignment off, not a chat request, or the guard says "as sent")."""
+    """An aligned plan, or None (alignment off, not a chat request, a body asking for several
+    completions, which the splice does not serve: ``one_completion``, or the guard says "as sent")."""
     if not shape.chat or not layer.align.on:
+        return None
+    if not one_completion(shape.body):
+        layer.align.counters["as_sent_several_completions"] += 1
         return None
 
     async def view_of() -> TokenView | None:

@@ -51,7 +51,7 @@ from ocache.compaction import Compaction, continuation, matches, parse, without_
 from ocache.config import field_of
 from ocache.layer import Observation, ParsedRequest, Plan
 from ocache.slots import SlotTable
-from ocache.substitute import owner_of
+from ocache.substitute import one_completion, owner_of
 from ocache.tokens import TokenViewError
 
 if TYPE_CHECKING:
@@ -219,6 +219,8 @@ async def plan(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Pla
             or table is None:
         return None
     body = shape.body    # a Responses body in the chat form the server renders
+    if not one_completion(body):
+        return None
     comp = parse(body) if req.path in CHAT_PATHS else None
     owner = owner_of(req.headers)
     if comp is None:
