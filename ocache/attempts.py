@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from ocache import admin
+from ocache.credentials import CredentialCheck
 from ocache.forward import CONNECT_FAILED, CURRENT_UPSTREAM, UpstreamHung, unavailable
 from ocache.layer import NullLayer, Observation, ParsedRequest, Plan
 from ocache.ports import ProxyPorts
@@ -129,6 +130,7 @@ class Attempts:
     def __init__(self, proxy: ProxyPorts) -> None:
         self.proxy = proxy
         self._refused_epoch: object = None   # the server process whose refusal was logged
+        self.credentials = CredentialCheck()
 
     async def _plan(self, preq: ParsedRequest, body: bytes) -> tuple[Plan, bytes]:
         """``layer.plan`` and the body it makes (``with_fields``); the plan's receipt is taken at
@@ -195,6 +197,14 @@ class Attempts:
             att.plannable = False
             if not _MEDIA.search(att.body):
                 return self._too_large(att)
+        if preq is not None and preq.body is not None and att.plannable and p.upstream.api_key \
+                and p.upstream.session is not None \
+                and not await self.credentials.accepted(p.upstream.session, p.upstream.base_url,
+                                                        p.upstream.epoch, preq.headers):
+            # the server checks keys and refuses this one: nothing is planned for a client the
+            # server will answer 401 (ocache/credentials.py)
+            p.stats.unplannable("credentials")
+            att.plannable = False
         if preq is not None and preq.body is not None and att.plannable:
             epoch = p.upstream.epoch
             try:

@@ -89,7 +89,9 @@ def test_an_error_answer_tells_a_refused_client_nothing_the_plan_found(serve_tem
     """``--api-key`` on the server, ocache holding its key. After Alice's two turns, a client with
     a wrong key sends her next turn, then the same with its first question changed: both get the
     server's 401, and among ocache's headers only the request id: not the slot, the tier, nor the
-    tokens a held conversation shares with the body (``X-OCache-Predicted-Cache`` told them apart)."""
+    tokens a held conversation shares with the body (``X-OCache-Predicted-Cache`` told them apart).
+    Nor is anything planned for them (``ocache/credentials.py``): the server's refusal is known
+    before a slot is leased."""
     srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on", api_key=f"{K1},{K2}",
                          slot_save_path=tmp_path / "slots")
     prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log", slot_save_path=tmp_path / "slots",
@@ -114,6 +116,12 @@ def test_an_error_answer_tells_a_refused_client_nothing_the_plan_found(serve_tem
             probes[name] = (status, sorted(k for k in h if k.lower().startswith("x-ocache-")))
         status, _res, h = _chat(prox.url, seen, alice)     # the control: Alice's own is planned
         assert status == 200 and "X-OCache-Slot" in h, h
+        # the server's other key (not the one ocache holds) is accepted, so it is planned
+        status, _res, h = _chat(prox.url, unseen, {"X-Api-Key": K2})
+        assert status == 200 and "X-OCache-Slot" in h, h
+        stats = prox.stats()
     finally:
         prox.stop()
     assert probes["seen"] == probes["unseen"] == (401, ["X-OCache-Request-Id"]), probes
+    # and nothing was planned for the refused ones (no slot leased, nothing restored or spilled)
+    assert stats["unplannable"].get("credentials") == 2, stats["unplannable"]
