@@ -143,12 +143,17 @@ def stack(start_server, tmp_path, request):
 
 
 def _wait_recorded(proxy: OcacheProcess, done, timeout: float = 30.0) -> list[dict]:
-    """The records once ``done(records)`` holds (the proxy records after the response, off the
-    client's path, so the last record can trail the client's exit); the last read if it never does."""
+    """The records once ``done(records)`` holds and every completion ocache had finished by then
+    is among them (the proxy records after the response, off the client's path, so the last
+    record can trail the client's exit); the last read if that never happens."""
     deadline = time.monotonic() + timeout
     recs = proxy.records()
     while not done(recs) and time.monotonic() < deadline:
         time.sleep(0.1)  # polling a file another process appends to
+        recs = proxy.records()
+    finished = _completed(proxy)
+    while len(recs) < finished and time.monotonic() < deadline:
+        time.sleep(0.1)
         recs = proxy.records()
     return recs
 
@@ -467,12 +472,18 @@ def _two_folders_restart_between(srv, proxy: OcacheProcess, tmp_path: Path, plan
     for i, (folder, prompt, extra) in enumerate(plan):
         if i == 2:
             _restart_upstream(srv, proxy)
-        n_before.append(len(proxy.records()))
+        n_before.append(_completed(proxy))
         runs.append(run(tmp_path / folder, prompt, extra))
         _check_runs(runs[-1:])
-        _wait_recorded(proxy, lambda recs, n=n_before[-1]: len(recs) > n)
-    records = _wait_recorded(proxy, lambda recs: len(recs) >= n_before[-1] + 1)
+    total = _completed(proxy)
+    records = _wait_recorded(proxy, lambda recs: len(recs) >= total)
     return runs, n_before, records
+
+
+def _completed(proxy: OcacheProcess) -> int:
+    """The completions ocache has finished (counted as each answer ends, before its record is
+    written off the request's path: a run's last record can trail its client's exit)."""
+    return sum(n for per in proxy.stats()["completions"].values() for n in per.values())
 
 
 def _restart_upstream(srv, proxy: OcacheProcess) -> None:
@@ -502,8 +513,10 @@ def _agent_report(label: str, runs: list[clients.ClientRun], records: list[dict]
 
 
 def _first_of_each_run(records: list[dict], n_before: list[int]) -> list[dict]:
-    """The first record of each run (``n_before[i]``: records that existed before run i)."""
-    return [records[n] for n in n_before]
+    """The first request of each run (``n_before[i]``: completions finished before run i), in the
+    order ocache received them (``t``; records are written as answers end)."""
+    received = sorted(records, key=lambda r: r["t"])
+    return [received[n] for n in n_before]
 
 
 def _agent_checks(mode: str, records: list[dict], firsts: list[dict], report: str,
