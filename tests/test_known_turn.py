@@ -308,19 +308,23 @@ async def test_a_resend_takes_the_known_path_before_the_template_is_checked(star
 @pytest.mark.server
 async def test_a_known_turn_too_long_for_the_slot_is_the_servers_400_and_keeps_the_slot(start_server, tmp_path):
     """A known conversation's next turn that does not fit the slot's context: forwarded on the
-    known path, answered with the server's own 400 (exceed_context_size_error), which refuses it
-    before touching the slot's cache. It is counted ``too_long`` like on the usual path, not as a
-    failure of the cache layer, and the slot keeps its record: the conversation's real next turn
-    takes the known path again, with exact figures."""
+    known path (counted ``known``), answered with the server's own 400 (exceed_context_size_error),
+    which refuses it before touching the slot's cache; an error answer carries no ocache header but
+    its request id. It is counted ``too_long`` like on the usual path, not as a failure of the
+    cache layer, and the slot keeps its record: the conversation's real next turn takes the known
+    path again, with exact figures."""
     async with _third_turn_ready(start_server, tmp_path) as (s, base, proxy, srv, h, body):
         layer = proxy.layer
         assert layer.viewer.append_only
+        known = layer.counters["known"]
         too_long = _next_turn(body, "ok", "word " * 12000)
         async with s.post(base + CHAT, json=too_long, headers=h) as r:
-            assert r.status == 400 and r.headers.get("X-OCache-Path") == "known"
+            assert r.status == 400, r.status
+            assert [k for k in r.headers if k.lower().startswith("x-ocache-")] == ["X-OCache-Request-Id"], r.headers
             assert (await r.json())["error"]["type"] == "exceed_context_size_error"
         await proxy.wait_background()
         await layer.idle()
+        assert layer.counters["known"] == known + 1
         assert layer.counters["too_long"] == 1 and layer.counters["known_failed"] == 0
         assert proxy.stats.to_dict()["layer_errors"] == {}
         before = await _prompt_total(s, srv.url)
