@@ -269,7 +269,7 @@ def test_the_real_pi_compaction_is_served_as_the_conversations_continuation(star
             runs, recs = _pi_session(binary, proxy, tmp_path, name)
             stats = proxy.stats()["layer"]
         got[name] = runs, recs, stats
-    figures = {}
+    figures, bodies = {}, {}
     for name, (runs, recs, stats) in got.items():
         comps = _compactions(recs)
         report = "\n".join(r.describe(3) for r in runs[-2:]) + "\n" + json.dumps(stats.get("continued"))
@@ -280,6 +280,7 @@ def test_the_real_pi_compaction_is_served_as_the_conversations_continuation(star
         after = recs.index(max(comps, key=lambda r: recs.index(r))) + 1
         nxt = next(r for r in recs[after:] if r["body"].get("tools"))
         before = [r for r in recs[:recs.index(min(comps, key=lambda r: recs.index(r)))] if r["body"].get("tools")][-1]
+        bodies[name] = {"next": nxt["body"]["messages"]}
         figures[name] = {k: {"prompt_n": r["obs"]["timings"]["prompt_n"], "cache_n": r["obs"]["timings"]["cache_n"],
                              "headers": {h: v for h, v in (r.get("plan") or {}).get("headers", {}).items()
                                          if h in ("X-OCache-Path", "X-OCache-Continued", "X-OCache-Slot")}}
@@ -315,11 +316,16 @@ def test_the_real_pi_compaction_is_served_as_the_conversations_continuation(star
     # the next turn prefills no more than alone. Its prompt holds the summary the model wrote, and
     # the two runs' summaries differ (the hybrid model's numerics follow where a prefill resumed:
     # one loaded run wrote 2,985 tokens more through ocache), so what ocache's next turn prefilled
-    # beyond its longer prompt is compared, and its reuse directly
+    # beyond its longer prompt is compared. Its reuse is compared directly only when both runs sent
+    # the same next turn: with other summaries the prompts part after the system and tools (one
+    # loaded run: 1,581 tokens through ocache, 1,341 reused; 4,677 alone, 1,385 reused, as pi kept
+    # the last turn whole there and cut it through ocache), and what each reuses past that point
+    # is its own text's
     n_oc = oc["next"]["prompt_n"] + oc["next"]["cache_n"]
     n_alone = alone["next"]["prompt_n"] + alone["next"]["cache_n"]
     assert oc["next"]["prompt_n"] - max(0, n_oc - n_alone) <= alone["next"]["prompt_n"], figures
-    assert oc["next"]["cache_n"] >= alone["next"]["cache_n"], figures
+    if bodies["alone"]["next"] == bodies["ocache"]["next"]:
+        assert oc["next"]["cache_n"] >= alone["next"]["cache_n"], figures
     assert got["ocache"][2]["continued"]["requests"] == 1, got["ocache"][2]["continued"]
 
 
