@@ -37,7 +37,7 @@ from ocache.forward import CONNECT_FAILED, CURRENT_UPSTREAM, UpstreamHung, unava
 from ocache.layer import NullLayer, Observation, ParsedRequest, Plan
 from ocache.ports import ProxyPorts
 from ocache.tokens import TokenViewError
-from ocache.wire import NULL_DROPS, STEERING, unplanned_body, with_fields
+from ocache.wire import NULL_DROPS, STEERING, other_body, unplanned_body, with_fields
 
 log = logging.getLogger("ocache.proxy")
 
@@ -104,6 +104,8 @@ class Attempt:
     #: the answer's bytes as the upstream sent them (the body, or the SSE stream), recorded for the
     #: response cache when this request answers its key (ocache/response_cache.py); None: not kept
     keep: bytearray | None = None
+    #: the server's verdict on the request's credentials (``Attempts.accepted``); None: not asked
+    credentials_ok: bool | None = None
 
     @property
     def path(self) -> str:
@@ -170,6 +172,20 @@ class Attempts:
             state = up.state
         return state
 
+    async def accepted(self, att: Attempt) -> bool:
+        """Whether the server accepts ``att``'s credentials (``CredentialCheck``, asked once per
+        request and remembered on it): True when ocache has no ``upstream_api_key`` (the server
+        checks none it knows of) or no session to ask with; False when the check got no answer.
+        Asked before the response cache and the plan: a client the server refuses is neither
+        replayed a stored answer nor given a token view."""
+        if att.credentials_ok is None:
+            up = self.proxy.upstream
+            if att.preq is None or not up.api_key or up.session is None:
+                return True
+            att.credentials_ok = await self.credentials.accepted(up.session, up.base_url, up.epoch,
+                                                                 att.preq.headers)
+        return att.credentials_ok
+
     # --- plan -----------------------------------------------------------------------------------
     async def plan(self, att: Attempt) -> web.Response | None:
         """Plan the request (a completion with a JSON object body, on a ready llama-server), then
@@ -197,10 +213,7 @@ class Attempts:
             att.plannable = False
             if not _MEDIA.search(att.body):
                 return self._too_large(att)
-        if preq is not None and preq.body is not None and att.plannable and p.upstream.api_key \
-                and p.upstream.session is not None \
-                and not await self.credentials.accepted(p.upstream.session, p.upstream.base_url,
-                                                        p.upstream.epoch, preq.headers):
+        if preq is not None and preq.body is not None and att.plannable and not await self.accepted(att):
             # the server checks keys and refuses this one: nothing is planned for a client the
             # server will answer 401 (ocache/credentials.py)
             p.stats.unplannable("credentials")
@@ -330,20 +343,26 @@ class Attempts:
     async def _forward(self, att: Attempt) -> aiohttp.ClientResponse | web.Response:
         """One send of the request as planned now to the current upstream (``Forwards.forward``,
         ocache/forward.py). A completion sent without a
-        plan to a llama-server never carries the client's ``id_slot`` (``wire.unplanned_body``):
-        removed, or ocache's 400 when the body cannot be rewritten."""
+        plan to a llama-server never carries the client's ``id_slot`` (``wire.unplanned_body``), nor
+        does a POST to any other route (``wire.other_body``): removed, or ocache's 400 when the
+        body cannot be rewritten."""
         att.obs.status = 0
         body = att.out_body
-        if att.plan is None and att.preq is not None and att.body and self.proxy.upstream.state != "foreign":
-            unplanned = unplanned_body(att.body, att.preq.body)
+        p = self.proxy
+        if att.plan is None and att.body and p.upstream.state != "foreign":
+            if att.preq is not None:
+                unplanned = unplanned_body(att.body, att.preq.body)
+            elif att.request.method == "POST":
+                unplanned = other_body(att.body, NULL_DROPS if isinstance(p.layer, NullLayer) else STEERING)
+            else:
+                unplanned = att.body
             if unplanned is None:
                 att.obs.status = 400
-                log.info("[%s] unplanned body may name id_slot: 400", att.rid)
+                log.info("[%s] unplanned body may name a steering field: 400", att.rid)
                 return admin.error(400, "ocache could not parse this body and will not forward an "
-                                   "id_slot it may hold (send plain UTF-8 JSON without a BOM, nested "
-                                   "less deeply)", "invalid_request_error", att.rid)
+                                   "id_slot or ocache_* field it may hold (send plain UTF-8 JSON "
+                                   "without a BOM, nested less deeply)", "invalid_request_error", att.rid)
             body = unplanned
-        p = self.proxy
         resp = await p.forwards.forward(p.upstream, att.request, att.rid, body, att.has_body, att.timeout,
                                         att.obs, up_headers(att.plan))
         att.up_resp = resp if isinstance(resp, aiohttp.ClientResponse) else None

@@ -312,8 +312,11 @@ class Proxy(Lifecycle):
             preq = self._parse(request, rid, request.method, request.path, body)
         att = Attempt(request, rid, t0, body, has_body, preq, self._read_timeout(request.path, preq))
         # the response cache (ocache/response_cache.py): a stored answer replayed, or this request
-        # answers its key (its answer recorded and settled once it is over), or not cached
-        lead = await self.responses.serve(self, att) if self.responses is not None else None
+        # answers its key (its answer recorded and settled once it is over), or not cached; never
+        # for credentials the server refuses now (a key the restarted server no longer accepts)
+        lead = await self.responses.serve(self, att) if self.responses is not None and (
+            preq is None or preq.body is None or self.upstream.state != "ready"
+            or await self.attempts.accepted(att)) else None
         if isinstance(lead, web.StreamResponse):
             return lead
         try:

@@ -61,12 +61,13 @@ def parse_body(body: bytes) -> dict | None:
 #: top-level body fields that steer which tokens llama-server serves: ``id_slot`` pins a slot
 #: (tools/server/server-context.cpp reads it for every completion and a pinned slot keeps its
 #: prompt cache), ``ocache_splice`` (patches/0008) serves a slot's first tokens in place of the
-#: prompt's. Only a plan of ocache's sets them: a client's own never reaches the server
-#: (:func:`with_fields` drops those a plan does not set, :func:`unplanned_body` all of them), since
-#: they would serve one session another's slot (docs/usage.md "Substitutions").
-STEERING: tuple[str, ...] = ("id_slot", "ocache_splice")
-#: the steering fields dropped without a cache layer (``no_cache``): patch 0008's alone
-NULL_DROPS: tuple[str, ...] = ("ocache_splice",)
+#: prompt's, ``ocache_generated`` (patches/0010) reports the sampled ids. Only a plan of ocache's
+#: sets them: a client's own never reaches the server (:func:`with_fields` drops those a plan does
+#: not set, :func:`unplanned_body` and :func:`other_body` all of them), since they would serve one
+#: session another's slot (docs/usage.md "Substitutions").
+STEERING: tuple[str, ...] = ("id_slot", "ocache_splice", "ocache_generated")
+#: the steering fields dropped without a cache layer (``no_cache``): the patches' own
+NULL_DROPS: tuple[str, ...] = ("ocache_splice", "ocache_generated")
 
 
 def with_fields(raw: bytes, obj: dict, updates: dict, drop: tuple[str, ...] = STEERING) -> bytes:
@@ -92,10 +93,10 @@ def with_fields(raw: bytes, obj: dict, updates: dict, drop: tuple[str, ...] = ST
 #: bytes that can spell a ``STEERING`` key in a JSON text: the keys themselves, or a ``\\u``
 #: escape of any ASCII character (``"\\u0069d_slot"``): a body ocache did not parse and holds
 #: none of them cannot steer the server
-_STEERING_SPELLING = re.compile(rb"id_slot|ocache_splice|\\u00[0-7][0-9a-fA-F]")
+_STEERING_SPELLING = re.compile(rb"id_slot|ocache_splice|ocache_generated|\\u00[0-7][0-9a-fA-F]")
 
 
-def unplanned_body(raw: bytes, obj: dict | None) -> bytes | None:
+def unplanned_body(raw: bytes, obj: dict | None, drop: tuple[str, ...] = STEERING) -> bytes | None:
     """The body to forward for a completion ocache did not plan (``raw`` as sent; ``obj``: its
     parsed object, None when ``parse_body`` refused it): ``raw`` when it cannot steer the server,
     ``raw`` re-encoded without its top-level ``STEERING`` fields when ``obj`` has one, and None
@@ -106,13 +107,31 @@ def unplanned_body(raw: bytes, obj: dict | None) -> bytes | None:
     ``ocache_splice`` would serve another session's tokens."""
     if obj is None:
         return None if _STEERING_SPELLING.search(raw) else raw
-    if not any(k in obj for k in STEERING):
+    if not any(k in obj for k in drop):
         return raw
     try:
-        return json.dumps({k: v for k, v in obj.items() if k not in STEERING}, ensure_ascii=False,
+        return json.dumps({k: v for k, v in obj.items() if k not in drop}, ensure_ascii=False,
                           separators=(",", ":")).encode()
     except (RecursionError, ValueError):
         return None
+
+
+def other_body(raw: bytes, drop: tuple[str, ...] = STEERING) -> bytes | None:
+    """The body to forward for a POST to a route ocache does not plan (``/infill``, ``/embeddings``,
+    ``/tokenize``, a route of a later llama-server): as :func:`unplanned_body`, the body parsed
+    here only when its bytes can spell a steering key. llama-server runs a completion on more
+    routes than ocache plans, each reading the same fields (tools/server/server-context.cpp:
+    ``post_infill`` ends in ``handle_completions_impl``, where ``id_slot`` and the patches' fields
+    are read), so a client's ``id_slot`` on ``/infill`` would run on another session's slot and its
+    ``ocache_splice`` would ask that slot's tokens. Returns None (answer 400) as
+    :func:`unplanned_body` does."""
+    if not raw or not _STEERING_SPELLING.search(raw):
+        return raw
+    try:
+        obj = parse_body(raw)
+    except Unparseable:
+        obj = None
+    return unplanned_body(raw, obj, drop)
 
 
 def _has_lone_surrogate(obj: Any) -> bool:

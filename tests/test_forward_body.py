@@ -10,7 +10,7 @@ import pytest
 from multidict import CIMultiDict
 
 from ocache.proxy import parse_body, with_fields
-from ocache.wire import NULL_DROPS, STEERING, forward_request_headers, unplanned_body
+from ocache.wire import NULL_DROPS, STEERING, forward_request_headers, other_body, unplanned_body
 
 
 @pytest.mark.parametrize("raw", [
@@ -68,6 +68,30 @@ def test_an_unplanned_body_never_carries_a_steering_field(raw):
 def test_an_unparsed_body_that_may_spell_a_steering_key_is_refused(raw):
     assert unplanned_body(raw, None) is None
     assert unplanned_body(b'\xef\xbb\xbf{"prompt": "x"}', None) is not None
+
+
+@pytest.mark.parametrize("raw", [
+    json.dumps({"input_prefix": "a", "id_slot": 0, "ocache_splice": SPLICE}).encode(),
+    json.dumps({"input_prefix": "a", "ocache_generated": True}).encode(),
+    b'{"input_prefix": "a", "\\u0069d_slot": 0}',                # the key spelled with an escape
+    b'{"id_slot": 1, "input_prefix": "a", "id_slot": 0}',         # twice: both parsers keep the last
+])
+def test_a_post_to_a_route_ocache_does_not_plan_carries_no_steering_field(raw):
+    """``/infill``, ``/embeddings``, ...: llama-server reads the same fields there."""
+    out = other_body(raw)
+    assert out is not None and json.loads(out)["input_prefix"] == "a"
+    assert not set(json.loads(out)) & set(STEERING)
+    # without a cache layer the server's own id_slot passes, the patches' fields do not
+    kept = other_body(raw, NULL_DROPS)
+    assert kept is not None and not set(json.loads(kept)) & set(NULL_DROPS)
+
+
+def test_a_post_body_that_cannot_steer_goes_byte_for_byte():
+    for raw in (b'{"content": "def f(): pass"}', b"", b"not json", b'[1, 2]'):
+        assert other_body(raw) is raw
+    # unparsed and possibly spelling a key: refused (ocache's 400), never forwarded
+    assert other_body(b'\xef\xbb\xbf{"id_slot": 0}') is None
+    assert other_body(b'[{"id_slot": 0}]') is None
 
 
 def test_a_clients_x_ocache_headers_are_not_forwarded():

@@ -541,6 +541,19 @@ def make_family(name: str) -> Path:
     return _make(FAMILY_SPEC, "families", name, path, FAMILY_VOCABS[name].extra)
 
 
+#: the fill-in-the-middle tokens of Qwen2.5-Coder and Qwen3-Coder; llama-vocab.cpp finds them by
+#: their text (src/llama-vocab.cpp, "find FIM_PRE token"). The presets' vocabulary has none, so
+#: llama-server answers ``/infill`` with 501 on the tiny models
+FIM_TOKENS: tuple[str, ...] = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def make_fim() -> Path:
+    """Generate (or find) the tiny dense model with ``FIM_TOKENS`` appended as control tokens, on
+    which llama-server serves ``/infill``: ``families-fim-qwen3.gguf``."""
+    FAMILY_SPEC.validate()
+    return _make(FAMILY_SPEC, "families", "fim", _vocab_path(), FIM_TOKENS)
+
+
 def make_families() -> dict[str, Path]:
     """``{name: path}`` of every family model (the first call reads each vocab once: ~5-20 s each
     on 2 cores, then cached as ``tokenizer-<sha16>.json``)."""

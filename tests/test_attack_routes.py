@@ -1,0 +1,131 @@
+"""A second engineer's attacks on the routes ocache does not plan and on the order of its checks,
+each turned into a test that failed before its fix: a client's ``id_slot`` and ``ocache_splice``
+on ``/infill`` (llama-server runs a completion there too, reading the same fields: the splice's
+refusal told the client another session's slot length and the hash of its first tokens, enough to
+read its prompt back token by token; ``id_slot`` ran on that slot and emptied it); a key the
+restarted server no longer accepts replayed a stored answer; a refused client made ocache build
+token views. Real patched llama-server (tiny dense; with fill-in-the-middle tokens for
+``/infill``), ``ocache serve`` in a child process."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from ocache.align import xxh3
+from ocache.bench.run import OCacheProcess
+from ocache.llama.server import LlamaServer
+from ocache.toolchain import models
+from test_substitutions import _chat
+
+pytestmark = pytest.mark.server
+
+#: an ``ocache_splice`` (patches/0008) no slot can satisfy: the server refuses it with 412 naming
+#: what the slot holds
+SPLICE = {"n_keep": 1 << 30, "n_check": 1 << 30, "xxh3": "0000000000000000", "n_tail": 0,
+          "tail_xxh3": xxh3([])}
+
+
+def _post(url: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_a_clients_steering_fields_on_infill_never_reach_the_server(engine_patched, tmp_path):
+    """Alice's conversation is in a slot. Bob sends ``/infill`` (a route ocache forwards without a
+    plan) with her slot's ``id_slot`` and an ``ocache_splice``, then with ``ocache_generated``, then
+    with her ``id_slot`` alone:
+    each gets what the server answers the same body without them (before: the splice's 412, "the
+    slot holds N tokens", and the sampled ids in the timings), and Alice's next turn still reuses
+    her slot (before: Bob's ``id_slot`` emptied it and her turn went cold)."""
+    srv = LlamaServer(binary=engine_patched.binary, model=models.make_fim(), n_parallel=2, ctx_size=8192,
+                      slot_save_path=tmp_path / "slots", log_path=tmp_path / "server.log").start()
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    alice = {"x-session-affinity": "ses_alice"}
+    try:
+        body = {"messages": [{"role": "system", "content": "You are a coding agent. " * 20},
+                             {"role": "user", "content": "The deployment password is hunter2. Summarise."}],
+                "temperature": 0, "max_tokens": 8}
+        status, res, h = _chat(prox.url, body, alice)
+        assert status == 200 and h.get("X-OCache-Slot", "").isdigit(), (status, h)
+        slot = int(h["X-OCache-Slot"])
+        infill = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 4,
+                  "temperature": 0, "cache_prompt": False}
+        got = {}
+        for name, extra in (("splice", {"id_slot": slot, "ocache_splice": SPLICE}),
+                            ("generated", {"ocache_generated": True}), ("slot", {"id_slot": slot})):
+            got[name] = _post(prox.url, "/infill", {**infill, **extra}, {"x-session-affinity": "ses_bob"})
+        nxt = dict(body, messages=body["messages"] + [
+            {"role": "assistant", "content": res["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Thanks."}])
+        status, res2, _h2 = _chat(prox.url, nxt, alice)
+        assert status == 200, res2
+        # the server's own answer to the body as the client could send it without ocache's fields
+        # (direct, last: it takes a slot of the server's choosing)
+        ref = _post(srv.url, "/infill", infill)
+    finally:
+        prox.stop()
+        srv.stop()
+    assert ref[0] == 200, ref          # the model serves /infill (its FIM tokens)
+    for name, (status, answer) in got.items():
+        assert status == 200, (name, status, answer)
+        assert answer["content"] == ref[1]["content"], (name, answer, ref)
+        assert "ocache_generated" not in answer.get("timings", {}), (name, answer["timings"])
+    # Alice's slot kept her conversation: her next turn reused her first prompt
+    first = res["timings"]["prompt_n"] + res["timings"]["cache_n"]
+    assert res2["timings"]["cache_n"] >= first - 8, (res["timings"], res2["timings"])
+
+
+def _wait_restart(prox: OCacheProcess, seen: int, bound_s: float = 120.0) -> None:
+    """Until ocache has seen a new server process (``upstream_restarts`` above ``seen``)."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        st = prox.stats() or {}
+        if st.get("upstream_restarts", 0) > seen:
+            return
+        time.sleep(0.2)   # polling ocache's stats until its probe has seen the new process
+    raise AssertionError("ocache never saw the restarted server")
+
+
+def test_no_stored_answer_for_credentials_the_server_refuses_now(start_server, tmp_path):
+    """``--api-key okey,vkey``, ocache holding ``okey``, the response cache on. A refused key's
+    requests get the server's 401 without the cache looking them up (before: a token view of each
+    refused body). Then the server restarts with ``--api-key okey``: ``vkey``'s stored answer is not
+    replayed to it, it gets the server's 401 (before: the stored 200 until the entry expired)."""
+    srv = start_server("dense", n_parallel=2, ctx_size=8192, api_key="okey,vkey")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log", slot_save_path=tmp_path / "slots",
+                         env={"OCACHE_UPSTREAM_API_KEY": "okey",
+                              "OCACHE_RESPONSE_CACHE": '{"enabled": true}'}).start()
+    body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8,
+            "temperature": 0}
+    vkey = {"Authorization": "Bearer vkey"}
+    try:
+        tiers = [_chat(prox.url, body, vkey)[2].get("X-OCache-Tier") for _ in range(2)]
+        assert tiers[1] == "response", tiers            # the cache is on and keyed for vkey
+        before = dict((prox.stats() or {}).get("response_cache") or {})
+        refused = [_chat(prox.url, body, {"Authorization": "Bearer nope"})[0] for _ in range(2)]
+        after = dict((prox.stats() or {}).get("response_cache") or {})
+        restarts = (prox.stats() or {}).get("upstream_restarts", 0)
+        srv.stop()
+        srv.api_key = "okey"
+        srv.start()
+        _wait_restart(prox, restarts)
+        revoked = _chat(prox.url, body, vkey)
+        control = _chat(prox.url, body, {"Authorization": "Bearer okey"})
+    finally:
+        prox.stop()
+    assert refused == [401, 401], refused
+    counted = ("hits", "misses", "coalesced", "not_keyed", "not_greedy")
+    assert {k: after.get(k) for k in counted} == {k: before.get(k) for k in counted}, (before, after)
+    assert revoked[0] == 401 and revoked[2].get("X-OCache-Tier") != "response", revoked
+    assert control[0] == 200, control
