@@ -193,6 +193,28 @@ def owns(turn: Turn, owner: str | None) -> str | None:
     return "other credentials"
 
 
+#: the entries the model wrote: an answer's text, its calls (opencode ``call``, pi ``calls``)
+MODEL_ENTRIES = frozenset({"assistant", "call", "calls"})
+
+
+def vouched(sent: Sequence[tuple[str, Any]], recorded: Sequence[tuple[str, Any]], owner: str | None) -> str | None:
+    """None when a requester that sent the first ``sent`` entries of the ``recorded`` conversation
+    may be served all of it (the continuation holds every recorded entry, the conversation's system
+    prompt and tools too), else why not. A session key vouches for it (:func:`owns` matched the
+    record's). Without one (pi sends none) anybody with the same credentials is the same owner, so
+    the requester must show it read the conversation: at least half of its entries, one of them
+    the model's own (an answer or a call, text a client only has from the answers) unless it sent
+    them all. A history holding only a first question, which anybody can guess, is served as sent."""
+    session = (owner or "").rpartition("|")[0]
+    if session:
+        return None
+    if len(sent) < len(recorded) and not any(kind in MODEL_ENTRIES for kind, _ in sent):
+        return "no session key, and none of the model's entries sent"
+    if 2 * len(sent) < len(recorded):
+        return "no session key, and less than half the conversation sent"
+    return None
+
+
 def entries(history: str) -> tuple[tuple[str, Any], ...]:
     """An opencode history (the text inside the history block) as its entries in order, the
     reasoning aside: ``("user", text)`` (its attachment lines aside), ``("assistant", text)``,
@@ -243,7 +265,7 @@ def matches(comp: Compaction, turn: Turn, body: Mapping, owner: str | None) -> s
         if k in body and turn.fields.get(k) != body[k]:
             return "prompt fields differ"
     if comp.client == "pi":
-        return pi_matches(comp, turn)
+        return pi_matches(comp, turn, owner)
     try:
         sent = entries(history_of(body))
         recorded = entries(opencode_history([*turn.messages, {"role": "assistant", **turn.answer}]))
@@ -251,7 +273,7 @@ def matches(comp: Compaction, turn: Turn, body: Mapping, owner: str | None) -> s
         return "malformed message"
     if not sent or len(sent) > len(recorded) or not all(map(same_entry, sent, recorded)):
         return "history differs"
-    return None
+    return vouched(sent, recorded, owner)
 
 
 def instruction(comp: Compaction) -> str:
@@ -446,7 +468,7 @@ def pi_history(messages: Sequence[Mapping]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def pi_matches(comp: Compaction, turn: Turn) -> str | None:
+def pi_matches(comp: Compaction, turn: Turn, owner: str | None = None) -> str | None:
     """None when pi's compaction ``comp`` re-states ``turn``'s conversation: its history's entries
     (:func:`pi_entries`, thinking aside) are the first entries of the recorded conversation and the
     relayed answer (:func:`pi_history`), each equal, a tool result as pi cuts it
@@ -456,7 +478,8 @@ def pi_matches(comp: Compaction, turn: Turn) -> str | None:
     (its instructions open with the previous summary, :func:`pi_previous_summary`) of a conversation
     that opens with a user message ending in that summary in ``<summary>`` tags (pi's compaction
     summary, ``convertToLlm`` in its ``dist/core/messages.js``) compares its history with the
-    entries after that message."""
+    entries after that message. ``owner`` (the requester's, ``ocache.substitute.owner_of``) must be
+    vouched for (:func:`vouched`): without a session key, half the conversation sent."""
     try:
         recorded = pi_history([*turn.messages, {"role": "assistant", **turn.answer}])
     except (AttributeError, TypeError, ValueError):
@@ -473,7 +496,7 @@ def pi_matches(comp: Compaction, turn: Turn) -> str | None:
     for (kind, text), (r_kind, r_text) in zip(sent, recorded):
         if kind != r_kind or (text != r_text and not (kind == "tool" and text == pi_truncated(r_text))):
             return "history differs"
-    return None
+    return vouched(sent, recorded, owner)
 
 
 #: how pi's compaction summary message ends (``COMPACTION_SUMMARY_PREFIX`` / ``_SUFFIX`` in its

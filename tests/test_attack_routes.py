@@ -20,7 +20,8 @@ from ocache.align import xxh3
 from ocache.bench.run import OCacheProcess
 from ocache.llama.server import LlamaServer
 from ocache.toolchain import models
-from test_substitutions import _chat
+from test_real_templates import serve_template  # noqa: F401  (the fixture)
+from test_substitutions import _chat, _loop
 
 pytestmark = pytest.mark.server
 
@@ -129,3 +130,29 @@ def test_no_stored_answer_for_credentials_the_server_refuses_now(start_server, t
     assert {k: after.get(k) for k in counted} == {k: before.get(k) for k in counted}, (before, after)
     assert revoked[0] == 401 and revoked[2].get("X-OCache-Tier") != "response", revoked
     assert control[0] == 200, control
+
+
+def test_a_chat_turn_without_the_conversations_tools_is_served_as_sent(serve_template, tmp_path):
+    """Alice's conversation offered a tool; her next chat request drops ``tools`` and
+    ``tool_choice`` (a client that stops offering them). It is served her own rendering, which has
+    no tool block (before: continued, the recorded tools put back in the prompt and the body, as
+    only Codex's compaction on ``/v1/responses`` is)."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on")
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    try:
+        turns = _loop(prox.url, "ses_alice", n=2)
+        body, res, _h = turns[-1]
+        nxt = {k: v for k, v in body.items() if k not in ("tools", "tool_choice", "grammar")}
+        nxt["messages"] = body["messages"] + [
+            {"role": "assistant", "content": res["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Thanks. Which file would you change first?"}]
+        status, got, h = _chat(prox.url, nxt, {"x-session-affinity": "ses_alice"})
+        own = _post(srv.url, "/tokenize", {"content": _post(srv.url, "/apply-template",
+                                                            {"messages": nxt["messages"]})[1]["prompt"],
+                                            "add_special": True, "parse_special": True})[1]["tokens"]
+    finally:
+        prox.stop()
+    assert status == 200, got
+    assert h.get("X-OCache-Path") != "continued", h
+    assert got["timings"]["cache_n"] + got["timings"]["prompt_n"] == len(own), (got["timings"], len(own))

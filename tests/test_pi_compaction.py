@@ -53,6 +53,8 @@ CONVERSATION = [
 ANSWER = {"content": "b.py is empty.", "reasoning_content": "Nothing there."}
 #: pi sends no session header: the credentials and the whole history decide
 OWNER = owner_of({"authorization": "Bearer sk-local"})
+#: a client that sends one (the guard's other case)
+KEYED = owner_of({"x-session-affinity": "ses_1", "authorization": "Bearer sk-local"})
 
 
 def turn(messages=CONVERSATION, **kw) -> Turn:
@@ -124,7 +126,10 @@ def test_the_guard_takes_the_conversations_first_entries():
     assert _matches(request(answered)) is None
     assert _matches(request(CONVERSATION)) is None
     assert _matches(request(CONVERSATION[:5])) is None          # the last turn kept out of the summary
-    assert _matches(request(CONVERSATION[:2])) is None
+    # its first question only: pi sends no session key, so the requester must show it read the
+    # conversation (half its entries, one of the model's); with a session key that vouches for it
+    assert _matches(request(CONVERSATION[:2])) == "no session key, and none of the model's entries sent"
+    assert _matches(request(CONVERSATION[:2]), turn(owner=KEYED), owner=KEYED) is None
     # the split turn's prefix: the last turn's user message alone
     assert _matches(request([CONVERSATION[0], CONVERSATION[5]])) == "history differs"
     # another middle, another call, one more turn than recorded
@@ -171,7 +176,9 @@ def test_a_later_compaction_starts_after_the_previous_summary():
     conv = [CONVERSATION[0], wrapped, *CONVERSATION[1:]]
     t = turn(conv)
     assert _matches(request(CONVERSATION, previous=summary), t) is None
-    assert _matches(request(CONVERSATION[:3], previous=summary), t) is None
+    assert _matches(request(CONVERSATION[:4], previous=summary), t) is None
+    assert _matches(request(CONVERSATION[:3], previous=summary), t) == \
+        "no session key, and less than half the conversation sent"
     assert parse(request(CONVERSATION, previous=summary)).after.startswith("<previous-summary>\n")
     assert _matches(request(CONVERSATION, previous="## Goal\nSomething else."), t) == "history differs"
     assert _matches(request(CONVERSATION), t) == "history differs"
@@ -188,6 +195,22 @@ def test_a_later_compaction_starts_after_the_previous_summary():
 ])
 def test_only_the_requesters_own_conversation_is_continued(what, owner, why):
     assert _matches(request(CONVERSATION), owner=owner) == why, what
+
+
+def test_a_requester_without_a_session_key_must_have_read_the_conversation():
+    """A second client without a session key (pi sends none; the same credentials, or none, on a
+    local server) sends a compaction whose history is the conversation's first question only,
+    which anybody can guess: before, it was served the whole conversation (the system prompt, every
+    later turn: a password in the second one), summarised for it. Now it goes as sent, as does one
+    with the first answer but less than half the entries; half of them, an answer among them, is
+    pi's own cut (``keepRecentTokens`` of the newest left out)."""
+    secret = [*CONVERSATION[:5], {"role": "user", "content": [{"type": "text", "text": "The password is pluto."}]},
+              {"role": "assistant", "content": "Noted."}, {"role": "user", "content": [{"type": "text", "text": "Deploy."}]}]
+    t = turn(secret)
+    assert _matches(request(secret[:2]), t) == "no session key, and none of the model's entries sent"
+    assert _matches(request(secret[:3]), t) == "no session key, and less than half the conversation sent"
+    assert _matches(request(secret[:5]), t) is None
+    assert _matches(request(secret), t) is None
 
 
 def test_the_continuation_is_the_recorded_conversation_then_the_instruction():

@@ -21,7 +21,8 @@ Headers ``X-OCache-Continued: K+N`` (the slot's K tokens + the N of the instruct
 ``X-OCache-Path: continued``; stats ``layer.continued`` (:meth:`ContinueRoute.stats`); one log line.
 
 Codex's compaction (``ocache.compaction.without_tools``: the conversation's own items, the answer and
-one user item with its instructions, but ``tools: []``) is served the same way on ``/v1/responses``:
+one user item with its instructions, but ``tools: []``) is served the same way on ``/v1/responses``
+(only there: a chat request without the tools its conversation had goes as sent):
 the request's messages rendered with the conversation's tools, its ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` put back as the conversation sent them (``Turn.raw``). A Responses answer
 does not say whether the model ended it, so there the continuation is sent without a splice, when its
@@ -224,10 +225,12 @@ async def plan(layer: PlanningServices, req: ParsedRequest, shape: Shape) -> Pla
     comp = parse(body) if req.path in CHAT_PATHS else None
     owner = owner_of(req.headers)
     if comp is None:
-        # a conversation continued by one user turn without its tools (Codex's compaction)? The
+        # a conversation continued by one user turn without its tools (Codex's compaction)? Only on
+        # the Responses route, Codex's: a chat client that stops offering tools is served its own
+        # rendering (putting the tools back would offer the model tools the client did not). The
         # previous answer may not be recorded yet: wait (bounded) only for a slot whose last request's
         # messages open this one's (AlignRoute.settle)
-        if body.get("tools") or not isinstance(body.get("messages"), list):
+        if req.path not in RESPONSES_ROUTES or body.get("tools") or not isinstance(body.get("messages"), list):
             return None
         await layer.align.settle(table, shape.keys)
         if not any(t.fields.get("tools") and 0 < len(body["messages"]) - len(t.messages) <= 2
