@@ -4,8 +4,10 @@ on ``/infill`` (llama-server runs a completion there too, reading the same field
 refusal told the client another session's slot length and the hash of its first tokens, enough to
 read its prompt back token by token; ``id_slot`` ran on that slot and emptied it); a key the
 restarted server no longer accepts replayed a stored answer; a refused client made ocache build
-token views. Real patched llama-server (tiny dense; with fill-in-the-middle tokens for
-``/infill``), ``ocache serve`` in a child process."""
+token views; a client without a session key got another's conversation summarised by sending its
+first question as a compaction's history; a chat turn that dropped its tools had them put back.
+Real patched llama-server (tiny dense, with fill-in-the-middle tokens for ``/infill``; tiny hybrid
+on Qwen3.5's template), ``ocache serve`` in a child process."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 
 from ocache.align import xxh3
 from ocache.bench.run import OCacheProcess
+from ocache.compaction import pi_request
 from ocache.llama.server import LlamaServer
 from ocache.toolchain import models
 from test_real_templates import serve_template  # noqa: F401  (the fixture)
@@ -156,3 +159,37 @@ def test_a_chat_turn_without_the_conversations_tools_is_served_as_sent(serve_tem
     assert status == 200, got
     assert h.get("X-OCache-Path") != "continued", h
     assert got["timings"]["cache_n"] + got["timings"]["prompt_n"] == len(own), (got["timings"], len(own))
+
+
+def test_a_compaction_without_a_session_key_must_hold_half_the_conversation(serve_template, tmp_path):
+    """Alice, without a session key (as pi), has a conversation whose system prompt and second
+    message hold secrets. Mallory, without one either, sends pi's compaction of its first question
+    only (``hi``, which anybody can guess): it goes as sent, its own prompt (before: served from
+    Alice's slot, the summary written from her whole conversation). Alice's own compaction of the
+    whole conversation is continued (the control)."""
+    srv = serve_template("hybrid", n_parallel=2, ctx_size=16384, flash_attn="on",
+                         args=["--temp", "0", "--reasoning", "off"])
+    prox = OCacheProcess(srv.url, tmp_path / "cache", tmp_path / "ocache.log",
+                         slot_save_path=tmp_path / "slots").start()
+    conv: list[dict] = [{"role": "system", "content": "Working directory: /home/alice/zebra-secret"},
+                        {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    try:
+        for user, said in (("The deploy password is pluto. Plan the release.", "Hello. What next?"),
+                           (None, "Plan: tag, build, ship.")):
+            status, res, _h = _chat(prox.url, {"messages": conv, "max_tokens": 64,
+                                               "grammar": f'root ::= "{said}"'})
+            assert status == 200 and res["choices"][0]["finish_reason"] == "stop", res
+            conv = conv + [{"role": "assistant", "content": res["choices"][0]["message"]["content"]}]
+            if user:
+                conv.append({"role": "user", "content": [{"type": "text", "text": user}]})
+        summarise = dict(model="qwen", max_completion_tokens=16)
+        attack = pi_request(conv[:2], "You summarise.", "Summarise the conversation.", **summarise)
+        a_status, _a_res, a_h = _chat(prox.url, attack)
+        own = pi_request(conv, "You summarise.", "Summarise the conversation.", **summarise)
+        o_status, _o_res, o_h = _chat(prox.url, own)
+        continued = (prox.stats() or {}).get("layer", {}).get("continued", {})
+    finally:
+        prox.stop()
+    assert o_status == 200 and o_h.get("X-OCache-Path") == "continued", (o_h, continued)
+    assert a_status == 200 and a_h.get("X-OCache-Path") != "continued", (a_h, continued)
+    assert continued.get("as_sent_no_session_key,_and_none_of_the_model's_entries_sent") == 1, continued
