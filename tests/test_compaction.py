@@ -238,33 +238,36 @@ async def _route_layer(turn_: Turn, viewer=None):
     return layer
 
 
-async def _plan(layer, body: dict, headers: dict):
+async def _plan(layer, body: dict, headers: dict, path: str = "/v1/chat/completions"):
     from ocache.cache.prepare import Shape
     from ocache.cache.routes import continued
     from ocache.layer import ParsedRequest
 
-    req = ParsedRequest("r1", "POST", "/v1/chat/completions", body, headers, headers.get("x-session-affinity"), False)
+    req = ParsedRequest("r1", "POST", path, body, headers, headers.get("x-session-affinity"), False)
     return await continued.plan(layer, req, Shape("r1", req.path, body, True, "guest", None, None, None))
 
 
-async def test_a_title_request_is_neither_logged_nor_counted_as_a_compaction(caplog):
+@pytest.mark.parametrize("path, looked_at", [("/v1/chat/completions", 0), ("/v1/responses", 1)])
+async def test_a_title_request_is_neither_logged_nor_counted_as_a_compaction(caplog, path, looked_at):
     """opencode's title request (no tools; its system text, then two user messages) after the first
-    turn of a conversation with tools: one message more than the record, no tools, so the route
-    looks at it, and it continues nothing. Not a compaction: no "compaction not continued ... history
-    differs" line, no ``as_sent_`` counter; ``other_requests`` counts it. The first answer is the
-    reasoning alone, as in the captured session (an empty answer may be left out of a Codex
-    compaction, so the request is compared with the record). Fails on the route that logged it as a
-    compaction not continued."""
+    turn of a conversation with tools: one message more than the record, no tools. On the chat
+    route the route does not look at it (a conversation continued without its tools is Codex's
+    compaction, on ``/v1/responses`` only); in a Responses body's chat form it looks at it, and it
+    continues nothing. Not a compaction either way: no "compaction not continued ... history
+    differs" line, no ``as_sent_`` counter; ``other_requests`` counts what it looked at. The first
+    answer is the reasoning alone, as in the captured session (an empty answer may be left out of
+    a Codex compaction, so the request is compared with the record). Fails on the route that
+    logged it as a compaction not continued."""
     first = turn(messages=tuple(CONVERSATION[:2]), answer={"content": "", "reasoning_content": "Hm."})
     layer = await _route_layer(first)
     title = {"model": "qwen", "messages": [
         {"role": "system", "content": "You are a title generator. You output only a title."},
         {"role": "user", "content": "Generate a title for this conversation:\n"}, CONVERSATION[1]]}
     caplog.set_level("DEBUG", logger="ocache.cache")
-    assert await _plan(layer, title, HEADERS) is None
+    assert await _plan(layer, title, HEADERS, path) is None
     assert not [r for r in caplog.records if "compaction" in r.getMessage()], caplog.text
     stats = layer.continued.stats()
-    assert stats.get("other_requests") == 1 and not [k for k in stats if k.startswith("as_sent")], stats
+    assert stats.get("other_requests", 0) == looked_at and not [k for k in stats if k.startswith("as_sent")], stats
 
 
 async def test_another_sessions_compaction_is_logged_as_not_continued(caplog):
